@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   -- the main job
+#   make test   -- the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench-plan clean etcd
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 resolves to the local CPU build on CPU-only machines.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "installing etcd-server (needed by the integration tests)"; \
+	  (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null; }
+
+demo: $(STAMP)
+	$(BIN)/elastic-refit plan --model deepseek-v3 --source pp=16,ep=16,dp=16 \
+	    --destination tp=32,dp=8 --cluster h100-dgx
+
+test: $(STAMP) etcd
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench-plan: $(STAMP)
+	$(BIN)/python benchmarks/bench_plan.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,26 @@
+"""`elastic-refit bench ...`: data-path benchmarks, and `bench membership`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Sub-benchmarks that register themselves as `bench <name>`; each module defines
+# `register(bench_subparsers)`.
+_BENCH_MODULES: tuple[str, ...] = ()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks (data path, membership)")
+    targets = parser.add_subparsers(dest="bench_target", metavar="TARGET")
+    for module_name in _BENCH_MODULES:
+        importlib.import_module(f"elastic_refit.cli.{module_name}").register(targets)
+    parser.set_defaults(handler=_no_target(parser))
+
+
+def _no_target(parser: argparse.ArgumentParser):
+    def handler(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    return handler
