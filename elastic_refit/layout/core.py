@@ -1,0 +1,570 @@
+"""Logical tensors, local buffers, pieces, layouts and topologies.
+
+A *piece* says "box B of logical tensor T lives in local buffer X of rank r at box B'".
+A *layout* holds every piece of one side. Frontier models have hundreds of thousands of
+pieces per side, so a layout stores them column-wise in read-only numpy arrays; ``Piece``
+and ``Buffer`` are row views for people and tests.
+
+All boxes inside a layout are padded to the layout's ``ndim`` with offset 0 and length 1,
+which changes no volume and lets one array hold tensors of different ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from elastic_refit.layout.box import DTYPE_ITEMSIZE, DTYPES, Box, canonical_dtype
+
+_DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
+_ITEMSIZE_BY_INDEX = np.array([DTYPE_ITEMSIZE[d] for d in DTYPES], dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalTensor:
+    """One weight in the canonical (HF) naming, with its global shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tensor name must be a non-empty string, got {self.name!r}")
+        shape = tuple(int(s) for s in self.shape)
+        if not shape or any(s < 0 for s in shape):
+            raise ValueError(f"tensor {self.name!r}: shape must be non-empty and >= 0, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A rank's local buffer (a parameter tensor as the framework stores it)."""
+
+    rank: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Box ``box`` of logical tensor ``tensor`` lives in ``buffer`` of ``rank`` at ``local_box``."""
+
+    tensor: str
+    box: Box
+    rank: int
+    buffer: str
+    local_box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Where each rank sits: ``domains[r]`` is the NVLink domain of rank ``r``."""
+
+    domains: tuple[int, ...]
+    hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        domains = tuple(int(d) for d in self.domains)
+        if not domains:
+            raise ValueError("topology needs at least one rank")
+        if any(d < 0 for d in domains):
+            raise ValueError(f"domain ids must be >= 0, got {sorted(set(domains))[:8]}")
+        object.__setattr__(self, "domains", domains)
+        hosts = tuple(str(h) for h in self.hosts) or tuple(f"domain-{d}" for d in domains)
+        if len(hosts) != len(domains):
+            raise ValueError(f"topology has {len(domains)} domains but {len(hosts)} hosts")
+        object.__setattr__(self, "hosts", hosts)
+
+    @classmethod
+    def uniform(cls, num_ranks: int, domain_size: int) -> Topology:
+        """Ranks ``0..num_ranks-1`` packed into domains of ``domain_size`` consecutive ranks."""
+        if domain_size < 1:
+            raise ValueError(f"domain size must be >= 1, got {domain_size}")
+        if num_ranks < 1:
+            raise ValueError(f"number of ranks must be >= 1, got {num_ranks}")
+        return cls(tuple(r // domain_size for r in range(num_ranks)))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.domains)
+
+    @property
+    def num_domains(self) -> int:
+        return len(set(self.domains))
+
+    def domain_array(self) -> np.ndarray:
+        return np.asarray(self.domains, dtype=np.int64)
+
+    def fingerprint(self) -> str:
+        return hashlib.blake2b(repr(self.domains).encode(), digest_size=16).hexdigest()
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """All pieces of all logical tensors for one side, stored column-wise.
+
+    Build one with ``LayoutBuilder`` (or the DTensor, preset and spec-file constructors);
+    the builder validates bounds, dtypes and extents and sorts rows canonically so that
+    equal inputs give byte-identical arrays on every process.
+    """
+
+    tensors: tuple[LogicalTensor, ...]
+    buffer_names: tuple[str, ...]
+    buffer_rank: np.ndarray  # int64[B]
+    buffer_name: np.ndarray  # int64[B], index into buffer_names
+    buffer_shape: np.ndarray  # int64[B, K], padded with 1
+    buffer_ndim: np.ndarray  # int64[B]
+    buffer_dtype: np.ndarray  # int64[B], index into DTYPES
+    piece_tensor: np.ndarray  # int64[P]
+    piece_buffer: np.ndarray  # int64[P]
+    piece_offsets: np.ndarray  # int64[P, K] global box
+    piece_lengths: np.ndarray  # int64[P, K]
+    piece_local_offsets: np.ndarray  # int64[P, K] box inside the buffer
+    piece_local_lengths: np.ndarray  # int64[P, K]
+    # Derived in __post_init__.
+    piece_rank: np.ndarray = field(init=False)
+    tensor_shape: np.ndarray = field(init=False)
+    tensor_itemsize: np.ndarray = field(init=False)
+    _tensor_index: dict[str, int] = field(init=False, repr=False)
+    _fingerprint: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ndim = self.ndim
+        for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_ndim", "buffer_dtype",
+                     "piece_tensor", "piece_buffer", "piece_offsets", "piece_lengths",
+                     "piece_local_offsets", "piece_local_lengths"):
+            object.__setattr__(self, name, _readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+        shapes = np.ones((len(self.tensors), ndim), dtype=np.int64)
+        for i, t in enumerate(self.tensors):
+            shapes[i, : len(t.shape)] = t.shape
+        object.__setattr__(self, "tensor_shape", _readonly(shapes))
+        object.__setattr__(
+            self, "tensor_itemsize",
+            _readonly(np.array([t.itemsize for t in self.tensors], dtype=np.int64)),
+        )
+        object.__setattr__(self, "piece_rank", _readonly(self.buffer_rank[self.piece_buffer]))
+        object.__setattr__(self, "_tensor_index", {t.name: i for i, t in enumerate(self.tensors)})
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
+        digest.update(repr(self.buffer_names).encode())
+        for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_dtype", "piece_tensor",
+                     "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets",
+                     "piece_local_lengths"):
+            digest.update(getattr(self, name).tobytes())
+        object.__setattr__(self, "_fingerprint", digest.hexdigest())
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """Width of the padded box arrays (the largest tensor or buffer rank)."""
+        return int(np.asarray(self.piece_offsets).shape[1]) if np.ndim(self.piece_offsets) == 2 else 1
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.piece_tensor.shape[0])
+
+    @property
+    def num_buffers(self) -> int:
+        return int(self.buffer_rank.shape[0])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(int(r) for r in np.unique(self.buffer_rank))
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def piece_nbytes(self) -> np.ndarray:
+        return np.prod(self.piece_lengths, axis=1) * self.tensor_itemsize[self.piece_tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all pieces (replicas counted once per replica)."""
+        return int(self.piece_nbytes().sum())
+
+    @property
+    def model_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    # ---- lookups ------------------------------------------------------------------------
+    def tensor_index(self, name: str) -> int:
+        try:
+            return self._tensor_index[name]
+        except KeyError:
+            raise KeyError(f"layout has no tensor named {name!r}") from None
+
+    def tensor(self, name: str) -> LogicalTensor:
+        return self.tensors[self.tensor_index(name)]
+
+    def buffer(self, index: int) -> Buffer:
+        nd = int(self.buffer_ndim[index])
+        return Buffer(
+            rank=int(self.buffer_rank[index]),
+            name=self.buffer_names[int(self.buffer_name[index])],
+            shape=tuple(int(s) for s in self.buffer_shape[index, :nd]),
+            dtype=DTYPES[int(self.buffer_dtype[index])],
+        )
+
+    def buffers(self, rank: int | None = None) -> list[Buffer]:
+        rows = range(self.num_buffers) if rank is None else np.flatnonzero(self.buffer_rank == rank)
+        return [self.buffer(int(i)) for i in rows]
+
+    def piece(self, index: int) -> Piece:
+        t = self.tensors[int(self.piece_tensor[index])]
+        b = int(self.piece_buffer[index])
+        nd_b = int(self.buffer_ndim[b])
+        nd_t = len(t.shape)
+        return Piece(
+            tensor=t.name,
+            box=Box(tuple(self.piece_offsets[index, :nd_t]), tuple(self.piece_lengths[index, :nd_t])),
+            rank=int(self.buffer_rank[b]),
+            buffer=self.buffer_names[int(self.buffer_name[b])],
+            local_box=Box(
+                tuple(self.piece_local_offsets[index, :nd_b]),
+                tuple(self.piece_local_lengths[index, :nd_b]),
+            ),
+        )
+
+    def pieces(self, tensor: str | None = None) -> Iterator[Piece]:
+        if tensor is None:
+            rows: Iterable[int] = range(self.num_pieces)
+        else:
+            rows = np.flatnonzero(self.piece_tensor == self.tensor_index(tensor))
+        for i in rows:
+            yield self.piece(int(i))
+
+    def local_regions(
+        self, piece_rows: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Map global sub-boxes of pieces to boxes inside their local buffers.
+
+        ``offsets``/``lengths`` are ``[N, K]`` global boxes, each inside the global box of
+        ``piece_rows[i]``. Extents match the piece's up to size-1 dims: the k-th dim of
+        length > 1 of the global box is the k-th dim of length > 1 of the local box.
+        """
+        piece_rows = np.asarray(piece_rows, dtype=np.int64)
+        g_len = self.piece_lengths[piece_rows]
+        l_len = self.piece_local_lengths[piece_rows]
+        rel = np.asarray(offsets, dtype=np.int64) - self.piece_offsets[piece_rows]
+        lengths = np.asarray(lengths, dtype=np.int64)
+        local_off = self.piece_local_offsets[piece_rows].copy()
+        local_len = np.ones_like(local_off)
+        same = np.all(g_len == l_len, axis=1)
+        local_off[same] += rel[same]
+        local_len[same] = lengths[same]
+        other = np.flatnonzero(~same)
+        if other.size:
+            dim_map = _squeeze_dim_map(g_len[other], l_len[other])
+            for j in range(local_off.shape[1]):
+                g = dim_map[:, j]
+                mapped = g >= 0
+                sel = other[mapped]
+                local_off[sel, j] += rel[sel, g[mapped]]
+                local_len[sel, j] = lengths[sel, g[mapped]]
+        return local_off, local_len
+
+    # ---- derived layouts -----------------------------------------------------------------
+    def without_ranks(self, ranks: Iterable[int]) -> Layout:
+        """The same layout with every buffer and piece of ``ranks`` removed."""
+        drop = np.isin(self.buffer_rank, np.fromiter(ranks, dtype=np.int64))
+        return self._select_buffers(~drop)
+
+    def restrict_to_ranks(self, ranks: Iterable[int]) -> Layout:
+        keep = np.isin(self.buffer_rank, np.fromiter(ranks, dtype=np.int64))
+        return self._select_buffers(keep)
+
+    def _select_buffers(self, keep: np.ndarray) -> Layout:
+        new_index = np.cumsum(keep) - 1
+        piece_keep = keep[self.piece_buffer]
+        return Layout(
+            tensors=self.tensors,
+            buffer_names=self.buffer_names,
+            buffer_rank=self.buffer_rank[keep],
+            buffer_name=self.buffer_name[keep],
+            buffer_shape=self.buffer_shape[keep],
+            buffer_ndim=self.buffer_ndim[keep],
+            buffer_dtype=self.buffer_dtype[keep],
+            piece_tensor=self.piece_tensor[piece_keep],
+            piece_buffer=new_index[self.piece_buffer[piece_keep]],
+            piece_offsets=self.piece_offsets[piece_keep],
+            piece_lengths=self.piece_lengths[piece_keep],
+            piece_local_offsets=self.piece_local_offsets[piece_keep],
+            piece_local_lengths=self.piece_local_lengths[piece_keep],
+        )
+
+    def describe_ranks(self, rows: np.ndarray, limit: int = 6) -> str:
+        ranks = sorted({int(r) for r in self.piece_rank[rows]})
+        text = ", ".join(str(r) for r in ranks[:limit])
+        return text + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")
+
+
+def _squeeze_dim_map(g_len: np.ndarray, l_len: np.ndarray) -> np.ndarray:
+    """For each local dim, the global dim it corresponds to (-1 for size-1 local dims)."""
+    g_big = g_len > 1
+    l_big = l_len > 1
+    g_ord = np.cumsum(g_big, axis=1) - 1
+    l_ord = np.cumsum(l_big, axis=1) - 1
+    n, k = l_len.shape
+    dim_map = np.full((n, k), -1, dtype=np.int64)
+    for j in range(k):
+        # global dim whose ordinal among the >1 dims equals this local dim's ordinal
+        match = g_big & (g_ord == l_ord[:, j : j + 1])
+        has = l_big[:, j] & match.any(axis=1)
+        dim_map[has, j] = np.argmax(match[has], axis=1)
+    return dim_map
+
+
+class LayoutBuilder:
+    """Accumulates tensors, buffers and pieces (vectorised) and validates them in ``build``."""
+
+    def __init__(self, ndim: int | None = None) -> None:
+        self._ndim = ndim
+        self._tensors: list[LogicalTensor] = []
+        self._tensor_index: dict[str, int] = {}
+        self._buffer_names: list[str] = []
+        self._buffer_name_index: dict[str, int] = {}
+        self._buffer_chunks: list[tuple[np.ndarray, int, np.ndarray, int, int]] = []
+        self._num_buffers = 0
+        self._piece_chunks: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
+
+    # ---- declarations --------------------------------------------------------------------
+    def tensor(self, name: str, shape: Sequence[int], dtype: object) -> int:
+        """Declare a logical tensor (idempotent for identical declarations); returns its id."""
+        t = LogicalTensor(name, tuple(shape), dtype)  # type: ignore[arg-type]
+        existing = self._tensor_index.get(name)
+        if existing is not None:
+            if self._tensors[existing] != t:
+                old = self._tensors[existing]
+                raise ValueError(
+                    f"tensor {name!r} declared twice with different shape/dtype: "
+                    f"{old.shape} {old.dtype} vs {t.shape} {t.dtype}"
+                )
+            return existing
+        self._tensor_index[name] = len(self._tensors)
+        self._tensors.append(t)
+        return len(self._tensors) - 1
+
+    def buffers(self, name: str, ranks: Sequence[int] | np.ndarray, shape: Sequence[int] | np.ndarray,
+                dtype: object) -> np.ndarray:
+        """Declare buffer ``name`` on each of ``ranks``; ``shape`` is one shape or one per rank.
+
+        Returns the buffer ids, in the order of ``ranks``.
+        """
+        ranks_arr = np.asarray(ranks, dtype=np.int64).reshape(-1)
+        shape_arr = np.asarray(shape, dtype=np.int64)
+        if shape_arr.ndim == 1:
+            shape_arr = np.broadcast_to(shape_arr, (ranks_arr.size, shape_arr.size))
+        if shape_arr.shape[0] != ranks_arr.size:
+            raise ValueError(f"buffer {name!r}: {shape_arr.shape[0]} shapes for {ranks_arr.size} ranks")
+        if (shape_arr < 0).any() or (ranks_arr < 0).any():
+            raise ValueError(f"buffer {name!r}: ranks and shapes must be >= 0")
+        name_id = self._buffer_name_index.setdefault(name, len(self._buffer_names))
+        if name_id == len(self._buffer_names):
+            self._buffer_names.append(name)
+        ids = np.arange(self._num_buffers, self._num_buffers + ranks_arr.size, dtype=np.int64)
+        self._num_buffers += ranks_arr.size
+        self._buffer_chunks.append(
+            (ranks_arr, name_id, np.array(shape_arr), shape_arr.shape[1], _DTYPE_INDEX[canonical_dtype(dtype)])
+        )
+        return ids
+
+    def pieces(self, tensor: int | str, buffer_ids: np.ndarray | Sequence[int],
+               offsets: np.ndarray | Sequence[Sequence[int]], lengths: np.ndarray | Sequence[Sequence[int]],
+               local_offsets: np.ndarray | Sequence[Sequence[int]],
+               local_lengths: np.ndarray | Sequence[Sequence[int]] | None = None) -> None:
+        """Add pieces of one tensor: row i maps global box i into buffer ``buffer_ids[i]``.
+
+        ``local_lengths`` defaults to ``lengths`` (same rank, same extents).
+        """
+        t = self._tensor_index[tensor] if isinstance(tensor, str) else int(tensor)
+        if not 0 <= t < len(self._tensors):
+            raise ValueError(f"unknown tensor id {tensor!r}")
+        ids = np.asarray(buffer_ids, dtype=np.int64).reshape(-1)
+        off = np.atleast_2d(np.asarray(offsets, dtype=np.int64))
+        ln = np.atleast_2d(np.asarray(lengths, dtype=np.int64))
+        loff = np.atleast_2d(np.asarray(local_offsets, dtype=np.int64))
+        lln = None if local_lengths is None else np.atleast_2d(np.asarray(local_lengths, dtype=np.int64))
+        n = ids.size
+        for what, arr in (("offsets", off), ("lengths", ln), ("local offsets", loff)) + (
+            (("local lengths", lln),) if lln is not None else ()
+        ):
+            if arr.shape[0] != n:
+                raise ValueError(
+                    f"tensor {self._tensors[t].name!r}: {arr.shape[0]} {what} for {n} pieces"
+                )
+        if lln is None and loff.shape[1] != ln.shape[1]:
+            raise ValueError(
+                f"tensor {self._tensors[t].name!r}: local boxes of rank {loff.shape[1]} need "
+                f"explicit local lengths (global rank {ln.shape[1]})"
+            )
+        self._piece_chunks.append((t, ids, off, ln, loff, lln))
+
+    def piece(self, tensor: int | str, buffer_id: int, box: Box, local_box: Box) -> None:
+        """Add one piece (convenience for hand-written layouts)."""
+        self.pieces(tensor, [buffer_id], [box.offsets], [box.lengths], [local_box.offsets],
+                    [local_box.lengths])
+
+    # ---- build ---------------------------------------------------------------------------
+    def build(self) -> Layout:
+        """Validate and freeze; rows are sorted canonically; empty pieces are dropped."""
+        k = max(
+            [self._ndim or 1]
+            + [len(t.shape) for t in self._tensors]
+            + [c[3] for c in self._buffer_chunks]
+        )
+
+        def pad(a: np.ndarray, fill: int) -> np.ndarray:
+            if a.shape[1] == k:
+                return a
+            out = np.full((a.shape[0], k), fill, dtype=np.int64)
+            out[:, : a.shape[1]] = a
+            return out
+
+        if self._buffer_chunks:
+            b_rank = np.concatenate([c[0] for c in self._buffer_chunks])
+            b_name = np.concatenate([np.full(c[0].size, c[1], dtype=np.int64) for c in self._buffer_chunks])
+            b_shape = np.concatenate([pad(c[2], 1) for c in self._buffer_chunks])
+            b_ndim = np.concatenate([np.full(c[0].size, c[3], dtype=np.int64) for c in self._buffer_chunks])
+            b_dtype = np.concatenate([np.full(c[0].size, c[4], dtype=np.int64) for c in self._buffer_chunks])
+        else:
+            b_rank = b_name = b_ndim = b_dtype = np.zeros(0, dtype=np.int64)
+            b_shape = np.zeros((0, k), dtype=np.int64)
+        # Canonical buffer order: (rank, name); duplicates are an error.
+        b_order = np.lexsort((b_name, b_rank))
+        sorted_keys = np.stack([b_rank[b_order], b_name[b_order]], axis=1)
+        dup = np.flatnonzero(np.all(sorted_keys[1:] == sorted_keys[:-1], axis=1)) if b_rank.size > 1 else []
+        if len(dup):
+            r, nm = sorted_keys[dup[0]]
+            raise ValueError(f"buffer {self._buffer_names[int(nm)]!r} declared twice on rank {int(r)}")
+        b_new = np.empty_like(b_order)
+        b_new[b_order] = np.arange(b_order.size)
+
+        if self._piece_chunks:
+            p_tensor = np.concatenate([np.full(c[1].size, c[0], dtype=np.int64) for c in self._piece_chunks])
+            p_buffer = np.concatenate([c[1] for c in self._piece_chunks])
+            p_off = np.concatenate([pad(c[2], 0) for c in self._piece_chunks])
+            p_len = np.concatenate([pad(c[3], 1) for c in self._piece_chunks])
+            p_loff = np.concatenate([pad(c[4], 0) for c in self._piece_chunks])
+            p_llen = np.concatenate(
+                [pad(c[5] if c[5] is not None else c[3], 1) for c in self._piece_chunks]
+            )
+        else:
+            p_tensor = p_buffer = np.zeros(0, dtype=np.int64)
+            p_off = p_len = p_loff = p_llen = np.zeros((0, k), dtype=np.int64)
+
+        if p_buffer.size and ((p_buffer < 0) | (p_buffer >= self._num_buffers)).any():
+            raise ValueError("piece refers to an unknown buffer id")
+        p_buffer = b_new[p_buffer] if p_buffer.size else p_buffer
+        b_rank, b_name, b_shape = b_rank[b_order], b_name[b_order], b_shape[b_order]
+        b_ndim, b_dtype = b_ndim[b_order], b_dtype[b_order]
+
+        t_shape = np.ones((len(self._tensors), k), dtype=np.int64)
+        for i, t in enumerate(self._tensors):
+            t_shape[i, : len(t.shape)] = t.shape
+        self._validate(p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
+                       b_shape, b_dtype)
+
+        nonempty = np.all(p_len > 0, axis=1)
+        p_tensor, p_buffer = p_tensor[nonempty], p_buffer[nonempty]
+        p_off, p_len, p_loff, p_llen = p_off[nonempty], p_len[nonempty], p_loff[nonempty], p_llen[nonempty]
+        p_rank = b_rank[p_buffer]
+        order = np.lexsort(
+            tuple(p_loff[:, j] for j in reversed(range(k)))
+            + (p_buffer,)
+            + tuple(p_off[:, j] for j in reversed(range(k)))
+            + (p_rank, p_tensor)
+        )
+        return Layout(
+            tensors=tuple(self._tensors),
+            buffer_names=tuple(self._buffer_names),
+            buffer_rank=b_rank,
+            buffer_name=b_name,
+            buffer_shape=b_shape,
+            buffer_ndim=b_ndim,
+            buffer_dtype=b_dtype,
+            piece_tensor=p_tensor[order],
+            piece_buffer=p_buffer[order],
+            piece_offsets=p_off[order],
+            piece_lengths=p_len[order],
+            piece_local_offsets=p_loff[order],
+            piece_local_lengths=p_llen[order],
+        )
+
+    def _validate(self, p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
+                  b_shape, b_dtype) -> None:
+        names = self._buffer_names
+
+        def where(row: int) -> str:
+            t = self._tensors[int(p_tensor[row])]
+            b = int(p_buffer[row])
+            return f"tensor {t.name!r} on rank {int(b_rank[b])} (buffer {names[int(b_name[b])]!r})"
+
+        if p_tensor.size == 0:
+            return
+        bad = np.flatnonzero((p_off < 0).any(axis=1) | (p_len < 0).any(axis=1))
+        if bad.size:
+            raise ValueError(f"{where(bad[0])}: negative box {p_off[bad[0]].tolist()}+{p_len[bad[0]].tolist()}")
+        bad = np.flatnonzero((p_off + p_len > t_shape[p_tensor]).any(axis=1))
+        if bad.size:
+            i = bad[0]
+            t = self._tensors[int(p_tensor[i])]
+            nd = len(t.shape)
+            raise ValueError(
+                f"{where(i)}: box {Box(tuple(p_off[i, :nd]), tuple(p_len[i, :nd]))} is out of "
+                f"bounds of shape {t.shape}"
+            )
+        bad = np.flatnonzero((p_loff < 0).any(axis=1) | (p_loff + p_llen > b_shape[p_buffer]).any(axis=1))
+        if bad.size:
+            i = bad[0]
+            raise ValueError(
+                f"{where(i)}: local box {p_loff[i].tolist()}+{p_llen[i].tolist()} is out of bounds "
+                f"of buffer shape {b_shape[p_buffer[i]].tolist()}"
+            )
+        t_dtype = np.array([_DTYPE_INDEX[t.dtype] for t in self._tensors], dtype=np.int64)
+        bad = np.flatnonzero(t_dtype[p_tensor] != b_dtype[p_buffer])
+        if bad.size:
+            i = bad[0]
+            raise ValueError(
+                f"{where(i)}: tensor dtype {self._tensors[int(p_tensor[i])].dtype} differs from "
+                f"buffer dtype {DTYPES[int(b_dtype[p_buffer[i]])]}"
+            )
+        differ = np.flatnonzero(~np.all(p_len == p_llen, axis=1))
+        if differ.size:
+            g = np.where(p_len[differ] > 1, p_len[differ], 0)
+            lc = np.where(p_llen[differ] > 1, p_llen[differ], 0)
+            # Compare the sequences of extents > 1 (push zeros to the back, keep order).
+            g_sorted = np.take_along_axis(g, np.argsort(g == 0, axis=1, kind="stable"), axis=1)
+            l_sorted = np.take_along_axis(lc, np.argsort(lc == 0, axis=1, kind="stable"), axis=1)
+            bad = differ[~np.all(g_sorted == l_sorted, axis=1)]
+            if bad.size:
+                i = bad[0]
+                raise ValueError(
+                    f"{where(i)}: global extents {p_len[i].tolist()} and local extents "
+                    f"{p_llen[i].tolist()} differ beyond size-1 dims"
+                )
