@@ -1,0 +1,636 @@
+"""A small synchronous adapter over aetcd (asyncio etcd v3 client).
+
+Why an adapter: the rest of the runtime is synchronous (torch.distributed calls a Store
+from C++ threads), etcd must be reachable through a list of endpoints with TLS and auth
+passed through, transient failures need bounded retries, and callers want one typed
+error (:class:`~membership.errors.EtcdUnavailable`) naming the endpoints, not gRPC codes.
+
+Each :class:`EtcdClient` owns one asyncio loop on a daemon thread; background work (lease
+keepalive, watches, the leader loop) runs as tasks on that loop, and the sync methods
+submit coroutines to it. Create clients inside each process: gRPC channels do not
+survive ``fork()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions as aetcd_exc
+import grpc
+from aetcd import rpc
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from membership.errors import EtcdUnavailable
+from membership.log import get_logger
+
+T = TypeVar("T")
+
+# Faults worth another attempt (possibly at another endpoint); anything else is a bug or
+# a server-side refusal and surfaces at once.
+_TRANSIENT = (
+    aetcd_exc.ConnectionFailedError,
+    aetcd_exc.ConnectionTimeoutError,
+    asyncio.TimeoutError,
+)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    return aetcd.utils.prefix_range_end(prefix)
+
+
+def _b(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdConfig:
+    """How to reach etcd. ``endpoints`` are ``host:port`` (``https://`` implies TLS).
+
+    ``request_timeout_s`` bounds one RPC; ``retry_deadline_s`` bounds all attempts of one
+    idempotent operation across endpoints before :class:`EtcdUnavailable` is raised.
+    """
+
+    endpoints: tuple[str, ...]
+    username: str | None = None
+    password: str | None = None
+    ca_cert: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    tls: bool = False
+    request_timeout_s: float = 2.0
+    retry_deadline_s: float = 5.0
+    _targets: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        endpoints = (self.endpoints,) if isinstance(self.endpoints, str) else tuple(self.endpoints)
+        if not endpoints:
+            raise ValueError(f"endpoints must list at least one host:port, got {self.endpoints!r}")
+        object.__setattr__(self, "endpoints", endpoints)
+        targets = []
+        tls = self.tls or self.ca_cert is not None or self.client_cert is not None
+        for ep in endpoints:
+            rest = ep
+            for scheme in ("http://", "https://"):
+                if rest.startswith(scheme):
+                    tls = tls or scheme == "https://"
+                    rest = rest[len(scheme):]
+            host, sep, port = rest.rstrip("/").rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"endpoint must look like host:port, got {ep!r}")
+            targets.append(f"{host}:{port}")
+        object.__setattr__(self, "_targets", tuple(targets))
+        object.__setattr__(self, "tls", tls)
+        if (self.username is None) != (self.password is None):
+            raise ValueError(
+                f"username and password go together, got username={self.username!r} and "
+                f"password={'<set>' if self.password else None!r}"
+            )
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError(
+                f"client_cert and client_key go together, got {self.client_cert!r}, "
+                f"{self.client_key!r}"
+            )
+        if self.request_timeout_s <= 0 or self.retry_deadline_s <= 0:
+            raise ValueError(
+                f"timeouts must be > 0, got request_timeout_s={self.request_timeout_s}, "
+                f"retry_deadline_s={self.retry_deadline_s}"
+            )
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self._targets
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One etcd key-value with its revisions."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_pb(cls, kv) -> KeyValue:
+        return cls(kv.key.decode(), bytes(kv.value), kv.create_revision, kv.mod_revision,
+                   kv.version, kv.lease)
+
+
+@dataclass(frozen=True, slots=True)
+class RangeResult:
+    """Keys of one range read and the store revision the read saw."""
+
+    kvs: tuple[KeyValue, ...]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """One transaction guard: ``target`` of ``key`` ``op`` ``value``.
+
+    target: ``version`` | ``create`` | ``mod`` | ``value`` | ``lease``; op: ``==`` ``!=``
+    ``<`` ``>``. A missing key has version, create and mod revision 0.
+    """
+
+    key: str
+    target: str
+    op: str
+    value: int | bytes | str
+
+    _TARGETS = {"version": rpc.Compare.VERSION, "create": rpc.Compare.CREATE,
+                "mod": rpc.Compare.MOD, "value": rpc.Compare.VALUE, "lease": rpc.Compare.LEASE}
+    _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS,
+            ">": rpc.Compare.GREATER}
+
+    def __post_init__(self) -> None:
+        if self.target not in self._TARGETS:
+            raise ValueError(f"compare target must be one of {sorted(self._TARGETS)}, got {self.target!r}")
+        if self.op not in self._OPS:
+            raise ValueError(f"compare op must be one of {sorted(self._OPS)}, got {self.op!r}")
+
+    def to_pb(self):
+        msg = rpc.Compare(key=_b(self.key), target=self._TARGETS[self.target],
+                          result=self._OPS[self.op])
+        if self.target == "version":
+            msg.version = int(self.value)
+        elif self.target == "create":
+            msg.create_revision = int(self.value)
+        elif self.target == "mod":
+            msg.mod_revision = int(self.value)
+        elif self.target == "lease":
+            msg.lease = int(self.value)
+        else:
+            msg.value = _b(self.value)
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int = 0
+
+    def to_pb(self):
+        return rpc.RequestOp(request_put=rpc.PutRequest(key=_b(self.key), value=_b(self.value),
+                                                        lease=self.lease))
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: str
+    prefix: bool = False
+
+    def to_pb(self):
+        req = rpc.RangeRequest(key=_b(self.key))
+        if self.prefix:
+            req.range_end = _prefix_end(_b(self.key))
+        return rpc.RequestOp(request_range=req)
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+    def to_pb(self):
+        req = rpc.DeleteRangeRequest(key=_b(self.key))
+        if self.prefix:
+            req.range_end = _prefix_end(_b(self.key))
+        return rpc.RequestOp(request_delete_range=req)
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """Outcome of a transaction; ``gets`` holds the key-values of each ``Get`` branch op."""
+
+    succeeded: bool
+    revision: int
+    gets: tuple[tuple[KeyValue, ...], ...]
+
+
+class _Connection(aetcd.Client):
+    """aetcd's client with TLS credentials and reconnect-friendly channel options."""
+
+    def __init__(self, target: str, config: EtcdConfig):
+        host, _, port = target.rpartition(":")
+        # Fast reconnect after an etcd restart (gRPC's default backoff grows to 120 s);
+        # keepalive pings notice a dead TCP peer (etcd refuses pings more often than 5 s).
+        options = {
+            "grpc.initial_reconnect_backoff_ms": 100,
+            "grpc.min_reconnect_backoff_ms": 100,
+            "grpc.max_reconnect_backoff_ms": 1000,
+            "grpc.keepalive_time_ms": 5000,
+            "grpc.keepalive_timeout_ms": 2000,
+            "grpc.keepalive_permit_without_calls": 1,
+            "grpc.http2.max_pings_without_data": 0,
+            "grpc.enable_retries": 0,
+        }
+        super().__init__(host=host, port=int(port), username=config.username,
+                         password=config.password, timeout=config.request_timeout_s,
+                         options=options)
+        self._config = config
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if not self._config.tls:
+            await super().connect()
+            return
+        # aetcd only builds insecure channels: same steps, with TLS credentials.
+        cfg = self._config
+
+        def _read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as fh:
+                return fh.read()
+
+        creds = grpc.ssl_channel_credentials(_read(cfg.ca_cert), _read(cfg.client_key),
+                                             _read(cfg.client_cert))
+        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", creds,
+                                          options=self._options.items())
+        try:
+            if cfg.username is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    rpc.AuthenticateRequest(name=cfg.username, password=cfg.password),
+                    timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+        except rpc.AioRpcError as exc:
+            aetcd_exc._handle_exception(exc)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                      metadata=self.metadata)
+        self._connected.set()
+
+
+class EtcdClient:
+    """Synchronous etcd v3 client for one process (thread-safe).
+
+    >>> client = EtcdClient(["127.0.0.1:2379"])        # doctest: +SKIP
+    >>> client.put("/k", b"v"); client.get("/k").value  # doctest: +SKIP
+    """
+
+    def __init__(self, endpoints: Sequence[str] | str | EtcdConfig, **options: Any):
+        self.config = endpoints if isinstance(endpoints, EtcdConfig) else EtcdConfig(
+            endpoints=tuple([endpoints] if isinstance(endpoints, str) else endpoints), **options)
+        self._log = get_logger(component="etcd-client")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-client-loop",
+                                        daemon=True)
+        self._thread.start()
+        self._endpoint_index = 0
+        self._conn: _Connection | None = None
+        self._conn_lock: asyncio.Lock | None = None
+        self._closed = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # ----------------------------------------------------------------- plumbing
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint currently in use."""
+        return self.config.targets[self._endpoint_index]
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
+        """Run a coroutine on the client loop and wait for its result (not from the loop)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("EtcdClient.run called from its own loop thread (would deadlock)")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Future:
+        """Start a background task on the client loop; it is cancelled by :meth:`close`."""
+
+        async def _start() -> asyncio.Task:
+            task = asyncio.ensure_future(coro)
+            task.set_name(name)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return task
+
+        return asyncio.run_coroutine_threadsafe(_start(), self._loop).result(5)
+
+    async def connection(self) -> _Connection:
+        if self._conn_lock is None:
+            self._conn_lock = asyncio.Lock()
+        async with self._conn_lock:
+            if self._conn is None:
+                self._conn = _Connection(self.endpoint, self.config)
+            await asyncio.wait_for(self._conn.connect(), self.config.request_timeout_s)
+            return self._conn
+
+    async def _rotate(self, failed: _Connection | None) -> None:
+        """Drop a failed channel and move to the next endpoint (round robin)."""
+        if self._conn_lock is None:
+            self._conn_lock = asyncio.Lock()
+        async with self._conn_lock:
+            if failed is not None and self._conn is not failed:
+                return  # someone else already rotated
+            old, self._conn = self._conn, None
+            if len(self.config.targets) > 1:
+                self._endpoint_index = (self._endpoint_index + 1) % len(self.config.targets)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.close(), 1.0)
+
+    async def call(self, op: str, fn: Callable[[_Connection], Awaitable[T]], *,
+                   idempotent: bool = True, deadline_s: float | None = None) -> T:
+        """Run ``fn(connection)`` with retries; raise :class:`EtcdUnavailable` when spent.
+
+        Non-idempotent operations (transactions) get one attempt: a retry after a lost
+        reply could apply twice or report a false failure.
+        """
+        deadline = self.config.retry_deadline_s if deadline_s is None else deadline_s
+        current: dict[str, _Connection | None] = {"conn": None}
+
+        async def attempt() -> T:
+            conn = await self.connection()
+            current["conn"] = conn
+            try:
+                return await fn(conn)
+            except rpc.AioRpcError as exc:
+                aetcd_exc._handle_exception(exc)
+                raise  # unreachable: _handle_exception always raises
+
+        async def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            self._log.debug("membership.etcd.retry", op=op, endpoint=self.endpoint,
+                            attempt=state.attempt_number, error=repr(exc))
+            if isinstance(exc, aetcd_exc.ConnectionFailedError | asyncio.TimeoutError):
+                await self._rotate(current["conn"])
+
+        if not idempotent:
+            try:
+                return await attempt()
+            except _TRANSIENT as exc:
+                await self._rotate(current["conn"])
+                raise EtcdUnavailable(self.config.targets, op, exc) from exc
+        try:
+            async for trial in AsyncRetrying(
+                stop=stop_after_delay(deadline),
+                wait=wait_exponential(multiplier=0.05, min=0.05, max=0.5),
+                retry=retry_if_exception_type(_TRANSIENT),
+                before_sleep=before_sleep,
+                reraise=True,
+            ):
+                with trial:
+                    return await attempt()
+        except _TRANSIENT as exc:
+            raise EtcdUnavailable(self.config.targets, op, exc) from exc
+        raise AssertionError("unreachable")
+
+    def _sync(self, coro: Awaitable[T]) -> T:
+        # The loop-side deadline raises first; this outer bound only guards a wedged loop.
+        return self.run(coro, timeout_s=self.config.retry_deadline_s
+                        + 2 * self.config.request_timeout_s + 5.0)
+
+    def _md(self, conn: _Connection) -> dict[str, Any]:
+        return {"timeout": self.config.request_timeout_s, "metadata": conn.metadata}
+
+    # ---------------------------------------------------------------- async API
+    async def aget(self, key: str) -> KeyValue | None:
+        async def fn(c: _Connection):
+            resp = await c.kvstub.Range(rpc.RangeRequest(key=_b(key)), **self._md(c))
+            return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
+
+        return await self.call(f"get {key}", fn)
+
+    async def arange(self, start: str, end: str | None = None, *, prefix: bool = False,
+                     count_only: bool = False) -> RangeResult | int:
+        async def fn(c: _Connection):
+            req = rpc.RangeRequest(key=_b(start), count_only=count_only)
+            if prefix:
+                req.range_end = _prefix_end(_b(start))
+            elif end is not None:
+                req.range_end = _b(end)
+            resp = await c.kvstub.Range(req, **self._md(c))
+            if count_only:
+                return int(resp.count)
+            return RangeResult(tuple(KeyValue.from_pb(kv) for kv in resp.kvs),
+                               resp.header.revision)
+
+        return await self.call(f"range {start}", fn)
+
+    async def aput(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        async def fn(c: _Connection):
+            resp = await c.kvstub.Put(rpc.PutRequest(key=_b(key), value=_b(value), lease=lease),
+                                      **self._md(c))
+            return resp.header.revision
+
+        return await self.call(f"put {key}", fn)
+
+    async def adelete(self, key: str, *, prefix: bool = False) -> int:
+        async def fn(c: _Connection):
+            req = rpc.DeleteRangeRequest(key=_b(key))
+            if prefix:
+                req.range_end = _prefix_end(_b(key))
+            resp = await c.kvstub.DeleteRange(req, **self._md(c))
+            return int(resp.deleted)
+
+        return await self.call(f"delete {key}", fn)
+
+    async def atxn(self, compare: Sequence[Compare], success: Sequence[Put | Get | Delete],
+                   failure: Sequence[Put | Get | Delete] = ()) -> TxnResult:
+        async def fn(c: _Connection):
+            req = rpc.TxnRequest(compare=[x.to_pb() for x in compare],
+                                 success=[x.to_pb() for x in success],
+                                 failure=[x.to_pb() for x in failure])
+            resp = await c.kvstub.Txn(req, **self._md(c))
+            gets = tuple(
+                tuple(KeyValue.from_pb(kv) for kv in r.response_range.kvs)
+                for r in resp.responses if r.WhichOneof("response") == "response_range"
+            )
+            return TxnResult(bool(resp.succeeded), resp.header.revision, gets)
+
+        keys = ",".join(sorted({x.key for x in compare}))
+        return await self.call(f"txn {keys}", fn, idempotent=False)
+
+    async def agrant_lease(self, ttl_s: int) -> tuple[int, int]:
+        """Grant a lease; returns ``(lease_id, granted_ttl_s)``."""
+
+        async def fn(c: _Connection):
+            resp = await c.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=int(ttl_s)),
+                                                **self._md(c))
+            if resp.error:
+                raise aetcd_exc.ClientError(resp.error)
+            return int(resp.ID), int(resp.TTL)
+
+        return await self.call("lease grant", fn)
+
+    async def arefresh_lease(self, lease_id: int, *, deadline_s: float | None = None) -> int:
+        """Send one keepalive; returns the new TTL, ``0`` when the lease no longer exists."""
+
+        async def fn(c: _Connection):
+            async for reply in c.leasestub.LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), **self._md(c)
+            ):
+                return int(reply.TTL)
+            return 0
+
+        return await self.call("lease keepalive", fn, deadline_s=deadline_s)
+
+    async def arevoke_lease(self, lease_id: int) -> bool:
+        """Revoke a lease (its keys vanish); ``False`` if it had already expired."""
+
+        async def fn(c: _Connection):
+            try:
+                await c.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), **self._md(c))
+                return True
+            except rpc.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return False
+                raise
+
+        return await self.call("lease revoke", fn)
+
+    async def alease_ttl(self, lease_id: int) -> int:
+        """Remaining TTL of a lease in seconds, ``-1`` when it does not exist."""
+
+        async def fn(c: _Connection):
+            resp = await c.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id),
+                                                     **self._md(c))
+            return int(resp.TTL)
+
+        return await self.call("lease ttl", fn)
+
+    async def aleases(self) -> list[int]:
+        async def fn(c: _Connection):
+            resp = await c.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), **self._md(c))
+            return [int(x.ID) for x in resp.leases]
+
+        return await self.call("lease list", fn)
+
+    async def acompact(self, revision: int) -> None:
+        async def fn(c: _Connection):
+            await c.kvstub.Compact(rpc.CompactionRequest(revision=revision, physical=True),
+                                   **self._md(c))
+
+        await self.call("compact", fn)
+
+    async def arevision(self) -> int:
+        """The current store revision (a cheap read of one missing key)."""
+
+        async def fn(c: _Connection):
+            resp = await c.kvstub.Range(rpc.RangeRequest(key=b"\0", count_only=True),
+                                        **self._md(c))
+            return int(resp.header.revision)
+
+        return await self.call("revision", fn)
+
+    # ----------------------------------------------------------------- sync API
+    def get(self, key: str) -> KeyValue | None:
+        """The key-value at ``key`` or ``None``."""
+        return self._sync(self.aget(key))
+
+    def get_prefix(self, prefix: str) -> RangeResult:
+        """All keys under ``prefix`` (sorted by key) and the revision of the read."""
+        return self._sync(self.arange(prefix, prefix=True))  # type: ignore[return-value]
+
+    def get_range(self, start: str, end: str) -> RangeResult:
+        """All keys in ``[start, end)`` and the revision of the read."""
+        return self._sync(self.arange(start, end))  # type: ignore[return-value]
+
+    def count_prefix(self, prefix: str) -> int:
+        """Number of keys under ``prefix``."""
+        return self._sync(self.arange(prefix, prefix=True, count_only=True))  # type: ignore[return-value]
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        """Write ``key``; returns the new store revision."""
+        return self._sync(self.aput(key, value, lease))
+
+    def delete(self, key: str) -> bool:
+        """Delete one key; ``True`` if it existed."""
+        return self._sync(self.adelete(key)) > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+        return self._sync(self.adelete(prefix, prefix=True))
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[Put | Get | Delete],
+            failure: Sequence[Put | Get | Delete] = ()) -> TxnResult:
+        """An etcd transaction (one attempt: see :meth:`call`)."""
+        return self._sync(self.atxn(compare, success, failure))
+
+    def grant_lease(self, ttl_s: int) -> tuple[int, int]:
+        """Grant a lease of ``ttl_s`` seconds; returns ``(lease_id, granted_ttl_s)``."""
+        return self._sync(self.agrant_lease(ttl_s))
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """One keepalive; returns the TTL, 0 if the lease is gone."""
+        return self._sync(self.arefresh_lease(lease_id))
+
+    def revoke_lease(self, lease_id: int) -> bool:
+        """Revoke a lease; ``False`` if it was already gone."""
+        return self._sync(self.arevoke_lease(lease_id))
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Remaining TTL, -1 if the lease does not exist."""
+        return self._sync(self.alease_ttl(lease_id))
+
+    def leases(self) -> list[int]:
+        """IDs of every live lease on the cluster."""
+        return self._sync(self.aleases())
+
+    def compact(self, revision: int) -> None:
+        """Compact history up to ``revision`` (watches older than it must relist)."""
+        self._sync(self.acompact(revision))
+
+    def revision(self) -> int:
+        """The current store revision."""
+        return self._sync(self.arevision())
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Cancel background tasks, close the channel and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def _shutdown() -> None:
+            tasks = [t for t in self._tasks if not t.done()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2.0)
+            if self._conn is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._conn.close(), 1.0)
+                self._conn = None
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,61 @@
+"""Timing knobs of membership and the order they must keep.
+
+collective timeout < lease TTL < epoch deadline: a collective stuck on a dead peer fails
+before the peer's lease expires (so the runtime is already waiting for the next epoch
+when it comes), and the epoch deadline leaves room for a lease to expire, the leader to
+publish, and the communicator to be rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Timeouts and pacing of one member; defaults suit a 2 s TTL on loopback."""
+
+    ttl_s: int = 2
+    keepalive_interval_s: float | None = None  # default ttl/3: two misses still keep the lease
+    debounce_s: float = 0.03
+    max_debounce_s: float = 0.25
+    collective_timeout_s: float = 1.5
+    epoch_deadline_s: float = 10.0
+    abort_timeout_s: float = 1.0
+    progress_interval_s: float = 1.0
+    stall_timeout_s: float = 3.0
+    candidate: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttl_s, int) or self.ttl_s < 2:
+            raise ValueError(f"ttl_s must be an int >= 2 (etcd grants no less), got {self.ttl_s!r}")
+        ka = self.keepalive_interval
+        if not 0 < ka < self.ttl_s / 2:
+            raise ValueError(
+                f"keepalive_interval_s must be in (0, ttl_s/2) = (0, {self.ttl_s / 2}), got {ka}"
+            )
+        if not 0 <= self.debounce_s <= self.max_debounce_s:
+            raise ValueError(
+                f"need 0 <= debounce_s <= max_debounce_s, got {self.debounce_s} and "
+                f"{self.max_debounce_s}"
+            )
+        if not 0 < self.collective_timeout_s < self.ttl_s < self.epoch_deadline_s:
+            raise ValueError(
+                "timeouts must be ordered collective < lease TTL < epoch deadline, got "
+                f"collective_timeout_s={self.collective_timeout_s}, ttl_s={self.ttl_s}, "
+                f"epoch_deadline_s={self.epoch_deadline_s}"
+            )
+        if not 0 < self.abort_timeout_s <= self.epoch_deadline_s:
+            raise ValueError(
+                f"abort_timeout_s must be in (0, epoch_deadline_s={self.epoch_deadline_s}], "
+                f"got {self.abort_timeout_s}"
+            )
+        if not 0 < self.progress_interval_s < self.stall_timeout_s:
+            raise ValueError(
+                f"need 0 < progress_interval_s < stall_timeout_s, got {self.progress_interval_s}"
+                f" and {self.stall_timeout_s}"
+            )
+
+    @property
+    def keepalive_interval(self) -> float:
+        return self.keepalive_interval_s if self.keepalive_interval_s is not None else self.ttl_s / 3

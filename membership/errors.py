@@ -1,0 +1,61 @@
+"""Typed runtime faults of the membership layer.
+
+``ValueError`` stays reserved for bad user input; everything here is a fault the runtime
+may catch and recover from (re-join, wait for the next epoch, rebuild a communicator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class MembershipError(RuntimeError):
+    """Base class of every membership fault."""
+
+
+class EtcdUnavailable(MembershipError):
+    """etcd could not be reached (after retries) at any of the given endpoints."""
+
+    def __init__(self, endpoints: Sequence[str], operation: str, cause: BaseException | None):
+        self.endpoints = tuple(endpoints)
+        self.operation = operation
+        self.cause = cause
+        detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        super().__init__(
+            f"etcd unreachable at {', '.join(self.endpoints)} during {operation}{detail}"
+        )
+
+
+class EtcdServerError(MembershipError):
+    """The etcd server binary is missing, or the server did not start or stop cleanly."""
+
+
+class MembershipLost(MembershipError):
+    """This member's lease expired or its key was replaced: it is no longer a member.
+
+    The runtime must stop writing and may re-join with a new incarnation.
+    """
+
+
+class FencedWrite(MembershipError):
+    """A write was rejected because the writer's fencing token is stale.
+
+    Raised to a leader whose token no longer matches the ``leader`` key, or to a member
+    whose registration no longer owns its key.
+    """
+
+
+class LeadershipLost(FencedWrite):
+    """The leader lost its ``leader`` key (lease expiry or takeover) before a write."""
+
+
+class EpochTimeout(MembershipError):
+    """No epoch satisfying the wait condition was published before the deadline."""
+
+
+class CommunicatorError(MembershipError):
+    """A communicator could not be built, shrunk, grown or aborted."""
+
+
+class StoreTimeout(MembershipError, TimeoutError):
+    """A rendezvous key did not appear in the etcd-backed store before the timeout."""

@@ -1,0 +1,96 @@
+"""The etcd key layout of one job (DESIGN.md, "Membership on etcd").
+
+Everything lives under ``/elastic-refit/{job}/``; only this module spells key names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROLES: tuple[str, ...] = ("trainer", "inference")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a safe key component, else raise ``ValueError``."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"{kind} must match {_NAME.pattern} (letters, digits, '_', '.', '-'), got {value!r}"
+        )
+    return value
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role
+
+
+@dataclass(frozen=True, slots=True)
+class JobKeys:
+    """Key names of one job: ``JobKeys("job1").member("trainer", "t0")``."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+
+    @property
+    def prefix(self) -> str:
+        return f"/elastic-refit/{self.job}/"
+
+    @property
+    def members_prefix(self) -> str:
+        return self.prefix + "members/"
+
+    def members_of(self, role: str) -> str:
+        return f"{self.members_prefix}{check_role(role)}/"
+
+    def member(self, role: str, member_id: str) -> str:
+        return self.members_of(role) + check_name("member_id", member_id)
+
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    @property
+    def epoch(self) -> str:
+        return self.prefix + "epoch"
+
+    @property
+    def store_root(self) -> str:
+        return self.prefix + "store/"
+
+    def store(self, epoch: int) -> str:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        return f"{self.store_root}{epoch}/"
+
+    @property
+    def versions_prefix(self) -> str:
+        return self.prefix + "versions/"
+
+    def ack(self, version: int, member_id: str) -> str:
+        return f"{self.versions_prefix}{version}/acks/{check_name('member_id', member_id)}"
+
+    def committed(self, version: int) -> str:
+        return f"{self.versions_prefix}{version}/committed"
+
+    @property
+    def control_range(self) -> tuple[str, str]:
+        """``[start, end)`` covering ``epoch``, ``leader`` and ``members/...``.
+
+        The three keys sort together ('e' < 'l' < 'm'), so one watch stream carries all
+        control-plane changes and none of the store or version traffic.
+        """
+        return self.epoch, self.prefix + "members0"  # '0' sorts right after '/'
+
+    def parse_member_key(self, key: str) -> tuple[str, str] | None:
+        """``(role, member_id)`` for a member key of this job, else ``None``."""
+        if not key.startswith(self.members_prefix):
+            return None
+        rest = key[len(self.members_prefix) :].split("/")
+        if len(rest) != 2 or rest[0] not in ROLES:
+            return None
+        return rest[0], rest[1]

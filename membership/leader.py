@@ -1,0 +1,178 @@
+"""Leader election with a fencing token, and epoch publication.
+
+The ``leader`` key is created only if absent, on the candidate's member lease, so it
+vanishes with the member. Its ``create_revision`` is the fencing token: every epoch write
+is a transaction that compares the token and the epoch's ``mod_revision``, so a stale
+leader (frozen past its TTL, then resumed) cannot write, and two leaders can never
+publish the same epoch number twice. Epoch numbers only ever go up by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING
+
+from membership.client import Compare, Get, Put
+from membership.errors import EtcdUnavailable, LeadershipLost
+from membership.view import MemberRecord, MembershipView, next_member_order
+
+if TYPE_CHECKING:
+    from membership.service import Membership
+
+
+async def apublish_epoch(client, keys, token: int, expected_mod_revision: int,
+                         view: MembershipView):
+    """The one epoch write: succeeds only if ``token`` still names the leader and the
+    epoch key was not modified since ``expected_mod_revision`` (0: absent)."""
+    return await client.atxn(
+        [Compare(keys.leader, "create", "==", token),
+         Compare(keys.epoch, "mod", "==", expected_mod_revision)],
+        [Put(keys.epoch, view.encode())],
+        [Get(keys.leader), Get(keys.epoch)],
+    )
+
+
+def publish_epoch(client, keys, token: int, expected_mod_revision: int,
+                  view: MembershipView):
+    """Synchronous :func:`apublish_epoch` (returns the ``TxnResult``)."""
+    return client.run(apublish_epoch(client, keys, token, expected_mod_revision, view),
+                      timeout_s=client.config.request_timeout_s + 5)
+
+
+def alive_members(membership: Membership, items) -> list[MemberRecord]:
+    """Ready members in a snapshot of the control range."""
+    out = []
+    for key, kv in items.items():
+        if membership.keys.parse_member_key(key) is None:
+            continue
+        try:
+            record = MemberRecord.decode(kv.value)
+        except (ValueError, KeyError):
+            membership.log.warning("membership.member.bad_record", key=key)
+            continue
+        if record.state == "ready":
+            out.append(record)
+    return out
+
+
+class LeaderLoop:
+    """Campaign for leadership; while leader, publish an epoch per (debounced) change."""
+
+    def __init__(self, membership: Membership):
+        self.m = membership
+        self.token: int | None = None
+        self.epochs_published = 0
+        self.changed = asyncio.Event()
+
+    def poke(self) -> None:
+        """Called on the loop thread after each control-range change."""
+        self.changed.set()
+
+    def changed_threadsafe(self, client) -> None:
+        """Wake the loop from any thread (close, lost)."""
+        client.loop.call_soon_threadsafe(self.changed.set)
+
+    async def run(self) -> None:
+        m = self.m
+        while not m.lost.is_set() and not m.closing:
+            try:
+                token = await self._campaign()
+                if token is None:
+                    await self.changed.wait()
+                    self.changed.clear()
+                    continue
+                self.token = token
+                m.log.info("membership.leader.elected", token=token)
+                await self._catch_up(token)
+                m.is_leader = True
+                await self._lead(token)
+            except LeadershipLost as exc:
+                m.log.warning("membership.leader.fenced", token=self.token, reason=str(exc))
+            except EtcdUnavailable as exc:
+                m.log.warning("membership.leader.etcd_unavailable", error=str(exc)[:300])
+                await asyncio.sleep(0.2)
+            finally:
+                m.is_leader = False
+                self.token = None
+
+    async def _campaign(self) -> int | None:
+        m = self.m
+        snap = m.watcher.snapshot()
+        if m.keys.leader in snap.items:
+            return None
+        value = json.dumps({"member_id": m.record.member_id,
+                            "incarnation": m.record.incarnation}).encode()
+        res = await m.client.atxn(
+            [Compare(m.keys.leader, "create", "==", 0), m.ownership_compare()],
+            [Put(m.keys.leader, value, m.lease_id)],
+            [Get(m.keys.leader)],
+        )
+        if res.succeeded:
+            return res.revision  # the create_revision of the key just written
+        return None
+
+    def _still_leader(self, snap, token: int) -> bool:
+        kv = snap.items.get(self.m.keys.leader)
+        return kv is not None and kv.create_revision == token
+
+    async def _lead(self, token: int) -> None:
+        m = self.m
+        cfg = m.config
+        while not m.lost.is_set() and not m.closing:
+            snap = m.watcher.snapshot()
+            if not self._still_leader(snap, token):
+                raise LeadershipLost(f"leader key no longer carries token {token}")
+            epoch_kv = snap.items.get(m.keys.epoch)
+            current = MembershipView.decode(epoch_kv.value) if epoch_kv else None
+            desired = next_member_order(current, alive_members(m, snap.items))
+            if desired and (current is None or desired != current.members):
+                await self._publish(token, current, epoch_kv, desired, snap.revision)
+                continue  # re-evaluate against the watcher's view of our own write
+            await self.changed.wait()
+            self.changed.clear()
+            # Debounce: let a burst of changes (one host losing 8 ranks) settle into one
+            # epoch, but never wait more than max_debounce_s in total.
+            started = time.monotonic()
+            while time.monotonic() - started < cfg.max_debounce_s:
+                try:
+                    await asyncio.wait_for(self.changed.wait(), cfg.debounce_s)
+                    self.changed.clear()
+                except TimeoutError:
+                    break
+
+    async def _publish(self, token, current, epoch_kv, desired, based_on) -> None:
+        m = self.m
+        new = MembershipView(epoch=(current.epoch + 1) if current else 1, members=desired,
+                             based_on_revision=based_on)
+        t0 = time.monotonic()
+        res = await apublish_epoch(m.client, m.keys, token,
+                                   epoch_kv.mod_revision if epoch_kv else 0, new)
+        if not res.succeeded:
+            leader_kvs = res.gets[0] if res.gets else ()
+            if not leader_kvs or leader_kvs[0].create_revision != token:
+                m.fenced_writes += 1
+                raise LeadershipLost(
+                    f"epoch {new.epoch} write rejected: leader token {token} is stale "
+                    f"(leader key now {leader_kvs[0].create_revision if leader_kvs else 'absent'})"
+                )
+            m.log.info("membership.epoch.conflict", epoch=new.epoch)
+        else:
+            self.epochs_published += 1
+            removed = {x.member_id for x in current.members} - {x.member_id for x in desired} if current else set()
+            m.log.info("membership.epoch.published", epoch=new.epoch, num_members=len(desired),
+                       based_on_revision=based_on, revision=res.revision,
+                       removed=sorted(removed), seconds=round(time.monotonic() - t0, 4))
+            m.after_publish(new)
+        await self._catch_up(res.revision)
+
+    async def _catch_up(self, revision: int) -> None:
+        """Wait until our watcher has seen ``revision``, so decisions use our own writes."""
+        m = self.m
+        deadline = time.monotonic() + m.config.epoch_deadline_s
+        while m.watcher.revision < revision and time.monotonic() < deadline:
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), 0.5)

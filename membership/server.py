@@ -1,0 +1,319 @@
+"""Start and stop real etcd servers on free loopback ports (tests, bench, demo).
+
+``EtcdServer`` is one node; ``EtcdCluster`` is three (or any odd number of) nodes on
+loopback forming one raft cluster. Data lives under /dev/shm (tmpfs: fsync is cheap, so
+a 2-core machine keeps up) in a directory unique to the instance and removed on stop.
+Processes are stopped by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from membership.errors import EtcdServerError
+from membership.log import get_logger
+
+_INSTALL_HINT = (
+    "the `etcd` binary was not found on PATH (or at ETCD_BIN). Install it with "
+    "`apt-get install -y etcd-server` (Debian/Ubuntu; `make etcd` does this) or point "
+    "ETCD_BIN at an etcd v3.4+ binary."
+)
+
+
+def find_etcd_binary() -> str:
+    """Path of the etcd binary (``$ETCD_BIN`` first, then PATH); clear error if absent."""
+    explicit = os.environ.get("ETCD_BIN")
+    if explicit:
+        if os.access(explicit, os.X_OK):
+            return explicit
+        raise EtcdServerError(f"ETCD_BIN={explicit!r} is not an executable file; {_INSTALL_HINT}")
+    found = shutil.which("etcd")
+    if found is None:
+        raise EtcdServerError(_INSTALL_HINT)
+    return found
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held open together while picked)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """Ports and paths of one etcd node."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+
+    def __post_init__(self) -> None:
+        for label, port in (("client_port", self.client_port), ("peer_port", self.peer_port)):
+            if not 0 < port < 65536:
+                raise ValueError(f"{label} must be in 1..65535, got {port}")
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+
+class _Node:
+    """One etcd process; restartable with the same ports and data."""
+
+    def __init__(self, spec: NodeSpec, initial_cluster: str, cluster_token: str, binary: str,
+                 log_path: str, extra_args: Sequence[str]):
+        self.spec = spec
+        self._initial_cluster = initial_cluster
+        self._token = cluster_token
+        self._binary = binary
+        self._log_path = log_path
+        self._extra = list(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self._started_once = False
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        s = self.spec
+        args = [
+            self._binary,
+            "--name", s.name,
+            "--data-dir", s.data_dir,
+            "--listen-client-urls", s.client_url,
+            "--advertise-client-urls", s.client_url,
+            "--listen-peer-urls", s.peer_url,
+            "--initial-advertise-peer-urls", s.peer_url,
+            "--initial-cluster", self._initial_cluster,
+            "--initial-cluster-token", self._token,
+            "--initial-cluster-state", "new",
+            # Short raft timings: loopback only, and leader loss must be noticed fast.
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--log-level", "warn",
+            "--logger", "zap",
+            *self._extra,
+        ]
+        log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+        self._started_once = True
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+
+
+class EtcdCluster:
+    """``size`` etcd nodes on loopback, one raft cluster (``size=1``: a single node).
+
+    Use as a context manager, or call :meth:`start` / :meth:`stop`. ``endpoints`` lists
+    ``host:port`` of every node for :class:`membership.client.EtcdClient`.
+    """
+
+    def __init__(self, size: int = 1, *, name: str = "er", extra_args: Sequence[str] = (),
+                 startup_timeout_s: float = 20.0):
+        if size < 1 or size % 2 == 0:
+            raise ValueError(f"cluster size must be odd and >= 1, got {size}")
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        self.size = size
+        self._binary = find_etcd_binary()
+        self._startup_timeout_s = startup_timeout_s
+        self.root = tempfile.mkdtemp(prefix=f"etcd-{name}-", dir=_shm_root())
+        ports = free_ports(2 * size)
+        self.specs = [
+            NodeSpec(name=f"n{i}", client_port=ports[2 * i], peer_port=ports[2 * i + 1],
+                     data_dir=os.path.join(self.root, f"n{i}.etcd"))
+            for i in range(size)
+        ]
+        initial = ",".join(f"{s.name}={s.peer_url}" for s in self.specs)
+        token = os.path.basename(self.root)
+        self.nodes = [
+            _Node(s, initial, token, self._binary, os.path.join(self.root, f"{s.name}.log"),
+                  extra_args)
+            for s in self.specs
+        ]
+        self._log = get_logger(component="etcd-server")
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [s.endpoint for s in self.specs]
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.nodes if n.running() and n.pid is not None]
+
+    def start(self) -> EtcdCluster:
+        """Start every node and wait until each serves requests."""
+        t0 = time.monotonic()
+        for node in self.nodes:
+            node.start()
+        for i in range(self.size):
+            self.wait_ready(i)
+        self._log.info("membership.etcd.started", nodes=self.size, endpoints=self.endpoints,
+                       seconds=round(time.monotonic() - t0, 3), data_dir=self.root)
+        return self
+
+    def wait_ready(self, index: int, timeout_s: float | None = None) -> None:
+        """Block until node ``index`` answers ``/health`` as healthy."""
+        import urllib.request
+
+        deadline = time.monotonic() + (timeout_s or self._startup_timeout_s)
+        node = self.nodes[index]
+        url = node.spec.client_url + "/health"
+        last = ""
+        while time.monotonic() < deadline:
+            if node.proc is not None and node.proc.poll() is not None:
+                raise EtcdServerError(
+                    f"etcd node {node.spec.name} exited with {node.proc.returncode}; "
+                    f"log: {self.log_tail(index)}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    body = resp.read().decode()
+                    if '"health":"true"' in body.replace(" ", ""):
+                        return
+                    last = body
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.05)
+        raise EtcdServerError(
+            f"etcd node {node.spec.name} at {node.spec.endpoint} not healthy after "
+            f"{timeout_s or self._startup_timeout_s}s (last: {last}); log: {self.log_tail(index)}"
+        )
+
+    def log_tail(self, index: int, num_bytes: int = 2000) -> str:
+        path = Path(self.root) / f"{self.specs[index].name}.log"
+        try:
+            return path.read_bytes()[-num_bytes:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def stop_node(self, index: int, sig: int = signal.SIGTERM) -> None:
+        """Stop one node (SIGTERM, or SIGKILL to simulate a crash); data is kept."""
+        self.nodes[index].stop(sig)
+        self._log.info("membership.etcd.node_stopped", node=self.specs[index].name,
+                       signal=int(sig))
+
+    def restart_node(self, index: int) -> None:
+        """Start a stopped node again with the same ports and data, and wait for health."""
+        self.nodes[index].start()
+        self.wait_ready(index)
+        self._log.info("membership.etcd.node_restarted", node=self.specs[index].name)
+
+    def leader_index(self, timeout_s: float = 10.0) -> int:
+        """Index of the node that is the raft leader (via each node's /v3 status)."""
+        import json
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ids = {}
+            leader_id = None
+            for i, node in enumerate(self.nodes):
+                if not node.running():
+                    continue
+                try:
+                    req = urllib.request.Request(
+                        node.spec.client_url + "/v3/maintenance/status", data=b"{}",
+                        headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=1.0) as resp:
+                        status = json.loads(resp.read())
+                except OSError:
+                    continue
+                ids[status["header"]["member_id"]] = i
+                if status.get("leader") not in (None, "0"):
+                    leader_id = status["leader"]
+            if leader_id is not None and leader_id in ids:
+                return ids[leader_id]
+            time.sleep(0.05)
+        raise EtcdServerError(f"no raft leader among {self.endpoints} after {timeout_s}s")
+
+    def stop(self) -> None:
+        """Stop every node by pid and remove the data directory."""
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self._log.info("membership.etcd.stopped", nodes=self.size)
+
+    def __enter__(self) -> EtcdCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdServer(EtcdCluster):
+    """A single etcd node: ``with EtcdServer() as etcd: etcd.endpoints``."""
+
+    def __init__(self, *, name: str = "er", extra_args: Sequence[str] = (),
+                 startup_timeout_s: float = 20.0):
+        super().__init__(1, name=name, extra_args=extra_args, startup_timeout_s=startup_timeout_s)
+
+    @property
+    def endpoint(self) -> str:
+        return self.specs[0].endpoint
+
+    @property
+    def pid(self) -> int | None:
+        return self.nodes[0].pid
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.stop_node(0, sig)
+
+    def restart(self) -> None:
+        self.restart_node(0)

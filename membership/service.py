@@ -1,0 +1,250 @@
+"""One rank's membership: registration on a lease, the control watch, the leader loop.
+
+>>> m = Membership(client, job="j", record=record).start()   # doctest: +SKIP
+>>> view = m.wait_for_view(lambda v: v.num_ranks == 4, timeout_s=10)   # doctest: +SKIP
+>>> m.close()   # clean exit: the lease is revoked, the member key vanishes at once
+
+A crash lets the lease expire after its TTL; the leader then publishes a new epoch.
+A member that finds its lease gone (or its key taken by a newer incarnation) is *lost*:
+``lost`` is set, ``on_lost`` callbacks run, and every fenced write raises
+:class:`~membership.errors.MembershipLost`. It never silently re-joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from membership.client import Compare, EtcdClient, Get, Put, TxnResult
+from membership.config import MembershipConfig
+from membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
+from membership.keys import JobKeys
+from membership.leader import LeaderLoop
+from membership.log import get_logger
+from membership.view import MemberRecord, MembershipView, diff
+from membership.watch import RangeSnapshot, RangeWatcher, WatchEvent
+
+
+class Membership:
+    """Register ``record`` under job ``job`` and follow the job's epochs."""
+
+    def __init__(self, client: EtcdClient, job: str, record: MemberRecord,
+                 config: MembershipConfig | None = None):
+        self.client = client
+        self.keys = JobKeys(job)
+        self.record = record
+        self.config = config or MembershipConfig()
+        self.member_key = self.keys.member(record.role, record.member_id)
+        self.log = get_logger(job=job, role=record.role, member_id=record.member_id,
+                              incarnation=record.incarnation)
+        self.lease_id = 0
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self.closing = False
+        self.is_leader = False
+        self.fenced_writes = 0
+        self._view: MembershipView | None = None
+        self._view_cond = threading.Condition()
+        self._on_view: list[Callable[[MembershipView | None, MembershipView], None]] = []
+        self._on_lost: list[Callable[[str], None]] = []
+        self._leader = LeaderLoop(self)
+        self._last_keepalive = 0.0
+        self._known_members: set[str] = set()
+        start, end = self.keys.control_range
+        self.watcher = RangeWatcher(client, start, end, name="control",
+                                    progress_interval_s=self.config.progress_interval_s,
+                                    stall_timeout_s=self.config.stall_timeout_s)
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> Membership:
+        """Grant the lease, write the member key, start keepalive, watch and leader loop."""
+        self.lease_id, granted = self.client.grant_lease(self.config.ttl_s)
+        res = self.client.txn([], [Put(self.member_key, self.record.encode(), self.lease_id),
+                                   Get(self.member_key)])
+        self._last_keepalive = time.monotonic()
+        self.log.info("membership.member.registered", lease_id=self.lease_id, ttl_s=granted,
+                      revision=res.revision)
+        self.watcher.add_listener(self._on_change)
+        self.watcher.start()
+        self.client.spawn(self._keepalive(), name="keepalive")
+        if self.config.candidate:
+            self.client.spawn(self._leader.run(), name="leader")
+        return self
+
+    def close(self) -> None:
+        """Leave cleanly: stop loops and revoke the lease (member and leader keys vanish)."""
+        if self.closing:
+            return
+        self.closing = True
+        self._leader.changed_threadsafe(self.client)
+        self.watcher.stop()
+        if self.lease_id and not self.lost.is_set():
+            with contextlib.suppress(EtcdUnavailable):
+                self.client.revoke_lease(self.lease_id)
+                self.log.info("membership.member.left", lease_id=self.lease_id)
+
+    def __enter__(self) -> Membership:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------- views
+    @property
+    def view(self) -> MembershipView | None:
+        """The latest published view (``None`` before the first epoch)."""
+        with self._view_cond:
+            return self._view
+
+    @property
+    def leader_token(self) -> int | None:
+        return self._leader.token
+
+    def on_view(self, callback: Callable[[MembershipView | None, MembershipView], None]) -> None:
+        """``callback(old, new)`` on every new epoch (runs on the client loop: keep it short)."""
+        self._on_view.append(callback)
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        self._on_lost.append(callback)
+
+    def wait_for_view(self, predicate: Callable[[MembershipView], bool] | None = None, *,
+                      after_epoch: int = 0, timeout_s: float | None = None) -> MembershipView:
+        """Block until a view with ``epoch > after_epoch`` satisfying ``predicate`` exists.
+
+        Raises :class:`EpochTimeout` after ``timeout_s`` (default: the epoch deadline) and
+        :class:`MembershipLost` if this member is lost meanwhile.
+        """
+        timeout_s = self.config.epoch_deadline_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._view_cond:
+            while True:
+                self.check()
+                v = self._view
+                if v is not None and v.epoch > after_epoch and (predicate is None or predicate(v)):
+                    return v
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EpochTimeout(
+                        f"no epoch > {after_epoch} matching the condition within {timeout_s}s "
+                        f"(latest: {v.epoch if v else 'none'}, members "
+                        f"{list(v.member_ids) if v else []})"
+                    )
+                self._view_cond.wait(min(left, 0.2))
+
+    # ---------------------------------------------------------- fenced writes
+    def check(self) -> None:
+        """Raise :class:`MembershipLost` if this member has been lost."""
+        if self.lost.is_set():
+            raise MembershipLost(f"member {self.record.member_id} "
+                                 f"(incarnation {self.record.incarnation}) lost: {self.lost_reason}")
+
+    def ownership_compare(self) -> Compare:
+        """Guard: my member key still exists on my lease."""
+        return Compare(self.member_key, "lease", "==", self.lease_id)
+
+    def fenced_put(self, key: str, value: bytes) -> TxnResult:
+        """Write ``key`` only while this member owns its key; else :class:`MembershipLost`."""
+        res = self.client.txn([self.ownership_compare()], [Put(key, value)])
+        if not res.succeeded:
+            self.fenced_writes += 1
+            self._mark_lost("fenced write rejected: member key no longer on our lease")
+            self.check()
+        return res
+
+    def set_state(self, state: str) -> None:
+        """Update this member's ``state`` (e.g. ``leaving`` before a planned exit)."""
+        self.record = MemberRecord(**{**self.record.to_json(), "state": state})
+        res = self.client.txn([self.ownership_compare()],
+                              [Put(self.member_key, self.record.encode(), self.lease_id)])
+        if not res.succeeded:
+            self.fenced_writes += 1
+            self._mark_lost("state update rejected: member key no longer on our lease")
+            self.check()
+
+    # --------------------------------------------------------------- internals
+    def _mark_lost(self, reason: str) -> None:
+        if self.lost.is_set() or self.closing:
+            return
+        self.lost_reason = reason
+        self.lost.set()
+        self.log.error("membership.member.lost", reason=reason, lease_id=self.lease_id)
+        with self._view_cond:
+            self._view_cond.notify_all()
+        for cb in list(self._on_lost):
+            with contextlib.suppress(Exception):
+                cb(reason)
+        self._leader.changed_threadsafe(self.client)
+
+    async def _keepalive(self) -> None:
+        interval = self.config.keepalive_interval
+        ttl = self.config.ttl_s
+        while not self.closing and not self.lost.is_set():
+            await asyncio.sleep(interval)
+            if self.closing:
+                return
+            since = time.monotonic() - self._last_keepalive
+            try:
+                left = await self.client.arefresh_lease(self.lease_id,
+                                                        deadline_s=max(0.1, ttl - since))
+            except (TimeoutError, EtcdUnavailable) as exc:
+                if time.monotonic() - self._last_keepalive > ttl:
+                    self._mark_lost(f"no keepalive acknowledged for {ttl}s: {exc}")
+                continue
+            if left <= 0:
+                self._mark_lost(f"lease {self.lease_id} expired (last keepalive "
+                                f"{time.monotonic() - self._last_keepalive:.2f}s ago)")
+                return
+            self._last_keepalive = time.monotonic()
+
+    def _on_change(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
+        # Member arrivals and departures, logged once per process for the timeline.
+        members_now = {k for k in snap.items if self.keys.parse_member_key(k)}
+        for key in sorted(members_now - self._known_members):
+            self.log.info("membership.member.joined", key=key, revision=snap.revision)
+        for key in sorted(self._known_members - members_now):
+            self.log.info("membership.member.gone", key=key, revision=snap.revision)
+        self._known_members = members_now
+        mine = snap.items.get(self.member_key)
+        if not self.closing and mine is None:
+            self._mark_lost("member key deleted (lease expired or revoked)")
+        elif not self.closing and mine.lease != self.lease_id:
+            self._mark_lost(f"member key taken over by lease {mine.lease}")
+        epoch_kv = snap.items.get(self.keys.epoch)
+        if epoch_kv is not None:
+            new = MembershipView.decode(epoch_kv.value)
+            with self._view_cond:
+                old = self._view
+                if old is None or new.epoch > old.epoch:
+                    self._view = new
+                    self._view_cond.notify_all()
+                else:
+                    new = None
+            if new is not None:
+                d = diff(old, new)
+                self.log.info("membership.epoch.changed", epoch=new.epoch,
+                              num_members=new.num_ranks,
+                              added=[m.member_id for m in d.added],
+                              removed=[m.member_id for m in d.removed])
+                for cb in list(self._on_view):
+                    try:
+                        cb(old, new)
+                    except Exception:
+                        self.log.exception("membership.view.callback_failed")
+        self._leader.poke()
+
+    def after_publish(self, view: MembershipView) -> None:
+        """Leader hook: drop rendezvous keys of epochs no communicator can still use."""
+        if view.epoch >= 3:
+            old_root = self.keys.store_root
+
+            async def _purge() -> None:
+                with contextlib.suppress(Exception):
+                    for e in range(max(1, view.epoch - 4), view.epoch - 1):
+                        await self.client.adelete(f"{old_root}{e}/", prefix=True)
+
+            task = asyncio.ensure_future(_purge())
+            self.client._tasks.add(task)
+            task.add_done_callback(self.client._tasks.discard)

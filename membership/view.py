@@ -1,0 +1,223 @@
+"""Member records and the frozen membership view of one epoch.
+
+A view is what every rank agrees on for one epoch: the ordered member list (its index is
+the communicator rank) and the members grouped by role. Views are plain data, built from
+the ``epoch`` key, and compared with :func:`diff`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from membership.keys import ROLES, check_name, check_role
+
+MEMBER_STATES: tuple[str, ...] = ("joining", "ready", "leaving")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRecord:
+    """What ``members/{role}/{member_id}`` holds: one rank's identity and address."""
+
+    role: str
+    member_id: str
+    incarnation: str
+    host: str
+    domain: str
+    device: str
+    address: str = ""
+    state: str = "ready"
+
+    def __post_init__(self) -> None:
+        check_role(self.role)
+        check_name("member_id", self.member_id)
+        if not self.incarnation:
+            raise ValueError(f"incarnation must be non-empty, got {self.incarnation!r}")
+        if not self.host:
+            raise ValueError(f"host must be non-empty, got {self.host!r}")
+        if not self.domain:
+            raise ValueError(f"domain must be non-empty, got {self.domain!r}")
+        if not self.device:
+            raise ValueError(f"device must be non-empty, got {self.device!r}")
+        if self.state not in MEMBER_STATES:
+            raise ValueError(f"state must be one of {MEMBER_STATES}, got {self.state!r}")
+
+    @property
+    def identity(self) -> tuple[str, str, str]:
+        """(role, member_id, incarnation): a restart is a different identity."""
+        return (self.role, self.member_id, self.incarnation)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "member_id": self.member_id,
+            "incarnation": self.incarnation,
+            "host": self.host,
+            "domain": self.domain,
+            "device": self.device,
+            "address": self.address,
+            "state": self.state,
+        }
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MemberRecord:
+        return cls(
+            role=str(data["role"]),
+            member_id=str(data["member_id"]),
+            incarnation=str(data["incarnation"]),
+            host=str(data["host"]),
+            domain=str(data["domain"]),
+            device=str(data["device"]),
+            address=str(data.get("address", "")),
+            state=str(data.get("state", "ready")),
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MemberRecord:
+        return cls.from_json(json.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipView:
+    """One epoch's membership: ``members`` in rank order, plus lookups by role and id.
+
+    Rank order is the order the leader published; existing members keep their relative
+    order from epoch to epoch and newcomers are appended, so a removal-only change is a
+    shrink and an addition-only change is a grow of the previous communicator.
+    """
+
+    epoch: int
+    members: tuple[MemberRecord, ...]
+    based_on_revision: int = 0
+    _by_id: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {self.epoch!r}")
+        if self.based_on_revision < 0:
+            raise ValueError(f"based_on_revision must be >= 0, got {self.based_on_revision}")
+        members = tuple(self.members)
+        object.__setattr__(self, "members", members)
+        for rank, member in enumerate(members):
+            if not isinstance(member, MemberRecord):
+                raise ValueError(f"members[{rank}] must be a MemberRecord, got {member!r}")
+            if member.member_id in self._by_id:
+                raise ValueError(
+                    f"member_id {member.member_id!r} appears twice in epoch {self.epoch} "
+                    f"(ranks {self._by_id[member.member_id]} and {rank})"
+                )
+            self._by_id[member.member_id] = rank
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.members)
+
+    @property
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(m.member_id for m in self.members)
+
+    @property
+    def identities(self) -> frozenset[tuple[str, str, str]]:
+        return frozenset(m.identity for m in self.members)
+
+    def by_role(self) -> dict[str, tuple[MemberRecord, ...]]:
+        """Members grouped by role, each group in rank order (every role present)."""
+        return {role: tuple(m for m in self.members if m.role == role) for role in ROLES}
+
+    def members_of(self, role: str) -> tuple[MemberRecord, ...]:
+        check_role(role)
+        return tuple(m for m in self.members if m.role == role)
+
+    def __contains__(self, member_id: object) -> bool:
+        return member_id in self._by_id
+
+    def member(self, member_id: str) -> MemberRecord:
+        try:
+            return self.members[self._by_id[member_id]]
+        except KeyError:
+            raise KeyError(
+                f"member {member_id!r} is not in epoch {self.epoch} "
+                f"(members: {', '.join(self.member_ids) or 'none'})"
+            ) from None
+
+    def rank_of(self, member_id: str) -> int:
+        """The communicator rank of ``member_id`` in this epoch."""
+        self.member(member_id)
+        return self._by_id[member_id]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "members": [m.to_json() for m in self.members],
+            "based_on_revision": self.based_on_revision,
+        }
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MembershipView:
+        data = json.loads(raw)
+        return cls(
+            epoch=int(data["epoch"]),
+            members=tuple(MemberRecord.from_json(m) for m in data["members"]),
+            based_on_revision=int(data.get("based_on_revision", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ViewDiff:
+    """Members present only in the new view (``added``) or only in the old (``removed``).
+
+    A member that restarted (same ``member_id``, new ``incarnation``) is both removed and
+    added: its old process and communicator endpoint are gone.
+    """
+
+    added: tuple[MemberRecord, ...]
+    removed: tuple[MemberRecord, ...]
+
+    @property
+    def unchanged(self) -> bool:
+        return not self.added and not self.removed
+
+    @property
+    def removals_only(self) -> bool:
+        return bool(self.removed) and not self.added
+
+    @property
+    def additions_only(self) -> bool:
+        return bool(self.added) and not self.removed
+
+
+def diff(old: MembershipView | None, new: MembershipView) -> ViewDiff:
+    """What changed from ``old`` to ``new``; ``old=None`` means everything is added."""
+    old_ids = old.identities if old is not None else frozenset()
+    new_ids = new.identities
+    added = tuple(m for m in new.members if m.identity not in old_ids)
+    removed = tuple(m for m in old.members if m.identity not in new_ids) if old else ()
+    return ViewDiff(added=added, removed=removed)
+
+
+def next_member_order(
+    previous: MembershipView | None, alive: Iterable[MemberRecord]
+) -> tuple[MemberRecord, ...]:
+    """Rank order for the next epoch: survivors keep their order, newcomers go last.
+
+    Newcomers are sorted by (role, member_id) so every leader computes the same order.
+    A survivor's record is taken from ``alive`` (its state or address may have changed).
+    """
+    alive_by_identity = {m.identity: m for m in alive}
+    ordered: list[MemberRecord] = []
+    if previous is not None:
+        for m in previous.members:
+            current = alive_by_identity.pop(m.identity, None)
+            if current is not None:
+                ordered.append(current)
+    newcomers = sorted(alive_by_identity.values(), key=lambda m: (ROLES.index(m.role), m.member_id))
+    ordered.extend(newcomers)
+    return tuple(ordered)

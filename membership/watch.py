@@ -1,0 +1,266 @@
+"""List-then-watch of a key range, kept as a local cache that survives etcd trouble.
+
+The watcher lists ``[start, end)`` once, then watches from the next revision. When the
+stream breaks (etcd restart, leader change, network) it re-opens from the last revision
+it has seen, so no event is lost or applied twice. When that revision was compacted it
+relists and tells listeners the cache was reset. It asks the server for a progress
+notification every ``progress_interval_s``; no answer within ``stall_timeout_s`` means
+the stream is stalled (a frozen etcd member, a half-open TCP connection) and it is
+re-opened, possibly at another endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aetcd.exceptions as aetcd_exc
+import grpc
+from aetcd import rpc
+
+from membership.client import EtcdClient, KeyValue, _b
+from membership.errors import EtcdUnavailable, MembershipError
+from membership.log import get_logger
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change in the watched range (``kind`` is ``put`` or ``delete``)."""
+
+    kind: str
+    key: str
+    kv: KeyValue | None  # None for deletes
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class RangeSnapshot:
+    """The cached range at ``revision``: key -> KeyValue."""
+
+    revision: int
+    items: dict[str, KeyValue]
+
+
+class WatchStalled(MembershipError):
+    """The watch stream answered neither events nor progress requests in time."""
+
+
+class _Compacted(Exception):
+    def __init__(self, compact_revision: int):
+        super().__init__(f"watch start revision compacted (compact_revision={compact_revision})")
+        self.compact_revision = compact_revision
+
+
+Listener = Callable[[bool, list[WatchEvent], RangeSnapshot], None]
+
+
+class RangeWatcher:
+    """A local, always-converging copy of the keys in ``[start, end)``.
+
+    ``listeners`` run on the client loop thread after each change, with
+    ``(reset, events, snapshot)``; ``reset`` is True after a (re)list. They must not block.
+    """
+
+    def __init__(self, client: EtcdClient, start: str, end: str, *, name: str = "watch",
+                 start_revision: int | None = None, progress_interval_s: float = 1.0,
+                 stall_timeout_s: float = 3.0):
+        if progress_interval_s <= 0 or stall_timeout_s <= progress_interval_s:
+            raise ValueError(
+                "need 0 < progress_interval_s < stall_timeout_s, got "
+                f"{progress_interval_s} and {stall_timeout_s}"
+            )
+        if start >= end:
+            raise ValueError(f"watch range must be non-empty, got [{start!r}, {end!r})")
+        self._client = client
+        self.start_key = start
+        self.end_key = end
+        self.name = name
+        self._progress_interval_s = progress_interval_s
+        self._stall_timeout_s = stall_timeout_s
+        self._items: dict[str, KeyValue] = {}
+        # A caller may resume from a revision it saved; None lists first.
+        self._revision = start_revision - 1 if start_revision else 0
+        self._need_list = start_revision is None
+        self._cond = threading.Condition()
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Future | None = None
+        self._ready = threading.Event()
+        self._stopped = False
+        self.relists = 0
+        self.reconnects = 0
+        self.stalls = 0
+        self.last_response_at = 0.0
+        self._log = get_logger(component="watch", watch=name)
+
+    # ------------------------------------------------------------------ public
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def start(self, timeout_s: float = 10.0) -> RangeWatcher:
+        """Start watching; returns once the first list (or resume) is in place."""
+        self._task = self._client.spawn(self._run(), name=f"watch:{self.name}")
+        if not self._ready.wait(timeout_s):
+            raise EtcdUnavailable(self._client.config.targets, f"watch {self.name} start",
+                                  None)
+        return self
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._task is not None:
+            self._client.loop.call_soon_threadsafe(self._task.cancel)
+
+    @property
+    def revision(self) -> int:
+        with self._cond:
+            return self._revision
+
+    def snapshot(self) -> RangeSnapshot:
+        with self._cond:
+            return RangeSnapshot(self._revision, dict(self._items))
+
+    def wait_for(self, predicate: Callable[[RangeSnapshot], bool], timeout_s: float) -> RangeSnapshot:
+        """Block until ``predicate(snapshot)`` holds; ``TimeoutError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                snap = RangeSnapshot(self._revision, dict(self._items))
+                if predicate(snap):
+                    return snap
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"watch {self.name}: condition not met within {timeout_s}s "
+                                       f"(revision {self._revision}, {len(self._items)} keys)")
+                self._cond.wait(left)
+
+    # ---------------------------------------------------------------- internals
+    def _notify(self, reset: bool, events: list[WatchEvent]) -> None:
+        with self._cond:
+            snap = RangeSnapshot(self._revision, dict(self._items))
+            self._cond.notify_all()
+        for listener in list(self._listeners):
+            try:
+                listener(reset, events, snap)
+            except Exception:  # a listener bug must not kill the watch
+                self._log.exception("membership.watch.listener_failed")
+
+    async def _list(self) -> None:
+        res = await self._client.arange(self.start_key, self.end_key)
+        with self._cond:
+            self._items = {kv.key: kv for kv in res.kvs}
+            self._revision = res.revision
+        self.relists += 1
+        self._log.info("membership.watch.listed", keys=len(res.kvs), revision=res.revision)
+        self._notify(True, [])
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._stopped:
+            try:
+                if self._need_list:
+                    await self._list()
+                    self._need_list = False
+                self._ready.set()
+                await self._stream()
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except _Compacted as exc:
+                self._log.warning("membership.watch.compacted", revision=self._revision,
+                                  compact_revision=exc.compact_revision)
+                self._need_list = True
+            except (TimeoutError, WatchStalled, EtcdUnavailable, aetcd_exc.ClientError, grpc.RpcError, OSError) as exc:
+                self.reconnects += 1
+                if isinstance(exc, WatchStalled):
+                    self.stalls += 1
+                self._log.warning("membership.watch.interrupted", revision=self._revision,
+                                  error=f"{type(exc).__name__}: {exc}"[:300],
+                                  retry_in_s=backoff)
+                if isinstance(exc, WatchStalled | aetcd_exc.ConnectionFailedError | grpc.RpcError):
+                    await self._client._rotate(None if len(self._client.config.targets) == 1
+                                               else self._client._conn)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def _stream(self) -> None:
+        conn = await self._client.connection()
+        stub = rpc.WatchStub(conn.channel)
+        queue: asyncio.Queue = asyncio.Queue()
+        create = rpc.WatchCreateRequest(key=_b(self.start_key), range_end=_b(self.end_key),
+                                        start_revision=self._revision + 1,
+                                        progress_notify=True)
+        await queue.put(rpc.WatchRequest(create_request=create))
+
+        async def requests():
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        call = stub.Watch(requests(), metadata=conn.metadata)
+        self.last_response_at = time.monotonic()
+
+        async def ask_progress() -> None:
+            while True:
+                await asyncio.sleep(self._progress_interval_s)
+                await queue.put(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+
+        pinger = asyncio.ensure_future(ask_progress())
+        created = False
+        try:
+            while True:
+                try:
+                    resp = await asyncio.wait_for(call.read(), self._stall_timeout_s)
+                except TimeoutError:
+                    raise WatchStalled(
+                        f"no watch response for {self._stall_timeout_s}s at "
+                        f"{self._client.endpoint}") from None
+                if resp is grpc.aio.EOF:
+                    raise aetcd_exc.ConnectionFailedError("watch stream closed by server")
+                self.last_response_at = time.monotonic()
+                if resp.compact_revision:
+                    raise _Compacted(resp.compact_revision)
+                if resp.canceled:
+                    raise aetcd_exc.ConnectionFailedError(
+                        f"watch canceled by server: {resp.cancel_reason!r}")
+                if resp.created and not created:
+                    created = True
+                    if self.reconnects:
+                        self._log.info("membership.watch.resumed", revision=self._revision,
+                                       endpoint=self._client.endpoint)
+                    continue
+                if resp.events:
+                    self._apply(resp.events)
+                elif resp.header.revision > self._revision:
+                    # Progress: every change up to header.revision has been delivered.
+                    with self._cond:
+                        self._revision = resp.header.revision
+        finally:
+            pinger.cancel()
+            with contextlib.suppress(Exception):
+                await queue.put(None)
+            call.cancel()
+
+    def _apply(self, pb_events) -> None:
+        events: list[WatchEvent] = []
+        with self._cond:
+            for ev in pb_events:
+                key = ev.kv.key.decode()
+                rev = ev.kv.mod_revision
+                if rev <= self._revision:
+                    continue  # already applied before a reconnect
+                if ev.type == rpc.Event.PUT:
+                    kv = KeyValue.from_pb(ev.kv)
+                    self._items[key] = kv
+                    events.append(WatchEvent("put", key, kv, rev))
+                else:
+                    self._items.pop(key, None)
+                    events.append(WatchEvent("delete", key, None, rev))
+            if events:
+                self._revision = max(self._revision, max(e.revision for e in events))
+        if events:
+            self._notify(False, events)
