@@ -1,1 +1,25 @@
+"""The planner: intersections, domain dedupe, sender balance, schedule, buckets, figures."""
 
+from elastic_refit.plan.planner import PLANNER_VERSION, gather_broadcast_bytes, make_plan
+from elastic_refit.plan.types import (
+    Phase,
+    Plan,
+    PlanOptions,
+    PlanStats,
+    SourceSide,
+    TransferKind,
+    TransferTable,
+)
+
+__all__ = [
+    "PLANNER_VERSION",
+    "Phase",
+    "Plan",
+    "PlanOptions",
+    "PlanStats",
+    "SourceSide",
+    "TransferKind",
+    "TransferTable",
+    "gather_broadcast_bytes",
+    "make_plan",
+]

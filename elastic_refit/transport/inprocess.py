@@ -1,0 +1,128 @@
+"""Reference execution of a plan inside one process, on numpy or torch arrays.
+
+This is the oracle for the planner's property tests and the local transport of
+single-device benchmarks: every transfer becomes one slice assignment, in plan order
+(deliver phase, then fan-out phase).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Layout
+from elastic_refit.plan import Plan, SourceSide
+
+BufferKey = tuple[int, str]  # (rank, buffer name)
+
+# numpy has no bfloat16/float8: store every dtype as an unsigned integer of the same width,
+# which keeps copies bit-exact.
+_STORAGE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    return np.dtype(_STORAGE[DTYPE_ITEMSIZE[dtype]])
+
+
+def allocate_buffers(layout: Layout, fill: int = 0) -> dict[BufferKey, np.ndarray]:
+    """One numpy array per buffer of ``layout``, filled with ``fill``."""
+    out: dict[BufferKey, np.ndarray] = {}
+    for b in range(layout.num_buffers):
+        nd = int(layout.buffer_ndim[b])
+        shape = tuple(int(s) for s in layout.buffer_shape[b, :nd])
+        dtype = storage_dtype(DTYPES[int(layout.buffer_dtype[b])])
+        key = (int(layout.buffer_rank[b]), layout.buffer_names[int(layout.buffer_name[b])])
+        out[key] = np.full(shape, fill, dtype=dtype)
+    return out
+
+
+def _buffer_key(layout: Layout, piece: int) -> BufferKey:
+    b = int(layout.piece_buffer[piece])
+    return int(layout.buffer_rank[b]), layout.buffer_names[int(layout.buffer_name[b])]
+
+
+def _slices(offsets: np.ndarray, lengths: np.ndarray, ndim: int) -> tuple[slice, ...]:
+    return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets[:ndim], lengths[:ndim], strict=True))
+
+
+def piece_slices(layout: Layout, piece: int) -> tuple[BufferKey, tuple[slice, ...], tuple[slice, ...]]:
+    """(buffer key, slices of the global tensor, slices of the local buffer) of one piece."""
+    t = layout.tensors[int(layout.piece_tensor[piece])]
+    b = int(layout.piece_buffer[piece])
+    return (
+        _buffer_key(layout, piece),
+        _slices(layout.piece_offsets[piece], layout.piece_lengths[piece], len(t.shape)),
+        _slices(layout.piece_local_offsets[piece], layout.piece_local_lengths[piece], int(layout.buffer_ndim[b])),
+    )
+
+
+def scatter_tensors(layout: Layout, tensors: Mapping[str, np.ndarray], buffers: MutableMapping[BufferKey, Any],
+                    ranks: set[int] | None = None) -> None:
+    """Write every piece of ``layout`` from whole global tensors (test and benchmark set-up)."""
+    for p in range(layout.num_pieces):
+        key, global_slices, local_slices = piece_slices(layout, p)
+        if ranks is not None and key[0] not in ranks:
+            continue
+        name = layout.tensors[int(layout.piece_tensor[p])].name
+        buf = buffers[key]
+        buf[local_slices] = tensors[name][global_slices].reshape(buf[local_slices].shape)
+
+
+def check_pieces(layout: Layout, tensors: Mapping[str, np.ndarray], buffers: Mapping[BufferKey, Any],
+                 equal: Callable[[Any, Any], bool] | None = None) -> list[str]:
+    """Every piece of ``layout`` compared with the global tensors; returns mismatches."""
+    equal = equal or (lambda a, b: bool(np.array_equal(a, b)))
+    problems = []
+    for p in range(layout.num_pieces):
+        key, global_slices, local_slices = piece_slices(layout, p)
+        got = buffers[key][local_slices]
+        want = tensors[layout.tensors[int(layout.piece_tensor[p])].name][global_slices].reshape(got.shape)
+        if not equal(got, want):
+            problems.append(f"{layout.piece(p)}")
+    return problems
+
+
+def execute_in_process(plan: Plan, source_buffers: Mapping[BufferKey, Any],
+                       destination_buffers: MutableMapping[BufferKey, Any]) -> int:
+    """Run every transfer of ``plan`` with slice copies; returns the bytes copied."""
+    t = plan.transfers
+    if len(t) == 0:
+        return 0
+    rows = np.arange(len(t))
+    from_dst = t.src_side == int(SourceSide.DESTINATION)
+    src_off = np.zeros_like(t.offsets)
+    src_len = np.zeros_like(t.lengths)
+    for layout, sel in ((plan.source, ~from_dst), (plan.destination, from_dst)):
+        idx = rows[sel]
+        if idx.size:
+            off, ln = _regions_padded(layout, t.src_piece[idx], t.offsets[idx], t.lengths[idx])
+            src_off[idx], src_len[idx] = off, ln
+    dst_off, dst_len = _regions_padded(plan.destination, t.dst_piece, t.offsets, t.lengths)
+    dst = plan.destination
+    for i in rows.tolist():
+        layout = dst if from_dst[i] else plan.source
+        src_piece = int(t.src_piece[i])
+        src_buf = (destination_buffers if from_dst[i] else source_buffers)[_buffer_key(layout, src_piece)]
+        src_nd = int(layout.buffer_ndim[int(layout.piece_buffer[src_piece])])
+        dst_piece = int(t.dst_piece[i])
+        dst_buf = destination_buffers[_buffer_key(dst, dst_piece)]
+        dst_nd = int(dst.buffer_ndim[int(dst.piece_buffer[dst_piece])])
+        region = dst_buf[_slices(dst_off[i], dst_len[i], dst_nd)]
+        region[...] = src_buf[_slices(src_off[i], src_len[i], src_nd)].reshape(region.shape)
+    return int(t.nbytes.sum())
+
+
+def _regions_padded(layout: Layout, pieces: np.ndarray, offsets: np.ndarray, lengths: np.ndarray):
+    k = layout.ndim
+    off, ln = layout.local_regions(pieces, offsets[:, :k], lengths[:, :k])
+    return _pad_to(off, offsets.shape[1], 0), _pad_to(ln, offsets.shape[1], 1)
+
+
+def _pad_to(array: np.ndarray, k: int, fill: int) -> np.ndarray:
+    if array.shape[1] >= k:
+        return array[:, :k] if array.shape[1] > k else array
+    out = np.full((array.shape[0], k), fill, dtype=np.int64)
+    out[:, : array.shape[1]] = array
+    return out
