@@ -1,0 +1,374 @@
+"""PackProgram: a validated, precomputed set of boxes packed/unpacked in one launch."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _triton_backend
+from .boxes import BoxRegion, Entry, entries_for, first_box_overlap
+from .reference import pack_reference, unpack_reference
+
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_TILE_BYTES = 16384
+DEFAULT_NUM_WARPS = 4
+_DESC_WORDS = 12
+_TABLE_CACHE = 16  # pointer tables kept per program (refit reuses a few buffer sets)
+
+
+def packed_nbytes(regions: Sequence[BoxRegion], itemsizes: Sequence[int]) -> int:
+    """Bytes a packed buffer needs: the end of the last region (0 if there are none)."""
+    end = 0
+    for r in regions:
+        end = max(end, r.packed_offset_bytes + r.nbytes(itemsizes[r.tensor_index]))
+    return end
+
+
+def _ptr_align_log2(ptr: int) -> int:
+    """log2 of the largest power of two (<= 16) dividing an address."""
+    return (math.gcd(ptr, 16) or 16).bit_length() - 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What the Triton kernel needs, built once per program and device."""
+
+    desc: torch.Tensor  # [entries, 12] int64
+    tile_region: torch.Tensor  # [tiles] int32: entry index of each program
+    num_tiles: int
+    num_entries: int
+
+
+class PackProgram:
+    """Pack many N-d boxes of many tensors into one flat byte buffer, and back.
+
+    ``shapes[i]`` / ``dtypes[i]`` describe the i-th local tensor (contiguous); each
+    :class:`BoxRegion` names a box of one tensor and its byte offset in the packed buffer.
+    Everything is validated and precomputed here once (descriptor tensors on ``device``),
+    because the same boxes are reused every refit step of an epoch.
+
+    ``backend``: ``"triton"`` runs one kernel launch per call (compiled on CUDA; through
+    Triton's interpreter on CPU, which is slow and meant for tests), ``"torch"`` one copy per
+    region, ``"auto"`` picks Triton on CUDA when installed and torch otherwise.
+    ``tile_bytes`` (a power of two >= 64) is the packed bytes one Triton program moves.
+
+    Raises ValueError naming the region and tensor for a box out of bounds, a rank mismatch,
+    or overlapping packed ranges. Boxes that overlap inside one tensor are allowed for
+    :meth:`pack` but make :meth:`unpack` raise (the result would depend on write order).
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]],
+        dtypes: Sequence[torch.dtype],
+        regions: Sequence[BoxRegion | tuple],
+        *,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        tile_bytes: int = DEFAULT_TILE_BYTES,
+        num_warps: int = DEFAULT_NUM_WARPS,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not _is_pow2(tile_bytes) or tile_bytes < 64:
+            raise ValueError(f"tile_bytes must be a power of two >= 64, got {tile_bytes!r}")
+        if len(shapes) != len(dtypes):
+            raise ValueError(f"{len(shapes)} shapes but {len(dtypes)} dtypes")
+        self.shapes: tuple[tuple[int, ...], ...] = tuple(
+            _check_shape(i, s) for i, s in enumerate(shapes)
+        )
+        for i, dt in enumerate(dtypes):
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"dtypes[{i}] must be a torch.dtype, got {dt!r}")
+        self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
+        self.itemsizes = tuple(torch.empty((), dtype=dt).element_size() for dt in self.dtypes)
+        self.device = torch.device(device)
+        if backend == "auto":
+            backend = (
+                "triton" if self.device.type == "cuda" and _triton_backend.HAVE_TRITON else "torch"
+            )
+        self.backend = backend
+        self.tile_bytes = tile_bytes
+        self.num_warps = num_warps
+        self.regions: tuple[BoxRegion, ...] = tuple(
+            self._check_region(i, r) for i, r in enumerate(regions)
+        )
+        self.nbytes = packed_nbytes(self.regions, self.itemsizes)
+        self._check_packed_overlap()
+        self._unpack_conflict = self._find_box_overlap()
+        self._plan = self._build_plan() if backend == "triton" else None
+        self._tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+
+    # -- validation ---------------------------------------------------------------------
+    def _check_region(self, i: int, region: BoxRegion | tuple) -> BoxRegion:
+        if not isinstance(region, BoxRegion):
+            try:
+                ti, offs, lens, poff = region
+                region = BoxRegion(ti, tuple(offs), tuple(lens), poff)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"region {i}: {region!r} is not a BoxRegion: {exc}") from exc
+        if region.tensor_index >= len(self.shapes):
+            raise ValueError(
+                f"region {i}: tensor_index {region.tensor_index} out of range for "
+                f"{len(self.shapes)} tensors"
+            )
+        shape = self.shapes[region.tensor_index]
+        if len(region.offsets) != len(shape):
+            raise ValueError(
+                f"region {i}: box of rank {len(region.offsets)} for tensor "
+                f"{region.tensor_index} of shape {shape}"
+            )
+        for d, (o, n, s) in enumerate(zip(region.offsets, region.lengths, shape, strict=True)):
+            if o + n > s:
+                raise ValueError(
+                    f"region {i}: box offsets {region.offsets} lengths {region.lengths} out of "
+                    f"bounds of tensor {region.tensor_index} shape {shape} in dim {d} "
+                    f"({o} + {n} > {s})"
+                )
+        return region
+
+    def _check_packed_overlap(self) -> None:
+        spans = sorted(
+            (
+                r.packed_offset_bytes,
+                r.packed_offset_bytes + r.nbytes(self.itemsizes[r.tensor_index]),
+                i,
+            )
+            for i, r in enumerate(self.regions)
+            if r.numel > 0
+        )
+        for (s0, e0, i0), (s1, e1, i1) in itertools.pairwise(spans):
+            if s1 < e0:
+                raise ValueError(
+                    f"regions {i0} (tensor {self.regions[i0].tensor_index}) and {i1} (tensor "
+                    f"{self.regions[i1].tensor_index}) overlap in the packed buffer: "
+                    f"bytes [{s0}, {e0}) and [{s1}, {e1})"
+                )
+
+    def _find_box_overlap(self) -> str | None:
+        by_tensor: dict[int, list[tuple[int, BoxRegion]]] = {}
+        for i, r in enumerate(self.regions):
+            if r.numel > 0:
+                by_tensor.setdefault(r.tensor_index, []).append((i, r))
+        for t, items in sorted(by_tensor.items()):
+            pair = first_box_overlap(items)
+            if pair is not None:
+                a, b = (self.regions[k] for k in pair)
+                return (
+                    f"regions {pair[0]} and {pair[1]} overlap inside tensor {t}: boxes "
+                    f"{a.offsets}+{a.lengths} and {b.offsets}+{b.lengths}"
+                )
+        return None
+
+    def _check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} tensors, got {len(tensors)}")
+        for i, t in enumerate(tensors):
+            if tuple(t.shape) != self.shapes[i]:
+                raise ValueError(
+                    f"tensor {i}: shape {tuple(t.shape)} != program's {self.shapes[i]}"
+                )
+            if t.dtype != self.dtypes[i]:
+                raise ValueError(f"tensor {i}: dtype {t.dtype} != program's {self.dtypes[i]}")
+            if not t.is_contiguous():
+                raise ValueError(f"tensor {i}: not contiguous (strides {t.stride()})")
+            if t.device != self.device:
+                raise ValueError(f"tensor {i}: on {t.device}, program is on {self.device}")
+
+    def _check_buffer(self, buf: torch.Tensor, name: str) -> None:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous 1-D torch.uint8 tensor, got dtype {buf.dtype} "
+                f"shape {tuple(buf.shape)} strides {buf.stride()}"
+            )
+        if buf.numel() < self.nbytes:
+            raise ValueError(f"{name} has {buf.numel()} bytes, the program needs {self.nbytes}")
+        if buf.device != self.device:
+            raise ValueError(f"{name} is on {buf.device}, program is on {self.device}")
+
+    # -- Triton plan --------------------------------------------------------------------
+    def _build_plan(self) -> _Plan:
+        entries: list[Entry] = []
+        for r in self.regions:
+            if r.numel > 0:
+                entries.extend(
+                    entries_for(r, self.shapes[r.tensor_index], self.itemsizes[r.tensor_index])
+                )
+        desc = np.zeros((max(len(entries), 1), _DESC_WORDS), dtype=np.int64)
+        tiles = np.zeros(len(entries), dtype=np.int64)
+        first = 0
+        for k, e in enumerate(entries):
+            (_n0, s0), (n1, s1), (n2, s2) = e.dims
+            ntiles = -(-e.nbytes // self.tile_bytes)
+            desc[k] = (
+                e.tensor_index,
+                e.tensor_offset,
+                e.packed_offset,
+                e.row_bytes,
+                n1,
+                n2,
+                s0,
+                s1,
+                s2,
+                e.width_log2,
+                first,
+                e.nbytes,
+            )
+            tiles[k] = ntiles
+            first += ntiles
+        if first >= 2**31:
+            raise ValueError(f"{first} tiles exceed the launch grid; raise tile_bytes")
+        tile_region = np.repeat(np.arange(len(entries), dtype=np.int32), tiles)
+        return _Plan(
+            desc=torch.from_numpy(desc).to(self.device),
+            tile_region=torch.from_numpy(tile_region).to(self.device),
+            num_tiles=int(first),
+            num_entries=len(entries),
+        )
+
+    def _table(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+        """Per-call pointer table, cached by the addresses (refit reuses the same buffers)."""
+        bptr = buf.data_ptr()
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        key = (bptr, *ptrs)
+        table = self._tables.get(key)
+        if table is not None:
+            self._tables.move_to_end(key)
+            return table
+        balign = _ptr_align_log2(bptr)
+        host = np.empty((max(len(ptrs), 1), 2), dtype=np.int64)
+        for i, p in enumerate(ptrs):
+            host[i, 0] = p - bptr
+            host[i, 1] = min(balign, _ptr_align_log2(p))
+        table = torch.from_numpy(host).to(self.device)
+        self._tables[key] = table
+        if len(self._tables) > _TABLE_CACHE:
+            self._tables.popitem(last=False)
+        return table
+
+    def _launch(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, pack: bool) -> None:
+        plan = self._plan
+        assert plan is not None
+        if plan.num_tiles == 0:
+            return
+        _triton_backend.launch(
+            buf=buf,
+            table=self._table(tensors, buf),
+            desc=plan.desc,
+            tile_region=plan.tile_region,
+            num_tiles=plan.num_tiles,
+            pack=pack,
+            tile_bytes=self.tile_bytes,
+            num_warps=self.num_warps,
+        )
+
+    # -- public -------------------------------------------------------------------------
+    @property
+    def num_launch_programs(self) -> int:
+        """Programs one Triton launch runs (0 for the torch backend or an empty program)."""
+        return self._plan.num_tiles if self._plan is not None else 0
+
+    def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Copy every region of ``tensors`` into the flat uint8 buffer ``out``; returns ``out``.
+
+        Bytes of ``out`` outside the regions are left as they were.
+        """
+        self._check_tensors(tensors)
+        self._check_buffer(out, "out")
+        if self.backend == "torch":
+            pack_reference(self.regions, tensors, out)
+        else:
+            self._launch(tensors, out, pack=True)
+        return out
+
+    def unpack(self, packed: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy each region's bytes from ``packed`` into its box; nothing else is written."""
+        if self._unpack_conflict is not None:
+            raise ValueError(f"cannot unpack: {self._unpack_conflict}")
+        self._check_tensors(tensors)
+        self._check_buffer(packed, "packed")
+        if self.backend == "torch":
+            unpack_reference(self.regions, packed, tensors)
+        else:
+            self._launch(tensors, packed, pack=False)
+
+    def bind(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> PackBinding:
+        """Validate ``tensors`` and ``buf`` once; the binding's calls then only launch."""
+        self._check_tensors(tensors)
+        self._check_buffer(buf, "buf")
+        return PackBinding(self, tuple(tensors), buf)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackProgram(tensors={len(self.shapes)}, regions={len(self.regions)}, "
+            f"nbytes={self.nbytes}, backend={self.backend!r}, device={str(self.device)!r})"
+        )
+
+
+class PackBinding:
+    """A program bound to fixed tensors and one buffer: the hot path of a refit loop.
+
+    Keeps references to the tensors, so their addresses stay valid while bound.
+    """
+
+    __slots__ = ("_table", "buf", "program", "tensors")
+
+    def __init__(self, program: PackProgram, tensors: tuple[torch.Tensor, ...], buf: torch.Tensor):
+        self.program = program
+        self.tensors = tensors
+        self.buf = buf
+        self._table = program._table(tensors, buf) if program._plan is not None else None
+
+    def pack(self) -> torch.Tensor:
+        """Pack the bound tensors into the bound buffer; returns the buffer."""
+        p = self.program
+        if p._plan is None:
+            pack_reference(p.regions, self.tensors, self.buf)
+        elif p._plan.num_tiles:
+            self._run(pack=True)
+        return self.buf
+
+    def unpack(self) -> None:
+        """Unpack the bound buffer into the bound tensors."""
+        p = self.program
+        if p._unpack_conflict is not None:
+            raise ValueError(f"cannot unpack: {p._unpack_conflict}")
+        if p._plan is None:
+            unpack_reference(p.regions, self.buf, self.tensors)
+        elif p._plan.num_tiles:
+            self._run(pack=False)
+
+    def _run(self, pack: bool) -> None:
+        p = self.program
+        plan = p._plan
+        assert plan is not None and self._table is not None
+        _triton_backend.launch(
+            buf=self.buf,
+            table=self._table,
+            desc=plan.desc,
+            tile_region=plan.tile_region,
+            num_tiles=plan.num_tiles,
+            pack=pack,
+            tile_bytes=p.tile_bytes,
+            num_warps=p.num_warps,
+        )
+
+
+def _is_pow2(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+def _check_shape(i: int, shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        s = tuple(shape)
+    except TypeError as exc:
+        raise ValueError(f"shapes[{i}] must be a sequence of ints, got {shape!r}") from exc
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s):
+        raise ValueError(f"shapes[{i}] must hold ints >= 0, got {s!r}")
+    return s

@@ -1,0 +1,55 @@
+"""Torch reference of pack/unpack: plain slicing of byte views, one copy per region.
+
+Used on CPU, as the ``backend="torch"`` of :class:`kernels.PackProgram`, and as the oracle the
+Triton kernel is tested against. It deliberately shares nothing with the kernel's box
+collapsing, so a bug there cannot hide in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .boxes import BoxRegion
+
+
+def _byte_box(tensor: torch.Tensor, region: BoxRegion) -> torch.Tensor:
+    """The region's box of ``tensor`` as a (strided) uint8 view, last dim scaled to bytes."""
+    isz = tensor.element_size()
+    if tensor.dim() == 0:
+        return tensor.reshape(1).view(torch.uint8)
+    # view(uint8) of a contiguous tensor keeps the leading dims and scales the last one.
+    tb = tensor.view(torch.uint8)
+    *lead, last = zip(region.offsets, region.lengths, strict=True)
+    index = tuple(slice(o, o + n) for o, n in lead)
+    index += (slice(last[0] * isz, (last[0] + last[1]) * isz),)
+    return tb[index]
+
+
+def pack_reference(
+    regions: Sequence[BoxRegion], tensors: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
+    """Copy each region's box of ``tensors[region.tensor_index]`` into ``out`` (uint8)."""
+    for region in regions:
+        t = tensors[region.tensor_index]
+        n = region.nbytes(t.element_size())
+        if n == 0:
+            continue
+        box = _byte_box(t, region)
+        out[region.packed_offset_bytes : region.packed_offset_bytes + n].view(box.shape).copy_(box)
+
+
+def unpack_reference(
+    regions: Sequence[BoxRegion], packed: torch.Tensor, tensors: Sequence[torch.Tensor]
+) -> None:
+    """Copy each region's packed bytes back into its box of ``tensors[region.tensor_index]``."""
+    for region in regions:
+        t = tensors[region.tensor_index]
+        n = region.nbytes(t.element_size())
+        if n == 0:
+            continue
+        box = _byte_box(t, region)
+        box.copy_(
+            packed[region.packed_offset_bytes : region.packed_offset_bytes + n].view(box.shape)
+        )
