@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from elastic_refit.layout import Layout
 from elastic_refit.layout.models import (
@@ -55,6 +57,21 @@ def uncovered_tensors(layout: Layout) -> list[str]:
         if not grid.all():
             missing.append(t.name)
     return missing
+
+
+def overlapping_buffers(layout: Layout) -> list[str]:
+    """Buffers in which two pieces' local boxes overlap (exact, vectorised over pieces)."""
+    order = np.argsort(layout.piece_buffer, kind="stable")
+    buf = layout.piece_buffer[order]
+    lo = layout.piece_local_offsets[order]
+    hi = lo + layout.piece_local_lengths[order]
+    run = np.bincount(buf).max(initial=0)
+    bad: set[int] = set()
+    for shift in range(1, run):
+        same = buf[shift:] == buf[:-shift]
+        overlap = same & np.all((lo[shift:] < hi[:-shift]) & (lo[:-shift] < hi[shift:]), axis=1)
+        bad.update(int(b) for b in buf[shift:][overlap])
+    return [f"rank {layout.buffer(b).rank} {layout.buffer(b).name}" for b in sorted(bad)]
 
 
 def tensor_values(layout: Layout) -> dict[str, np.ndarray]:
@@ -420,6 +437,45 @@ def test_full_scale_layouts_hold_every_element(model, build, par, first_rank, nu
     assert layout.model_nbytes == 2 * parameter_count(MODELS[model]) + 2 * sum(
         t.numel for t in logical_tensors(MODELS[model]) if t.dtype == "float32")
     assert uncovered_tensors(layout) == []
+    assert overlapping_buffers(layout) == []
+
+
+MORE_SCALES = [
+    ("kimi-k2", megatron_layout, "tp=8,pp=16,ep=64,dp=8", {}),
+    ("kimi-k2", vllm_layout, "tp=8,dp=8,ep=64", {}),
+    ("llama-3.1-405b", megatron_layout, "tp=8,pp=16,dp=2", {}),
+    ("llama-3.1-405b", vllm_layout, "tp=16,dp=2", {}),  # 8 kv heads, each on 2 ranks
+    ("llama-3.1-8b", vllm_layout, "tp=4,dp=4", {}),
+    ("qwen3-30b-a3b", vllm_layout, "tp=4,dp=2", {"flatten_moe_tp": True}),
+    ("qwen3-30b-a3b", megatron_layout, "tp=2,pp=3,ep=8,dp=4", {}),
+]
+
+
+@pytest.mark.parametrize(("model", "build", "par", "options"), MORE_SCALES)
+def test_other_models_hold_every_element(model, build, par, options) -> None:
+    layout = build(model, par, **options)
+    assert {t.name for t in layout.tensors} == {t.name for t in logical_tensors(MODELS[model])}
+    assert uncovered_tensors(layout) == []
+    assert overlapping_buffers(layout) == []
+
+
+def test_flattened_moe_tp_shards_experts_over_all_ranks() -> None:
+    layout = vllm_layout("qwen3-30b-a3b", "tp=4,dp=2", num_layers=1, flatten_moe_tp=True)
+    w2 = [b for b in layout.buffers() if b.name == "model.layers.0.mlp.experts.w2_weight"]
+    assert {b.shape for b in w2} == {(128, 2048, 768 // 8)}
+    plain = vllm_layout("qwen3-30b-a3b", "tp=4,dp=2", num_layers=1)
+    assert {b.shape for b in plain.buffers() if b.name == "model.layers.0.mlp.experts.w2_weight"} == {
+        (128, 2048, 768 // 4)}
+
+
+def test_overlap_check_detects_an_overlap() -> None:
+    from elastic_refit.layout import LayoutBuilder
+
+    b = LayoutBuilder()
+    t = b.tensor("w", (4,), "float32")
+    ids = b.buffers("buf", [0], (4,), "float32")
+    b.pieces(t, [ids[0], ids[0]], [[0], [2]], [[3], [2]], [[0], [1]])
+    assert overlapping_buffers(b.build()) == ["rank 0 buf"]
 
 
 def test_coverage_check_detects_a_hole() -> None:
@@ -428,3 +484,51 @@ def test_coverage_check_detects_a_hole() -> None:
     missing = uncovered_tensors(holed)
     assert "model.layers.0.self_attn.q_proj.weight" in missing
     assert "model.norm.weight" not in missing
+
+
+@st.composite
+def tiny_setups(draw):
+    mla = draw(st.booleans())
+    moe = draw(st.booleans())
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    layers = draw(st.integers(1, 4))
+    config = ModelConfig(
+        name="random", hidden_size=draw(st.integers(2, 4)), num_layers=layers,
+        vocab_size=draw(st.integers(3, 300)), num_heads=heads, num_kv_heads=heads if mla else kv,
+        head_dim=draw(st.sampled_from([1, 2])), intermediate_size=draw(st.sampled_from([4, 8, 12])),
+        num_experts=draw(st.sampled_from([2, 4, 6])) if moe else 0,
+        moe_intermediate_size=draw(st.sampled_from([4, 8])) if moe else 0,
+        num_shared_experts=draw(st.integers(0, 2)) if moe else 0,
+        first_k_dense=draw(st.integers(0, layers)) if moe else 0,
+        router_bias=moe and draw(st.booleans()),
+        q_lora_rank=draw(st.sampled_from([None, 3])) if mla else None,
+        kv_lora_rank=2 if mla else 0, qk_nope_head_dim=2 if mla else 0,
+        qk_rope_head_dim=draw(st.integers(0, 1)) if mla else 0, v_head_dim=2 if mla else 0,
+        qk_norm=not mla and draw(st.booleans()),
+        tie_word_embeddings=draw(st.booleans()),
+    )
+    tp, dp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 3]))
+    ep = draw(st.sampled_from([d for d in range(1, tp * dp + 1) if (tp * dp) % d == 0]))
+    return config, tp, dp, ep, draw(st.integers(1, 3)), draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(tiny_setups())
+def test_random_tiny_layouts_cover_everything_without_overlap(setup) -> None:
+    config, tp, dp, ep, pp, flatten = setup
+    built = []
+    for build in (lambda: megatron_layout(config, TrainingParallelism(tp, pp, dp, ep)),
+                  lambda: vllm_layout(config, InferenceParallelism(tp, dp, ep), first_rank=5,
+                                      flatten_moe_tp=flatten)):
+        try:
+            built.append(build())
+        except ValueError as e:  # a split the framework refuses; the message says which
+            assert "split" in str(e) or "divide" in str(e) or "multiple" in str(e) or "exceeds" in str(e), e
+    assume(built)
+    names = {t.name for t in logical_tensors(config)}
+    for layout in built:
+        assert {t.name for t in layout.tensors} == names
+        assert uncovered_tensors(layout) == []
+        assert overlapping_buffers(layout) == []
+        materialize(layout)
