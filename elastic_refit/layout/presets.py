@@ -41,7 +41,8 @@ vLLM (inference), ``rank = first_rank + tp_rank + tp * dp_rank``:
   ``tp * dp`` group (``ep_rank = pos % ep``; uneven counts go to the first ranks, as
   vLLM's expert map does); with ``ep == 1`` every expert is TP-sharded along I (over
   ``tp``; over the whole ``tp * dp`` group with ``flatten_moe_tp=True``, as one vLLM
-  engine with data-parallel attention does).
+  engine with data-parallel attention does). vLLM itself only runs ``ep == tp * dp``; a
+  smaller ``ep`` here means each EP shard is replicated ``tp * dp / ep`` times.
 * MLA as vLLM stores it: ``fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]``
   replicated, ``q_b_proj`` / ``kv_b_proj`` column-parallel by heads, ``o_proj`` row-parallel.
 * VocabParallelEmbedding / ParallelLMHead: vocab padded to a multiple of 64, then split
