@@ -200,6 +200,24 @@ class Layout:
     def fingerprint(self) -> str:
         return self._fingerprint
 
+    def tensor_signatures(self) -> tuple[bytes, ...]:
+        """Per tensor, a digest of its shape, dtype and (rank, box) pieces (memoised).
+
+        Two tensors with equal signatures are laid out identically, up to local buffers.
+        """
+        cached = self.__dict__.get("_signatures")
+        if cached is None:
+            rows = np.column_stack([self.piece_rank, self.piece_offsets, self.piece_lengths])
+            starts = np.searchsorted(self.piece_tensor, np.arange(len(self.tensors) + 1))
+            out = []
+            for i, t in enumerate(self.tensors):
+                digest = hashlib.blake2b(repr((t.shape, t.dtype)).encode(), digest_size=16)
+                digest.update(rows[starts[i] : starts[i + 1]].tobytes())
+                out.append(digest.digest())
+            cached = tuple(out)
+            object.__setattr__(self, "_signatures", cached)
+        return cached
+
     def piece_nbytes(self) -> np.ndarray:
         return np.prod(self.piece_lengths, axis=1) * self.tensor_itemsize[self.piece_tensor]
 

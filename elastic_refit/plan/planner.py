@@ -35,6 +35,7 @@ from elastic_refit.plan.types import (
     PlanOptions,
     PlanStats,
     SourceSide,
+    TensorClasses,
     TransferKind,
     TransferTable,
 )
@@ -65,6 +66,13 @@ def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.empty(n, dtype=np.int64)
     inverse[order] = group_of_sorted
     return sorted_mat[new_group], inverse
+
+
+def _sorted_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for keys already in ascending order."""
+    new = np.ones(keys.size, dtype=bool)
+    new[1:] = keys[1:] != keys[:-1]
+    return keys[new], np.cumsum(new) - 1
 
 
 def _group_bounds(sorted_keys: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,32 +262,33 @@ def make_plan(
     domain_of_rank = np.unique(topology.domain_array(), return_inverse=True)[1].astype(np.int64)
     num_domains = int(domain_of_rank.max()) + 1
     num_ranks = topology.num_ranks
+    classes = tensor_classes(source, destination, tensor_map)
+    instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
+    is_rep = np.zeros(len(destination.tensors), dtype=bool)
+    is_rep[classes.representative] = True
 
-    # Source pieces, renumbered into destination tensor ids; tensors the destination does
-    # not hold are dropped.
+    # Pieces of representative tensors only; source pieces are renumbered into destination
+    # tensor ids (tensors the destination does not hold are dropped).
     dst_id_of_src = np.full(len(source.tensors), -1, dtype=np.int64)
     dst_id_of_src[tensor_map] = np.arange(tensor_map.size)
     s_tensor_all = dst_id_of_src[source.piece_tensor]
     s_rows = np.flatnonzero(s_tensor_all >= 0)
-    s_tensor = s_tensor_all[s_rows]
-    s_off = _pad(source.piece_offsets[s_rows], k, 0)
-    s_len = _pad(source.piece_lengths[s_rows], k, 1)
-    d_tensor = destination.piece_tensor
-    d_off = _pad(destination.piece_offsets, k, 0)
-    d_len = _pad(destination.piece_lengths, k, 1)
-    itemsize = destination.tensor_itemsize
-
-    src_regions = _regions(s_tensor, s_off, s_len)
-    dst_regions = _regions(d_tensor, d_off, d_len)
-
+    s_rows = s_rows[is_rep[s_tensor_all[s_rows]]]
+    d_rows = np.flatnonzero(is_rep[destination.piece_tensor])
+    src_regions = _regions(s_tensor_all[s_rows], _pad(source.piece_offsets[s_rows], k, 0),
+                           _pad(source.piece_lengths[s_rows], k, 1))
+    dst_regions = _regions(destination.piece_tensor[d_rows], _pad(destination.piece_offsets[d_rows], k, 0),
+                           _pad(destination.piece_lengths[d_rows], k, 1))
     atoms = _atoms(src_regions, dst_regions, k)
-    _check_coverage(atoms, dst_regions, destination)
+    _check_coverage(atoms, dst_regions, d_rows, destination)
     a_tensor, a_off, a_len, a_src, a_dst = atoms
-    a_bytes = np.prod(a_len, axis=1) * itemsize[a_tensor]
+    # Bytes of one element across all members of the class: the unit of every weight.
+    unit_bytes = destination.tensor_itemsize * instances
+    a_weight = np.prod(a_len, axis=1) * unit_bytes[a_tensor]
 
     # Needers: (atom, destination piece) incidence rows.
     n_atom, n_pos = _expand(dst_regions.inc_start[a_dst], dst_regions.inc_count[a_dst])
-    n_piece = dst_regions.inc_piece[n_pos]
+    n_piece = d_rows[dst_regions.inc_piece[n_pos]]
     n_rank = destination.piece_rank[n_piece]
     n_domain = domain_of_rank[n_rank]
     # Holders: (atom, source piece) incidence rows; source piece ids are layout rows.
@@ -300,9 +309,8 @@ def make_plan(
     demand_atom = n_atom[demand_first]
     demand_of_row = np.cumsum(new_demand) - 1
 
-    h_key_domain = h_atom * num_domains + h_domain
-    held = np.isin(demand_key, h_key_domain)
-    lower_bound_bytes = int(a_bytes[demand_atom[~held]].sum())
+    held = np.isin(demand_key, h_atom * num_domains + h_domain)
+    lower_bound_bytes = int(a_weight[demand_atom[~held]].sum())
 
     parts = []
     # -- demands served inside the domain (a source rank of the domain holds the atom) --
@@ -316,29 +324,56 @@ def make_plan(
     net = np.flatnonzero(~held)
     if net.size:
         parts.extend(_serve_network(
-            net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src, a_bytes,
+            net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src, a_weight,
             src_regions, s_rows, source, a_tensor, a_off, a_len, num_ranks,
         ))
     table = _concat_parts(parts, k)
-    table = _split_oversized(table, itemsize, options.max_transfer_bytes)
-    table = _schedule(table, options.bucket_bytes, itemsize)
+    table = _split_oversized(table, destination.tensor_itemsize, options.max_transfer_bytes)
+    table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances)
 
     stats, per_rank = _stats(
-        table, source, destination, tensor_map, domain_of_rank, num_ranks, lower_bound_bytes
+        table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
+        lower_bound_bytes,
     )
-    fingerprint = _fingerprint(source, destination, topology, options, table)
+    fingerprint = _fingerprint(source, destination, topology, options, classes, table)
     return Plan(
         source=source,
         destination=destination,
         topology=topology,
         options=options,
         transfers=table,
+        classes=classes,
+        source_tensor=tensor_map,
         stats=stats,
         fingerprint=fingerprint,
         network_send_bytes=per_rank[0],
         network_recv_bytes=per_rank[1],
         intra_send_bytes=per_rank[2],
         intra_recv_bytes=per_rank[3],
+    )
+
+
+def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) -> TensorClasses:
+    """Group destination tensors whose shape, dtype and (rank, box) pieces agree on both sides.
+
+    Transformer layers repeat, so a model of a thousand tensors has a few dozen to a few
+    hundred classes; the planner plans one representative each.
+    """
+    src_sig = source.tensor_signatures()
+    dst_sig = destination.tensor_signatures()
+    members: dict[tuple[bytes, bytes], list[int]] = {}
+    for t in range(len(destination.tensors)):
+        members.setdefault((src_sig[int(tensor_map[t])], dst_sig[t]), []).append(t)
+    groups = list(members.values())  # insertion order: by first member, deterministic
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    flat = np.fromiter((t for g in groups for t in g), dtype=np.int64, count=int(sizes.sum()))
+    class_of = np.empty(len(destination.tensors), dtype=np.int64)
+    class_of[flat] = np.repeat(np.arange(len(groups)), sizes)
+    return TensorClasses(
+        representative=np.array([g[0] for g in groups], dtype=np.int64),
+        start=np.concatenate([[0], np.cumsum(sizes)]),
+        members=flat,
+        class_of=class_of,
     )
 
 
@@ -353,7 +388,7 @@ def _atoms(src: _Regions, dst: _Regions, k: int):
     return dst.tensor[d_owner[keep]], lo[keep], (hi - lo)[keep], s_idx[keep], d_owner[keep]
 
 
-def _check_coverage(atoms, dst: _Regions, destination: Layout) -> None:
+def _check_coverage(atoms, dst: _Regions, d_rows: np.ndarray, destination: Layout) -> None:
     _, _, a_len, _, a_dst = atoms
     covered = np.bincount(a_dst, weights=np.prod(a_len, axis=1).astype(np.float64), minlength=dst.tensor.size)
     need = np.prod(dst.lengths, axis=1).astype(np.float64)
@@ -362,7 +397,7 @@ def _check_coverage(atoms, dst: _Regions, destination: Layout) -> None:
         r = int(short[0])
         t = destination.tensors[int(dst.tensor[r])]
         nd = len(t.shape)
-        pieces = dst.inc_piece[dst.inc_start[r] : dst.inc_start[r] + dst.inc_count[r]]
+        pieces = d_rows[dst.inc_piece[dst.inc_start[r] : dst.inc_start[r] + dst.inc_count[r]]]
         box = Box(tuple(dst.offsets[r, :nd]), tuple(dst.lengths[r, :nd]))
         raise ValueError(
             f"tensor {t.name!r}: destination box {box} on ranks {destination.describe_ranks(pieces)} "
@@ -487,40 +522,41 @@ def _split_oversized(table: dict[str, np.ndarray], itemsize: np.ndarray, limit: 
     """Split boxes above ``limit`` bytes along their outermost dims until every box fits."""
     while True:
         nbytes = np.prod(table["lengths"], axis=1) * itemsize[table["tensor"]]
-        big = nbytes > limit
-        if not big.any():
+        big = np.flatnonzero(nbytes > limit)
+        if big.size == 0:
             return table
         ln = table["lengths"][big]
         splittable = ln > 1
         if not splittable.any(axis=1).all():
-            raise ValueError(f"bucket of {limit * 2} bytes cannot hold a single element")
+            raise ValueError(f"a bucket of {limit * 2} bytes cannot hold half an element")
         dim = np.argmax(splittable, axis=1)
-        rows = np.arange(ln.shape[0])
-        slab = nbytes[big] // ln[rows, dim]  # bytes of one index along `dim`
+        slab = nbytes[big] // ln[np.arange(big.size), dim]  # bytes of one index along `dim`
         per_chunk = np.maximum(limit // slab, 1)
-        chunks = -(-ln[rows, dim] // per_chunk)
-        owner = np.repeat(np.arange(ln.shape[0]), chunks)
+        chunks = np.ones(nbytes.size, dtype=np.int64)
+        chunks[big] = -(-ln[np.arange(big.size), dim] // per_chunk)
+        # One repeat of every column; only the split rows' boxes change.
+        table = {name: np.repeat(col, chunks, axis=0) for name, col in table.items()}
         first = np.cumsum(chunks) - chunks
-        index = np.arange(owner.size) - first[owner]
-        new = {name: col[big][owner] for name, col in table.items()}
+        owner = np.repeat(np.arange(big.size), chunks[big])
+        index = np.arange(owner.size) - np.repeat(np.arange(owner.size)[np.cumsum(chunks[big]) - chunks[big]], chunks[big])
+        rows = np.repeat(first[big], chunks[big]) + index
         d = dim[owner]
         start = index * per_chunk[owner]
-        new["offsets"] = new["offsets"].copy()
-        new["lengths"] = new["lengths"].copy()
-        r = np.arange(owner.size)
-        new["offsets"][r, d] += start
-        new["lengths"][r, d] = np.minimum(per_chunk[owner], ln[owner, d] - start)
-        table = {name: np.concatenate([col[~big], new[name]]) for name, col in table.items()}
+        table["offsets"][rows, d] += start
+        table["lengths"][rows, d] = np.minimum(per_chunk[owner], ln[owner, d] - start)
 
 
-def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndarray) -> TransferTable:
+def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndarray,
+              instances: np.ndarray) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets."""
     k = table["offsets"].shape[1]
-    nbytes = np.prod(table["lengths"], axis=1) * itemsize[table["tensor"]]
+    tensor = table["tensor"]
+    nbytes = np.prod(table["lengths"], axis=1) * itemsize[tensor]
     phase, src, dst = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
 
-    rounds = np.zeros(src.size, dtype=np.int64)
+    rounds = np.full(src.size, -1, dtype=np.int64)  # local copies need no peer: round -1
+    num_rounds = 0
     for p in np.unique(phase).tolist():
         sel = np.flatnonzero((phase == p) & ~is_local)
         if sel.size == 0:
@@ -529,45 +565,43 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
         receivers, r_idx = np.unique(dst[sel], return_inverse=True)
         width = max(senders.size, receivers.size)
         shift = (r_idx - s_idx) % width
-        dense = np.unique(shift, return_inverse=True)[1]
+        used, dense = np.unique(shift, return_inverse=True)
         rounds[sel] = dense
-    # Local copies carry round -1; they need no peer.
-    rounds[is_local] = -1
+        num_rounds += used.size
 
-    sort_cols = [phase, rounds, src, dst, table["tensor"]]
-    sort_cols += [table["offsets"][:, j] for j in range(k)]
+    sort_cols = [phase, rounds, src, dst, tensor] + [table["offsets"][:, j] for j in range(k)]
     order = np.lexsort(tuple(reversed(sort_cols)))
     cols = {name: col[order] for name, col in table.items()}
     nbytes, rounds = nbytes[order], rounds[order]
+    count = instances[cols["tensor"]]
+    weight = nbytes * count
 
-    msg_keys = np.column_stack([cols["phase"], rounds, cols["src_rank"], cols["dst_rank"]])
-    new_msg = np.ones(order.size, dtype=bool)
-    if order.size:
-        new_msg[1:] = np.any(msg_keys[1:] != msg_keys[:-1], axis=1)
+    n = order.size
+    new_msg = np.ones(n, dtype=bool)
+    if n:
+        new_msg[1:] = ((cols["phase"][1:] != cols["phase"][:-1]) | (rounds[1:] != rounds[:-1])
+                       | (cols["src_rank"][1:] != cols["src_rank"][:-1])
+                       | (cols["dst_rank"][1:] != cols["dst_rank"][:-1]))
     message = np.cumsum(new_msg) - 1
     msg_first = np.flatnonzero(new_msg)
-    end = np.cumsum(nbytes)
-    start_in_stream = end - nbytes
-    msg_base = start_in_stream[msg_first][message]
-    start_in_msg = start_in_stream - msg_base
-    # A bucket holds the boxes that start in one half-bucket window: every box is at most
-    # half a bucket, so a bucket spans less than `bucket_bytes`.
+    start_in_stream = np.cumsum(weight) - weight
+    message_offset = start_in_stream - start_in_stream[msg_first][message]
+    # Buckets per message: the bucket of its last copy, plus one.
+    msg_last = np.append(msg_first[1:], n) - 1
     half = max(bucket_bytes // 2, 1)
-    window = start_in_msg // half
-    new_bucket = new_msg.copy()
-    if order.size:
-        new_bucket[1:] |= window[1:] != window[:-1]
-    bucket_global = np.cumsum(new_bucket) - 1
-    bucket_first_of_msg = bucket_global[msg_first][message]
-    bucket = bucket_global - bucket_first_of_msg
-    bucket_start = start_in_msg[np.flatnonzero(new_bucket)][bucket_global]
-    return TransferTable(
+    last_copy = message_offset[msg_last] + (count[msg_last] - 1) * nbytes[msg_last]
+    local_msg = cols["kind"][msg_first] == int(TransferKind.LOCAL)
+    counts = {
+        "messages": int(np.count_nonzero(~local_msg)),
+        "buckets": int((last_copy[~local_msg] // half + 1).sum()),
+        "rounds": num_rounds,
+    }
+    table = TransferTable(
         kind=cols["kind"],
         phase=cols["phase"],
         round=rounds,
         message=message,
-        bucket=bucket,
-        bucket_offset=start_in_msg - bucket_start,
+        message_offset=message_offset,
         tensor=cols["tensor"],
         src_side=cols["src_side"],
         src_piece=cols["src_piece"],
@@ -577,46 +611,49 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
         offsets=cols["offsets"],
         lengths=cols["lengths"],
         nbytes=nbytes,
+        instances=count,
     )
+    return table, counts
 
 
-def _stats(table: TransferTable, source: Layout, destination: Layout, tensor_map: np.ndarray,
-           domain_of_rank: np.ndarray, num_ranks: int, lower_bound_bytes: int):
+def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses, source: Layout,
+           destination: Layout, tensor_map: np.ndarray, domain_of_rank: np.ndarray, num_ranks: int,
+           lower_bound_bytes: int):
     kind = table.kind
     net = kind == int(TransferKind.NETWORK)
     intra = kind == int(TransferKind.INTRA)
     local = kind == int(TransferKind.LOCAL)
-    nb = table.nbytes
-    net_send = np.bincount(table.src_rank[net], weights=nb[net], minlength=num_ranks).astype(np.int64)
-    net_recv = np.bincount(table.dst_rank[net], weights=nb[net], minlength=num_ranks).astype(np.int64)
-    intra_send = np.bincount(table.src_rank[intra], weights=nb[intra], minlength=num_ranks).astype(np.int64)
-    intra_recv = np.bincount(table.dst_rank[intra], weights=nb[intra], minlength=num_ranks).astype(np.int64)
-    nonlocal_msgs = np.unique(table.message[~local]).size
-    bucket_keys = np.unique(np.column_stack([table.message, table.bucket])[~local], axis=0).shape[0] if (~local).any() else 0
-    rounds = 0
-    for p in np.unique(table.phase[~local]).tolist():
-        rounds += int(table.round[(table.phase == p) & ~local].max()) + 1
+    weight = table.nbytes * table.instances
+    copies = table.instances
+
+    def per_rank(ranks: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        return np.bincount(ranks[sel], weights=weight[sel], minlength=num_ranks).astype(np.int64)
+
+    net_send, net_recv = per_rank(table.src_rank, net), per_rank(table.dst_rank, net)
+    intra_send, intra_recv = per_rank(table.src_rank, intra), per_rank(table.dst_rank, intra)
+    used_ranks = np.union1d(source.buffer_rank, destination.buffer_rank)
     stats = PlanStats(
         model_bytes=sum(t.nbytes for t in destination.tensors),
         dst_bytes=destination.nbytes,
         lower_bound_bytes=lower_bound_bytes,
-        cross_domain_bytes=int(nb[net].sum()),
-        intra_domain_bytes=int(nb[intra].sum()),
-        local_bytes=int(nb[local].sum()),
+        cross_domain_bytes=int(weight[net].sum()),
+        intra_domain_bytes=int(weight[intra].sum()),
+        local_bytes=int(weight[local].sum()),
         gather_broadcast_bytes=gather_broadcast_bytes(source, destination, tensor_map),
         max_send_bytes=int(net_send.max(initial=0)),
         max_recv_bytes=int(net_recv.max(initial=0)),
-        transfers=len(table),
-        network_transfers=int(net.sum()),
-        intra_transfers=int(intra.sum()),
-        local_transfers=int(local.sum()),
-        messages=int(nonlocal_msgs),
-        rounds=rounds,
-        buckets=int(bucket_keys),
+        transfers=int(copies.sum()),
+        rows=len(table),
+        tensor_classes=classes.num_classes,
+        network_transfers=int(copies[net].sum()),
+        intra_transfers=int(copies[intra].sum()),
+        local_transfers=int(copies[local].sum()),
+        messages=counts["messages"],
+        rounds=counts["rounds"],
+        buckets=counts["buckets"],
         num_source_ranks=len(source.ranks),
         num_destination_ranks=len(destination.ranks),
-        num_domains=int(np.unique(domain_of_rank[np.union1d(source.buffer_rank, destination.buffer_rank)]).size)
-        if source.num_buffers + destination.num_buffers else 0,
+        num_domains=int(np.unique(domain_of_rank[used_ranks]).size),
     )
     return stats, (net_send, net_recv, intra_send, intra_recv)
 
@@ -626,38 +663,46 @@ def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.n
     holding most of it), then sent whole to every other rank holding part of it."""
     if tensor_map is None:
         tensor_map = _match_tensors(source, destination)
-    s_bytes = source.piece_nbytes()
-    num_src_tensors = len(source.tensors)
-    # bytes each (tensor, rank) holds on the source side
-    pair = source.piece_tensor * (int(source.buffer_rank.max(initial=0)) + 1) + source.piece_rank
-    uniq, inv = np.unique(pair, return_inverse=True)
-    held = np.bincount(inv, weights=s_bytes).astype(np.int64)
-    stride = int(source.buffer_rank.max(initial=0)) + 1
-    held_tensor, held_rank = uniq // stride, uniq % stride
-    order = np.lexsort((held_rank, -held, held_tensor))
+    stride = int(max(source.buffer_rank.max(initial=0), destination.buffer_rank.max(initial=0))) + 1
+    # bytes each (source tensor, rank) holds; pieces are sorted by (tensor, rank)
+    keys, inverse = _sorted_unique(source.piece_tensor * stride + source.piece_rank)
+    held = np.bincount(inverse, weights=source.piece_nbytes()).astype(np.int64)
+    held_tensor, held_rank = keys // stride, keys % stride
+    order = np.lexsort((held_rank, -held, held_tensor))  # per tensor: most bytes, then lowest rank
     first = np.ones(order.size, dtype=bool)
     first[1:] = held_tensor[order][1:] != held_tensor[order][:-1]
-    root_rank = np.full(num_src_tensors, -1, dtype=np.int64)
-    root_held = np.zeros(num_src_tensors, dtype=np.int64)
+    root_rank = np.full(len(source.tensors), -1, dtype=np.int64)
+    root_held = np.zeros(len(source.tensors), dtype=np.int64)
     root_rank[held_tensor[order][first]] = held_rank[order][first]
     root_held[held_tensor[order][first]] = held[order][first]
 
-    d_pairs = np.unique(np.column_stack([destination.piece_tensor, destination.piece_rank]), axis=0)
-    is_root = d_pairs[:, 1] == root_rank[tensor_map[d_pairs[:, 0]]]
-    receivers = np.bincount(d_pairs[~is_root, 0], minlength=len(destination.tensors))
+    pairs = _sorted_unique(destination.piece_tensor * stride + destination.piece_rank)[0]
+    pair_tensor, pair_rank = pairs // stride, pairs % stride
+    is_root = pair_rank == root_rank[tensor_map[pair_tensor]]
+    receivers = np.bincount(pair_tensor[~is_root], minlength=len(destination.tensors))
     t_bytes = np.array([t.nbytes for t in destination.tensors], dtype=np.int64)
     gather = np.maximum(t_bytes - root_held[tensor_map], 0)
     return int((gather + t_bytes * receivers).sum())
 
 
+# Columns that define a plan; the rest (ranks, sizes, messages) are derived from them.
+_DEFINING_COLUMNS = ("kind", "phase", "round", "message_offset", "tensor", "src_side",
+                     "src_piece", "dst_piece", "offsets", "lengths")
+
+
 def _fingerprint(source: Layout, destination: Layout, topology: Topology, options: PlanOptions,
-                 table: TransferTable) -> str:
+                 classes: TensorClasses, table: TransferTable) -> str:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes}".encode())
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())
     digest.update(topology.fingerprint().encode())
-    for name, col in table.columns().items():
+    digest.update(classes.members.tobytes())
+    digest.update(classes.start.tobytes())
+    for name in _DEFINING_COLUMNS:
+        col = getattr(table, name)
+        # Values fit 32 bits in practice; hashing half the bytes halves the cost.
+        narrow = col.astype(np.int32) if col.size and int(np.abs(col).max()) < 2**31 else col
         digest.update(name.encode())
-        digest.update(col.tobytes())
+        digest.update(narrow.tobytes())
     return digest.hexdigest()

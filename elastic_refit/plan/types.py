@@ -50,6 +50,10 @@ class PlanOptions:
     def max_transfer_bytes(self) -> int:
         return self.bucket_bytes // 2
 
+    def bucket_of(self, message_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket index, offset inside the bucket) of copies at these message offsets."""
+        return np.divmod(message_offset, self.max_transfer_bytes)
+
 
 def _readonly(array: np.ndarray) -> np.ndarray:
     array = np.ascontiguousarray(array)
@@ -61,19 +65,24 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 class TransferTable:
     """One row per box copy, column-wise. Sorted by (phase, round, src, dst, tensor, box).
 
-    ``src_piece`` indexes the source layout's pieces when ``src_side`` is SOURCE and the
-    destination layout's pieces when it is DESTINATION (a fan-out); ``dst_piece`` always
-    indexes the destination layout. ``offsets``/``lengths`` are the global box (padded to
-    the plan's ndim). ``message`` numbers (phase, src rank, dst rank) groups; ``bucket`` and
-    ``bucket_offset`` place the box inside the packed buffers of its message.
+    A row is planned for the representative ``tensor`` of a class of identically laid-out
+    tensors and stands for ``instances`` box copies, one per class member (see
+    ``TensorClasses``); ``nbytes`` is the size of one of them. ``src_piece`` indexes the
+    source layout's pieces when ``src_side`` is SOURCE and the destination layout's pieces
+    when it is DESTINATION (a fan-out); ``dst_piece`` always indexes the destination layout.
+    ``offsets``/``lengths`` are the global box (padded to the plan's ndim). ``message``
+    numbers (phase, round, src rank, dst rank) groups. ``message_offset`` is where the row's
+    first copy starts in its message's byte stream; the other copies follow it. The stream
+    is cut into buckets of half a bucket budget: a copy starting at byte ``p`` lives in bucket
+    ``p // (bucket_bytes // 2)`` at ``p % (bucket_bytes // 2)``, and since no box exceeds
+    half a budget, no bucket exceeds ``bucket_bytes``.
     """
 
     kind: np.ndarray
     phase: np.ndarray
     round: np.ndarray
     message: np.ndarray
-    bucket: np.ndarray
-    bucket_offset: np.ndarray
+    message_offset: np.ndarray
     tensor: np.ndarray
     src_side: np.ndarray
     src_piece: np.ndarray
@@ -83,6 +92,7 @@ class TransferTable:
     offsets: np.ndarray
     lengths: np.ndarray
     nbytes: np.ndarray
+    instances: np.ndarray
 
     def __post_init__(self) -> None:
         n = self.kind.shape[0]
@@ -99,6 +109,31 @@ class TransferTable:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
+@dataclass(frozen=True, eq=False)
+class TensorClasses:
+    """Destination tensors grouped by identical layouts (same shape, dtype, and the same
+    ranks and boxes on both sides). The planner plans one representative per class; a
+    row of the plan applies to every member, whose pieces line up one to one with the
+    representative's (pieces are sorted by tensor, rank and box)."""
+
+    representative: np.ndarray  # [C] destination tensor id planned for each class
+    start: np.ndarray  # [C + 1] offsets into members
+    members: np.ndarray  # [M] destination tensor ids, grouped by class, representative first
+    class_of: np.ndarray  # [T] class of every destination tensor
+
+    def __post_init__(self) -> None:
+        for name in ("representative", "start", "members", "class_of"):
+            object.__setattr__(self, name, _readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.representative.shape[0])
+
+    def members_of_representative(self, tensor: int) -> np.ndarray:
+        c = int(self.class_of[tensor])
+        return self.members[self.start[c] : self.start[c + 1]]
+
+
 @dataclass(frozen=True, slots=True)
 class PlanStats:
     """Figures of one plan, all in bytes or counts (the planner reads no clock)."""
@@ -113,6 +148,8 @@ class PlanStats:
     max_send_bytes: int
     max_recv_bytes: int
     transfers: int
+    rows: int
+    tensor_classes: int
     network_transfers: int
     intra_transfers: int
     local_transfers: int
@@ -122,6 +159,17 @@ class PlanStats:
     num_source_ranks: int
     num_destination_ranks: int
     num_domains: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpandedTransfers:
+    """Box copies of some plan rows, one per class member (see ``Plan.expand``)."""
+
+    row: np.ndarray  # plan row each copy comes from
+    tensor: np.ndarray  # destination tensor id of the member
+    src_piece: np.ndarray  # piece of the member, on the row's source side
+    dst_piece: np.ndarray  # destination piece of the member
+    message_offset: np.ndarray  # byte offset of this copy in its message's stream
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,13 +185,43 @@ class Plan:
     topology: Topology
     options: PlanOptions
     transfers: TransferTable
-    stats: PlanStats
-    fingerprint: str
+    classes: TensorClasses
+    source_tensor: np.ndarray = field(repr=False)  # [T] source tensor id of each destination tensor
+    stats: PlanStats = field(repr=False)
+    fingerprint: str = field()
     # Per-rank network/intra byte totals, for the cost model and balance checks.
     network_send_bytes: np.ndarray = field(repr=False)
     network_recv_bytes: np.ndarray = field(repr=False)
     intra_send_bytes: np.ndarray = field(repr=False)
     intra_recv_bytes: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source_tensor", _readonly(np.asarray(self.source_tensor, dtype=np.int64)))
+        # First piece of every tensor, per side (layouts sort pieces by tensor first).
+        for side, layout in (("_src_piece_start", self.source), ("_dst_piece_start", self.destination)):
+            starts = np.searchsorted(layout.piece_tensor, np.arange(len(layout.tensors) + 1))
+            object.__setattr__(self, side, _readonly(starts.astype(np.int64)))
+
+    def expand(self, rows: np.ndarray | None = None) -> ExpandedTransfers:
+        """Every box copy of ``rows`` (default: all), one per member of the row's class."""
+        t = self.transfers
+        rows = np.arange(len(t), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        count = t.instances[rows]
+        row = np.repeat(rows, count)
+        j = np.arange(row.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        rep = t.tensor[row]
+        cls = self.classes.class_of[rep]
+        member = self.classes.members[self.classes.start[cls] + j]
+        dst_start = self._dst_piece_start  # type: ignore[attr-defined]
+        src_start = self._src_piece_start  # type: ignore[attr-defined]
+        dst_piece = t.dst_piece[row] - dst_start[rep] + dst_start[member]
+        from_dst = t.src_side[row] == int(SourceSide.DESTINATION)
+        src_piece = np.where(
+            from_dst,
+            t.src_piece[row] - dst_start[rep] + dst_start[member],
+            t.src_piece[row] - src_start[self.source_tensor[rep]] + src_start[self.source_tensor[member]],
+        )
+        return ExpandedTransfers(row, member, src_piece, dst_piece, t.message_offset[row] + j * t.nbytes[row])
 
     def rows_for(self, rank: int) -> np.ndarray:
         """Indices of every transfer that ``rank`` sends, receives or copies locally."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Layout
 from elastic_refit.plan import Plan, SourceSide
+from elastic_refit.plan.types import ExpandedTransfers
 
 BufferKey = tuple[int, str]  # (rank, buffer name)
 
@@ -84,34 +85,46 @@ def check_pieces(layout: Layout, tensors: Mapping[str, np.ndarray], buffers: Map
     return problems
 
 
+def copy_regions(plan: Plan) -> tuple[ExpandedTransfers, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every box copy of ``plan`` with its local source and destination regions.
+
+    Returns the expanded copies and ``(src_offsets, src_lengths, dst_offsets, dst_lengths)``
+    inside the local buffers, padded to the plan's ndim.
+    """
+    t = plan.transfers
+    x = plan.expand()
+    offsets, lengths = t.offsets[x.row], t.lengths[x.row]
+    from_dst = t.src_side[x.row] == int(SourceSide.DESTINATION)
+    src_off = np.zeros_like(offsets)
+    src_len = np.zeros_like(lengths)
+    for layout, sel in ((plan.source, ~from_dst), (plan.destination, from_dst)):
+        idx = np.flatnonzero(sel)
+        if idx.size:
+            src_off[idx], src_len[idx] = _regions_padded(layout, x.src_piece[idx], offsets[idx], lengths[idx])
+    dst_off, dst_len = _regions_padded(plan.destination, x.dst_piece, offsets, lengths)
+    return x, src_off, src_len, dst_off, dst_len
+
+
 def execute_in_process(plan: Plan, source_buffers: Mapping[BufferKey, Any],
                        destination_buffers: MutableMapping[BufferKey, Any]) -> int:
-    """Run every transfer of ``plan`` with slice copies; returns the bytes copied."""
-    t = plan.transfers
-    if len(t) == 0:
+    """Run every box copy of ``plan`` with slice assignments, in plan order; returns bytes."""
+    if len(plan.transfers) == 0:
         return 0
-    rows = np.arange(len(t))
-    from_dst = t.src_side == int(SourceSide.DESTINATION)
-    src_off = np.zeros_like(t.offsets)
-    src_len = np.zeros_like(t.lengths)
-    for layout, sel in ((plan.source, ~from_dst), (plan.destination, from_dst)):
-        idx = rows[sel]
-        if idx.size:
-            off, ln = _regions_padded(layout, t.src_piece[idx], t.offsets[idx], t.lengths[idx])
-            src_off[idx], src_len[idx] = off, ln
-    dst_off, dst_len = _regions_padded(plan.destination, t.dst_piece, t.offsets, t.lengths)
+    x, src_off, src_len, dst_off, dst_len = copy_regions(plan)
+    from_dst = plan.transfers.src_side[x.row] == int(SourceSide.DESTINATION)
     dst = plan.destination
-    for i in rows.tolist():
+    for i in range(x.row.size):
         layout = dst if from_dst[i] else plan.source
-        src_piece = int(t.src_piece[i])
+        src_piece = int(x.src_piece[i])
         src_buf = (destination_buffers if from_dst[i] else source_buffers)[_buffer_key(layout, src_piece)]
         src_nd = int(layout.buffer_ndim[int(layout.piece_buffer[src_piece])])
-        dst_piece = int(t.dst_piece[i])
+        dst_piece = int(x.dst_piece[i])
         dst_buf = destination_buffers[_buffer_key(dst, dst_piece)]
         dst_nd = int(dst.buffer_ndim[int(dst.piece_buffer[dst_piece])])
         region = dst_buf[_slices(dst_off[i], dst_len[i], dst_nd)]
         region[...] = src_buf[_slices(src_off[i], src_len[i], src_nd)].reshape(region.shape)
-    return int(t.nbytes.sum())
+    t = plan.transfers
+    return int((t.nbytes * t.instances).sum())
 
 
 def _regions_padded(layout: Layout, pieces: np.ndarray, offsets: np.ndarray, lengths: np.ndarray):

@@ -15,6 +15,7 @@ from elastic_refit.plan import Plan, TransferKind
 from elastic_refit.transport.inprocess import (
     allocate_buffers,
     check_pieces,
+    copy_regions,
     execute_in_process,
     piece_slices,
     scatter_tensors,
@@ -51,15 +52,13 @@ def random_tensors(layout: Layout, seed: int = 0) -> dict[str, np.ndarray]:
 def write_counts(plan: Plan) -> dict[tuple[int, str], np.ndarray]:
     dst = plan.destination
     counts = {key: np.zeros(buf.shape, dtype=np.int64) for key, buf in allocate_buffers(dst).items()}
-    t = plan.transfers
-    if len(t) == 0:
+    if len(plan.transfers) == 0:
         return counts
-    k = dst.ndim
-    off, ln = dst.local_regions(t.dst_piece, t.offsets[:, :k], t.lengths[:, :k])
-    for i in range(len(t)):
-        key, _, _ = piece_slices(dst, int(t.dst_piece[i]))
+    x, _, _, dst_off, dst_len = copy_regions(plan)
+    for i in range(x.row.size):
+        key, _, _ = piece_slices(dst, int(x.dst_piece[i]))
         nd = counts[key].ndim
-        sl = tuple(slice(int(o), int(o + n)) for o, n in zip(off[i, :nd], ln[i, :nd], strict=True))
+        sl = tuple(slice(int(o), int(o + n)) for o, n in zip(dst_off[i, :nd], dst_len[i, :nd], strict=True))
         counts[key][sl] += 1
     return counts
 
@@ -100,8 +99,10 @@ def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
     assert np.all(t.src_rank[~local] != t.dst_rank[~local])
 
     # Buckets hold whole boxes within the budget.
-    ends = t.bucket_offset + t.nbytes
-    assert np.all(ends <= plan.options.bucket_bytes)
+    x = plan.expand()
+    _, in_bucket = plan.options.bucket_of(x.message_offset)
+    assert np.all(in_bucket + t.nbytes[x.row] <= plan.options.bucket_bytes)
+    assert np.all(t.nbytes <= plan.options.max_transfer_bytes)
     # In one (phase, round) a rank sends to one peer and receives from one peer.
     for phase in np.unique(t.phase):
         for rnd in np.unique(t.round[(t.phase == phase) & ~local]):

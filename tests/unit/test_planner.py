@@ -314,3 +314,27 @@ def test_rank_outside_topology():
     src, dst = _one_tensor((4,), (4,), dst_mesh=(5,))
     with pytest.raises(ValueError, match="destination layout uses rank 5 but the topology has only 2 ranks"):
         make_plan(src, dst, Topology.uniform(2, 1))
+
+
+def test_identically_laid_out_tensors_share_one_class():
+    # gate and up of 3 layers: one class of 6 tensors, stored fused per rank as
+    # [gate; up] in different buffers; a seventh tensor differs and gets its own class.
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    shape = (6, 4)
+    for layer in range(3):
+        s_ids = src.buffers(f"l{layer}.fc1", [0, 1], (6, 4), "bfloat16")  # tp=2: rows 3 each side
+        d_ids = dst.buffers(f"l{layer}.gate_up", [2, 3, 4], (4, 4), "bfloat16")  # tp=3: rows 2
+        for half, name in enumerate(("gate", "up")):
+            ts = src.tensor(f"l{layer}.{name}", shape, "bfloat16")
+            src.pieces(ts, s_ids, [[0, 0], [3, 0]], [[3, 4], [3, 4]], [[3 * half, 0]] * 2)
+            td = dst.tensor(f"l{layer}.{name}", shape, "bfloat16")
+            dst.pieces(td, d_ids, [[0, 0], [2, 0], [4, 0]], [[2, 4]] * 3, [[2 * half, 0]] * 3)
+    for b, ranks in ((src, [0]), (dst, [2, 3, 4])):
+        t = b.tensor("norm", (4,), "float32")
+        ids = b.buffers("norm", ranks, (4,), "float32")
+        b.pieces(t, ids, [[0]] * len(ranks), [[4]] * len(ranks), [[0]] * len(ranks))
+    plan = make_plan(src.build(), dst.build(), Topology((0, 1, 2, 2, 3)), PlanOptions(bucket_bytes=32))
+    assert plan.classes.num_classes == 2
+    assert sorted(np.diff(plan.classes.start).tolist()) == [1, 6]
+    assert plan.stats.rows < plan.stats.transfers
+    assert_plan_correct(plan)

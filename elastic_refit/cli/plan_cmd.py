@@ -1,0 +1,132 @@
+"""`elastic-refit plan`: build a plan and print its figures."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from elastic_refit.cli._output import (
+    format_bytes,
+    format_seconds,
+    print_json,
+    progress,
+    render_table,
+)
+from elastic_refit.layout import RefitSpec, load_spec
+from elastic_refit.plan import Plan, PlanOptions, make_plan
+from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
+
+
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments that describe a refit: a spec file, or a model with two parallelisms."""
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--spec", help="layout spec file (JSON)")
+    what.add_argument("--model", help="model preset (e.g. deepseek-v3, qwen3-235b-a22b)")
+    parser.add_argument("--source", help="training parallelism, e.g. tp=4,pp=8,ep=16,dp=4")
+    parser.add_argument("--destination", help="inference parallelism, e.g. tp=8,dp=16")
+    parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")
+    parser.add_argument("--domain-size", type=int, default=None,
+                        help="ranks per NVLink domain (default: the cluster's, else 8)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="destination ranks start at 0 and share devices with the source")
+    parser.add_argument("--bucket-mib", type=int, default=64, help="bucket size in MiB (default 64)")
+
+
+def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) -> tuple[RefitSpec, str]:
+    """The RefitSpec the arguments describe, and a one-line description of it."""
+    if args.spec:
+        return load_spec(args.spec), f"spec {args.spec}"
+    if not args.source or not args.destination:
+        raise ValueError("--model needs --source and --destination (e.g. --source tp=2,pp=2 --destination tp=2,dp=2)")
+    from elastic_refit.layout.refit import model_refit_spec
+
+    domain_size = args.domain_size or cluster_domain_size or 8
+    spec = model_refit_spec(args.model, args.source, args.destination, domain_size=domain_size,
+                            num_layers=args.layers, colocate=args.colocate)
+    layers = f", {args.layers} layers" if args.layers else ""
+    return spec, f"{args.model}{layers}: {args.source} -> {args.destination}"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="build a refit plan and print its figures")
+    add_case_arguments(parser)
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS), help="predict seconds on this cluster")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def plan_figures(plan: Plan, plan_seconds: float) -> dict[str, Any]:
+    s = plan.stats
+    return {
+        "model_bytes": s.model_bytes,
+        "dst_bytes": s.dst_bytes,
+        "lower_bound_bytes": s.lower_bound_bytes,
+        "cross_domain_bytes": s.cross_domain_bytes,
+        "intra_domain_bytes": s.intra_domain_bytes,
+        "local_bytes": s.local_bytes,
+        "gather_broadcast_bytes": s.gather_broadcast_bytes,
+        "max_send_bytes": s.max_send_bytes,
+        "max_recv_bytes": s.max_recv_bytes,
+        "transfers": s.transfers,
+        "network_transfers": s.network_transfers,
+        "intra_transfers": s.intra_transfers,
+        "local_transfers": s.local_transfers,
+        "messages": s.messages,
+        "rounds": s.rounds,
+        "buckets": s.buckets,
+        "source_ranks": s.num_source_ranks,
+        "destination_ranks": s.num_destination_ranks,
+        "domains": s.num_domains,
+        "plan_seconds": plan_seconds,
+        "fingerprint": plan.fingerprint,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = get_cluster(args.cluster) if args.cluster else None
+    if args.bucket_mib < 1:
+        raise ValueError(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
+    if not args.json:
+        progress("building layouts ...")
+    t0 = time.perf_counter()
+    spec, description = load_case(args, cluster.domain_size if cluster else None)
+    layout_seconds = time.perf_counter() - t0
+    if not args.json:
+        progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
+    t0 = time.perf_counter()
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=args.bucket_mib << 20))
+    plan_seconds = time.perf_counter() - t0
+    figures = plan_figures(plan, plan_seconds)
+    figures["layout_seconds"] = layout_seconds
+    prediction = predict(plan, cluster) if cluster else None
+    if prediction:
+        figures.update(cluster=prediction.cluster, predicted_seconds=prediction.seconds,
+                       bound_seconds=prediction.bound_seconds)
+    if args.json:
+        print_json(figures)
+        return 0
+    s = plan.stats
+    lb = max(s.lower_bound_bytes, 1)
+    rows = [
+        ("model (logical)", format_bytes(s.model_bytes), ""),
+        ("destination pieces", format_bytes(s.dst_bytes), f"{s.dst_bytes / max(s.model_bytes, 1):.2f}x model"),
+        ("lower bound, cross-domain", format_bytes(s.lower_bound_bytes), "1.000"),
+        ("planned cross-domain", format_bytes(s.cross_domain_bytes), f"{s.cross_domain_bytes / lb:.3f}"),
+        ("planned intra-domain", format_bytes(s.intra_domain_bytes), "NVLink fan-out"),
+        ("planned local copies", format_bytes(s.local_bytes), ""),
+        ("gather-and-broadcast", format_bytes(s.gather_broadcast_bytes), f"{s.gather_broadcast_bytes / lb:.2f}x bound"),
+        ("busiest NIC send / recv", f"{format_bytes(s.max_send_bytes)} / {format_bytes(s.max_recv_bytes)}", ""),
+        ("transfers net/intra/local", f"{s.network_transfers}/{s.intra_transfers}/{s.local_transfers}", ""),
+        ("messages / rounds / buckets", f"{s.messages}/{s.rounds}/{s.buckets}", ""),
+        ("layout build time", format_seconds(layout_seconds), ""),
+        ("plan time", format_seconds(plan_seconds), ""),
+    ]
+    if prediction:
+        rows.append((f"predicted on {prediction.cluster}", format_seconds(prediction.seconds),
+                     f"bound {format_seconds(prediction.bound_seconds)}"))
+    print(f"{description}  |  {s.num_source_ranks} source ranks, {s.num_destination_ranks} "
+          f"destination ranks, {s.num_domains} domains")
+    print(render_table(("figure", "value", "ratio / note"), rows))
+    print(f"fingerprint {plan.fingerprint}")
+    return 0

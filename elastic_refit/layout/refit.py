@@ -1,0 +1,31 @@
+"""A refit between two preset layouts of one model on a uniform topology."""
+
+from __future__ import annotations
+
+from elastic_refit.layout.core import Topology
+from elastic_refit.layout.models import ModelConfig
+from elastic_refit.layout.presets import megatron_layout, parse_parallelism, vllm_layout
+from elastic_refit.layout.spec import RefitSpec
+
+
+def model_refit_spec(
+    model: str | ModelConfig,
+    source: str,
+    destination: str,
+    *,
+    domain_size: int = 8,
+    num_layers: int | None = None,
+    colocate: bool = False,
+) -> RefitSpec:
+    """Megatron-style ``source`` -> vLLM-style ``destination`` for ``model``.
+
+    Source ranks are ``0..S-1``; destination ranks follow them (``S..S+D-1``) unless
+    ``colocate``, when both sides start at rank 0 and share devices.
+    """
+    train = parse_parallelism(source, side="training")
+    infer = parse_parallelism(destination, side="inference")
+    first_dst = 0 if colocate else train.world_size
+    src = megatron_layout(model, train, first_rank=0, num_layers=num_layers)
+    dst = vllm_layout(model, infer, first_rank=first_dst, num_layers=num_layers)
+    num_ranks = max(train.world_size, first_dst + infer.world_size)
+    return RefitSpec(src, dst, Topology.uniform(num_ranks, domain_size))
