@@ -1,0 +1,311 @@
+"""The executor: move one rank's share of a plan over a ``RefitGroup``.
+
+Per step a rank sends at most one message and receives at most one. A message travels as
+buckets; each bucket is packed with one kernel launch into a staging buffer (or sent
+straight from the parameter when it is one contiguous box), and two staging buffers per
+direction overlap packing, transfer and unpacking. Staging never exceeds four buckets
+(plus digest trailers), which ``staging_bytes`` bounds.
+
+Any failure aborts the group so peers fail fast, and every rank ends with a vote, so a
+rank whose own transfers all succeeded still learns that the refit did not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from elastic_refit.errors import TransportAborted, VerificationFailed
+from elastic_refit.layout import DTYPE_ITEMSIZE
+from elastic_refit.plan import Plan, SourceSide
+from elastic_refit.transport.group import RefitGroup
+from elastic_refit.transport.pattern import byte_view
+from elastic_refit.transport.schedule import (
+    BoxCopy,
+    Bucket,
+    BufferRef,
+    Message,
+    RankSchedule,
+    build_rank_schedule,
+)
+from kernels import BoxRegion, PackProgram
+
+log = structlog.get_logger("elastic_refit.transport")
+
+MiB = 1 << 20
+DIGEST_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorOptions:
+    """``staging_bytes`` bounds this rank's staging buffers; ``verify`` sends a digest of
+    every box with the data and checks it on arrival; ``pack_backend`` picks the kernels."""
+
+    staging_bytes: int = 256 * MiB
+    verify: bool = False
+    pack_backend: str = "auto"
+    zero_copy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be >= 1, got {self.staging_bytes}")
+        if self.pack_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"pack_backend must be auto, torch or triton, got {self.pack_backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    """What one rank moved in one refit."""
+
+    rank: int
+    seconds: float
+    network_send_bytes: int
+    network_recv_bytes: int
+    intra_send_bytes: int
+    intra_recv_bytes: int
+    local_bytes: int
+    buckets: int
+    zero_copy_buckets: int
+    staging_bytes: int
+    verified_boxes: int
+
+
+def digest(data: torch.Tensor) -> torch.Tensor:
+    """Position-sensitive 64-bit checksum of a flat uint8 tensor (an int64 scalar tensor)."""
+    n = data.numel()
+    words = -(-n // 8)
+    if words * 8 != n:
+        padded = torch.zeros(words * 8, dtype=torch.uint8, device=data.device)
+        padded[:n] = data
+        data = padded
+    w = data.view(torch.int64)
+    width = 1024
+    rows = -(-words // width)
+    if rows * width != words:
+        w = torch.cat([w, torch.zeros(rows * width - words, dtype=torch.int64, device=w.device)])
+    w = w.view(rows, width)
+    col = torch.arange(width, dtype=torch.int64, device=w.device) * 2 + 1
+    row = torch.arange(rows, dtype=torch.int64, device=w.device) * 0x9E3779B1 + 1
+    return ((w * col).sum(dim=1) * row).sum() ^ n
+
+
+def _contiguous_span(shape: tuple[int, ...], box: BoxCopy, itemsize: int) -> tuple[int, int] | None:
+    """(byte offset, bytes) of a box when it is one contiguous span of its buffer."""
+    nd = len(shape)
+    lead = 0
+    while lead < nd - 1 and box.lengths[lead] == 1:
+        lead += 1
+    if any(box.lengths[j] != shape[j] for j in range(lead + 1, nd)):
+        return None
+    stride = itemsize
+    offset = 0
+    for j in reversed(range(nd)):
+        offset += box.offsets[j] * stride
+        stride *= shape[j]
+    return offset, box.nbytes
+
+
+class _BucketIO:
+    """A bucket bound to this rank's tensors: pack/unpack through a kernel program, or a
+    direct view when the bucket is a single contiguous box."""
+
+    def __init__(self, bucket: Bucket, schedule: RankSchedule, options: ExecutorOptions,
+                 device: torch.device) -> None:
+        self.bucket = bucket
+        refs: list[BufferRef] = []
+        for b in bucket.boxes:
+            if b.buffer not in refs:
+                refs.append(b.buffer)
+        self.refs = refs
+        specs = [schedule.buffers[r] for r in refs]
+        self.direct: tuple[BufferRef, int, int] | None = None
+        if options.zero_copy and not options.verify and len(bucket.boxes) == 1:
+            only = bucket.boxes[0]
+            spec = schedule.buffers[only.buffer]
+            span = _contiguous_span(spec.shape, only, DTYPE_ITEMSIZE[spec.dtype])
+            if span is not None:
+                self.direct = (only.buffer, span[0], span[1])
+        self.program = None
+        if self.direct is None:
+            self.program = PackProgram(
+                [s.shape for s in specs], [getattr(torch, s.dtype) for s in specs],
+                [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in bucket.boxes],
+                device=device, backend=options.pack_backend,
+            )
+        self.wire_bytes = bucket.nbytes + (DIGEST_BYTES * len(bucket.boxes) if options.verify else 0)
+
+    def direct_view(self, tensors: Mapping[BufferRef, torch.Tensor]) -> torch.Tensor:
+        ref, offset, nbytes = self.direct  # type: ignore[misc]
+        return byte_view(tensors[ref]).reshape(-1)[offset : offset + nbytes]
+
+    def pack(self, tensors: Mapping[BufferRef, torch.Tensor], staging: torch.Tensor, verify: bool) -> None:
+        data = staging[: self.bucket.nbytes]
+        self.program.pack([tensors[r] for r in self.refs], data)  # type: ignore[union-attr]
+        if verify:
+            trailer = staging[self.bucket.nbytes : self.wire_bytes].view(torch.int64)
+            for i, b in enumerate(self.bucket.boxes):
+                trailer[i] = digest(data[b.packed_offset : b.packed_offset + b.nbytes])
+
+    def unpack(self, tensors: Mapping[BufferRef, torch.Tensor], staging: torch.Tensor, verify: bool,
+               where: str) -> int:
+        data = staging[: self.bucket.nbytes]
+        if verify:
+            trailer = staging[self.bucket.nbytes : self.wire_bytes].view(torch.int64)
+            for i, b in enumerate(self.bucket.boxes):
+                got = digest(data[b.packed_offset : b.packed_offset + b.nbytes])
+                if int(got) != int(trailer[i]):
+                    raise VerificationFailed(f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} "
+                                             f"arrived with digest {int(got):#x}, sender had {int(trailer[i]):#x}")
+        self.program.unpack(data, [tensors[r] for r in self.refs])  # type: ignore[union-attr]
+        return len(self.bucket.boxes) if verify else 0
+
+
+class Executor:
+    """Runs rank ``rank``'s share of ``plan`` over ``group``; build once per epoch."""
+
+    def __init__(self, plan: Plan, group: RefitGroup, options: ExecutorOptions | None = None) -> None:
+        self.plan = plan
+        self.group = group
+        self.options = options or ExecutorOptions()
+        self.rank = group.rank
+        self.schedule = build_rank_schedule(plan, self.rank)
+        self.device = group.device
+        self._io: dict[int, _BucketIO] = {}
+        for step in self.schedule.steps:
+            for msg in (step.send, step.recv):
+                if msg is not None:
+                    for bucket in msg.buckets:
+                        self._io[id(bucket)] = _BucketIO(bucket, self.schedule, self.options, self.device)
+        self.max_wire_bytes = max((io.wire_bytes for io in self._io.values()), default=0)
+        needed = 4 * self.max_wire_bytes
+        if needed > self.options.staging_bytes:
+            raise ValueError(
+                f"rank {self.rank}: buckets of up to {self.max_wire_bytes} bytes need {needed} bytes of "
+                f"staging (2 send + 2 receive), above the budget of {self.options.staging_bytes}; plan "
+                f"with PlanOptions(bucket_bytes <= {self.options.staging_bytes // 4})"
+            )
+        self._staging: list[torch.Tensor] = []
+
+    # ---- public ----------------------------------------------------------------------
+    @property
+    def staging_allocated(self) -> int:
+        return sum(t.numel() for t in self._staging)
+
+    def run(self, source: Mapping[str, torch.Tensor] | None = None,
+            destination: Mapping[str, torch.Tensor] | None = None) -> TransferReport:
+        """Move this rank's bytes: ``source`` and ``destination`` map buffer names to tensors.
+
+        Raises ``TransportAborted`` when this or any other rank fails, ``ValueError`` for
+        missing or mismatched buffers (after aborting the group so peers do not hang).
+        """
+        start = time.perf_counter()
+        try:
+            tensors = self._resolve(source or {}, destination or {})
+            self._ensure_staging()
+            counts = {"buckets": 0, "zero_copy": 0, "verified": 0}
+            for copy in self.schedule.local_copies:
+                self._local_copy(copy, tensors)
+            for step in self.schedule.steps:
+                self._exchange(step.send, step.recv, tensors, counts, f"phase {step.phase.name} round {step.round}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException as exc:
+            log.warning("refit.transfer.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.group.abort()
+            raise
+        if not self.group.vote(True):
+            raise TransportAborted(f"rank {self.rank}: another rank failed the refit", rank=self.rank, phase="vote")
+        by_kind = self.schedule.bytes_by_kind()
+        report = TransferReport(
+            rank=self.rank,
+            seconds=time.perf_counter() - start,
+            network_send_bytes=by_kind["network_send"],
+            network_recv_bytes=by_kind["network_recv"],
+            intra_send_bytes=by_kind["intra_send"],
+            intra_recv_bytes=by_kind["intra_recv"],
+            local_bytes=by_kind["local"],
+            buckets=counts["buckets"],
+            zero_copy_buckets=counts["zero_copy"],
+            staging_bytes=self.staging_allocated,
+            verified_boxes=counts["verified"],
+        )
+        log.info("refit.transfer.done", rank=self.rank, seconds=report.seconds,
+                 sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,
+                 local_bytes=report.local_bytes, buckets=report.buckets)
+        return report
+
+    # ---- internals ---------------------------------------------------------------------
+    def _resolve(self, source: Mapping[str, torch.Tensor], destination: Mapping[str, torch.Tensor]):
+        tensors: dict[BufferRef, torch.Tensor] = {}
+        for ref, spec in self.schedule.buffers.items():
+            side, name = ref
+            given = source if side == int(SourceSide.SOURCE) else destination
+            what = "source" if side == int(SourceSide.SOURCE) else "destination"
+            if name not in given:
+                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is missing")
+            t = given[name]
+            if tuple(t.shape) != spec.shape or t.dtype != getattr(torch, spec.dtype):
+                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is {list(t.shape)} {t.dtype}, "
+                                 f"the layout says {list(spec.shape)} {spec.dtype}")
+            if not t.is_contiguous() or t.device.type != self.device.type:
+                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} must be contiguous on {self.device}")
+            tensors[ref] = t
+        return tensors
+
+    def _ensure_staging(self) -> None:
+        if not self._staging and self.max_wire_bytes:
+            # 8-byte aligned so digest trailers can be viewed as int64.
+            size = math.ceil(self.max_wire_bytes / 8) * 8
+            self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(4)]
+
+    def _local_copy(self, copy, tensors) -> None:
+        src = tensors[copy.src.buffer][tuple(slice(o, o + n) for o, n in zip(copy.src.offsets, copy.src.lengths, strict=True))]
+        dst = tensors[copy.dst.buffer][tuple(slice(o, o + n) for o, n in zip(copy.dst.offsets, copy.dst.lengths, strict=True))]
+        dst.copy_(src.reshape(dst.shape))
+
+    def _exchange(self, send: Message | None, recv: Message | None, tensors, counts, where: str) -> None:
+        group, verify = self.group, self.options.verify
+        n_send = len(send.buckets) if send else 0
+        n_recv = len(recv.buckets) if recv else 0
+        send_work: list = [None, None]
+        recv_work: list = [None, None]
+        recv_target: list = [None, None]
+        for i in range(max(n_send, n_recv) + 1):
+            slot = i % 2
+            if i < n_send:
+                io = self._io[id(send.buckets[i])]  # type: ignore[union-attr]
+                if send_work[slot] is not None:  # the staging slot is free once its send is done
+                    group.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
+                if io.direct is not None:
+                    payload = io.direct_view(tensors)
+                    counts["zero_copy"] += 1
+                else:
+                    payload = self._staging[slot][: io.wire_bytes]
+                    io.pack(tensors, payload, verify)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                send_work[slot] = group.send(payload, send.peer, tag=i)  # type: ignore[union-attr]
+                counts["buckets"] += 1
+            if i < n_recv:
+                io = self._io[id(recv.buckets[i])]  # type: ignore[union-attr]
+                target = io.direct_view(tensors) if io.direct is not None else self._staging[2 + slot][: io.wire_bytes]
+                recv_work[slot] = group.recv(target, recv.peer, tag=i)  # type: ignore[union-attr]
+                recv_target[slot] = (io, target)
+                counts["buckets"] += 1
+            prev = (i - 1) % 2
+            if i >= 1 and i - 1 < n_recv:
+                group.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]
+                io, target = recv_target[prev]
+                if io.direct is None:
+                    counts["verified"] += io.unpack(tensors, target, verify, f"rank {self.rank} {where}")
+                else:
+                    counts["zero_copy"] += 1
+                recv_work[prev] = None
+        for slot in (0, 1):
+            if send_work[slot] is not None:
+                group.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]

@@ -1,0 +1,134 @@
+"""The refit communicator: one process group over the ranks of one refit world.
+
+It is separate from any training process group the user already has: it is built from
+a store with an explicit rank and world size (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` when every rank has its own GPU). Optional backends (nccl4py, the
+NCCL M2N library) are probed at run time and never required.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elastic_refit.errors import TransportAborted
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOptions:
+    """``timeout_s`` bounds every send, receive and vote (the collective timeout)."""
+
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+def optional_backends() -> dict[str, bool]:
+    """Which optional transports are importable here (never required)."""
+    return {
+        "nccl": dist.is_nccl_available() and torch.cuda.is_available(),
+        "nccl4py": importlib.util.find_spec("nccl4py") is not None,
+        "nccl_m2n": importlib.util.find_spec("nccl_extensions") is not None,
+    }
+
+
+class RefitGroup:
+    """Point-to-point sends and receives plus an error vote over one process group."""
+
+    def __init__(self, process_group: dist.ProcessGroup, rank: int, world_size: int,
+                 options: GroupOptions, store: dist.Store | None = None) -> None:
+        self.process_group = process_group
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        # Keep the store alive as long as the group: a Python store collected while C++
+        # still uses it fails every call (DESIGN.md, known pitfalls).
+        self._store = store
+        self._aborted = False
+        self.device = torch.device("cpu") if options.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, world_size: int,
+               options: GroupOptions | None = None) -> RefitGroup:
+        """Build the group; every rank of the world calls this with the same store."""
+        options = options or GroupOptions()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        timeout = datetime.timedelta(seconds=options.timeout_s)
+        if options.backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options)
+        return cls(pg, rank, world_size, options, store)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.options.timeout_s)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        return self._call("send", peer, lambda: self.process_group.send([tensor], peer, tag))
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        return self._call("recv", peer, lambda: self.process_group.recv([tensor], peer, tag))
+
+    def wait(self, work, peer: int, what: str) -> None:
+        """Wait for one send/recv; any failure or timeout becomes ``TransportAborted``."""
+        try:
+            if not work.wait(self.timeout):
+                raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+        except Exception as exc:  # c10d raises RuntimeError/DistBackendError subclasses
+            raise TransportAborted(
+                f"rank {self.rank}: {what} with rank {peer} failed: {_first_line(exc)}",
+                rank=self.rank, peer=peer, phase=what,
+            ) from exc
+
+    def vote(self, ok: bool) -> bool:
+        """All ranks report success; True only if every rank did. A dead or absent rank, or
+        the timeout, raises ``TransportAborted``."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
+        try:
+            work = self.process_group.allreduce([flag])
+            if not work.wait(self.timeout):
+                raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+        except Exception as exc:
+            raise TransportAborted(
+                f"rank {self.rank}: completion vote failed: {_first_line(exc)}", rank=self.rank, phase="vote"
+            ) from exc
+        return int(flag.item()) == 0
+
+    def abort(self) -> None:
+        """Tear the group down so that peers blocked on this rank fail instead of hanging."""
+        if self._aborted:
+            return
+        self._aborted = True
+        try:
+            self.process_group.abort()
+        except Exception:  # abort is best effort: the group may already be broken
+            pass
+
+    def _call(self, what: str, peer: int, fn):
+        if self._aborted:
+            raise TransportAborted(f"rank {self.rank}: {what} on an aborted group", rank=self.rank, peer=peer)
+        try:
+            return fn()
+        except Exception as exc:
+            raise TransportAborted(
+                f"rank {self.rank}: {what} with rank {peer} failed: {_first_line(exc)}",
+                rank=self.rank, peer=peer, phase=what,
+            ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

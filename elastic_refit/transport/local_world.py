@@ -1,0 +1,94 @@
+"""Run one function on N local processes that share a rendezvous store.
+
+Used by the multi-process tests and the benchmarks: the parent holds a ``TCPStore`` on a
+free loopback port, spawns the ranks (spawn, not fork: gRPC and gloo threads do not
+survive fork), collects each rank's return value or exception, and kills by pid whatever
+outlives the deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    error: str = ""
+    exitcode: int | None = None
+    seconds: float = 0.0
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    start = time.perf_counter()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, wait_for_workers=False)
+        value = fn(rank, world_size, store, *args)
+        results.put(RankResult(rank, True, value, seconds=time.perf_counter() - start))
+    except BaseException as exc:  # reported to the parent, which decides
+        results.put(RankResult(rank, False, None, type(exc).__name__,
+                               f"{exc}\n{traceback.format_exc(limit=6)}", seconds=time.perf_counter() - start))
+
+
+def run_local_world(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
+                    per_rank_args: list[tuple] | None = None) -> list[RankResult]:
+    """Call ``fn(rank, world_size, store, *args)`` on ``world_size`` spawned processes.
+
+    Returns one ``RankResult`` per rank, in rank order; a rank that died without reporting
+    has ``ok=False`` and its exit code. Never leaves a child running.
+    """
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        extra = per_rank_args[rank] if per_rank_args else ()
+        p = ctx.Process(target=_entry, args=(fn, rank, world_size, store.port, args + extra, results), daemon=True)
+        p.start()
+        procs.append(p)
+    collected: dict[int, RankResult] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size and time.monotonic() < deadline:
+            try:
+                r = results.get(timeout=0.2)
+                collected[r.rank] = r
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    # drain anything still in flight, then stop waiting for the dead
+                    time.sleep(0.2)
+                    while True:
+                        try:
+                            r = results.get_nowait()
+                            collected[r.rank] = r
+                        except queue.Empty:
+                            break
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=5)
+        del store
+    out = []
+    for rank, p in enumerate(procs):
+        r = collected.get(rank)
+        if r is None:
+            r = RankResult(rank, False, None, "Died", f"rank {rank} exited with {p.exitcode} before reporting",
+                           exitcode=p.exitcode)
+        out.append(r)
+    return out
