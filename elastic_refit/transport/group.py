@@ -8,6 +8,7 @@ NCCL M2N library) are probed at run time and never required.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 from dataclasses import dataclass
@@ -112,10 +113,9 @@ class RefitGroup:
         if self._aborted:
             return
         self._aborted = True
-        try:
+        # Best effort: the group may already be broken.
+        with contextlib.suppress(Exception):
             self.process_group.abort()
-        except Exception:  # abort is best effort: the group may already be broken
-            pass
 
     def _call(self, what: str, peer: int, fn):
         if self._aborted:
