@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _triton_backend
-from .boxes import BoxRegion, Entry, entries_for, first_box_overlap
+from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
 from .reference import pack_reference, unpack_reference
 
 BACKENDS = ("auto", "torch", "triton")
@@ -23,10 +23,12 @@ _TABLE_CACHE = 16  # pointer tables kept per program (refit reuses a few buffer 
 
 
 def packed_nbytes(regions: Sequence[BoxRegion], itemsizes: Sequence[int]) -> int:
-    """Bytes a packed buffer needs: the end of the last region (0 if there are none)."""
+    """Bytes a packed buffer needs: the end of the last non-empty region (0 if none)."""
     end = 0
     for r in regions:
-        end = max(end, r.packed_offset_bytes + r.nbytes(itemsizes[r.tensor_index]))
+        n = r.nbytes(itemsizes[r.tensor_index])
+        if n:
+            end = max(end, r.packed_offset_bytes + n)
     return end
 
 
@@ -56,7 +58,9 @@ class PackProgram:
     ``backend``: ``"triton"`` runs one kernel launch per call (compiled on CUDA; through
     Triton's interpreter on CPU, which is slow and meant for tests), ``"torch"`` one copy per
     region, ``"auto"`` picks Triton on CUDA when installed and torch otherwise.
-    ``tile_bytes`` (a power of two >= 64) is the packed bytes one Triton program moves.
+    ``tile_bytes`` (a power of two >= 64) is the packed bytes one Triton program moves;
+    ``num_warps`` its warps; ``max_entry_bytes`` (<= 1 GiB, for tests) the size above which a
+    region is split into several kernel entries.
 
     Raises ValueError naming the region and tensor for a box out of bounds, a rank mismatch,
     or overlapping packed ranges. Boxes that overlap inside one tensor are allowed for
@@ -73,11 +77,23 @@ class PackProgram:
         backend: str = "auto",
         tile_bytes: int = DEFAULT_TILE_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not _is_pow2(tile_bytes) or tile_bytes < 64:
             raise ValueError(f"tile_bytes must be a power of two >= 64, got {tile_bytes!r}")
+        if not _is_pow2(num_warps) or num_warps > 32:
+            raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps!r}")
+        if (
+            not isinstance(max_entry_bytes, int)
+            or max_entry_bytes % 16
+            or not 16 <= max_entry_bytes <= MAX_ENTRY_BYTES
+        ):
+            raise ValueError(
+                f"max_entry_bytes must be a multiple of 16 in [16, {MAX_ENTRY_BYTES}], "
+                f"got {max_entry_bytes!r}"
+            )
         if len(shapes) != len(dtypes):
             raise ValueError(f"{len(shapes)} shapes but {len(dtypes)} dtypes")
         self.shapes: tuple[tuple[int, ...], ...] = tuple(
@@ -96,6 +112,7 @@ class PackProgram:
         self.backend = backend
         self.tile_bytes = tile_bytes
         self.num_warps = num_warps
+        self.max_entry_bytes = max_entry_bytes
         self.regions: tuple[BoxRegion, ...] = tuple(
             self._check_region(i, r) for i, r in enumerate(regions)
         )
@@ -198,7 +215,12 @@ class PackProgram:
         for r in self.regions:
             if r.numel > 0:
                 entries.extend(
-                    entries_for(r, self.shapes[r.tensor_index], self.itemsizes[r.tensor_index])
+                    entries_for(
+                        r,
+                        self.shapes[r.tensor_index],
+                        self.itemsizes[r.tensor_index],
+                        self.max_entry_bytes,
+                    )
                 )
         desc = np.zeros((max(len(entries), 1), _DESC_WORDS), dtype=np.int64)
         tiles = np.zeros(len(entries), dtype=np.int64)
