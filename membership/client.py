@@ -376,6 +376,13 @@ class EtcdClient:
             except rpc.AioRpcError as exc:
                 aetcd_exc._handle_exception(exc)
                 raise  # unreachable: _handle_exception always raises
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                # grpc.aio cancels the RPCs of a channel another task closed while
+                # rotating endpoints: a transient fault, retried on the new channel.
+                raise aetcd_exc.ConnectionFailedError("channel closed during the call") from None
 
         async def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None

@@ -64,6 +64,7 @@ class LeaderLoop:
     def __init__(self, membership: Membership):
         self.m = membership
         self.token: int | None = None
+        self.last_token: int | None = None  # kept after losing leadership (fencing probes)
         self.epochs_published = 0
         self.changed = asyncio.Event()
 
@@ -84,7 +85,7 @@ class LeaderLoop:
                     await self.changed.wait()
                     self.changed.clear()
                     continue
-                self.token = token
+                self.token = self.last_token = token
                 m.log.info("membership.leader.elected", token=token)
                 await self._catch_up(token)
                 m.is_leader = True
@@ -93,6 +94,9 @@ class LeaderLoop:
                 m.log.warning("membership.leader.fenced", token=self.token, reason=str(exc))
             except EtcdUnavailable as exc:
                 m.log.warning("membership.leader.etcd_unavailable", error=str(exc)[:300])
+                await asyncio.sleep(0.2)
+            except Exception as exc:  # the leader loop must outlive any single fault
+                m.log.exception("membership.leader.error", error=repr(exc)[:300])
                 await asyncio.sleep(0.2)
             finally:
                 m.is_leader = False

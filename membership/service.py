@@ -101,7 +101,13 @@ class Membership:
 
     @property
     def leader_token(self) -> int | None:
+        """This member's fencing token while it leads, else ``None``."""
         return self._leader.token
+
+    @property
+    def last_leader_token(self) -> int | None:
+        """The token of this member's latest leadership, even after losing it."""
+        return self._leader.last_token
 
     def on_view(self, callback: Callable[[MembershipView | None, MembershipView], None]) -> None:
         """``callback(old, new)`` on every new epoch (runs on the client loop: keep it short)."""
@@ -189,7 +195,7 @@ class Membership:
             try:
                 left = await self.client.arefresh_lease(self.lease_id,
                                                         deadline_s=max(0.1, ttl - since))
-            except (TimeoutError, EtcdUnavailable) as exc:
+            except Exception as exc:  # keep the lease alive through any transient fault
                 if time.monotonic() - self._last_keepalive > ttl:
                     self._mark_lost(f"no keepalive acknowledged for {ttl}s: {exc}")
                 continue

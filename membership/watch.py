@@ -93,6 +93,7 @@ class RangeWatcher:
         self.relists = 0
         self.reconnects = 0
         self.stalls = 0
+        self.progress_responses = 0
         self.last_response_at = 0.0
         self._log = get_logger(component="watch", watch=name)
 
@@ -167,12 +168,20 @@ class RangeWatcher:
                 await self._stream()
                 backoff = 0.05
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if self._stopped or task is None or task.cancelling():
+                    raise
+                # grpc.aio cancels RPCs of a channel that another task closed (endpoint
+                # rotation): that is a broken stream, not a request to stop watching.
+                self.reconnects += 1
+                self._log.warning("membership.watch.interrupted", revision=self._revision,
+                                  error="stream cancelled by channel close", retry_in_s=0.05)
+                await asyncio.sleep(0.05)
             except _Compacted as exc:
                 self._log.warning("membership.watch.compacted", revision=self._revision,
                                   compact_revision=exc.compact_revision)
                 self._need_list = True
-            except (TimeoutError, WatchStalled, EtcdUnavailable, aetcd_exc.ClientError, grpc.RpcError, OSError) as exc:
+            except Exception as exc:  # any fault: the watch must outlive it
                 self.reconnects += 1
                 if isinstance(exc, WatchStalled):
                     self.stalls += 1
@@ -235,10 +244,12 @@ class RangeWatcher:
                     continue
                 if resp.events:
                     self._apply(resp.events)
-                elif resp.header.revision > self._revision:
-                    # Progress: every change up to header.revision has been delivered.
-                    with self._cond:
-                        self._revision = resp.header.revision
+                else:
+                    # A progress answer proves the stream is alive. Its revision is not
+                    # used to advance ours: etcd before 3.4.24 / 3.5.8 could report a
+                    # progress revision ahead of events still queued for this watcher
+                    # (etcd-io/etcd#15220), and trusting it loses those events.
+                    self.progress_responses += 1
         finally:
             pinger.cancel()
             with contextlib.suppress(Exception):

@@ -1,0 +1,412 @@
+"""The communicator lifecycle across epochs: build, shrink, grow, abort-and-rebuild.
+
+One communicator spans every rank of an epoch, ranked in the view's member order.
+On a new epoch :meth:`CommunicatorManager.reconfigure` picks the cheapest path the
+installed runtime supports:
+
+- removals only, NCCL >= 2.27 with a backend that can shrink -> ``shrink``
+  (``shrink_abort`` when a peer died: in-flight work on the parent is aborted first);
+  afterwards the parent is aborted, not destroyed;
+- additions only, NCCL >= 2.29.2 with nccl4py's grow -> ``grow`` (existing ranks keep
+  their numbers, newcomers get the unique id through the epoch's etcd store);
+- anything else, and always for gloo -> ``rebuild``: abort the old communicator and
+  rendezvous a new one under ``store/{epoch}/``.
+
+Every path is timed and logged as ``comm.reconfigured``. Aborts run under a watchdog
+thread so a wedged backend cannot hang the runtime; a communicator whose abort times out
+is parked (never destroyed on the caller's thread) and logged as ``comm.abort.timed_out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from membership.client import EtcdClient
+from membership.config import MembershipConfig
+from membership.errors import CommunicatorError, MembershipLost, StoreTimeout
+from membership.log import get_logger
+from membership.store import EtcdStore
+from membership.view import MembershipView, diff
+
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "nccl4py")
+PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
+NCCL_MIN_SHRINK = (2, 27, 0)
+NCCL_MIN_GROW = (2, 29, 2)
+
+
+# --------------------------------------------------------------------- probing
+@dataclass(frozen=True, slots=True)
+class RuntimeSupport:
+    """What the installed torch / NCCL / nccl4py can do for reconfiguration."""
+
+    torch_version: str
+    num_gpus: int
+    nccl_version: tuple[int, int, int] | None
+    torch_shrink_group: bool
+    nccl_backend_shrink: bool
+    nccl4py_version: str | None
+    nccl4py_shrink: bool
+    nccl4py_grow: bool
+
+    @property
+    def nccl_shrink(self) -> bool:
+        """ncclCommShrink reachable through torch's ProcessGroupNCCL."""
+        return (self.nccl_version is not None and self.nccl_version >= NCCL_MIN_SHRINK
+                and self.nccl_backend_shrink)
+
+    @property
+    def nccl_grow(self) -> bool:
+        """ncclCommGrow reachable through nccl4py."""
+        return (self.nccl_version is not None and self.nccl_version >= NCCL_MIN_GROW
+                and self.nccl4py_grow)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "torch_version": self.torch_version,
+            "num_gpus": self.num_gpus,
+            "nccl_version": ".".join(map(str, self.nccl_version)) if self.nccl_version else None,
+            "torch_shrink_group": self.torch_shrink_group,
+            "nccl_backend_shrink": self.nccl_backend_shrink,
+            "nccl4py_version": self.nccl4py_version,
+            "nccl_shrink": self.nccl_shrink,
+            "nccl_grow": self.nccl_grow,
+            "gloo_shrink": False,
+        }
+
+
+def _nccl_version() -> tuple[int, int, int] | None:
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return None
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    if isinstance(v, tuple):
+        return (int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 else 0)
+    v = int(v)  # older torch: a code like 22809 or 2809
+    return (v // 10000, (v // 100) % 100, v % 100) if v >= 10000 else (v // 1000, (v // 100) % 10, v % 100)
+
+
+def probe_runtime() -> RuntimeSupport:
+    """Probe torch, NCCL and nccl4py once; cheap and side-effect free."""
+    nccl4py_version = None
+    nccl4py_shrink = nccl4py_grow = False
+    try:
+        import nccl.core as nccl_core  # nccl4py
+
+        comm_cls = getattr(nccl_core, "Communicator", None)
+        nccl4py_version = str(getattr(nccl_core, "__version__", None)
+                              or getattr(__import__("nccl"), "__version__", "unknown"))
+        nccl4py_shrink = comm_cls is not None and hasattr(comm_cls, "shrink")
+        nccl4py_grow = comm_cls is not None and hasattr(comm_cls, "grow")
+    except Exception:  # absent, or present without a CUDA runtime
+        pass
+    pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
+    return RuntimeSupport(
+        torch_version=torch.__version__,
+        num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        nccl_version=_nccl_version(),
+        torch_shrink_group=hasattr(dist, "shrink_group"),
+        nccl_backend_shrink=pg_nccl is not None and hasattr(pg_nccl, "shrink"),
+        nccl4py_version=nccl4py_version,
+        nccl4py_shrink=nccl4py_shrink,
+        nccl4py_grow=nccl4py_grow,
+    )
+
+
+def _order_kept(old: MembershipView, new: MembershipView) -> bool:
+    """Survivors appear in the same relative order and occupy the first ranks of ``new``."""
+    old_ids = old.identities
+    survivors_new = [m.identity for m in new.members if m.identity in old_ids]
+    survivors_old = [m.identity for m in old.members if m.identity in new.identities]
+    prefix = [m.identity for m in new.members[: len(survivors_new)]]
+    return survivors_new == survivors_old and prefix == survivors_new
+
+
+def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
+                support: RuntimeSupport, *, peer_died: bool = True) -> str:
+    """The reconfiguration path for ``old -> new`` (pure: no I/O)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if old is None:
+        return "build"
+    d = diff(old, new)
+    if d.unchanged and old.member_ids == new.member_ids:
+        return "unchanged"
+    if backend in ("nccl", "nccl4py") and _order_kept(old, new):
+        can_shrink = support.nccl_shrink if backend == "nccl" else (
+            support.nccl_version is not None and support.nccl_version >= NCCL_MIN_SHRINK
+            and support.nccl4py_shrink)
+        if d.removals_only and can_shrink:
+            return "shrink_abort" if peer_died else "shrink"
+        if d.additions_only and backend == "nccl4py" and support.nccl_grow:
+            return "grow"
+    return "rebuild"
+
+
+# ---------------------------------------------------------------- communicator
+@dataclass(slots=True)
+class Communicator:
+    """One epoch's communicator. ``pg`` is a torch c10d backend (or an nccl4py comm).
+
+    ``store`` is kept here on purpose: the process group must never outlive the Python
+    half of its store.
+    """
+
+    epoch: int
+    backend: str
+    rank: int
+    size: int
+    member_ids: tuple[str, ...]
+    pg: Any
+    store: EtcdStore | None
+    device: torch.device
+    path: str
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` across ranks in place (used to verify a fresh communicator)."""
+        if self.backend == "nccl4py":
+            raise CommunicatorError("allreduce on nccl4py communicators goes through transport/")
+        self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def barrier(self) -> None:
+        self.allreduce(torch.zeros(1, device=self.device))
+
+
+@dataclass(frozen=True, slots=True)
+class ReconfigureResult:
+    """Which path ran and how long each part took (seconds)."""
+
+    path: str
+    epoch: int
+    seconds: float
+    abort_seconds: float
+    build_seconds: float
+    communicator: Communicator | None
+
+
+_PARKED: list[Any] = []  # communicators whose abort timed out: never destroyed here
+
+
+def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort") -> float:
+    """Abort ``pg`` on a helper thread; give up (and park it) after ``timeout_s``.
+
+    The helper holds the last reference so the backend's destructor, which may join
+    threads stuck on a dead peer, never runs on the caller's thread.
+    """
+    box = [pg]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def _run() -> None:
+        try:
+            obj = box.pop()
+            fn = getattr(obj, "abort", None)
+            if fn is not None:
+                fn()
+            del obj
+        except BaseException as exc:  # reported, never raised into the runtime
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    threading.Thread(target=_run, name=f"comm-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        _PARKED.append(pg)
+        log.error("comm.abort.timed_out", what=what, timeout_s=timeout_s)
+    elif errors:
+        log.warning("comm.abort.failed", what=what, error=repr(errors[0])[:300])
+    return time.monotonic() - t0
+
+
+class CommunicatorManager:
+    """Owns this rank's communicator and moves it from epoch to epoch.
+
+    >>> mgr = CommunicatorManager(client, "job", "t0", backend="gloo")  # doctest: +SKIP
+    >>> mgr.reconfigure(None, view1)      # build
+    >>> mgr.reconfigure(view1, view2)     # shrink / grow / rebuild, timed and logged
+    """
+
+    def __init__(self, client: EtcdClient, job: str, member_id: str, *, backend: str = "gloo",
+                 config: MembershipConfig | None = None, device: torch.device | str | None = None,
+                 support: RuntimeSupport | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.client = client
+        self.job = job
+        self.member_id = member_id
+        self.backend = backend
+        self.config = config or MembershipConfig()
+        self.support = support or probe_runtime()
+        if device is None:
+            device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
+        self.device = torch.device(device)
+        self.current: Communicator | None = None
+        self.log = get_logger(job=job, member_id=member_id, backend=backend)
+        self.log.info("comm.runtime.probed", **self.support.to_json())
+
+    # ------------------------------------------------------------------ public
+    def reconfigure(self, old_view: MembershipView | None, new_view: MembershipView, *,
+                    peer_died: bool = True) -> ReconfigureResult:
+        """Move this rank's communicator from ``old_view`` to ``new_view``.
+
+        Raises :class:`MembershipLost` if this member is not in ``new_view`` (its old
+        communicator is aborted first) and :class:`CommunicatorError` if the new
+        communicator could not be formed before the epoch deadline.
+        """
+        t0 = time.monotonic()
+        if self.member_id not in new_view:
+            self._abort_current("not_a_member")
+            raise MembershipLost(f"member {self.member_id!r} is not in epoch {new_view.epoch}")
+        if self.current is None:
+            old_view = None
+        path = choose_path(old_view, new_view, self.backend, self.support, peer_died=peer_died)
+        abort_s = build_s = 0.0
+        try:
+            if path == "unchanged":
+                self.current.epoch = new_view.epoch  # type: ignore[union-attr]
+            elif path in ("shrink", "shrink_abort"):
+                abort_s, build_s = self._shrink(old_view, new_view, abort=path == "shrink_abort")
+            elif path == "grow":
+                build_s = self._grow(old_view, new_view)
+            else:
+                abort_s = self._abort_current("rebuild") if self.current is not None else 0.0
+                t1 = time.monotonic()
+                self.current = self._build(new_view, path)
+                build_s = time.monotonic() - t1
+        except (CommunicatorError, MembershipLost):
+            raise
+        except Exception as exc:
+            # A fast path that fails (peer gone mid-shrink, API mismatch) falls back once.
+            if path in ("shrink", "shrink_abort", "grow"):
+                self.log.warning("comm.fast_path.failed", path=path, epoch=new_view.epoch,
+                                 error=repr(exc)[:300])
+                abort_s += self._abort_current("fallback")
+                t1 = time.monotonic()
+                self.current = self._build(new_view, "rebuild")
+                build_s = time.monotonic() - t1
+                path = "rebuild"
+            else:
+                raise CommunicatorError(
+                    f"{path} of epoch {new_view.epoch} failed on {self.member_id}: {exc}") from exc
+        seconds = time.monotonic() - t0
+        self.log.info("comm.reconfigured", path=path, epoch=new_view.epoch,
+                      from_epoch=old_view.epoch if old_view else None,
+                      num_ranks=new_view.num_ranks, rank=new_view.rank_of(self.member_id),
+                      seconds=round(seconds, 4), abort_seconds=round(abort_s, 4),
+                      build_seconds=round(build_s, 4))
+        return ReconfigureResult(path, new_view.epoch, seconds, abort_s, build_s, self.current)
+
+    def close(self) -> None:
+        """Abort the current communicator (bounded by the watchdog)."""
+        if self.current is not None:
+            self._abort_current("close")
+
+    # --------------------------------------------------------------- internals
+    def _abort_current(self, why: str) -> float:
+        comm, self.current = self.current, None
+        if comm is None:
+            return 0.0
+        pg, comm.pg = comm.pg, None
+        return abort_with_watchdog(pg, self.config.abort_timeout_s, self.log, what=why)
+
+    def _store(self, view: MembershipView, namespace: str) -> EtcdStore:
+        # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
+        # slightly different times); collectives afterwards use the collective timeout.
+        return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
+                         timeout=timedelta(seconds=self.config.epoch_deadline_s))
+
+    def _build(self, view: MembershipView, path: str) -> Communicator:
+        rank = view.rank_of(self.member_id)
+        store = self._store(view, f"comm-{self.backend}")
+        rendezvous = timedelta(seconds=self.config.epoch_deadline_s)
+        collective = timedelta(seconds=self.config.collective_timeout_s)
+        try:
+            if self.backend == "gloo":
+                pg = dist.ProcessGroupGloo(store, rank, view.num_ranks, rendezvous)
+                pg._set_default_timeout(collective)
+            elif self.backend == "nccl":
+                pg = self._build_nccl(store, rank, view.num_ranks, collective)
+            else:
+                pg = self._build_nccl4py(store, rank, view.num_ranks)
+        except StoreTimeout as exc:
+            raise CommunicatorError(
+                f"rendezvous of epoch {view.epoch} timed out on {self.member_id}: {exc}") from exc
+        except RuntimeError as exc:
+            raise CommunicatorError(
+                f"building the {self.backend} communicator of epoch {view.epoch} failed on "
+                f"{self.member_id}: {exc}") from exc
+        return Communicator(view.epoch, self.backend, rank, view.num_ranks, view.member_ids,
+                            pg, store, self.device, path)
+
+    def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        with contextlib.suppress(AttributeError):
+            opts.config.blocking = 0  # non-blocking comms can be aborted mid-init
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        # Eager init binds the device now, so a broken peer shows up here, not in a refit.
+        if hasattr(pg, "eager_connect_single_device"):
+            pg.eager_connect_single_device(self.device)
+        return pg
+
+    def _build_nccl4py(self, store: EtcdStore, rank: int, size: int):
+        import nccl.core as nccl_core
+
+        if rank == 0:
+            uid = nccl_core.get_unique_id()
+            store.set("unique_id", bytes(uid.as_bytes() if hasattr(uid, "as_bytes") else uid))
+        raw = store.get("unique_id")
+        uid = nccl_core.UniqueId.from_bytes(raw) if hasattr(nccl_core.UniqueId, "from_bytes") else raw
+        return nccl_core.Communicator.init(nranks=size, rank=rank, unique_id=uid)
+
+    def _shrink(self, old: MembershipView, new: MembershipView, *, abort: bool) -> tuple[float, float]:
+        parent = self.current
+        assert parent is not None
+        excluded = sorted(old.rank_of(m.member_id) for m in diff(old, new).removed)
+        t0 = time.monotonic()
+        if self.backend == "nccl":
+            flags = dist.distributed_c10d.SHRINK_ABORT if abort else 0
+            child = parent.pg.shrink(excluded, flags)
+        else:
+            import nccl.core as nccl_core
+
+            flag = nccl_core.CommShrinkFlag.Abort if abort else nccl_core.CommShrinkFlag.Default
+            child = parent.pg.shrink(excluded, flag)
+        build_s = time.monotonic() - t0
+        # The parent is aborted, never destroyed: destroy would wait on the dead peer.
+        abort_s = self._abort_current("shrink_parent")
+        self.current = Communicator(new.epoch, self.backend, new.rank_of(self.member_id),
+                                    new.num_ranks, new.member_ids, child, parent.store,
+                                    self.device, "shrink_abort" if abort else "shrink")
+        return abort_s, build_s
+
+    def _grow(self, old: MembershipView, new: MembershipView) -> float:
+        import nccl.core as nccl_core
+
+        t0 = time.monotonic()
+        store = self._store(new, "grow")
+        rank = new.rank_of(self.member_id)
+        existing = self.current is not None and self.member_id in old
+        if existing and rank == 0:
+            uid = self.current.pg.get_unique_id()  # type: ignore[union-attr]
+            store.set("grow_unique_id", bytes(uid.as_bytes() if hasattr(uid, "as_bytes") else uid))
+        raw = store.get("grow_unique_id")
+        uid = nccl_core.UniqueId.from_bytes(raw) if hasattr(nccl_core.UniqueId, "from_bytes") else raw
+        if existing:
+            comm = self.current.pg.grow(new.num_ranks, uid)  # type: ignore[union-attr]
+        else:
+            comm = nccl_core.Communicator.grow_join(new.num_ranks, rank, uid)
+        self.current = Communicator(new.epoch, self.backend, rank, new.num_ranks,
+                                    new.member_ids, comm, store, self.device, "grow")
+        return time.monotonic() - t0

@@ -1,0 +1,123 @@
+"""A ``torch.distributed.Store`` on etcd, scoped to one epoch: ``store/{epoch}/...``.
+
+Communicators of an epoch rendezvous here (gloo exchanges addresses, NCCL its unique
+id), so a rebuild never needs a separate TCPStore host that could itself fail, and keys
+of an old epoch can never be confused with the new one.
+
+Keep a Python reference to the store for as long as a process group uses it: if only C++
+holds it, the pybind trampoline loses its Python half and every call fails.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from membership.client import Compare, EtcdClient, Get, Put
+from membership.errors import StoreTimeout
+from membership.keys import JobKeys
+
+_POLL_MIN_S = 0.002
+_POLL_MAX_S = 0.05
+
+
+class EtcdStore(dist.Store):
+    """Key-value rendezvous under ``/elastic-refit/{job}/store/{epoch}/{namespace}``.
+
+    Implements set, get, add, compare_set, wait, check, delete_key, num_keys,
+    multi_get and multi_set; ``get`` and ``wait`` block up to the store timeout and then
+    raise :class:`~membership.errors.StoreTimeout` (a ``TimeoutError``).
+    """
+
+    def __init__(self, client: EtcdClient, job: str, epoch: int, *, namespace: str = "",
+                 timeout: timedelta = timedelta(seconds=30)):
+        super().__init__()
+        if namespace and not namespace.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"namespace must be alphanumeric with '_' or '-', got {namespace!r}")
+        self._client = client
+        self.epoch = epoch
+        self.prefix = JobKeys(job).store(epoch) + (f"{namespace}/" if namespace else "")
+        self.set_timeout(timeout)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _timeout_s(self, override: timedelta | None = None) -> float:
+        t = override if override is not None else self.timeout
+        seconds = t.total_seconds()
+        return seconds if seconds > 0 else float("inf")
+
+    # -- torch.distributed.Store interface ---------------------------------
+    def set(self, key: str, value) -> None:
+        self._client.put(self._k(key), bytes(value) if not isinstance(value, str) else value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        kv = self._client.get(self._k(key))
+        if kv is None:  # deleted between wait and get
+            raise StoreTimeout(f"store key {self._k(key)!r} vanished after appearing")
+        return kv.value
+
+    def add(self, key: str, value: int) -> int:
+        """Atomically add ``value`` to the integer at ``key`` (absent counts as 0)."""
+        k = self._k(key)
+        while True:
+            kv = self._client.get(k)
+            current = int(kv.value) if kv is not None else 0
+            new = current + int(value)
+            guard = Compare(k, "mod", "==", kv.mod_revision if kv is not None else 0)
+            if self._client.txn([guard], [Put(k, str(new).encode())]).succeeded:
+                return new
+
+    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``b''``: if absent)."""
+        k = self._k(key)
+        expected = bytes(expected_value) if not isinstance(expected_value, str) else expected_value.encode()
+        desired = bytes(desired_value) if not isinstance(desired_value, str) else desired_value.encode()
+        guard = (Compare(k, "version", "==", 0) if expected == b""
+                 else Compare(k, "value", "==", expected))
+        res = self._client.txn([guard], [Put(k, desired)], [Get(k)])
+        if res.succeeded:
+            return desired
+        current = res.gets[0] if res.gets else ()
+        return current[0].value if current else expected
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._client.get(self._k(key)) is not None for key in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout_s(timeout)
+        deadline = time.monotonic() + limit
+        pending = list(keys)
+        delay = _POLL_MIN_S
+        while pending:
+            pending = [key for key in pending if self._client.get(self._k(key)) is None]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(
+                    f"store keys {[self._k(k) for k in pending]} not set within {limit}s "
+                    f"(epoch {self.epoch})"
+                )
+            # Short polls first: rendezvous peers usually arrive within milliseconds.
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete(self._k(key))
+
+    def num_keys(self) -> int:
+        return self._client.count_prefix(self.prefix)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v)
+
+    def purge(self) -> int:
+        """Delete every key of this store's prefix; returns how many were removed."""
+        return self._client.delete_prefix(self.prefix)

@@ -1,0 +1,274 @@
+"""Membership against a real etcd: join, leave, crash, freeze, etcd restart, leader loss."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from membership.client import EtcdClient
+from membership.errors import EtcdServerError, EtcdUnavailable
+from membership.keys import JobKeys
+from membership.server import EtcdServer
+from membership.view import MembershipView
+from membership.watch import RangeWatcher
+from tests.integration.conftest import wait_until
+
+pytestmark = pytest.mark.etcd
+
+TTL = 2
+
+
+def epoch_of(client: EtcdClient, job: str) -> MembershipView | None:
+    kv = client.get(JobKeys(job).epoch)
+    return MembershipView.decode(kv.value) if kv else None
+
+
+def wait_epoch(client, job, predicate, timeout_s=15.0, what="epoch") -> MembershipView:
+    return wait_until(lambda: (v := epoch_of(client, job)) is not None and predicate(v) and v,
+                      timeout_s, what, interval=0.005)
+
+
+class EpochRecorder:
+    """Every value the ``epoch`` key takes, with the time it was seen (watch-based)."""
+
+    def __init__(self, client: EtcdClient, job: str):
+        keys = JobKeys(job)
+        self.values: list[tuple[float, MembershipView]] = []
+        self.lock = threading.Lock()
+        self.watcher = RangeWatcher(client, keys.epoch, keys.epoch + "\0", name="epochs")
+        self.watcher.add_listener(self._on)
+        self.watcher.start()
+
+    def _on(self, reset, events, snap) -> None:
+        for kv in snap.items.values():
+            view = MembershipView.decode(kv.value)
+            with self.lock:
+                if not self.values or self.values[-1][1].epoch != view.epoch:
+                    self.values.append((time.time(), view))
+
+    def epochs(self) -> list[int]:
+        with self.lock:
+            return [v.epoch for _, v in self.values]
+
+
+def test_join_then_all_members_in_one_epoch(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    members = [agents(etcd_server.endpoints, job, f"t{i}") for i in range(2)]
+    members.append(agents(etcd_server.endpoints, job, "i0", role="inference"))
+    view = wait_epoch(client, job, lambda v: v.num_ranks == 3, what="3 members")
+    assert set(view.member_ids) == {"t0", "t1", "i0"}
+    assert [m.member_id for m in view.by_role()["inference"]] == ["i0"]
+    keys = client.get_prefix(JobKeys(job).members_prefix).kvs
+    records = [json.loads(kv.value) for kv in keys]
+    assert {r["member_id"] for r in records} == {"t0", "t1", "i0"}
+    assert all(kv.lease != 0 for kv in keys), "member keys must live on a lease"
+    assert {"incarnation", "host", "domain", "device", "address", "state"} <= set(records[0])
+    leader = json.loads(client.get(JobKeys(job).leader).value)
+    assert leader["member_id"] in {"t0", "t1", "i0"}
+    # Exactly one process believes it leads.
+    elected = [m for m in members if m.find("membership.leader.elected")]
+    assert len(elected) == 1
+
+
+def test_clean_leave_revokes_the_lease_at_once(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    _a, b = (agents(etcd_server.endpoints, job, f"t{i}") for i in range(2))
+    before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
+    leases_before = set(client.leases())
+    t0 = time.monotonic()
+    assert b.stop() == 0
+    after = wait_epoch(client, job, lambda v: v.member_ids == ("t0",), what="t1 gone")
+    elapsed = time.monotonic() - t0
+    assert after.epoch == before.epoch + 1
+    assert elapsed < TTL, f"a clean leave must not wait for lease expiry ({elapsed:.2f}s)"
+    assert len(set(client.leases())) == len(leases_before) - 1
+    assert client.get(JobKeys(job).member("trainer", "t1")) is None
+    assert b.find("membership.member.left")
+
+
+def test_sigkill_member_is_removed_when_its_lease_expires(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    a = agents(etcd_server.endpoints, job, "t0")
+    wait_epoch(client, job, lambda v: v.num_ranks == 1, what="t0 leads")
+    b = agents(etcd_server.endpoints, job, "t1", candidate=False)
+    before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
+    t0 = time.monotonic()
+    b.kill()
+    after = wait_epoch(client, job, lambda v: "t1" not in v, timeout_s=TTL + 5, what="t1 expired")
+    elapsed = time.monotonic() - t0
+    assert after.epoch == before.epoch + 1
+    # Not before the TTL minus one keepalive interval, and promptly after expiry.
+    assert TTL - TTL / 3 - 0.2 < elapsed < TTL + 1.0, f"removal took {elapsed:.2f}s"
+    assert a.find("membership.member.gone")
+
+
+def test_frozen_member_and_leader_are_fenced_after_resume(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    keys = JobKeys(job)
+    stale = agents(etcd_server.endpoints, job, "t0")
+    stale.wait_event(lambda e: e.get("event") == "membership.leader.elected")
+    other = agents(etcd_server.endpoints, job, "t1")
+    wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
+    stale.signal(signal.SIGSTOP)
+    try:
+        # The frozen leader's lease expires; t1 takes over and publishes without t0.
+        taken = wait_epoch(client, job, lambda v: v.member_ids == ("t1",), timeout_s=TTL + 5,
+                           what="epoch without the frozen member")
+        other.wait_event(lambda e: e.get("event") == "membership.leader.elected")
+        time.sleep(0.5)
+    finally:
+        stale.signal(signal.SIGCONT)
+    stale.signal(signal.SIGUSR1)  # attempt a member write and an epoch write
+    member_probe = stale.wait_event(lambda e: e.get("event") == "agent.probe"
+                                    and e.get("write") == "member")
+    epoch_probe = stale.wait_event(lambda e: e.get("event") == "agent.probe"
+                                   and e.get("write") == "epoch")
+    assert member_probe["succeeded"] is False
+    assert epoch_probe["succeeded"] is False
+    assert stale.find("membership.member.lost"), "the stale member must know it was lost"
+    # etcd holds none of the stale writes.
+    assert client.get(keys.prefix + "probe/t0") is None
+    current = epoch_of(client, job)
+    assert current is not None and current.epoch == taken.epoch
+    assert current.member_ids == ("t1",)
+    leader = json.loads(client.get(keys.leader).value)
+    assert leader["member_id"] == "t1"
+
+
+def test_watches_resume_after_etcd_restart(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    a = agents(etcd_server.endpoints, job, "t0")
+    b = agents(etcd_server.endpoints, job, "t1")
+    before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
+    etcd_server.kill(signal.SIGKILL)
+    time.sleep(1.0)
+    etcd_server.restart()
+    # Leases survive a restart (etcd renews them on recovery); a newcomer joins.
+    c = agents(etcd_server.endpoints, job, "t2")
+    after = wait_epoch(client, job, lambda v: v.num_ranks == 3, timeout_s=20,
+                       what="newcomer after restart")
+    assert after.epoch > before.epoch
+    for agent in (a, b):
+        agent.wait_event(lambda e: e.get("event") == "membership.watch.resumed")
+        agent.wait_event(lambda e: e.get("event") == "membership.epoch.changed"
+                         and e.get("epoch") == after.epoch)
+    assert not a.find("membership.member.lost") and not b.find("membership.member.lost")
+    c.kill()
+    gone = wait_epoch(client, job, lambda v: "t2" not in v, timeout_s=TTL + 5, what="t2 expired")
+    a.wait_event(lambda e: e.get("event") == "membership.epoch.changed"
+                 and e.get("epoch") == gone.epoch)
+
+
+def test_watch_relists_when_its_revision_was_compacted(etcd_server, make_client):
+    client = make_client(etcd_server.endpoints)
+    client.put("/w/a", b"1")
+    start_rev = client.revision()
+    client.put("/w/b", b"2")
+    client.delete("/w/a")
+    client.put("/w/c", b"3")
+    client.compact(client.revision())
+    watcher = RangeWatcher(client, "/w/", "/w0", name="compacted", start_revision=start_rev)
+    watcher.start()
+    snap = watcher.wait_for(lambda s: set(s.items) == {"/w/b", "/w/c"}, timeout_s=5)
+    assert watcher.relists >= 1
+    client.put("/w/d", b"4")
+    snap = watcher.wait_for(lambda s: "/w/d" in s.items, timeout_s=5)
+    assert snap.items["/w/d"].value == b"4"
+    watcher.stop()
+
+
+def test_watch_notices_a_stalled_stream(etcd_cluster, make_client):
+    # Freeze the node the watcher talks to: no progress answer -> reconnect elsewhere.
+    client = make_client(etcd_cluster.endpoints, request_timeout_s=1.0)
+    watcher = RangeWatcher(client, "/s/", "/s0", name="stall", progress_interval_s=0.3,
+                           stall_timeout_s=1.0)
+    watcher.start()
+    frozen = etcd_cluster.endpoints.index(client.endpoint)
+    pid = etcd_cluster.nodes[frozen].pid
+    import os
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        other = make_client([e for i, e in enumerate(etcd_cluster.endpoints) if i != frozen])
+        wait_until(lambda: watcher.stalls >= 1, 10, "stall detection")
+        other.put("/s/x", b"after-stall")
+        snap = watcher.wait_for(lambda s: "/s/x" in s.items, timeout_s=10)
+        assert snap.items["/s/x"].value == b"after-stall"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        watcher.stop()
+
+
+def test_leader_death_in_3_node_cluster_takeover_and_increasing_epochs(
+        etcd_cluster, make_client, agents, job):
+    eps = etcd_cluster.endpoints
+    client = make_client(eps)
+    recorder = EpochRecorder(client, job)
+    first = agents(eps, job, "t0")
+    first.wait_event(lambda e: e.get("event") == "membership.leader.elected")
+    others = [agents(eps, job, f"t{i}") for i in (1, 2, 3)]
+    wait_epoch(client, job, lambda v: v.num_ranks == 4, what="4 members")
+    old_token = client.get(JobKeys(job).leader).create_revision
+    first.kill()  # the membership leader dies
+    view = wait_epoch(client, job, lambda v: "t0" not in v, timeout_s=TTL + 5, what="takeover")
+    new_leader = client.get(JobKeys(job).leader)
+    assert new_leader.create_revision > old_token
+    assert json.loads(new_leader.value)["member_id"] in {"t1", "t2", "t3"}
+    # Now lose the raft leader of etcd itself; membership keeps working.
+    etcd_cluster.stop_node(etcd_cluster.leader_index(), signal.SIGKILL)
+    victim = next(a for a in others if json.loads(new_leader.value)["member_id"] != a.member_id)
+    victim.kill()
+    try:
+        view = wait_epoch(client, job, lambda v: victim.member_id not in v, timeout_s=TTL + 8,
+                          what="epoch after raft leader loss")
+    except AssertionError:
+        for a in others:
+            for e in a.events[-25:]:
+                print(a.member_id, json.dumps(e)[:300])
+        raise
+    assert view.num_ranks == 2
+    wait_until(lambda: recorder.epochs() and recorder.epochs()[-1] == view.epoch, 5,
+               f"recorder to see epoch {view.epoch} (saw {recorder.epochs()}; "
+               f"watch: rev={recorder.watcher.revision} progress={recorder.watcher.progress_responses}"
+               f" reconnects={recorder.watcher.reconnects} stalls={recorder.watcher.stalls}, "
+               f"endpoint={client.endpoint}, etcd={client.get(JobKeys(job).epoch)})")
+    seen = recorder.epochs()
+    assert seen == sorted(set(seen)), f"epochs must strictly increase, saw {seen}"
+    assert seen == list(range(seen[0], seen[-1] + 1)), f"epochs skip or repeat: {seen}"
+    recorder.watcher.stop()
+
+
+def test_no_leases_keys_or_processes_left_after_clean_exit(etcd_server, make_client, agents, job):
+    client = make_client(etcd_server.endpoints)
+    procs = [agents(etcd_server.endpoints, job, f"t{i}") for i in range(3)]
+    wait_epoch(client, job, lambda v: v.num_ranks == 3, what="3 members")
+    assert len(client.leases()) == 3
+    for p in procs:
+        assert p.stop() == 0
+    assert client.leases() == []
+    assert client.get_prefix(JobKeys(job).members_prefix).kvs == ()
+    assert client.get(JobKeys(job).leader) is None
+    for p in procs:
+        assert p.proc.poll() is not None
+
+
+def test_unreachable_etcd_raises_a_typed_error_naming_the_endpoint():
+    from membership.server import free_ports
+
+    port = free_ports(1)[0]
+    client = EtcdClient([f"127.0.0.1:{port}"], retry_deadline_s=0.5, request_timeout_s=0.3)
+    try:
+        with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}"):
+            client.get("/x")
+    finally:
+        client.close()
+
+
+def test_missing_etcd_binary_gives_a_clear_message(monkeypatch):
+    monkeypatch.setenv("ETCD_BIN", "/nonexistent/etcd")
+    with pytest.raises(EtcdServerError, match="apt-get install -y etcd-server"):
+        EtcdServer()
