@@ -1,0 +1,140 @@
+"""Pure tests of member records, views, diff, rank order, path choice and timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from membership.comm import RuntimeSupport, choose_path
+from membership.config import MembershipConfig
+from membership.keys import JobKeys
+from membership.view import MemberRecord, MembershipView, diff, next_member_order
+
+
+def rec(member_id: str, role: str = "trainer", inc: str = "a", state: str = "ready") -> MemberRecord:
+    return MemberRecord(role=role, member_id=member_id, incarnation=inc, host="h",
+                        domain="d0", device="cpu", state=state)
+
+
+def view(epoch: int, *members: MemberRecord) -> MembershipView:
+    return MembershipView(epoch=epoch, members=members)
+
+
+def support(nccl=None, shrink=False, grow=False) -> RuntimeSupport:
+    return RuntimeSupport(torch_version="x", num_gpus=0, nccl_version=nccl,
+                          torch_shrink_group=True, nccl_backend_shrink=shrink,
+                          nccl4py_version="1" if grow else None, nccl4py_shrink=grow,
+                          nccl4py_grow=grow)
+
+
+def test_diff_reports_added_and_removed_members():
+    old = view(1, rec("t0"), rec("t1"), rec("i0", "inference"))
+    new = view(2, rec("t0"), rec("i0", "inference"), rec("i1", "inference"))
+    d = diff(old, new)
+    assert [m.member_id for m in d.added] == ["i1"]
+    assert [m.member_id for m in d.removed] == ["t1"]
+    assert not d.removals_only and not d.additions_only and not d.unchanged
+
+
+def test_diff_treats_a_restart_as_remove_plus_add():
+    d = diff(view(1, rec("t0"), rec("t1", inc="a")), view(2, rec("t0"), rec("t1", inc="b")))
+    assert [m.incarnation for m in d.added] == ["b"]
+    assert [m.incarnation for m in d.removed] == ["a"]
+
+
+def test_diff_from_nothing_adds_everyone():
+    d = diff(None, view(1, rec("t0"), rec("t1")))
+    assert d.additions_only and len(d.added) == 2 and d.removed == ()
+
+
+def test_view_groups_by_role_and_ranks_in_member_order():
+    v = view(3, rec("t1"), rec("i0", "inference"), rec("t0"))
+    assert [m.member_id for m in v.by_role()["trainer"]] == ["t1", "t0"]
+    assert [m.member_id for m in v.members_of("inference")] == ["i0"]
+    assert v.rank_of("t0") == 2 and "i0" in v and "zz" not in v
+    with pytest.raises(KeyError, match="'zz' is not in epoch 3"):
+        v.rank_of("zz")
+
+
+def test_view_round_trips_through_json():
+    v = MembershipView(epoch=7, members=(rec("t0"), rec("i0", "inference")), based_on_revision=42)
+    assert MembershipView.decode(v.encode()) == v
+
+
+def test_view_rejects_duplicate_members_and_bad_epochs():
+    with pytest.raises(ValueError, match="'t0' appears twice in epoch 1"):
+        view(1, rec("t0"), rec("t0", inc="b"))
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        view(-1)
+
+
+def test_member_record_validation_quotes_values():
+    with pytest.raises(ValueError, match=r"role must be one of .* got 'learner'"):
+        rec("t0", role="learner")
+    with pytest.raises(ValueError, match=r"member_id must match .* got 'a/b'"):
+        rec("a/b")
+    with pytest.raises(ValueError, match=r"state must be one of .* got 'zombie'"):
+        rec("t0", state="zombie")
+
+
+def test_next_member_order_keeps_survivors_and_appends_newcomers():
+    prev = view(1, rec("t2"), rec("t0"), rec("i0", "inference"))
+    alive = [rec("i1", "inference"), rec("t0"), rec("i0", "inference"), rec("t1")]
+    order = [m.member_id for m in next_member_order(prev, alive)]
+    assert order == ["t0", "i0", "t1", "i1"]  # survivors in old order; trainers before inference
+
+
+def test_choose_path_gloo_always_rebuilds():
+    old = view(1, rec("t0"), rec("t1"))
+    s = support(nccl=(2, 29, 2), shrink=True, grow=True)
+    assert choose_path(None, old, "gloo", s) == "build"
+    assert choose_path(old, view(2, rec("t0")), "gloo", s) == "rebuild"
+    assert choose_path(old, view(2, rec("t0"), rec("t1")), "gloo", s) == "unchanged"
+
+
+@pytest.mark.parametrize(
+    ("nccl", "shrink", "grow", "backend", "new_ids", "peer_died", "expected"),
+    [
+        ((2, 28, 9), True, False, "nccl", ("t0", "t2"), True, "shrink_abort"),
+        ((2, 28, 9), True, False, "nccl", ("t0", "t2"), False, "shrink"),
+        ((2, 26, 0), True, False, "nccl", ("t0", "t2"), True, "rebuild"),  # NCCL too old
+        ((2, 28, 9), False, False, "nccl", ("t0", "t2"), True, "rebuild"),  # no shrink API
+        ((2, 29, 2), True, True, "nccl4py", ("t0", "t1", "t2", "t3"), True, "grow"),
+        ((2, 28, 9), True, True, "nccl4py", ("t0", "t1", "t2", "t3"), True, "rebuild"),  # < 2.29.2
+        ((2, 29, 2), True, True, "nccl", ("t0", "t1", "t2", "t3"), True, "rebuild"),  # torch: no grow
+        ((2, 29, 2), True, True, "nccl4py", ("t0", "t3"), True, "rebuild"),  # mixed change
+        ((2, 29, 2), True, True, "nccl4py", ("t3", "t0", "t1", "t2"), True, "rebuild"),  # reordered
+    ],
+)
+def test_choose_path_nccl_table(nccl, shrink, grow, backend, new_ids, peer_died, expected):
+    old = view(1, rec("t0"), rec("t1"), rec("t2"))
+    new = view(2, *(rec(i) for i in new_ids))
+    assert choose_path(old, new, backend, support(nccl, shrink, grow),
+                       peer_died=peer_died) == expected
+
+
+def test_timeouts_must_be_ordered():
+    MembershipConfig(ttl_s=2, collective_timeout_s=1.5, epoch_deadline_s=10)
+    with pytest.raises(ValueError, match=r"collective < lease TTL < epoch deadline.*"
+                       "collective_timeout_s=3.0, ttl_s=2"):
+        MembershipConfig(ttl_s=2, collective_timeout_s=3.0)
+    with pytest.raises(ValueError, match=r"ttl_s must be an int >= 2 .* got 1"):
+        MembershipConfig(ttl_s=1)
+
+
+def test_key_layout_matches_the_design():
+    k = JobKeys("job1")
+    assert k.member("trainer", "t0") == "/elastic-refit/job1/members/trainer/t0"
+    assert k.leader == "/elastic-refit/job1/leader"
+    assert k.epoch == "/elastic-refit/job1/epoch"
+    assert k.store(3) == "/elastic-refit/job1/store/3/"
+    assert k.ack(5, "i0") == "/elastic-refit/job1/versions/5/acks/i0"
+    assert k.committed(5) == "/elastic-refit/job1/versions/5/committed"
+    start, end = k.control_range
+    inside = [k.epoch, k.leader, k.member("inference", "i9")]
+    outside = [k.store(1) + "x", k.ack(1, "t0"), "/elastic-refit/job1/members"]
+    assert all(start <= key < end for key in inside)
+    assert not any(start <= key < end for key in outside[:2])
+    assert k.parse_member_key(k.member("inference", "i9")) == ("inference", "i9")
+    assert k.parse_member_key(k.store(1)) is None
+    with pytest.raises(ValueError, match="job must match"):
+        JobKeys("bad/job")
