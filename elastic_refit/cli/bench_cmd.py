@@ -7,7 +7,7 @@ import importlib
 
 # Sub-benchmarks that register themselves as `bench <name>`; each module defines
 # `register(bench_subparsers)`.
-_BENCH_MODULES: tuple[str, ...] = ()
+_BENCH_MODULES: tuple[str, ...] = ("bench_membership",)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,240 @@
+"""Membership recovery benchmark: SIGKILL a member, time detection, epoch, gloo rebuild.
+
+A real etcd and ``members`` agent processes (``python -m membership.agent --comm gloo``).
+Each trial SIGKILLs one member at random and measures, from the kill:
+
+- detect: the member's key disappears (its lease expired) as seen by a watch;
+- epoch: the leader's next epoch without the member is visible;
+- rebuild: each survivor's abort-and-rebuild of its gloo communicator (from its own
+  ``comm.reconfigured`` event; the slowest survivor counts), and ``ready``: the time
+  until every survivor has verified the new communicator with an all-reduce.
+
+The victim is then restarted (a new incarnation) and the next trial waits until all
+members share a verified communicator again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from membership.client import EtcdClient
+from membership.keys import JobKeys
+from membership.server import EtcdServer
+from membership.view import MembershipView
+from membership.watch import RangeWatcher
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Benchmark shape: ``members`` processes, ``trials`` kills, lease ``ttl_s``."""
+
+    members: int = 4
+    trials: int = 10
+    ttl_s: int = 2
+    seed: int = 0
+    settle_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.members < 2:
+            raise ValueError(f"--members must be >= 2 (one survivor at least), got {self.members}")
+        if self.trials < 1:
+            raise ValueError(f"--trials must be >= 1, got {self.trials}")
+        if self.ttl_s < 2:
+            raise ValueError(f"--ttl must be >= 2 (etcd grants no shorter lease), got {self.ttl_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    victim: str
+    detect_s: float
+    epoch_s: float
+    rebuild_s: float
+    ready_s: float
+    epoch: int
+
+
+class _Member:
+    """One agent process; its stdout JSON events are collected by a reader thread."""
+
+    def __init__(self, endpoints: list[str], job: str, member_id: str, ttl_s: int):
+        self.member_id = member_id
+        self.args = [sys.executable, "-m", "membership.agent", "--endpoints", ",".join(endpoints),
+                     "--job", job, "--member-id", member_id, "--ttl", str(ttl_s), "--comm", "gloo"]
+        self.events: list[dict] = []
+        self.cond = threading.Condition()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(_REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     cwd=_REPO_ROOT, env=env, start_new_session=True)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            event["_t"] = time.time()
+            with self.cond:
+                self.events.append(event)
+                self.cond.notify_all()
+
+    def wait(self, predicate: Callable[[dict], bool], timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if predicate(e):
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"member {self.member_id}: awaited event not seen in {timeout_s}s")
+                self.cond.wait(left)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Run the benchmark and return its summary (seconds; see the module docstring)."""
+    rng = random.Random(cfg.seed)
+    job = f"bench-{os.getpid()}"
+    keys = JobKeys(job)
+    trials: list[Trial] = []
+    with EtcdServer(name="bench") as etcd:
+        client = EtcdClient(etcd.endpoints)
+        gone: dict[str, float] = {}
+        epochs: list[tuple[float, MembershipView]] = []
+        lock = threading.Lock()
+
+        def on_change(reset, events, snap) -> None:
+            now = time.time()
+            with lock:
+                for ev in events:
+                    parsed = keys.parse_member_key(ev.key)
+                    if parsed and ev.kind == "delete":
+                        gone[parsed[1]] = now
+                kv = snap.items.get(keys.epoch)
+                if kv is not None:
+                    v = MembershipView.decode(kv.value)
+                    if not epochs or epochs[-1][1].epoch != v.epoch:
+                        epochs.append((now, v))
+
+        start, end = keys.control_range
+        watcher = RangeWatcher(client, start, end, name="bench")
+        watcher.add_listener(on_change)
+        watcher.start()
+        members = [_Member(etcd.endpoints, job, f"m{i}", cfg.ttl_s) for i in range(cfg.members)]
+        try:
+            progress(f"starting etcd and {cfg.members} member processes")
+            for m in members:
+                m.start()
+            epoch = _wait_all_verified(members, cfg.members, 0, cfg.settle_timeout_s)
+            for k in range(cfg.trials):
+                victim = rng.choice(members)
+                survivors = [m for m in members if m is not victim]
+                t_kill = time.time()
+                victim.kill()
+                deadline = time.monotonic() + cfg.settle_timeout_s
+                while time.monotonic() < deadline:
+                    with lock:
+                        t_gone = gone.get(victim.member_id, 0.0)
+                        new = next(((t, v) for t, v in epochs
+                                    if t >= t_kill and victim.member_id not in v), None)
+                    if t_gone >= t_kill and new is not None:
+                        break
+                    time.sleep(0.005)
+                else:
+                    raise TimeoutError(f"trial {k}: no epoch without {victim.member_id}")
+                t_epoch, view = new
+                recs = [m.wait(lambda e, ep=view.epoch: e.get("event") == "comm.reconfigured"
+                               and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
+                oks = [m.wait(lambda e, ep=view.epoch: e.get("event") == "comm.verified"
+                              and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
+                trial = Trial(victim=victim.member_id, detect_s=t_gone - t_kill,
+                              epoch_s=t_epoch - t_kill, rebuild_s=max(r["seconds"] for r in recs),
+                              ready_s=max(o["_t"] for o in oks) - t_kill, epoch=view.epoch)
+                trials.append(trial)
+                progress(f"trial {k + 1}/{cfg.trials}: killed {victim.member_id}, detect "
+                         f"{trial.detect_s:.3f}s, epoch {trial.epoch_s:.3f}s, rebuild "
+                         f"{trial.rebuild_s * 1e3:.1f}ms")
+                victim.start()
+                epoch = _wait_all_verified(members, cfg.members, view.epoch, cfg.settle_timeout_s)
+        finally:
+            for m in members:
+                m.stop()
+            watcher.stop()
+            leases_left = len(client.leases())
+            client.close()
+    detect = [t.detect_s for t in trials]
+    epoch_t = [t.epoch_s for t in trials]
+    rebuild = [t.rebuild_s for t in trials]
+    ready = [t.ready_s for t in trials]
+    return {
+        "members": cfg.members,
+        "trials": len(trials),
+        "ttl_s": cfg.ttl_s,
+        "detect_p50_s": _pct(detect, 50),
+        "detect_p99_s": _pct(detect, 99),
+        "epoch_p50_s": _pct(epoch_t, 50),
+        "epoch_p99_s": _pct(epoch_t, 99),
+        "epoch_max_s": max(epoch_t),
+        "rebuild_p50_s": _pct(rebuild, 50),
+        "rebuild_p99_s": _pct(rebuild, 99),
+        "ready_p50_s": _pct(ready, 50),
+        "ready_p99_s": _pct(ready, 99),
+        "goal_epoch_p99_s": cfg.ttl_s + 0.5,
+        "goal_met": _pct(epoch_t, 99) <= cfg.ttl_s + 0.5,
+        "leases_left": leases_left,
+        "last_epoch": epoch,
+        "per_trial": [asdict(t) for t in trials],
+    }
+
+
+def _wait_all_verified(members: list[_Member], size: int, after_epoch: int, timeout_s: float) -> int:
+    """Wait until every member verified a communicator of ``size`` ranks in one epoch."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = []
+        for m in members:
+            with m.cond:
+                eps = [e["epoch"] for e in m.events if e.get("event") == "comm.verified"
+                       and e.get("total") == float(size) and e["epoch"] > after_epoch]
+            latest.append(max(eps) if eps else None)
+        if all(x is not None for x in latest) and len(set(latest)) == 1:
+            return latest[0]  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"members did not agree on a {size}-rank communicator "
+                               f"after epoch {after_epoch} (latest verified: {latest})")
+        time.sleep(0.02)
