@@ -60,7 +60,7 @@ def _copy_tile(
     ITERS: tl.constexpr,
 ):
     """Copy bytes [start, start + ITERS*NV*UNIT*VEC) of one region, VEC units per access."""
-    W: tl.constexpr = UNIT * VEC
+    W = UNIT * VEC  # constexpr: a product of constexprs
     if UNIT == 4:
         base = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     elif UNIT == 2:

@@ -1,0 +1,395 @@
+"""Benchmark the pack/unpack kernels against a plain device-to-device copy of the same bytes.
+
+Cases (realistic refit boxes):
+  (a) TP re-slicing of stacked expert weights [E, I, H] bf16: boxes [E, I/tp, H], all tp parts
+  (b) column slices [:, c0:c1] of a row-major [8192, 8192] bf16 matrix: every block of width w,
+      and one single slice
+  (c) hundreds of small norm vectors ([4096] / [7168], bf16 / fp32) packed whole into one bucket
+
+GB/s counts payload bytes once (each is read once and written once, so memory traffic is
+twice that), the same for the copy baseline, which is ``dst.copy_(src)`` of as many bytes.
+Timing: CUDA events around N back-to-back calls after warm-up, median of several repeats;
+inputs rotate among enough buffer sets to exceed the L2 cache. "eager" is the bound Python
+call (``PackProgram.bind(...).pack()``: one Triton launch), "graph" replays the same calls
+captured in a CUDA graph (pure GPU time, no launch overhead). ``ref`` is the torch reference
+(one slice copy per region), eager.
+
+Usage: PYTHONPATH=. python benchmarks/bench_kernels.py [--json] [--sweep] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import BoxRegion, PackProgram
+
+L2_BYTES = 60 << 20
+
+
+@dataclass
+class Case:
+    name: str
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    regions: list[BoxRegion]
+
+
+def _itemsize(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+def expert_case(e: int, i: int, h: int, tp: int) -> Case:
+    step = i // tp
+    nb = e * step * h * 2
+    regions = [BoxRegion(0, (0, k * step, 0), (e, step, h), k * nb) for k in range(tp)]
+    return Case(f"a experts [{e},{i},{h}] tp={tp}", [(e, i, h)], [torch.bfloat16], regions)
+
+
+def column_case(n: int, width: int, single: bool) -> Case:
+    starts = [width] if single else list(range(0, n - width + 1, width))
+    nb = n * width * 2
+    regions = [BoxRegion(0, (0, c), (n, width), k * nb) for k, c in enumerate(starts)]
+    what = f"cols [{width}:{2 * width}]" if single else f"all col blocks w={width}"
+    return Case(f"b [{n},{n}] {what}", [(n, n)], [torch.bfloat16], regions)
+
+
+def vectors_case(groups: list[tuple[int, int, torch.dtype]]) -> Case:
+    shapes, dtypes, regions, cur = [], [], [], 0
+    for count, length, dt in groups:
+        for _ in range(count):
+            regions.append(BoxRegion(len(shapes), (0,), (length,), cur))
+            shapes.append((length,))
+            dtypes.append(dt)
+            cur += length * _itemsize(dt)
+    desc = " + ".join(f"{c}x[{n}] {str(dt).removeprefix('torch.')}" for c, n, dt in groups)
+    return Case(f"c {desc}", shapes, dtypes, regions)
+
+
+def all_cases(small: bool) -> list[Case]:
+    if small:  # a few MiB: a smoke run of this script on CPU
+        return [
+            expert_case(4, 64, 128, 4),
+            column_case(256, 64, single=False),
+            column_case(256, 64, single=True),
+            vectors_case([(16, 256, torch.bfloat16), (16, 448, torch.float32)]),
+        ]
+    return [
+        expert_case(64, 2048, 4096, 2),
+        expert_case(64, 2048, 4096, 4),
+        expert_case(64, 2048, 4096, 8),
+        column_case(8192, 1024, single=False),
+        column_case(8192, 2048, single=False),
+        column_case(8192, 4096, single=False),
+        column_case(8192, 1024, single=True),
+        column_case(8192, 4096, single=True),
+        vectors_case([(256, 4096, torch.bfloat16)]),
+        vectors_case([(512, 4096, torch.bfloat16)]),
+        vectors_case([(256, 7168, torch.bfloat16), (256, 7168, torch.float32)]),
+    ]
+
+
+class Timer:
+    """Per-call seconds of ``fn`` over rotating inputs: median of repeats of N calls."""
+
+    def __init__(self, device: torch.device, repeats: int, target_s: float):
+        self.device = device
+        self.repeats = repeats
+        self.target_s = target_s
+
+    def _elapsed(self, fn: Callable[[int], None], n: int, start: int) -> float:
+        if self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for k in range(n):
+                fn(start + k)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        for k in range(n):
+            fn(start + k)
+        return time.perf_counter() - t0
+
+    def eager(self, fn: Callable[[int], None], k_sets: int) -> float:
+        for k in range(max(3, k_sets)):  # touch every rotating set once before timing
+            fn(k)
+        one = self._elapsed(fn, 1, 0)
+        n = max(3, min(500, math.ceil(self.target_s / max(one, 1e-7))))
+        return statistics.median(self._elapsed(fn, n, r * n) / n for r in range(self.repeats))
+
+    def graph(self, fn: Callable[[int], None], k_sets: int) -> float | None:
+        """Replay a graph of ``n`` captured calls (rotating sets); None if capture fails."""
+        if self.device.type != "cuda":
+            return None
+        one = self.eager_once(fn)
+        n = max(k_sets, min(2000, math.ceil(self.target_s / max(one, 1e-7))))
+        n = -(-n // k_sets) * k_sets
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for k in range(k_sets):
+                    fn(k)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for k in range(n):
+                    fn(k)
+        except Exception as exc:  # capture unsupported: report it, keep the eager numbers
+            print(f"  graph capture failed: {exc}", file=sys.stderr)
+            return None
+        g.replay()
+        torch.cuda.synchronize()
+
+        def replay(_: int) -> None:
+            g.replay()
+
+        return statistics.median(self._elapsed(replay, 1, 0) for _ in range(self.repeats)) / n
+
+    def eager_once(self, fn: Callable[[int], None]) -> float:
+        fn(0)
+        return self._elapsed(fn, 1, 0)
+
+
+def bench_case(
+    case: Case,
+    device: torch.device,
+    timer: Timer,
+    tile: int,
+    warps: int,
+    backend: str,
+    with_ref: bool,
+) -> dict:
+    prog = PackProgram(
+        case.shapes,
+        case.dtypes,
+        case.regions,
+        device=device,
+        backend=backend,
+        tile_bytes=tile,
+        num_warps=warps,
+    )
+    ref = PackProgram(case.shapes, case.dtypes, case.regions, device=device, backend="torch")
+    nbytes = prog.nbytes
+    tensor_bytes = sum(
+        math.prod(s) * _itemsize(d) for s, d in zip(case.shapes, case.dtypes, strict=True)
+    )
+    footprint = tensor_bytes + nbytes
+    k_sets = max(1, min(64, math.ceil(4 * L2_BYTES / footprint)))
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def make_tensors():
+        return [
+            torch.randint(
+                0,
+                256,
+                (math.prod(s) * _itemsize(d),),
+                dtype=torch.uint8,
+                device=device,
+                generator=gen,
+            )
+            .view(d)
+            .reshape(s)
+            for s, d in zip(case.shapes, case.dtypes, strict=True)
+        ]
+
+    sets = [
+        (make_tensors(), torch.empty(nbytes, dtype=torch.uint8, device=device))
+        for _ in range(k_sets)
+    ]
+    binds = [prog.bind(t, b) for t, b in sets]
+    # Correctness in the same run: Triton vs reference, bit-exact, on the first set.
+    check = torch.empty_like(sets[0][1])
+    binds[0].pack()
+    ref.pack(sets[0][0], check)
+    ok = bool(torch.equal(check, sets[0][1]))
+    copies = [
+        (
+            torch.empty(nbytes, dtype=torch.uint8, device=device),
+            torch.empty(nbytes, dtype=torch.uint8, device=device),
+        )
+        for _ in range(k_sets)
+    ]
+
+    def copy(k):
+        d, s = copies[k % k_sets]
+        d.copy_(s)
+
+    def pack(k):
+        binds[k % k_sets].pack()
+
+    def unpack(k):
+        binds[k % k_sets].unpack()
+
+    def pack_unbound(k):
+        t, b = sets[k % k_sets]
+        prog.pack(t, b)
+
+    def ref_pack(k):
+        t, b = sets[k % k_sets]
+        ref.pack(t, b)
+
+    def ref_unpack(k):
+        t, b = sets[k % k_sets]
+        ref.unpack(b, t)
+
+    res = {
+        "case": case.name,
+        "bytes": nbytes,
+        "regions": len(case.regions),
+        "programs": prog.num_launch_programs,
+        "k_sets": k_sets,
+        "tile_bytes": tile,
+        "num_warps": warps,
+        "bit_exact": ok,
+    }
+    for name, fn in (
+        ("copy", copy),
+        ("pack", pack),
+        ("unpack", unpack),
+        ("pack_unbound", pack_unbound),
+    ):
+        res[f"{name}_s"] = timer.eager(fn, k_sets)
+    if with_ref:
+        res["ref_pack_s"] = timer.eager(ref_pack, k_sets)
+        res["ref_unpack_s"] = timer.eager(ref_unpack, k_sets)
+    for name, fn in (("copy", copy), ("pack", pack), ("unpack", unpack)):
+        res[f"graph_{name}_s"] = timer.graph(fn, k_sets)
+    return res
+
+
+def gbps(nbytes: int, s: float | None) -> str:
+    return "-" if not s else f"{nbytes / s / 1e9:8.1f}"
+
+
+def ratio(num: float | None, den: float | None) -> str:
+    return "-" if not num or not den else f"{num / den:5.2f}"
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        "case",
+        "MiB",
+        "copy",
+        "pack",
+        "p/c",
+        "unpack",
+        "u/c",
+        "pack-nb",
+        "ref pk",
+        "ref up",
+        "g copy",
+        "g pack",
+        "g p/c",
+        "g unpk",
+        "g u/c",
+        "exact",
+    )
+    print("GB/s of payload (bytes packed); x/c = copy time / kernel time; g = CUDA graph replay;")
+    print("pack-nb = unbound pack(tensors, out) with per-call checks; ref = torch reference\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for r in rows:
+        n = r["bytes"]
+        cells = (
+            r["case"],
+            f"{n / 2**20:.1f}",
+            gbps(n, r["copy_s"]),
+            gbps(n, r["pack_s"]),
+            ratio(r["copy_s"], r["pack_s"]),
+            gbps(n, r["unpack_s"]),
+            ratio(r["copy_s"], r["unpack_s"]),
+            gbps(n, r["pack_unbound_s"]),
+            gbps(n, r.get("ref_pack_s")),
+            gbps(n, r.get("ref_unpack_s")),
+            gbps(n, r["graph_copy_s"]),
+            gbps(n, r["graph_pack_s"]),
+            ratio(r["graph_copy_s"], r["graph_pack_s"]),
+            gbps(n, r["graph_unpack_s"]),
+            ratio(r["graph_copy_s"], r["graph_unpack_s"]),
+            str(r["bit_exact"]),
+        )
+        print("| " + " | ".join(c.strip() for c in cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--json-out", default="", help="also write the JSON object to this file")
+    ap.add_argument("--small", action="store_true", help="tiny sizes (smoke run, works on CPU)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time other (tile_bytes, num_warps) on a few cases",
+    )
+    ap.add_argument("--tile-bytes", type=int, default=16384)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default="", help="substring filter on case names")
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.small:
+        print("no CUDA device: run with --small for a CPU smoke run", file=sys.stderr)
+        return 2
+    backend = "triton"
+    timer = Timer(device, args.repeats, target_s=0.005 if device.type == "cuda" else 0.0)
+    cases = [c for c in all_cases(args.small) if args.only in c.name]
+    meta = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+    }
+    rows = []
+    for case in cases:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous case's buffers are garbage by now
+        t0 = time.perf_counter()
+        rows.append(
+            bench_case(case, device, timer, args.tile_bytes, args.num_warps, backend, with_ref=True)
+        )
+        if not args.json:
+            print(f"  {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    sweep = []
+    if args.sweep:
+        configs = [(8192, 4), (16384, 8), (32768, 8)]
+        picks = [c for c in cases if any(k in c.name for k in ("tp=4", "w=1024", "512x"))]
+        for tile, warps in configs:
+            for case in picks:
+                sweep.append(bench_case(case, device, timer, tile, warps, backend, with_ref=False))
+    doc = {"meta": meta, "args": vars(args), "rows": rows, "sweep": sweep}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.json:
+        print(json.dumps(doc))
+        return 0 if all(r["bit_exact"] for r in rows + sweep) else 1
+    print(f"\n{meta}; tile_bytes={args.tile_bytes} num_warps={args.num_warps}\n")
+    print_table(rows)
+    if sweep:
+        print("\nsweep (tile_bytes, num_warps):\n")
+        print("| case | tile | warps | pack GB/s | p/c | unpack GB/s | u/c | g p/c | g u/c |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in sweep:
+            n = r["bytes"]
+            print(
+                f"| {r['case']} | {r['tile_bytes']} | {r['num_warps']} | "
+                f"{gbps(n, r['pack_s']).strip()} | {ratio(r['copy_s'], r['pack_s'])} | "
+                f"{gbps(n, r['unpack_s']).strip()} | {ratio(r['copy_s'], r['unpack_s'])} | "
+                f"{ratio(r['graph_copy_s'], r['graph_pack_s'])} | "
+                f"{ratio(r['graph_copy_s'], r['graph_unpack_s'])} |"
+            )
+    return 0 if all(r["bit_exact"] for r in rows + sweep) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
