@@ -79,7 +79,8 @@ def digest(data: torch.Tensor) -> torch.Tensor:
     """Position-sensitive 64-bit checksum of a flat uint8 tensor (an int64 scalar tensor)."""
     n = data.numel()
     words = -(-n // 8)
-    if words * 8 != n:
+    if words * 8 != n or data.storage_offset() % 8:
+        # int64 views need 8-byte alignment and length; boxes sit at any byte offset
         padded = torch.zeros(words * 8, dtype=torch.uint8, device=data.device)
         padded[:n] = data
         data = padded
@@ -137,7 +138,9 @@ class _BucketIO:
                 [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in bucket.boxes],
                 device=device, backend=options.pack_backend,
             )
-        self.wire_bytes = bucket.nbytes + (DIGEST_BYTES * len(bucket.boxes) if options.verify else 0)
+        # The digest trailer starts 8-byte aligned after the data.
+        self.trailer_offset = -(-bucket.nbytes // DIGEST_BYTES) * DIGEST_BYTES
+        self.wire_bytes = (self.trailer_offset + DIGEST_BYTES * len(bucket.boxes)) if options.verify else bucket.nbytes
 
     def direct_view(self, tensors: Mapping[BufferRef, torch.Tensor]) -> torch.Tensor:
         ref, offset, nbytes = self.direct  # type: ignore[misc]
@@ -147,7 +150,7 @@ class _BucketIO:
         data = staging[: self.bucket.nbytes]
         self.program.pack([tensors[r] for r in self.refs], data)  # type: ignore[union-attr]
         if verify:
-            trailer = staging[self.bucket.nbytes : self.wire_bytes].view(torch.int64)
+            trailer = staging[self.trailer_offset : self.wire_bytes].view(torch.int64)
             for i, b in enumerate(self.bucket.boxes):
                 trailer[i] = digest(data[b.packed_offset : b.packed_offset + b.nbytes])
 
@@ -155,7 +158,7 @@ class _BucketIO:
                where: str) -> int:
         data = staging[: self.bucket.nbytes]
         if verify:
-            trailer = staging[self.bucket.nbytes : self.wire_bytes].view(torch.int64)
+            trailer = staging[self.trailer_offset : self.wire_bytes].view(torch.int64)
             for i, b in enumerate(self.bucket.boxes):
                 got = digest(data[b.packed_offset : b.packed_offset + b.nbytes])
                 if int(got) != int(trailer[i]):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from elastic_refit.errors import PlanMismatch
 from elastic_refit.layout import Layout, RefitSpec, parse_spec
+from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.group import GroupOptions, RefitGroup
@@ -33,7 +34,7 @@ class RefitCase:
     """A refit to run on a local world: a spec (JSON text) or a model preset."""
 
     spec_json: str | None = None
-    model: str | None = None
+    model: str | ModelConfig | None = None
     source: str | None = None
     destination: str | None = None
     num_layers: int | None = None
@@ -137,4 +138,198 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         "report": asdict(reports[-1]),
         "problems": problems,
         "staging_limit": options.staging_bytes,
+    }
+
+
+# ---- side-by-side benchmark: reshard vs gather-and-broadcast ----------------------------
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """Options of ``bench_rank``. ``verify`` turns on the executor's wire digests; every
+    destination byte is checked against the pattern after every run regardless.
+    ``p2p_bytes`` is the message size of the raw send/recv measurement."""
+
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+    staging_bytes: int = 256 << 20
+    verify: bool = False
+    pack_backend: str = "auto"
+    repeat: int = 3
+    warmup: int = 1
+    seed: int = 1234
+    chunk_bytes: int = 8 << 20
+    p2p_bytes: int = 128 << 20
+    p2p_repeat: int = 3
+
+    def __post_init__(self) -> None:
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.p2p_bytes < 1 or self.p2p_repeat < 1:
+            raise ValueError(f"p2p_bytes and p2p_repeat must be >= 1, got {self.p2p_bytes}, {self.p2p_repeat}")
+
+
+_CHECK_ELEMENTS = 1 << 22  # pattern check slice: bounds the int64 temporaries to ~100 MB
+
+
+def _box_slices(offsets: list[int], lengths: list[int], limit: int):
+    """Cut a box into boxes of at most ``limit`` elements along its outer dims."""
+    d = next((j for j, n in enumerate(lengths) if n > 1), None)
+    total = int(np.prod(lengths)) if lengths else 1
+    if total <= limit or d is None:
+        yield offsets, lengths
+        return
+    row = total // lengths[d]
+    if row > limit:
+        for i in range(lengths[d]):
+            o, n = list(offsets), list(lengths)
+            o[d], n[d] = offsets[d] + i, 1
+            yield from _box_slices(o, n, limit)
+        return
+    step = max(1, limit // row)
+    for s in range(0, lengths[d], step):
+        o, n = list(offsets), list(lengths)
+        o[d], n[d] = offsets[d] + s, min(step, lengths[d] - s)
+        yield o, n
+
+
+def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], seed: int, *,
+                   write: bool, limit: int = 5) -> list[str]:
+    """Fill (``write``) or check every piece of ``rank`` against the pattern, in slices of
+    ``_CHECK_ELEMENTS`` so that multi-GB pieces need no multi-GB temporaries. Checking
+    returns up to ``limit`` mismatch descriptions."""
+    from elastic_refit.transport.pattern import _local_view, pattern_bytes
+
+    problems: list[str] = []
+    k = layout.ndim
+    for p in np.flatnonzero(layout.piece_rank == rank).tolist():
+        t = layout.tensors[int(layout.piece_tensor[p])]
+        b = int(layout.piece_buffer[p])
+        nd, bnd = len(t.shape), int(layout.buffer_ndim[b])
+        buf = buffers[layout.buffer_names[int(layout.buffer_name[b])]]
+        off = [int(v) for v in layout.piece_offsets[p, :nd]]
+        ln = [int(v) for v in layout.piece_lengths[p, :nd]]
+        wrong = 0
+        for so, sn in _box_slices(off, ln, _CHECK_ELEMENTS):
+            lo, ll = layout.local_regions(np.array([p]), np.array([so + [0] * (k - nd)]),
+                                          np.array([sn + [1] * (k - nd)]))
+            region = _local_view(buf, lo[0, :bnd], ll[0, :bnd], t.itemsize)
+            want = pattern_bytes(t.name, t.shape, t.itemsize, tuple(so), tuple(sn), seed, buf.device)
+            if write:
+                region.copy_(want.reshape(region.shape))
+            else:
+                wrong += int((region != want.reshape(region.shape)).sum())
+        if wrong:
+            problems.append(f"rank {rank} tensor {t.name!r} piece {layout.piece(p).box}: {wrong} bytes differ")
+            if len(problems) >= limit:
+                break
+    return problems
+
+
+def _padded_buffers(layout: Layout, rank: int, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Buffers whose pieces do not fill them (the only ones with padding to check)."""
+    covered: dict[str, int] = {}
+    nbytes = layout.piece_nbytes()
+    for p in np.flatnonzero(layout.piece_rank == rank).tolist():
+        b = int(layout.piece_buffer[p])
+        name = layout.buffer_names[int(layout.buffer_name[b])]
+        covered[name] = covered.get(name, 0) + int(nbytes[p])
+    return {n: t for n, t in buffers.items() if covered.get(n, 0) != t.numel() * t.element_size()}
+
+
+def _p2p(group: RefitGroup, pairs: list[tuple[int, int]], nbytes: int, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` one-message transfers over ``pairs`` at once (after one
+    warm-up, which also sets up the lazily connected pairs); this rank's times."""
+    rank = group.rank
+    role = next(((peer, True) for a, peer in pairs if a == rank), None) or \
+        next(((a, False) for a, b in pairs if b == rank), None)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device) if role else None
+    if buf is not None:
+        buf.fill_(rank)
+    out = []
+    for i in range(repeat + 1):
+        group.vote(True)  # barrier: every pair starts together
+        t0 = time.perf_counter()
+        if role is not None:
+            peer, sender = role
+            work = group.send(buf, peer, 1 << 30) if sender else group.recv(buf, peer, 1 << 30)
+            group.wait(work, peer, "p2p bandwidth")
+            if group.device.type == "cuda":
+                torch.cuda.synchronize(group.device)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, options: BenchOptions,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """One rank of ``elastic-refit bench``: raw send/recv bandwidth, then the reshard
+    (executor) and gather-and-broadcast (baseline) refits ``repeat`` times each after
+    ``warmup``, alternating which goes first to cancel drift, every destination byte
+    checked after every run. Returns this rank's seconds, bytes and problems."""
+    from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
+
+    say = progress if (progress is not None and rank == 0) else (lambda _m: None)
+    plan = case.plan()
+    agree_on_plan(store, rank, world_size, plan.fingerprint, key="bench-plan")
+    device = "cpu"
+    if options.backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    group = RefitGroup.create(dist.PrefixStore("bench", store), rank, world_size,
+                              GroupOptions(options.backend, options.timeout_s))
+    try:
+        say(f"raw send/recv: {options.p2p_bytes >> 20} MiB messages")
+        p2p_pair = _p2p(group, [(0, 1)], options.p2p_bytes, options.p2p_repeat) if world_size > 1 else []
+        half = world_size // 2
+        p2p_all = _p2p(group, [(i, i + half) for i in range(half)], options.p2p_bytes,
+                       options.p2p_repeat) if world_size > 1 else []
+        executor = Executor(plan, group, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
+                                                         pack_backend=options.pack_backend))
+        baseline = GatherBroadcast(plan, group, BaselineOptions(chunk_bytes=options.chunk_bytes))
+        say("filling source buffers with the pattern")
+        src = allocate(plan.source, rank, fill=0, device=device)
+        pattern_pieces(plan.source, rank, src, options.seed, write=True)
+        dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
+        padded = _padded_buffers(plan.destination, rank, dst)
+        methods = {"reshard": executor.run, "gather_broadcast": baseline.run}
+        results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
+                                              for m in methods}
+        last: dict[str, Any] = {}
+        for i in range(options.warmup + options.repeat):
+            order = list(methods) if i % 2 == 0 else list(methods)[::-1]
+            for m in order:
+                for t in dst.values():
+                    byte_view(t).fill_(SENTINEL)
+                group.vote(True)  # start together; the refit's own vote ends it together
+                report = methods[m](src, dst)
+                key = "warmup_seconds" if i < options.warmup else "seconds"
+                results[m][key].append(report.seconds)
+                last[m] = report
+                problems = pattern_pieces(plan.destination, rank, dst, options.seed, write=False)
+                problems += padding_problems(plan.destination, rank, padded, SENTINEL)
+                if problems and len(results[m]["problems"]) < 5:
+                    results[m]["problems"] += [f"run {i}: {p}" for p in problems]
+                phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"
+                say(f"{phase}: {m} {report.seconds:.3f} s (rank 0), verified")
+        ex, gb = last["reshard"], last["gather_broadcast"]
+        results["reshard"].update(
+            send_bytes=ex.network_send_bytes + ex.intra_send_bytes,
+            recv_bytes=ex.network_recv_bytes + ex.intra_recv_bytes,
+            local_bytes=ex.local_bytes, staging_bytes=ex.staging_bytes)
+        results["gather_broadcast"].update(
+            send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
+            staging_bytes=gb.staging_bytes, messages=gb.messages)
+    finally:
+        group.abort()  # done with this world; nothing else uses the group
+    return {
+        "rank": rank,
+        "fingerprint": plan.fingerprint,
+        "p2p_pair_seconds": p2p_pair,
+        "p2p_all_seconds": p2p_all,
+        "p2p_bytes": options.p2p_bytes,
+        "p2p_pairs": half,
+        "gather_broadcast_bytes": plan.stats.gather_broadcast_bytes,
+        **results,
     }

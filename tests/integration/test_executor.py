@@ -1,0 +1,143 @@
+"""The executor over real gloo process groups: bit-exact refits, bytes per rank equal to
+the plan, the staging budget, and failures that surface as TransportAborted everywhere."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from elastic_refit.layout.models import ModelConfig
+from elastic_refit.plan import TransferKind
+from elastic_refit.transport.local_world import run_local_world
+from elastic_refit.transport.worker import RefitCase, WorkerOptions, refit_rank
+
+from .faults import CorruptFirstPack, FailAfterSends
+
+TINY_DENSE = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=3, vocab_size=250, num_heads=4,
+                         num_kv_heads=2, head_dim=16, intermediate_size=96)
+TINY_MOE = ModelConfig(name="tiny-qwen3-moe", hidden_size=64, num_layers=2, vocab_size=130, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=0, num_experts=4,
+                       moe_intermediate_size=32, qk_norm=True)
+TINY_MLA = ModelConfig(name="tiny-deepseek", hidden_size=64, num_layers=3, vocab_size=128, num_heads=4,
+                       num_kv_heads=4, head_dim=16, intermediate_size=96, num_experts=4,
+                       moe_intermediate_size=16, num_shared_experts=1, first_k_dense=1, router_bias=True,
+                       q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+UNEVEN_COLOCATED = json.dumps({
+    "domains": [0, 0, 1, 1, 2],
+    "tensors": [
+        {"name": "uneven", "shape": [11, 7], "dtype": "float32",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [[1, 2], [3, 4]], "placements": ["S(1)", "S(0)"]}},
+        {"name": "fanout", "shape": [6, 5], "dtype": "bfloat16",
+         "source": {"mesh": [4], "placements": ["R"]},
+         "destination": {"mesh": [0, 1], "placements": ["R"]}},
+        {"name": "stacked", "shape": [3, 4, 10], "dtype": "int8",
+         "source": {"mesh": [[0], [1]], "placements": ["R", "S(2)"]},
+         "destination": {"mesh": [2, 3, 4], "placements": ["S(0)"]}},
+    ],
+})
+
+CASES = {
+    # fused QKV (GQA interleave on the source), PP stages, vocab padding, fan-out in a domain
+    "dense-tp2pp2-to-tp2dp2": RefitCase(model=TINY_DENSE, source="tp=2,pp=2", destination="tp=2,dp=2",
+                                        domain_size=4, bucket_bytes=8192),
+    # stacked experts re-sliced from EP to TP
+    "moe-pp2ep2-to-tp2": RefitCase(model=TINY_MOE, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=1",
+                                   domain_size=2, bucket_bytes=4096),
+    # MLA, shared experts, colocated training and inference on the same ranks
+    "mla-colocated": RefitCase(model=TINY_MLA, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2",
+                               domain_size=2, colocate=True, bucket_bytes=16384),
+    # uneven torch.chunk shards, colocated ranks, odd domain map, int8
+    "spec-uneven-colocated": RefitCase(spec_json=UNEVEN_COLOCATED, bucket_bytes=64),
+}
+
+
+def _world_size(case: RefitCase) -> int:
+    return case.build().topology.num_ranks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refit_is_bit_exact_and_moves_the_planned_bytes(name):
+    case = CASES[name]
+    plan = case.plan()
+    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(timeout_s=30)), timeout_s=180)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+        assert r.value["fingerprint"] == plan.fingerprint
+        report = r.value["report"]
+        assert report["network_send_bytes"] == plan.network_send_bytes[r.rank]
+        assert report["network_recv_bytes"] == plan.network_recv_bytes[r.rank]
+        assert report["intra_send_bytes"] == plan.intra_send_bytes[r.rank]
+        assert report["intra_recv_bytes"] == plan.intra_recv_bytes[r.rank]
+    t = plan.transfers
+    local = t.kind == int(TransferKind.LOCAL)
+    assert sum(r.value["report"]["local_bytes"] for r in results) == int((t.nbytes * t.instances)[local].sum())
+
+
+def test_verify_mode_checks_every_box():
+    case = CASES["spec-uneven-colocated"]
+    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True)), timeout_s=120)
+    assert all(r.ok and not r.value["problems"] for r in results), [r.error for r in results if not r.ok]
+    plan = case.plan()
+    received = sum(r.value["report"]["verified_boxes"] for r in results)
+    nonlocal_copies = int(plan.transfers.instances[plan.transfers.kind != int(TransferKind.LOCAL)].sum())
+    assert received == nonlocal_copies
+
+
+def test_staging_stays_within_budget():
+    case = RefitCase(model=TINY_DENSE, source="tp=2,pp=2", destination="tp=2,dp=2", domain_size=4,
+                     bucket_bytes=4096)
+    budget = 4 * 4096
+    results = run_local_world(refit_rank, 8, (case, WorkerOptions(staging_bytes=budget)), timeout_s=120)
+    for r in results:
+        assert r.ok, r.error
+        assert not r.value["problems"]
+        assert 0 < r.value["report"]["staging_bytes"] <= budget or r.value["report"]["buckets"] == 0
+    assert sum(r.value["report"]["buckets"] for r in results) > 50  # the budget forced many buckets
+
+
+def test_budget_too_small_for_the_plan_is_a_clear_error():
+    case = RefitCase(model=TINY_DENSE, source="tp=2,pp=2", destination="tp=2,dp=2", domain_size=4,
+                     bucket_bytes=1 << 20)
+    results = run_local_world(refit_rank, 8, (case, WorkerOptions(staging_bytes=4096, timeout_s=5)), timeout_s=60)
+    errors = [r for r in results if not r.ok and r.error_type == "ValueError"]
+    assert errors and "staging" in errors[0].error and "bucket_bytes" in errors[0].error
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_a_failing_rank_aborts_every_other_rank(mode):
+    case = CASES["dense-tp2pp2-to-tp2dp2"]
+    timeout = 8.0
+    victim = 1
+    start = time.monotonic()
+    results = run_local_world(refit_rank, 8, (case, WorkerOptions(timeout_s=timeout)),
+                              timeout_s=90, per_rank_args=[(FailAfterSends(victim, after=3, mode=mode),)] * 8)
+    elapsed = time.monotonic() - start
+    victim_result = results[victim]
+    assert not victim_result.ok
+    if mode == "kill":
+        assert victim_result.exitcode == -9
+    else:
+        assert "injected failure" in victim_result.error
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert not r.ok, f"rank {r.rank} finished a refit that another rank failed"
+        assert r.error_type == "TransportAborted", f"rank {r.rank}: {r.error_type}: {r.error}"
+    # every survivor failed within the collective timeout (plus process start-up)
+    assert max(r.seconds for r in results if r.rank != victim) < timeout + 30
+    assert elapsed < 90
+
+
+def test_corrupted_bytes_are_detected_never_silent():
+    case = CASES["spec-uneven-colocated"]
+    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True, timeout_s=10)),
+                              timeout_s=120, per_rank_args=[(CorruptFirstPack(rank=0),)] * _world_size(case))
+    kinds = {r.rank: r.error_type for r in results}
+    assert not any(r.ok for r in results), kinds
+    assert "VerificationFailed" in kinds.values(), kinds
+    assert set(kinds.values()) <= {"VerificationFailed", "TransportAborted"}, kinds
