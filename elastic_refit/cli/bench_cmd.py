@@ -15,11 +15,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     targets = parser.add_subparsers(dest="bench_target", metavar="TARGET")
     for module_name in _BENCH_MODULES:
         importlib.import_module(f"elastic_refit.cli.{module_name}").register(targets)
+    # `bench --spec FILE` / `bench --model ...` (no target): reshard vs gather-and-broadcast.
+    from elastic_refit.cli import bench_refit
+
+    bench_refit.add_arguments(parser)
     parser.set_defaults(handler=_no_target(parser))
 
 
 def _no_target(parser: argparse.ArgumentParser):
     def handler(args: argparse.Namespace) -> int:
+        if getattr(args, "spec", None) or getattr(args, "model", None):
+            from elastic_refit.cli import bench_refit
+
+            return bench_refit.run(args)
         parser.print_help()
         return 2
 

@@ -312,7 +312,8 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
                 if problems and len(results[m]["problems"]) < 5:
                     results[m]["problems"] += [f"run {i}: {p}" for p in problems]
                 phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"
-                say(f"{phase}: {m} {report.seconds:.3f} s (rank 0), verified")
+                verdict = f"{len(problems)} problems on rank 0" if problems else "verified"
+                say(f"{phase}: {m} {report.seconds:.3f} s (rank 0), {verdict}")
         ex, gb = last["reshard"], last["gather_broadcast"]
         results["reshard"].update(
             send_bytes=ex.network_send_bytes + ex.intra_send_bytes,

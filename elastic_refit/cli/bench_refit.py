@@ -1,0 +1,190 @@
+"""`elastic-refit bench --spec FILE | --model NAME ...`: reshard vs gather-and-broadcast.
+
+One process per rank on this machine (gloo on CPU; NCCL when there is a GPU per rank),
+pattern data in every source piece, raw send/recv bandwidth measured first, then the
+reshard refit (the executor) and the classic gather-and-broadcast (the baseline) K times
+each, alternating which goes first, every destination byte checked after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastic_refit.cli._output import (
+    format_bytes,
+    format_seconds,
+    print_json,
+    progress,
+    render_table,
+)
+
+METHODS = ("reshard", "gather_broadcast")
+LABELS = {"reshard": "reshard (plan)", "gather_broadcast": "gather-and-broadcast"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The refit benchmark's arguments, on the `bench` parser itself (next to its targets)."""
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--spec", help="layout spec file (JSON)")
+    what.add_argument("--model", help="model preset (e.g. qwen3-30b-a3b)")
+    parser.add_argument("--source", help="training parallelism, e.g. tp=2,pp=2,ep=2")
+    parser.add_argument("--destination", help="inference parallelism, e.g. tp=2,dp=2")
+    parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")
+    parser.add_argument("--domain-size", type=int, default=None, help="ranks per NVLink domain (default 8)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="destination ranks start at 0 and share devices with the source")
+    parser.add_argument("--bucket-mib", type=int, default=64, help="reshard bucket size in MiB (default 64)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs of each method (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first (default 1)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: nccl when there is a GPU per rank, else gloo")
+    parser.add_argument("--verify", action="store_true",
+                        help="also send per-box digests with the reshard data (destinations are always "
+                             "checked bit-exactly against the pattern)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout in seconds")
+    parser.add_argument("--chunk-mib", type=float, default=8.0, help="baseline broadcast chunk in MiB (default 8)")
+    parser.add_argument("--p2p-mib", type=int, default=128, help="raw send/recv message in MiB (default 128)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _child_progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def _rank_entry(rank: int, world_size: int, store, case, options):
+    """A rank of the benchmark; its per-refit log lines go to stderr at warning level so
+    that stdout stays one JSON object."""
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    from elastic_refit.transport.worker import bench_rank
+
+    return bench_rank(rank, world_size, store, case, options, progress=_child_progress)
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> dict[str, Any]:
+    """Fold the ranks' results into the benchmark's JSON object."""
+    out: dict[str, Any] = {"ranks": world_size, "backend": backend}
+    problems = [p for v in values for m in METHODS for p in v[m]["problems"]]
+    for m in METHODS:
+        runs = len(values[0][m]["seconds"])
+        # A run lasts until its slowest rank finishes (the closing vote aligns them anyway).
+        per_run = [max(v[m]["seconds"][i] for v in values) for i in range(runs)]
+        nbytes = sum(v[m]["recv_bytes"] for v in values)
+        seconds = _median(per_run)
+        out[m] = {
+            "seconds": seconds,
+            "seconds_min": min(per_run),
+            "seconds_all": per_run,
+            "bytes": nbytes,
+            "send_bytes": sum(v[m]["send_bytes"] for v in values),
+            "GBps": nbytes / seconds / 1e9 if seconds > 0 else None,
+            "max_staging_bytes": max(v[m]["staging_bytes"] for v in values),
+        }
+    p2p_bytes = values[0]["p2p_bytes"]
+    pair = [max(values[r]["p2p_pair_seconds"][i] for r in (0, 1)) for i in range(len(values[0]["p2p_pair_seconds"]))]
+    every = [max(v["p2p_all_seconds"][i] for v in values) for i in range(len(values[0]["p2p_all_seconds"]))]
+    out["p2p_GBps"] = p2p_bytes / _median(pair) / 1e9 if pair else None
+    out["p2p_all_pairs_GBps"] = values[0]["p2p_pairs"] * p2p_bytes / _median(every) / 1e9 if every else None
+    out["p2p_message_bytes"] = p2p_bytes
+    out["plan_gather_broadcast_bytes"] = values[0]["gather_broadcast_bytes"]
+    out["speedup"] = out["gather_broadcast"]["seconds"] / out["reshard"]["seconds"]
+    out["reshard_fraction_of_p2p"] = (out["reshard"]["GBps"] / out["p2p_GBps"]) if out["p2p_GBps"] else None
+    out["verified"] = not problems
+    out["problems"] = problems[:10]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the side-by-side refit benchmark; exit status 1 when a byte did not verify."""
+    import torch
+
+    from elastic_refit.cli.plan_cmd import load_case
+    from elastic_refit.transport.local_world import run_local_world
+    from elastic_refit.transport.worker import BenchOptions, RefitCase
+
+    for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0 or args.chunk_mib <= 0 or args.timeout <= 0:
+        raise ValueError(f"--warmup must be >= 0, --chunk-mib and --timeout > 0; got {args.warmup}, "
+                         f"{args.chunk_mib}, {args.timeout}")
+    spec, description = load_case(args)
+    world_size = spec.topology.num_ranks
+    if world_size < 2:
+        raise ValueError(f"the refit needs at least 2 ranks, the layouts use {world_size}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend if args.backend != "auto" else ("nccl" if gpus >= world_size else "gloo")
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"--backend nccl needs a GPU per rank: {world_size} ranks, {gpus} GPUs")
+    bucket = args.bucket_mib << 20
+    if args.spec:
+        case = RefitCase(spec_json=Path(args.spec).read_text(), bucket_bytes=bucket)
+    else:
+        case = RefitCase(model=args.model, source=args.source, destination=args.destination, num_layers=args.layers,
+                         domain_size=args.domain_size or 8, colocate=args.colocate, bucket_bytes=bucket)
+    chunk = max(1, int(args.chunk_mib * (1 << 20)))
+    p2p = args.p2p_mib << 20
+    # Buffers of every rank, the baseline's staging (one tensor per rank), the reshard's
+    # staging (four buckets per rank) and the p2p messages: refuse what cannot fit.
+    largest = max(t.nbytes for t in spec.destination.tensors)
+    need = spec.source.nbytes + spec.destination.nbytes + world_size * (largest + 4 * bucket + (300 << 20))
+    if backend == "gloo" and (avail := _mem_available()) is not None and need > 0.9 * avail:
+        raise ValueError(f"the benchmark needs about {format_bytes(need)} of memory, {format_bytes(avail)} "
+                         f"is available; cut the model (--layers) or use fewer ranks")
+    options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket, verify=args.verify,
+                           repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p)
+    progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}, "
+             f"about {format_bytes(need)} of memory; {args.warmup} warm-up + {args.repeat} timed runs per method")
+    # Planning, filling and checking take time of their own; allow for them generously.
+    budget = 120 + (args.warmup + args.repeat) * 2 * (args.timeout + 60) + 60
+    results = run_local_world(_rank_entry, world_size, (case, options), timeout_s=budget)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        for r in failed[:4]:
+            progress(f"rank {r.rank}: {r.error_type}: {r.error.strip().splitlines()[0] if r.error else ''}")
+        if args.json:
+            print_json({"verified": False, "ranks": world_size, "backend": backend,
+                        "errors": [f"rank {r.rank}: {r.error_type}: {r.error}" for r in failed]})
+        return 1
+    out = summarize([r.value for r in results], world_size, backend)
+    out["case"] = description
+    if args.json:
+        print_json(out)
+        return 0 if out["verified"] else 1
+    p2p_gbps = out["p2p_GBps"]
+    rows = []
+    for m in METHODS:
+        f = out[m]
+        rows.append((LABELS[m], format_seconds(f["seconds"]), format_seconds(f["seconds_min"]), format_bytes(f["bytes"]),
+                     f"{f['GBps']:.2f}", f"{f['GBps'] / p2p_gbps:.0%}" if p2p_gbps else "-",
+                     f"{f['seconds'] / out['reshard']['seconds']:.2f}x"))
+    print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median)")
+    print(render_table(("method", "seconds", "min", "bytes moved", "GB/s", "of p2p", "time vs reshard"), rows))
+    print(f"raw send/recv: {p2p_gbps:.2f} GB/s one pair ({format_bytes(p2p)} messages), "
+          f"{out['p2p_all_pairs_GBps']:.2f} GB/s all {world_size // 2} pairs at once")
+    print(f"speedup {out['speedup']:.2f}x; reshard at {out['reshard_fraction_of_p2p']:.0%} of one-pair send/recv; "
+          f"verified: {'yes, every destination byte' if out['verified'] else 'NO'}")
+    for p in out["problems"]:
+        print(f"  {p}")
+    return 0 if out["verified"] else 1
