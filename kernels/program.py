@@ -104,7 +104,7 @@ class PackProgram:
                 raise ValueError(f"dtypes[{i}] must be a torch.dtype, got {dt!r}")
         self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
         self.itemsizes = tuple(torch.empty((), dtype=dt).element_size() for dt in self.dtypes)
-        self.device = torch.device(device)
+        self.device = _canonical_device(torch.device(device))
         if backend == "auto":
             backend = (
                 "triton" if self.device.type == "cuda" and _triton_backend.HAVE_TRITON else "torch"
@@ -380,6 +380,13 @@ class PackBinding:
             tile_bytes=p.tile_bytes,
             num_warps=p.num_warps,
         )
+
+
+def _canonical_device(device: torch.device) -> torch.device:
+    """'cuda' means the current CUDA device: tensors report 'cuda:N', so compare like that."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _is_pow2(x: object) -> bool:
