@@ -194,7 +194,11 @@ class Layout:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(int(r) for r in np.unique(self.buffer_rank))
+        cached = self.__dict__.get("_ranks")
+        if cached is None:
+            cached = tuple(int(r) for r in np.unique(self.buffer_rank))
+            object.__setattr__(self, "_ranks", cached)
+        return cached
 
     @property
     def fingerprint(self) -> str:
@@ -207,12 +211,16 @@ class Layout:
         """
         cached = self.__dict__.get("_signatures")
         if cached is None:
-            rows = np.column_stack([self.piece_rank, self.piece_offsets, self.piece_lengths])
-            starts = np.searchsorted(self.piece_tensor, np.arange(len(self.tensors) + 1))
+            starts = np.searchsorted(self.piece_tensor, np.arange(len(self.tensors) + 1)).tolist()
+            rank, off, ln = self.piece_rank, self.piece_offsets, self.piece_lengths
             out = []
             for i, t in enumerate(self.tensors):
+                a, b = starts[i], starts[i + 1]
                 digest = hashlib.blake2b(repr((t.shape, t.dtype)).encode(), digest_size=16)
-                digest.update(rows[starts[i] : starts[i + 1]].tobytes())
+                # contiguous slices hash through the buffer protocol, without copies
+                digest.update(rank[a:b])
+                digest.update(off[a:b])
+                digest.update(ln[a:b])
                 out.append(digest.digest())
             cached = tuple(out)
             object.__setattr__(self, "_signatures", cached)
@@ -224,7 +232,11 @@ class Layout:
     @property
     def nbytes(self) -> int:
         """Bytes of all pieces (replicas counted once per replica)."""
-        return int(self.piece_nbytes().sum())
+        cached = self.__dict__.get("_nbytes")
+        if cached is None:
+            cached = int(self.piece_nbytes().sum())
+            object.__setattr__(self, "_nbytes", cached)
+        return cached
 
     @property
     def model_nbytes(self) -> int:
@@ -320,7 +332,7 @@ class Layout:
     def _select_buffers(self, keep: np.ndarray) -> Layout:
         new_index = np.cumsum(keep) - 1
         piece_keep = keep[self.piece_buffer]
-        return Layout(
+        derived = Layout(
             tensors=self.tensors,
             buffer_names=self.buffer_names,
             buffer_rank=self.buffer_rank[keep],
@@ -335,6 +347,9 @@ class Layout:
             piece_local_offsets=self.piece_local_offsets[piece_keep],
             piece_local_lengths=self.piece_local_lengths[piece_keep],
         )
+        if self.__dict__.get("_no_overlap"):  # a subset of non-overlapping pieces
+            object.__setattr__(derived, "_no_overlap", True)
+        return derived
 
     def describe_ranks(self, rows: np.ndarray, limit: int = 6) -> str:
         ranks = sorted({int(r) for r in self.piece_rank[rows]})

@@ -216,6 +216,14 @@ def _check_ranks(layout: Layout, topology: Topology, side: str) -> None:
 
 def _check_destination_overlap(dst: Layout) -> None:
     """No two destination pieces may write the same bytes of one buffer."""
+    if dst.__dict__.get("_no_overlap"):
+        return
+    _find_overlap(dst)
+    # Removing ranks cannot create overlaps; derived layouts inherit this flag.
+    object.__setattr__(dst, "_no_overlap", True)
+
+
+def _find_overlap(dst: Layout) -> None:
     order = np.argsort(dst.piece_buffer, kind="stable")
     buf = dst.piece_buffer[order]
     starts, counts = _group_bounds(buf, dst.num_buffers)
@@ -281,7 +289,9 @@ def make_plan(
                            _pad(destination.piece_lengths[d_rows], k, 1))
     atoms = _atoms(src_regions, dst_regions, k)
     _check_coverage(atoms, dst_regions, d_rows, destination)
-    a_tensor, a_off, a_len, a_src, a_dst = atoms
+    # Boxes above half a bucket are split here, once per atom rather than once per transfer.
+    a_tensor, a_off, a_len, a_src, a_dst = _split_oversized(atoms, destination.tensor_itemsize,
+                                                              options.max_transfer_bytes)
     # Bytes of one element across all members of the class: the unit of every weight.
     unit_bytes = destination.tensor_itemsize * instances
     a_weight = np.prod(a_len, axis=1) * unit_bytes[a_tensor]
@@ -328,7 +338,6 @@ def make_plan(
             src_regions, s_rows, source, a_tensor, a_off, a_len, num_ranks,
         ))
     table = _concat_parts(parts, k)
-    table = _split_oversized(table, destination.tensor_itemsize, options.max_transfer_bytes)
     table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances)
 
     stats, per_rank = _stats(
@@ -518,38 +527,37 @@ def _concat_parts(parts: list[dict[str, np.ndarray]], k: int) -> dict[str, np.nd
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
-def _split_oversized(table: dict[str, np.ndarray], itemsize: np.ndarray, limit: int) -> dict[str, np.ndarray]:
-    """Split boxes above ``limit`` bytes along their outermost dims until every box fits."""
+def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
+    """Split atoms above ``limit`` bytes along their outermost dims until every box fits."""
+    tensor, offsets, lengths, src, dst = atoms
     while True:
-        nbytes = np.prod(table["lengths"], axis=1) * itemsize[table["tensor"]]
+        nbytes = np.prod(lengths, axis=1) * itemsize[tensor]
         big = np.flatnonzero(nbytes > limit)
         if big.size == 0:
-            return table
-        ln = table["lengths"][big]
+            return tensor, offsets, lengths, src, dst
+        ln = lengths[big]
         splittable = ln > 1
         if not splittable.any(axis=1).all():
-            raise ValueError(f"a bucket of {limit * 2} bytes cannot hold half an element")
+            raise ValueError(f"a bucket of {limit * 2} bytes cannot hold two elements of every tensor")
+        rows = np.arange(big.size)
         dim = np.argmax(splittable, axis=1)
-        slab = nbytes[big] // ln[np.arange(big.size), dim]  # bytes of one index along `dim`
+        slab = nbytes[big] // ln[rows, dim]  # bytes of one index along `dim`
         per_chunk = np.maximum(limit // slab, 1)
         chunks = np.ones(nbytes.size, dtype=np.int64)
-        chunks[big] = -(-ln[np.arange(big.size), dim] // per_chunk)
-        # One repeat of every column; only the split rows' boxes change.
-        table = {name: np.repeat(col, chunks, axis=0) for name, col in table.items()}
-        first = np.cumsum(chunks) - chunks
-        owner = np.repeat(np.arange(big.size), chunks[big])
-        index = np.arange(owner.size) - np.repeat(np.arange(owner.size)[np.cumsum(chunks[big]) - chunks[big]], chunks[big])
-        rows = np.repeat(first[big], chunks[big]) + index
+        chunks[big] = -(-ln[rows, dim] // per_chunk)
+        tensor, src, dst = np.repeat(tensor, chunks), np.repeat(src, chunks), np.repeat(dst, chunks)
+        offsets, lengths = np.repeat(offsets, chunks, axis=0), np.repeat(lengths, chunks, axis=0)
+        owner, position = _expand((np.cumsum(chunks) - chunks)[big], chunks[big])
+        index = position - (np.cumsum(chunks) - chunks)[big][owner]
         d = dim[owner]
         start = index * per_chunk[owner]
-        table["offsets"][rows, d] += start
-        table["lengths"][rows, d] = np.minimum(per_chunk[owner], ln[owner, d] - start)
+        offsets[position, d] += start
+        lengths[position, d] = np.minimum(per_chunk[owner], ln[owner, d] - start)
 
 
 def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndarray,
               instances: np.ndarray) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets."""
-    k = table["offsets"].shape[1]
     tensor = table["tensor"]
     nbytes = np.prod(table["lengths"], axis=1) * itemsize[tensor]
     phase, src, dst = table["phase"], table["src_rank"], table["dst_rank"]
@@ -569,8 +577,15 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
         rounds[sel] = dense
         num_rounds += used.size
 
-    sort_cols = [phase, rounds, src, dst, tensor] + [table["offsets"][:, j] for j in range(k)]
-    order = np.lexsort(tuple(reversed(sort_cols)))
+    # One stable sort on a packed (phase, round, src, dst) key; inside a message rows keep
+    # their generation order, which is deterministic.
+    bits = max(int(max(src.max(initial=0), dst.max(initial=0))).bit_length(), 1)
+    if 1 + 2 * bits + max(num_rounds, 1).bit_length() + 1 > 62:
+        key_cols = [phase, rounds, src, dst]
+        order = np.lexsort(tuple(reversed(key_cols)))
+    else:
+        key = (((phase << (max(num_rounds, 1).bit_length() + 1)) | (rounds + 1)) << (2 * bits)) | (src << bits) | dst
+        order = np.argsort(key, kind="stable")
     cols = {name: col[order] for name, col in table.items()}
     nbytes, rounds = nbytes[order], rounds[order]
     count = instances[cols["tensor"]]
