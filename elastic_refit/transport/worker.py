@@ -238,6 +238,13 @@ def _padded_buffers(layout: Layout, rank: int, buffers: dict[str, torch.Tensor])
     return {n: t for n, t in buffers.items() if covered.get(n, 0) != t.numel() * t.element_size()}
 
 
+def _buffer_digests(buffers: dict[str, torch.Tensor]) -> dict[str, str]:
+    """SHA-1 of every buffer's bytes."""
+    import hashlib
+
+    return {n: hashlib.sha1(byte_view(t).reshape(-1).cpu().numpy()).hexdigest() for n, t in buffers.items()}
+
+
 def _p2p(group: RefitGroup, pairs: list[tuple[int, int]], nbytes: int, repeat: int) -> list[float]:
     """Seconds of ``repeat`` one-message transfers over ``pairs`` at once (after one
     warm-up, which also sets up the lazily connected pairs); this rank's times."""
@@ -266,8 +273,10 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One rank of ``elastic-refit bench``: raw send/recv bandwidth, then the reshard
     (executor) and gather-and-broadcast (baseline) refits ``repeat`` times each after
-    ``warmup``, alternating which goes first to cancel drift, every destination byte
-    checked after every run. Returns this rank's seconds, bytes and problems."""
+    ``warmup``, alternating which goes first to cancel drift. Destination buffers are set
+    to the sentinel before every run; the first run is checked byte by byte against the
+    pattern (pieces and padding), every later run must reproduce it exactly (SHA-1 per
+    buffer). Returns this rank's seconds, bytes and problems."""
     from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
 
     say = progress if (progress is not None and rank == 0) else (lambda _m: None)
@@ -297,6 +306,7 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
                                               for m in methods}
         last: dict[str, Any] = {}
+        reference: dict[str, str] | None = None
         for i in range(options.warmup + options.repeat):
             order = list(methods) if i % 2 == 0 else list(methods)[::-1]
             for m in order:
@@ -307,8 +317,16 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
                 key = "warmup_seconds" if i < options.warmup else "seconds"
                 results[m][key].append(report.seconds)
                 last[m] = report
-                problems = pattern_pieces(plan.destination, rank, dst, options.seed, write=False)
-                problems += padding_problems(plan.destination, rank, padded, SENTINEL)
+                if reference is None:
+                    # The first run is checked against the pattern byte by byte; later
+                    # runs must reproduce those verified buffers exactly (a SHA-1 per
+                    # buffer: generating the pattern again would cost more than the refit).
+                    problems = pattern_pieces(plan.destination, rank, dst, options.seed, write=False)
+                    problems += padding_problems(plan.destination, rank, padded, SENTINEL)
+                    reference = _buffer_digests(dst)
+                else:
+                    problems = [f"rank {rank} buffer {n!r} differs from the pattern-verified first run"
+                                for n, d in _buffer_digests(dst).items() if d != reference[n]]
                 if problems and len(results[m]["problems"]) < 5:
                     results[m]["problems"] += [f"run {i}: {p}" for p in problems]
                 phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"
