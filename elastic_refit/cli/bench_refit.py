@@ -148,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
     # Buffers of every rank, the baseline's staging (one tensor per rank), the reshard's
     # staging (four buckets per rank) and the p2p messages: refuse what cannot fit.
     largest = max(t.nbytes for t in spec.destination.tensors)
-    need = spec.source.nbytes + spec.destination.nbytes + world_size * (largest + 4 * bucket + (300 << 20))
-    if backend == "gloo" and (avail := _mem_available()) is not None and need > 0.9 * avail:
+    # (Only chain members stage a whole tensor: the destination ranks and the roots.)
+    chain = len(spec.destination.ranks) + 1
+    need = (spec.source.nbytes + spec.destination.nbytes + chain * largest
+            + world_size * (4 * bucket + (300 << 20)))
+    if backend == "gloo" and (avail := _mem_available()) is not None and need > avail:
         raise ValueError(f"the benchmark needs about {format_bytes(need)} of memory, {format_bytes(avail)} "
                          f"is available; cut the model (--layers) or use fewer ranks")
     options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket, verify=args.verify,
