@@ -50,7 +50,6 @@ def _load(interpret: bool) -> types.ModuleType:
 def launch(
     *,
     buf: torch.Tensor,
-    table: torch.Tensor,
     desc: torch.Tensor,
     tile_region: torch.Tensor,
     num_tiles: int,
@@ -61,5 +60,5 @@ def launch(
     """One launch of ``num_tiles`` programs; on CPU through Triton's interpreter."""
     mod = _load(interpret=buf.device.type != "cuda")
     mod.box_copy_kernel[(num_tiles,)](
-        buf, table, desc, tile_region, PACK=pack, TILE_BYTES=tile_bytes, num_warps=num_warps
+        buf, desc, tile_region, PACK=pack, TILE_BYTES=tile_bytes, num_warps=num_warps
     )

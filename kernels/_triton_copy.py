@@ -5,25 +5,26 @@ This file is imported twice by ``kernels._triton_backend``: once normally, where
 where ``_jit`` is Triton's ``InterpretedFunction`` (CPU). The interpreter resolves helper calls
 through the module's globals, so the two flavours must never share one module.
 
-Descriptor row (int64, ``DESC_WORDS`` wide) of one collapsed region, all sizes in bytes:
+Descriptor row (int64, ``DESC_WORDS`` wide) of one collapsed region, resolved for one set of
+addresses (the host rebuilds it when the tensors or the buffer move), all sizes in bytes:
 
 ==  ==============================================================================
-0   tensor index (row of the per-call pointer table)
+0   ``tensor_ptr - buf_ptr``: every address is formed from the one buffer argument,
+    which keeps Triton's alignment analysis sound and works in the interpreter, where
+    addresses are real host addresses
 1   byte offset of the box's first element inside its tensor
 2   byte offset of the region inside the packed buffer
 3   bytes per contiguous row
 4   n1: extent of the middle strided dim        (n0 is implicit: rows / (n1 * n2))
 5   n2: extent of the innermost strided dim
 6   s0, 7 s1, 8 s2: byte strides of the three strided dims (outermost first)
-9   log2 of the widest access (1..16 bytes) that the box geometry allows
+9   log2 of the widest access (1..16 bytes) that the box geometry and both pointers allow
 10  first tile (program id) of this region
 11  total bytes of the region
 ==  ==============================================================================
 
-Per-call pointer table (int64, two words per tensor): ``tensor_ptr - buf_ptr`` in bytes (so
-every address is formed from the one buffer argument, which keeps Triton's alignment
-analysis sound and works in the interpreter, where addresses are real host addresses), and
-log2 of the alignment shared by that tensor's pointer and the buffer's pointer (capped at 4).
+Resolving the pointers into the descriptor host-side saves the kernel one dependent load
+round trip per program, which matters for buckets of many small regions.
 """
 
 from __future__ import annotations
@@ -135,7 +136,6 @@ def _copy_tile(
 @_jit
 def box_copy_kernel(
     buf_ptr,
-    table_ptr,
     desc_ptr,
     tile_region_ptr,
     PACK: tl.constexpr,
@@ -150,7 +150,7 @@ def box_copy_kernel(
     pid = tl.program_id(0)
     r = tl.load(tile_region_ptr + pid).to(tl.int64)
     d = desc_ptr + r * 12
-    tidx = tl.load(d)
+    delta = tl.load(d)
     t_off = tl.load(d + 1)
     p_off = tl.load(d + 2)
     row_bytes = tl.load(d + 3)
@@ -162,9 +162,6 @@ def box_copy_kernel(
     wlog = tl.load(d + 9)
     tile0 = tl.load(d + 10)
     total = tl.load(d + 11)
-    delta = tl.load(table_ptr + 2 * tidx)
-    cap = tl.load(table_ptr + 2 * tidx + 1)
-    wlog = tl.minimum(wlog, cap)
     start = (pid - tile0) * TILE_BYTES
     # Widest access first; the narrower branches only run for misaligned boxes.
     if wlog == 4:

@@ -16,10 +16,10 @@ from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_ove
 from .reference import pack_reference, unpack_reference
 
 BACKENDS = ("auto", "torch", "triton")
-DEFAULT_TILE_BYTES = 16384
+DEFAULT_TILE_BYTES = 8192
 DEFAULT_NUM_WARPS = 4
 _DESC_WORDS = 12
-_TABLE_CACHE = 16  # pointer tables kept per program (refit reuses a few buffer sets)
+_TABLE_CACHE = 16  # resolved descriptor sets kept per program (refit reuses a few buffers)
 
 
 def packed_nbytes(regions: Sequence[BoxRegion], itemsizes: Sequence[int]) -> int:
@@ -41,8 +41,9 @@ def _ptr_align_log2(ptr: int) -> int:
 class _Plan:
     """What the Triton kernel needs, built once per program and device."""
 
-    desc: torch.Tensor  # [entries, 12] int64
-    tile_region: torch.Tensor  # [tiles] int32: entry index of each program
+    desc: np.ndarray  # [entries, 12] int64, word 0 = tensor index until resolved
+    entry_tensor: np.ndarray  # [entries] tensor index of each entry
+    tile_region: torch.Tensor  # [tiles] int32 on the device: entry index of each program
     num_tiles: int
     num_entries: int
 
@@ -120,7 +121,7 @@ class PackProgram:
         self._check_packed_overlap()
         self._unpack_conflict = self._find_box_overlap()
         self._plan = self._build_plan() if backend == "triton" else None
-        self._tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._descs: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     # -- validation ---------------------------------------------------------------------
     def _check_region(self, i: int, region: BoxRegion | tuple) -> BoxRegion:
@@ -186,17 +187,26 @@ class PackProgram:
     def _check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(tensors) != len(self.shapes):
             raise ValueError(f"expected {len(self.shapes)} tensors, got {len(tensors)}")
+        dev = self.device.index if self.device.type == "cuda" else -1
         for i, t in enumerate(tensors):
-            if tuple(t.shape) != self.shapes[i]:
-                raise ValueError(
-                    f"tensor {i}: shape {tuple(t.shape)} != program's {self.shapes[i]}"
-                )
-            if t.dtype != self.dtypes[i]:
-                raise ValueError(f"tensor {i}: dtype {t.dtype} != program's {self.dtypes[i]}")
-            if not t.is_contiguous():
-                raise ValueError(f"tensor {i}: not contiguous (strides {t.stride()})")
-            if t.device != self.device:
-                raise ValueError(f"tensor {i}: on {t.device}, program is on {self.device}")
+            # One cheap combined test per tensor (called for hundreds of tensors per pack);
+            # the precise message is worked out only on failure.
+            if (
+                t.shape != self.shapes[i]
+                or t.dtype != self.dtypes[i]
+                or not t.is_contiguous()
+                or t.get_device() != dev
+            ):
+                self._tensor_error(i, t)
+
+    def _tensor_error(self, i: int, t: torch.Tensor) -> None:
+        if tuple(t.shape) != self.shapes[i]:
+            raise ValueError(f"tensor {i}: shape {tuple(t.shape)} != program's {self.shapes[i]}")
+        if t.dtype != self.dtypes[i]:
+            raise ValueError(f"tensor {i}: dtype {t.dtype} != program's {self.dtypes[i]}")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {i}: not contiguous (strides {t.stride()})")
+        raise ValueError(f"tensor {i}: on {t.device}, program is on {self.device}")
 
     def _check_buffer(self, buf: torch.Tensor, name: str) -> None:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
@@ -248,31 +258,38 @@ class PackProgram:
             raise ValueError(f"{first} tiles exceed the launch grid; raise tile_bytes")
         tile_region = np.repeat(np.arange(len(entries), dtype=np.int32), tiles)
         return _Plan(
-            desc=torch.from_numpy(desc).to(self.device),
+            desc=desc,
+            entry_tensor=desc[: len(entries), 0].copy(),
             tile_region=torch.from_numpy(tile_region).to(self.device),
             num_tiles=int(first),
             num_entries=len(entries),
         )
 
-    def _table(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
-        """Per-call pointer table, cached by the addresses (refit reuses the same buffers)."""
+    def _resolved(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+        """Descriptors with these addresses folded in, cached by address (refit reuses the
+        same buffers, so steady state is a dictionary hit and no host-to-device copy)."""
+        plan = self._plan
+        assert plan is not None
         bptr = buf.data_ptr()
-        ptrs = tuple(t.data_ptr() for t in tensors)
-        key = (bptr, *ptrs)
-        table = self._tables.get(key)
-        if table is not None:
-            self._tables.move_to_end(key)
-            return table
-        balign = _ptr_align_log2(bptr)
-        host = np.empty((max(len(ptrs), 1), 2), dtype=np.int64)
-        for i, p in enumerate(ptrs):
-            host[i, 0] = p - bptr
-            host[i, 1] = min(balign, _ptr_align_log2(p))
-        table = torch.from_numpy(host).to(self.device)
-        self._tables[key] = table
-        if len(self._tables) > _TABLE_CACHE:
-            self._tables.popitem(last=False)
-        return table
+        key = (bptr, *(t.data_ptr() for t in tensors))
+        desc = self._descs.get(key)
+        if desc is not None:
+            self._descs.move_to_end(key)
+            return desc
+        ptrs = np.asarray(key[1:], dtype=np.uint64).view(np.int64)
+        align = np.asarray([_ptr_align_log2(p) for p in key[1:]], dtype=np.int64)
+        host = plan.desc.copy()
+        n = len(plan.entry_tensor)
+        if n:
+            ti = plan.entry_tensor
+            host[:n, 0] = ptrs[ti] - np.int64(np.uint64(bptr).view(np.int64))
+            cap = np.minimum(align[ti], _ptr_align_log2(bptr))
+            host[:n, 9] = np.minimum(host[:n, 9], cap)
+        desc = torch.from_numpy(host).to(self.device)
+        self._descs[key] = desc
+        if len(self._descs) > _TABLE_CACHE:
+            self._descs.popitem(last=False)
+        return desc
 
     def _launch(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, pack: bool) -> None:
         plan = self._plan
@@ -281,8 +298,7 @@ class PackProgram:
             return
         _triton_backend.launch(
             buf=buf,
-            table=self._table(tensors, buf),
-            desc=plan.desc,
+            desc=self._resolved(tensors, buf),
             tile_region=plan.tile_region,
             num_tiles=plan.num_tiles,
             pack=pack,
@@ -320,11 +336,23 @@ class PackProgram:
         else:
             self._launch(tensors, packed, pack=False)
 
-    def bind(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> PackBinding:
-        """Validate ``tensors`` and ``buf`` once; the binding's calls then only launch."""
+    def bind(
+        self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, *, cuda_graph: bool = False
+    ) -> PackBinding:
+        """Validate ``tensors`` and ``buf`` once; the binding's calls then only launch.
+
+        ``cuda_graph=True`` (CUDA, Triton backend) captures each direction's launch into a
+        CUDA graph on first use and replays it afterwards, which cuts the host-side launch
+        cost (it dominates for buckets of a few MiB). Replays run on the current stream.
+        """
         self._check_tensors(tensors)
         self._check_buffer(buf, "buf")
-        return PackBinding(self, tuple(tensors), buf)
+        if cuda_graph and (self.device.type != "cuda" or self._plan is None):
+            raise ValueError(
+                f"cuda_graph needs a CUDA device and the triton backend, program is on "
+                f"{self.device} with backend {self.backend!r}"
+            )
+        return PackBinding(self, tuple(tensors), buf, cuda_graph)
 
     def __repr__(self) -> str:
         return (
@@ -336,16 +364,24 @@ class PackProgram:
 class PackBinding:
     """A program bound to fixed tensors and one buffer: the hot path of a refit loop.
 
-    Keeps references to the tensors, so their addresses stay valid while bound.
+    Keeps references to the tensors and the buffer, so their addresses stay valid while bound.
     """
 
-    __slots__ = ("_table", "buf", "program", "tensors")
+    __slots__ = ("_desc", "_graphs", "buf", "cuda_graph", "program", "tensors")
 
-    def __init__(self, program: PackProgram, tensors: tuple[torch.Tensor, ...], buf: torch.Tensor):
+    def __init__(
+        self,
+        program: PackProgram,
+        tensors: tuple[torch.Tensor, ...],
+        buf: torch.Tensor,
+        cuda_graph: bool = False,
+    ):
         self.program = program
         self.tensors = tensors
         self.buf = buf
-        self._table = program._table(tensors, buf) if program._plan is not None else None
+        self.cuda_graph = cuda_graph
+        self._desc = program._resolved(tensors, buf) if program._plan is not None else None
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
 
     def pack(self) -> torch.Tensor:
         """Pack the bound tensors into the bound buffer; returns the buffer."""
@@ -366,20 +402,37 @@ class PackBinding:
         elif p._plan.num_tiles:
             self._run(pack=False)
 
-    def _run(self, pack: bool) -> None:
+    def _launch(self, pack: bool) -> None:
         p = self.program
         plan = p._plan
-        assert plan is not None and self._table is not None
+        assert plan is not None and self._desc is not None
         _triton_backend.launch(
             buf=self.buf,
-            table=self._table,
-            desc=plan.desc,
+            desc=self._desc,
             tile_region=plan.tile_region,
             num_tiles=plan.num_tiles,
             pack=pack,
             tile_bytes=p.tile_bytes,
             num_warps=p.num_warps,
         )
+
+    def _run(self, pack: bool) -> None:
+        if not self.cuda_graph:
+            self._launch(pack)
+            return
+        graph = self._graphs.get(pack)
+        if graph is None:
+            # The first launch compiles (outside the capture); it also does this call's work.
+            self._launch(pack)
+            side = torch.cuda.Stream(self.buf.device)
+            side.wait_stream(torch.cuda.current_stream(self.buf.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                self._launch(pack)
+            torch.cuda.current_stream(self.buf.device).wait_stream(side)
+            self._graphs[pack] = graph
+            return
+        graph.replay()
 
 
 def _canonical_device(device: torch.device) -> torch.device:

@@ -317,6 +317,12 @@ def test_overlapping_boxes_pack_but_refuse_unpack():
         prog.unpack(out, [t])
 
 
+def test_cuda_graph_binding_needs_cuda():
+    prog = PackProgram([(4,)], [torch.float32], [BoxRegion(0, (0,), (4,), 0)])
+    with pytest.raises(ValueError, match=r"cuda_graph needs a CUDA device and the triton backend"):
+        prog.bind([torch.zeros(4)], torch.zeros(16, dtype=torch.uint8), cuda_graph=True)
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="backend"):
         PackProgram([], [], [], backend="cuda")
