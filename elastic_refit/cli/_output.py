@@ -46,8 +46,9 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
-def print_json(payload: dict[str, Any], stream: TextIO = sys.stdout) -> None:
-    stream.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+def print_json(payload: dict[str, Any], stream: TextIO | None = None) -> None:
+    # Resolve stdout at call time so redirections made after import are honoured.
+    (stream or sys.stdout).write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def progress(message: str) -> None:

@@ -151,7 +151,6 @@ class Layout:
     tensor_shape: np.ndarray = field(init=False)
     tensor_itemsize: np.ndarray = field(init=False)
     _tensor_index: dict[str, int] = field(init=False, repr=False)
-    _fingerprint: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         ndim = self.ndim
@@ -169,14 +168,6 @@ class Layout:
         )
         object.__setattr__(self, "piece_rank", _readonly(self.buffer_rank[self.piece_buffer]))
         object.__setattr__(self, "_tensor_index", {t.name: i for i, t in enumerate(self.tensors)})
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
-        digest.update(repr(self.buffer_names).encode())
-        for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_dtype", "piece_tensor",
-                     "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets",
-                     "piece_local_lengths"):
-            digest.update(getattr(self, name).tobytes())
-        object.__setattr__(self, "_fingerprint", digest.hexdigest())
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -202,7 +193,19 @@ class Layout:
 
     @property
     def fingerprint(self) -> str:
-        return self._fingerprint
+        """Stable hash of every tensor, buffer and piece (computed on first use)."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            digest = hashlib.blake2b(digest_size=16)
+            digest.update(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
+            digest.update(repr(self.buffer_names).encode())
+            for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_dtype", "piece_tensor",
+                         "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets",
+                         "piece_local_lengths"):
+                digest.update(getattr(self, name))  # contiguous arrays: hashed without copies
+            cached = digest.hexdigest()
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached
 
     def tensor_signatures(self) -> tuple[bytes, ...]:
         """Per tensor, a digest of its shape, dtype and (rank, box) pieces (memoised).
@@ -435,7 +438,12 @@ class LayoutBuilder:
 
         ``local_lengths`` defaults to ``lengths`` (same rank, same extents).
         """
-        t = self._tensor_index[tensor] if isinstance(tensor, str) else int(tensor)
+        if isinstance(tensor, str):
+            if tensor not in self._tensor_index:
+                raise ValueError(f"tensor {tensor!r} is not declared; call tensor() first")
+            t = self._tensor_index[tensor]
+        else:
+            t = int(tensor)
         if not 0 <= t < len(self._tensors):
             raise ValueError(f"unknown tensor id {tensor!r}")
         ids = np.asarray(buffer_ids, dtype=np.int64).reshape(-1)

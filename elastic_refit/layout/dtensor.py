@@ -63,8 +63,10 @@ def shard_boxes(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Global box of every mesh position, in row-major mesh order.
 
-    Returns ``(offsets, lengths)``, each ``[prod(mesh_shape), len(shape)]``. For empty
-    shards the offset follows torch (the size of the dimension being split).
+    Returns ``(offsets, lengths)``, each ``[prod(mesh_shape), len(shape)]``. Non-empty shards
+    match torch exactly. An empty shard's offset is the end of the shard it was cut from
+    (torch reports the dim's global size when several mesh axes split one dim); empty
+    pieces are dropped from layouts, so plans never see the difference.
     """
     shape = tuple(int(s) for s in shape)
     mesh_shape = tuple(int(m) for m in mesh_shape)

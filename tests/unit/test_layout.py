@@ -276,8 +276,6 @@ def test_builder_declaration_errors():
         b.pieces("w", ids, [[0, 0]] * 2, [[4, 6]] * 2, [[0]] * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="LayoutBuilder.pieces with an unknown tensor *name* raises a bare "
-                   "KeyError('nope') instead of a ValueError naming the tensor (ids get a ValueError)")
 def test_builder_pieces_unknown_tensor_name_is_value_error():
     b, _, ids = _builder_with()
     with pytest.raises(ValueError, match="nope"):

@@ -1,0 +1,7 @@
+"""``python -m elastic_refit.cli``: the same as the ``elastic-refit`` console script."""
+
+import sys
+
+from elastic_refit.cli import main
+
+sys.exit(main())
