@@ -29,9 +29,12 @@ class MemberRecord:
     device: str
     address: str = ""
     state: str = "ready"
+    layout_rank: int = -1  # this rank's rank in its side's layout (-1: not part of a layout)
 
     def __post_init__(self) -> None:
         check_role(self.role)
+        if isinstance(self.layout_rank, bool) or not isinstance(self.layout_rank, int) or self.layout_rank < -1:
+            raise ValueError(f"layout_rank must be an int >= -1, got {self.layout_rank!r}")
         check_name("member_id", self.member_id)
         if not self.incarnation:
             raise ValueError(f"incarnation must be non-empty, got {self.incarnation!r}")
@@ -59,6 +62,7 @@ class MemberRecord:
             "device": self.device,
             "address": self.address,
             "state": self.state,
+            "layout_rank": self.layout_rank,
         }
 
     def encode(self) -> bytes:
@@ -75,6 +79,7 @@ class MemberRecord:
             device=str(data["device"]),
             address=str(data.get("address", "")),
             state=str(data.get("state", "ready")),
+            layout_rank=int(data.get("layout_rank", -1)),
         )
 
     @classmethod

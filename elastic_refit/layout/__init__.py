@@ -8,6 +8,7 @@ from elastic_refit.layout.core import (
     LogicalTensor,
     Piece,
     Topology,
+    combine_layouts,
 )
 from elastic_refit.layout.dtensor import (
     Placement,
@@ -56,6 +57,7 @@ __all__ = [
     "TrainingParallelism",
     "add_sharded_tensor",
     "canonical_dtype",
+    "combine_layouts",
     "config_from_hf",
     "from_dtensors",
     "get_model",

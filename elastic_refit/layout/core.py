@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -609,3 +609,42 @@ class LayoutBuilder:
                     f"{where(i)}: global extents {p_len[i].tolist()} and local extents "
                     f"{p_llen[i].tolist()} differ beyond size-1 dims"
                 )
+
+
+def combine_layouts(parts: Sequence[tuple[Layout, Mapping[int, int]]]) -> Layout:
+    """One layout from the buffers of several layouts, with ranks renamed.
+
+    Each part is ``(layout, rank_map)``: the buffers of ranks in ``rank_map`` are kept and
+    moved to ``rank_map[rank]``. Tensors are matched by name (shapes and dtypes must
+    agree). The runtime uses this to plan over survivors: the training layout of live
+    trainers plus the pieces of inference ranks that already hold a version, on the ranks
+    of the current communicator.
+    """
+    b = LayoutBuilder()
+    for layout, rank_map in parts:
+        # Tensors are declared even for an empty part, so an empty side reads as "nothing
+        # covers tensor X" rather than "unknown tensor X".
+        tensor_ids = np.array([b.tensor(t.name, t.shape, t.dtype) for t in layout.tensors], dtype=np.int64)
+        if not rank_map:
+            continue
+        lookup = np.full(int(max(layout.buffer_rank.max(initial=0), max(rank_map))) + 1, -1, dtype=np.int64)
+        for old, new in rank_map.items():
+            if old < lookup.size:
+                lookup[old] = new
+        new_rank = lookup[layout.buffer_rank]
+        keep = new_rank >= 0
+        new_id = np.full(layout.num_buffers, -1, dtype=np.int64)
+        groups = np.column_stack([layout.buffer_name, layout.buffer_ndim, layout.buffer_dtype])
+        for name_id, nd, dtype in np.unique(groups[keep], axis=0).tolist():
+            rows = np.flatnonzero(keep & (layout.buffer_name == name_id) & (layout.buffer_ndim == nd)
+                                  & (layout.buffer_dtype == dtype))
+            new_id[rows] = b.buffers(layout.buffer_names[name_id], new_rank[rows],
+                                     layout.buffer_shape[rows, :nd], DTYPES[dtype])
+        kept_pieces = np.flatnonzero(keep[layout.piece_buffer])
+        for t in np.unique(layout.piece_tensor[kept_pieces]).tolist():
+            rows = kept_pieces[layout.piece_tensor[kept_pieces] == t]
+            nd = len(layout.tensors[t].shape)
+            b.pieces(int(tensor_ids[t]), new_id[layout.piece_buffer[rows]], layout.piece_offsets[rows, :nd],
+                     layout.piece_lengths[rows, :nd], layout.piece_local_offsets[rows],
+                     layout.piece_local_lengths[rows])
+    return b.build()

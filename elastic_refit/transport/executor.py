@@ -193,6 +193,9 @@ class Executor:
                 f"with PlanOptions(bucket_bytes <= {self.options.staging_bytes // 4})"
             )
         self._staging: list[torch.Tensor] = []
+        # Only the ranks with pieces in the plan take part (a catch-up refit may leave the
+        # trainers out of an epoch's communicator).
+        self.participants = tuple(sorted(set(plan.source.ranks) | set(plan.destination.ranks)))
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -221,7 +224,7 @@ class Executor:
             log.warning("refit.transfer.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.group.abort()
             raise
-        if not self.group.vote(True):
+        if not self.group.vote(True, self.participants):
             raise TransportAborted(f"rank {self.rank}: another rank failed the refit", rank=self.rank, phase="vote")
         by_kind = self.schedule.bytes_by_kind()
         report = TransferReport(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ class GroupOptions:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+_VOTE_TAG = 0x7E57  # distinct from bucket tags (bucket indices)
 
 
 def optional_backends() -> dict[str, bool]:
@@ -94,19 +98,39 @@ class RefitGroup:
                 rank=self.rank, peer=peer, phase=what,
             ) from exc
 
-    def vote(self, ok: bool) -> bool:
-        """All ranks report success; True only if every rank did. A dead or absent rank, or
-        the timeout, raises ``TransportAborted``."""
+    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
+        """The participants report success; True only if every one did. A dead or absent
+        participant, or the timeout, raises ``TransportAborted``.
+
+        With ``participants`` (a subset of the world) the vote runs point-to-point through
+        the lowest participant, so ranks outside the refit are not involved.
+        """
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
         try:
-            work = self.process_group.allreduce([flag])
-            if not work.wait(self.timeout):
-                raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+            if participants is None or len(set(participants)) == self.world_size:
+                self._wait_raw(self.process_group.allreduce([flag]))
+            else:
+                members = sorted(set(participants))
+                root = members[0]
+                if self.rank == root:
+                    others = [torch.zeros_like(flag) for _ in members[1:]]
+                    for peer, buf in zip(members[1:], others, strict=True):
+                        self._wait_raw(self.process_group.recv([buf], peer, _VOTE_TAG))
+                    flag += sum(int(b.item()) for b in others)
+                    for peer in members[1:]:
+                        self._wait_raw(self.process_group.send([flag], peer, _VOTE_TAG))
+                else:
+                    self._wait_raw(self.process_group.send([flag], root, _VOTE_TAG))
+                    self._wait_raw(self.process_group.recv([flag], root, _VOTE_TAG))
         except Exception as exc:
             raise TransportAborted(
                 f"rank {self.rank}: completion vote failed: {_first_line(exc)}", rank=self.rank, phase="vote"
             ) from exc
         return int(flag.item()) == 0
+
+    def _wait_raw(self, work) -> None:
+        if not work.wait(self.timeout):
+            raise TimeoutError(f"no completion within {self.options.timeout_s} s")
 
     def abort(self) -> None:
         """Tear the group down so that peers blocked on this rank fail instead of hanging."""

@@ -1,0 +1,79 @@
+"""Member processes of a local job (tests, the demo, chaos): trainers publish versions of
+deterministic pattern data, inference ranks check every committed version bit-exactly."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.runtime.refit import ElasticRefit
+from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSpec:
+    """One member of a local job; layouts come from a spec file's JSON or a model preset."""
+
+    job: str
+    role: str
+    member_id: str
+    layout_rank: int
+    etcd: tuple[str, ...]
+    domain: str
+    spec_json: str | None = None
+    preset: tuple[Any, str, str, int | None] | None = None  # (model, source, destination, layers)
+    versions: tuple[int, ...] = (1, 2, 3)
+    mode: str = "in_place"
+    incarnation: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def layouts(self) -> RefitLayouts:
+        if self.spec_json is not None:
+            from elastic_refit.layout import parse_spec
+
+            spec = parse_spec(json.loads(self.spec_json))
+            return RefitLayouts(spec.source, spec.destination)
+        model, source, destination, layers = self.preset  # type: ignore[misc]
+        return RefitLayouts.from_preset(model, source, destination, num_layers=layers)
+
+    def refit_config(self) -> RefitConfig:
+        extra = dict(self.config)
+        if self.incarnation:
+            extra["incarnation"] = self.incarnation
+        return RefitConfig(job=self.job, role=self.role, member_id=self.member_id, layout_rank=self.layout_rank,
+                           etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
+
+
+def run_member(member: MemberSpec, fail_at=None) -> dict[str, Any]:
+    """Run one member until its versions are done; returns what it saw."""
+    layouts = member.layouts()
+    config = member.refit_config()
+    out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
+    if member.role == "trainer":
+        with ElasticRefit(config, layouts, fail_at=fail_at) as refit:
+            for version in member.versions:
+                tensors = allocate(layouts.source, member.layout_rank, fill=0)
+                fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
+                start = time.monotonic()
+                commit = refit.publish(tensors, version)
+                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                                         "seconds": time.monotonic() - start})
+            out["stats"] = dict(refit.stats)
+        return out
+    params = allocate(layouts.destination, member.layout_rank, fill=0)
+    with ElasticRefit(config, layouts, parameters=params, fail_at=fail_at) as refit:
+        seen = -1
+        for _ in range(len(member.versions) * 50):
+            version = refit.wait_for_version(seen + 1)
+            with refit.weights() as serving:
+                problems = check_pieces(layouts.destination, member.layout_rank, params, seed=serving)
+            out["committed"].append({"version": serving, "verified": not problems})
+            out["problems"] += problems
+            seen = max(seen, version)
+            if seen >= member.versions[-1]:
+                break
+        out["stats"] = dict(refit.stats)
+    return out

@@ -1,0 +1,383 @@
+"""``ElasticRefit``: the context every trainer and inference rank runs.
+
+Each rank runs an agent thread that follows the job's epochs. Per epoch it reconfigures
+the refit communicator (shrink / grow / rebuild, in ``membership``), then works through
+the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes each attempt
+(a version, its sources and its destinations) in etcd, fenced by its lease and the epoch;
+participants plan it (pure), agree on the plan's fingerprint, move the bytes, verify them,
+and ack. Once every live inference rank holds a version, the coordinator commits it.
+
+A fault (a dead peer, a timeout, a membership change) fails the attempt everywhere; the
+next attempt of the same or of the next epoch retries the same version with the
+survivors, counting inference ranks that already hold it as sources.
+
+Inference safety: in ``in_place`` mode a rank stops serving (``weights()`` blocks) from
+the moment an update starts writing its parameters until a version it holds commits; in
+``staged`` mode updates land in spare buffers and are swapped in under the same lock when
+they commit, so serving never stops for a transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import structlog
+import torch
+
+from elastic_refit.errors import PlanMismatch, RefitError, TransportAborted
+from elastic_refit.plan import PlanOptions
+from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
+from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.transport.executor import Executor, ExecutorOptions, digest
+from elastic_refit.transport.group import GroupOptions, RefitGroup
+from elastic_refit.transport.pattern import byte_view
+from membership import (
+    CommunicatorManager,
+    EtcdClient,
+    MemberRecord,
+    Membership,
+    MembershipConfig,
+    MembershipLost,
+    MembershipView,
+)
+from membership.versions import Commit, VersionState, VersionStore
+
+FaultHook = Callable[[str, dict[str, Any]], None]
+
+
+class ElasticRefit:
+    """Refit that survives failures; use as a context manager on every rank.
+
+    Trainer: ``publish(tensors, version)`` returns once ``version`` committed on every live
+    inference rank. Inference: pass ``parameters`` (buffer name -> tensor, the inference
+    layout's buffers of this rank); read them inside ``with refit.weights():``.
+    """
+
+    def __init__(self, config: RefitConfig, layouts: RefitLayouts, *,
+                 parameters: Mapping[str, torch.Tensor] | None = None, fail_at: FaultHook | None = None) -> None:
+        self.config = config
+        self.layouts = layouts
+        self.fail_at = fail_at
+        self.log = structlog.get_logger("elastic_refit.runtime").bind(
+            job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
+        if config.role == "inference":
+            if parameters is None:
+                raise ValueError(f"inference member {config.member_id!r} needs its parameters")
+            self._check_parameters(parameters)
+        self.parameters: dict[str, torch.Tensor] = dict(parameters or {})
+        # Staged mode receives into spares and swaps them in on commit.
+        self._incoming = ({k: v.clone() for k, v in self.parameters.items()}
+                          if config.mode == "staged" else self.parameters)
+        self._published: dict[int, dict[str, torch.Tensor]] = {}
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._blocked = False  # in-place: parameters are being (or were partly) overwritten
+        self._serving: int | None = None  # committed version the parameters hold
+        self._holding: int | None = None  # version in the incoming buffers, acked
+        self._committed: dict[int, Commit] = {}
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats: dict[str, Any] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0}
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> ElasticRefit:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> ElasticRefit:
+        c = self.config
+        self.client = EtcdClient(list(c.etcd))
+        record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
+                              layout_rank=c.layout_rank)
+        self.membership = Membership(self.client, c.job, record, MembershipConfig(
+            ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s)).start()
+        self.versions = VersionStore(self.client, c.job)
+        self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
+                                           config=self.membership.config)
+        self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
+        self._thread.start()
+        self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
+        return self
+
+    def close(self) -> None:
+        """Leave the job: stop the agent, revoke the lease (peers see a clean leave)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.epoch_deadline_s)
+        for closer in (getattr(self, "manager", None), getattr(self, "membership", None), getattr(self, "client", None)):
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    closer.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- trainer API -------------------------------------------------------------------
+    def publish(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, version: int,
+                timeout_s: float | None = None) -> Commit:
+        """Offer ``tensors`` (buffer name -> tensor, or a module's named parameters) as
+        ``version`` and block until it commits. The tensors must not change meanwhile."""
+        if self.config.role != "trainer":
+            raise ValueError(f"publish is for trainers; {self.config.member_id!r} is {self.config.role}")
+        if isinstance(tensors, torch.nn.Module):
+            tensors = {name: p.detach() for name, p in tensors.named_parameters()}
+        with self._cond:
+            self._published = {v: t for v, t in self._published.items() if v > version}
+            self._published[version] = dict(tensors)
+        self.versions.publish_source(self.membership, version)
+        self.log.info("refit.version.published", version=version)
+        commit = self._wait(lambda: self._committed_at_least(version), timeout_s)
+        with self._cond:
+            self._published.pop(version, None)
+        return commit
+
+    # ---- inference API -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def weights(self, timeout_s: float | None = None) -> Iterator[int]:
+        """Hold the parameters still while reading them; yields the committed version they
+        hold. Blocks while an update is applied (and, in place, until it commits)."""
+        self._wait(lambda: (self._serving is not None and not self._blocked) or None, timeout_s)
+        with self._cond:
+            self._readers += 1
+            version = self._serving
+        try:
+            yield version  # type: ignore[misc]
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def wait_for_version(self, version: int | None = None, timeout_s: float | None = None) -> int:
+        """Block until this rank serves a committed version >= ``version`` (any, if None)."""
+        want = -1 if version is None else version
+        return self._wait(lambda: self._serving if (self._serving is not None and self._serving >= want
+                                                     and not self._blocked) else None, timeout_s)
+
+    @property
+    def serving_version(self) -> int | None:
+        return self._serving
+
+    # ---- agent ---------------------------------------------------------------------------
+    def _agent(self) -> None:
+        me = self.config.member_id
+        view: MembershipView | None = None
+        group: RefitGroup | None = None
+        seq = 0
+        while not self._stop.is_set():
+            try:
+                latest = self.membership.view
+                if latest is None or me not in latest:
+                    self._stop.wait(self.config.poll_s)
+                    continue
+                if view is None or latest.epoch != view.epoch:
+                    result = self.manager.reconfigure(view, latest)
+                    comm = result.communicator
+                    group = RefitGroup(comm.pg, comm.rank, comm.size,
+                                       GroupOptions(self.config.backend, self.config.collective_timeout_s),
+                                       store=comm.store)
+                    view, seq = latest, 0
+                    self.stats["reconfigurations"] += 1
+                    self.log.info("refit.epoch.entered", epoch=view.epoch, rank=comm.rank, num_ranks=comm.size,
+                                  path=result.path, seconds=result.seconds)
+                state = self.versions.snapshot()
+                self._observe(state)
+                if view.members[0].member_id == me:
+                    self._coordinate(view, seq, state)
+                record = self.versions.attempt(view.epoch, seq)
+                if record is None:
+                    self._stop.wait(self.config.poll_s)
+                    continue
+                spec = AttemptSpec.from_json(record)
+                if me in spec.participants:
+                    self._run_attempt(view, group, seq, spec)  # type: ignore[arg-type]
+                seq += 1
+            except MembershipLost as exc:
+                self.log.error("fault.detected", kind="membership_lost", error=str(exc))
+                self._fail(exc)
+                return
+            except Exception as exc:  # a fault of this attempt: back off until something changes
+                self.stats["failed_attempts"] += 1
+                self.log.warning("fault.detected", kind=type(exc).__name__, error=str(exc).splitlines()[0][:300],
+                                 epoch=view.epoch if view else None, seq=seq)
+                seq += 1
+                with contextlib.suppress(Exception):
+                    self.membership.wait_for_view(after_epoch=view.epoch if view else 0,
+                                                  timeout_s=self.config.collective_timeout_s)
+
+    def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:
+        """Rank 0 of the epoch: commit what is complete, else propose the next attempt."""
+        if seq > 0 and not self._attempt_finished(view, seq - 1):
+            return
+        action = next_action(view, state)
+        if isinstance(action, CommitAction):
+            self._hook("commit.before", version=action.version, epoch=view.epoch)
+            if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
+                self.log.info("refit.version.committed", version=action.version, epoch=view.epoch,
+                              digest=action.digest)
+        elif (isinstance(action, AttemptSpec) and self.versions.attempt(view.epoch, seq) is None
+              and self.versions.propose_attempt(self.membership, view.epoch, seq, action.to_json())):
+                self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
+                              kind=action.kind, sources=len(action.sources), holders=len(action.holders),
+                              destinations=len(action.destinations))
+
+    def _attempt_finished(self, view: MembershipView, seq: int) -> bool:
+        record = self.versions.attempt(view.epoch, seq)
+        if record is None:
+            return True
+        store = self.manager.current.store if self.manager.current else None
+        if store is None:
+            return False
+        keys = [f"attempt/{seq}/done/{m}" for m in AttemptSpec.from_json(record).participants]
+        return store.check(keys)
+
+    def _run_attempt(self, view: MembershipView, group: RefitGroup, seq: int, spec: AttemptSpec) -> None:
+        me = self.config.member_id
+        store = self.manager.current.store
+        log = self.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
+        self.stats["attempts"] += 1
+        try:
+            self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
+            t0 = time.perf_counter()
+            plan = plan_attempt(self.layouts.source, self.layouts.destination, view, spec,
+                                PlanOptions(bucket_bytes=self.config.bucket_bytes))
+            s = plan.stats
+            log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
+                     cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,
+                     intra_domain_bytes=s.intra_domain_bytes, gather_broadcast_bytes=s.gather_broadcast_bytes)
+            store.set(f"attempt/{seq}/plan/{me}", plan.fingerprint)
+            keys = [f"attempt/{seq}/plan/{m}" for m in spec.participants]
+            store.wait(keys, _seconds(self.config.epoch_deadline_s))
+            for member_id, theirs in zip(spec.participants, store.multi_get(keys), strict=True):
+                if theirs.decode() != plan.fingerprint:
+                    raise PlanMismatch(f"{me} planned {plan.fingerprint}, {member_id} planned {theirs.decode()}")
+            log.info("refit.plan.agreed", participants=len(spec.participants))
+            self._hook("plan.agreed", epoch=view.epoch, seq=seq, version=spec.version)
+            source, destination = self._buffers(spec)
+            executor = Executor(plan, group, ExecutorOptions(staging_bytes=self.config.staging_bytes,
+                                                             verify=self.config.verify))
+            if me in spec.destinations:
+                self._begin_apply()
+                # From here on this rank's buffers are being overwritten: it holds nothing.
+                self.versions.retract(self.membership, self.versions.snapshot())
+                with self._cond:
+                    self._holding = None
+            self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version)
+            report = executor.run(source, destination)
+            log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
+                     network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
+                     local_bytes=report.local_bytes, verified_boxes=report.verified_boxes)
+            if me in spec.destinations:
+                self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
+                value = self._digest()
+                self.versions.ack(self.membership, spec.version, view.epoch, value)
+                with self._cond:
+                    self._holding = spec.version
+                log.info("refit.version.acked", digest=value)
+            store.set(f"attempt/{seq}/done/{me}", "ok")
+        except (TransportAborted, PlanMismatch, RefitError, ValueError, TimeoutError, RuntimeError) as exc:
+            self.stats["failed_attempts"] += 1
+            log.warning("refit.attempt.failed", error_type=type(exc).__name__, error=str(exc).splitlines()[0][:300])
+            with contextlib.suppress(Exception):
+                store.set(f"attempt/{seq}/done/{me}", "failed")
+            if isinstance(exc, MembershipLost):
+                raise
+            # Wait for the membership to settle (a dead peer leaves within its TTL).
+            with contextlib.suppress(Exception):
+                self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=self.config.ttl_s + 0.5)
+
+    def _buffers(self, spec: AttemptSpec) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+        me = self.config.member_id
+        if me in spec.sources:
+            with self._cond:
+                tensors = self._published.get(spec.version)
+            if tensors is None:
+                raise RefitError(f"{me} was listed as a source of version {spec.version} but does not hold it")
+            return tensors, {}
+        if me in spec.holders:
+            return self._incoming, {}
+        return {}, self._incoming
+
+    # ---- version bookkeeping -------------------------------------------------------------
+    def _observe(self, state: VersionState) -> None:
+        """Track commits; serve a committed version once this rank holds it."""
+        with self._cond:
+            self._committed.update(state.committed)
+            latest = state.latest_committed
+            me = self.config.member_id
+            ack = state.acks.get(latest, {}).get(me) if latest is not None else None
+            holds_latest = ack is not None and ack.incarnation == self.config.incarnation
+            if self.config.role == "inference" and holds_latest and self._serving != latest:
+                if self.config.mode == "staged":
+                    while self._readers:  # swap only between reads
+                        self._cond.wait(0.05)
+                    for name, tensor in self.parameters.items():
+                        tensor.copy_(self._incoming[name])
+                self._serving, self._blocked = latest, False
+                self.log.info("refit.version.serving", version=latest)
+            self._cond.notify_all()
+
+    def _begin_apply(self) -> None:
+        """In place, writing the parameters starts: stop new reads, wait for current ones."""
+        if self.config.mode != "in_place":
+            return
+        with self._cond:
+            self._blocked = True
+            while self._readers:
+                self._cond.wait(0.05)
+
+    def _committed_at_least(self, version: int) -> Commit | None:
+        done = [c for v, c in self._committed.items() if v >= version]
+        return min(done, key=lambda c: c.version) if done else None
+
+    def _digest(self) -> str:
+        value = hashlib.blake2b(digest_size=16)
+        for name in sorted(self._incoming):
+            value.update(f"{name}:{int(digest(byte_view(self._incoming[name]).reshape(-1)))};".encode())
+        return value.hexdigest()
+
+    def _wait(self, ready: Callable[[], Any], timeout_s: float | None) -> Any:
+        timeout_s = self.config.version_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                value = ready()
+                if value is not None:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise TimeoutError(f"{self.config.member_id}: not ready within {timeout_s} s")
+                self._cond.wait(min(left, 0.1))
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def _hook(self, phase: str, **context: Any) -> None:
+        if self.fail_at is not None:
+            self.fail_at(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
+
+    def _check_parameters(self, parameters: Mapping[str, torch.Tensor]) -> None:
+        layout = self.layouts.destination
+        for buffer in layout.buffers(self.config.layout_rank):
+            t = parameters.get(buffer.name)
+            if t is None:
+                raise ValueError(f"inference rank {self.config.member_id!r}: parameter {buffer.name!r} is missing")
+            if tuple(t.shape) != buffer.shape or str(t.dtype).removeprefix("torch.") != buffer.dtype:
+                raise ValueError(f"parameter {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
+                                 f"{list(buffer.shape)} {buffer.dtype}")
+
+
+def _seconds(value: float):
+    import datetime
+
+    return datetime.timedelta(seconds=value)

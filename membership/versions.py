@@ -1,0 +1,142 @@
+"""Weight versions on etcd: who published a version, who holds it, attempts and commits.
+
+Keys (under ``/elastic-refit/{job}/``):
+
+- ``versions/{v}/sources/{member_id}`` -> ``{incarnation}``: a trainer holds version ``v``
+  in memory and will serve it until ``v`` commits.
+- ``versions/{v}/acks/{member_id}`` -> ``{incarnation, epoch, digest}``: an inference rank
+  holds ``v``, verified. Written fenced: a member that lost its lease cannot ack.
+- ``versions/{v}/committed`` -> ``{version, epoch, digest}``: created once, only while the
+  epoch it names is still the current one.
+- ``store/{epoch}/attempts/{seq}`` -> the attempt the epoch's coordinator chose: which
+  version moves from which members to which. Epoch-scoped, so it is purged with the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from membership.client import Compare, Delete, EtcdClient, Put
+from membership.keys import JobKeys
+from membership.service import Membership
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    incarnation: str
+    epoch: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    version: int
+    epoch: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class VersionState:
+    """A consistent snapshot (one etcd read) of every version's sources, acks and commits."""
+
+    revision: int
+    sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation
+    acks: dict[int, dict[str, Ack]] = field(default_factory=dict)
+    committed: dict[int, Commit] = field(default_factory=dict)
+
+    @property
+    def latest_committed(self) -> int | None:
+        return max(self.committed) if self.committed else None
+
+
+class VersionStore:
+    """Reads and fenced writes of version state for one job."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self.client = client
+        self.keys = JobKeys(job)
+
+    # ---- keys ---------------------------------------------------------------------
+    def source_key(self, version: int, member_id: str) -> str:
+        return f"{self.keys.versions_prefix}{version}/sources/{member_id}"
+
+    def attempt_key(self, epoch: int, seq: int) -> str:
+        return f"{self.keys.store(epoch)}attempts/{seq:08d}"
+
+    # ---- reads --------------------------------------------------------------------
+    def snapshot(self) -> VersionState:
+        """Every version key in one range read."""
+        result = self.client.get_prefix(self.keys.versions_prefix)
+        state = VersionState(revision=result.revision)
+        prefix = self.keys.versions_prefix
+        for kv in result.kvs:
+            parts = kv.key[len(prefix):].split("/")
+            try:
+                version = int(parts[0])
+            except ValueError:
+                continue
+            data = json.loads(kv.value)
+            if len(parts) == 3 and parts[1] == "sources":
+                state.sources.setdefault(version, {})[parts[2]] = str(data["incarnation"])
+            elif len(parts) == 3 and parts[1] == "acks":
+                state.acks.setdefault(version, {})[parts[2]] = Ack(
+                    str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
+            elif len(parts) == 2 and parts[1] == "committed":
+                state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
+        return state
+
+    def attempt(self, epoch: int, seq: int) -> dict[str, Any] | None:
+        kv = self.client.get(self.attempt_key(epoch, seq))
+        return json.loads(kv.value) if kv else None
+
+    # ---- fenced writes ------------------------------------------------------------
+    def publish_source(self, membership: Membership, version: int) -> None:
+        """This trainer holds ``version`` (fenced on its own lease)."""
+        membership.fenced_put(self.source_key(version, membership.record.member_id),
+                              json.dumps({"incarnation": membership.record.incarnation}).encode())
+
+    def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
+        """This inference rank holds ``version``, verified (fenced on its own lease)."""
+        record = membership.record
+        membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
+            {"incarnation": record.incarnation, "epoch": epoch, "digest": digest}).encode())
+
+    def retract(self, membership: Membership, state: VersionState) -> int:
+        """Withdraw this member's acks: its buffers are about to be overwritten, so it must
+        not be chosen to serve those versions. Fenced like every member write."""
+        member_id = membership.record.member_id
+        keys = [self.keys.ack(v, member_id) for v, acks in state.acks.items() if member_id in acks]
+        if keys:
+            result = self.client.txn([membership.ownership_compare()], [Delete(k) for k in keys])
+            if not result.succeeded:
+                membership.check()
+                raise RuntimeError(f"{member_id}: could not retract acks {keys}")
+        return len(keys)
+
+    def _epoch_guard(self, membership: Membership, epoch: int) -> list[Compare]:
+        """Guards for coordinator writes: I still own my key, and ``epoch`` is still current."""
+        kv = self.client.get(self.keys.epoch)
+        if kv is None or json.loads(kv.value).get("epoch") != epoch:
+            return []
+        return [membership.ownership_compare(), Compare(self.keys.epoch, "mod", "==", kv.mod_revision)]
+
+    def propose_attempt(self, membership: Membership, epoch: int, seq: int, attempt: dict[str, Any]) -> bool:
+        """Create attempt ``seq`` of ``epoch`` if absent and the epoch is still current."""
+        guard = self._epoch_guard(membership, epoch)
+        if not guard:
+            return False
+        key = self.attempt_key(epoch, seq)
+        result = self.client.txn(guard + [Compare(key, "create", "==", 0)],
+                                 [Put(key, json.dumps(attempt, sort_keys=True).encode())])
+        return result.succeeded
+
+    def commit(self, membership: Membership, version: int, epoch: int, digest: str) -> bool:
+        """Create ``committed`` for ``version`` once; refused for a stale epoch (fencing)."""
+        guard = self._epoch_guard(membership, epoch)
+        if not guard:
+            return False
+        key = self.keys.committed(version)
+        value = json.dumps({"version": version, "epoch": epoch, "digest": digest}).encode()
+        return self.client.txn(guard + [Compare(key, "create", "==", 0)], [Put(key, value)]).succeeded
