@@ -21,9 +21,8 @@ etcd:
 	  echo "installing etcd-server (needed by the integration tests)"; \
 	  (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null; }
 
-demo: $(STAMP)
-	$(BIN)/elastic-refit plan --model deepseek-v3 --source pp=16,ep=16,dp=16 \
-	    --destination tp=32,dp=8 --cluster h100-dgx
+demo: $(STAMP) etcd
+	$(BIN)/elastic-refit demo
 
 test: $(STAMP) etcd
 	$(BIN)/python -m pytest -q tests

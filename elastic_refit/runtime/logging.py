@@ -1,0 +1,46 @@
+"""structlog set-up for elastic-refit processes: JSON lines, or a console view on a terminal.
+
+Every event has a dotted name (``refit.version.committed``) and numbers as fields; the
+schema is in docs/LOGS.md. Call :func:`configure_logging` once per process (member
+processes, the demo, examples); a library user who configured structlog already can skip it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+import structlog
+
+__all__ = ["configure_logging"]
+
+
+def configure_logging(json: bool | None = None, *, stream: TextIO | None = None,
+                      level: int = logging.INFO) -> None:
+    """Route every structlog event of this process to ``stream`` (default: stderr).
+
+    ``json=True`` renders one JSON object per line (timestamps ISO-8601 UTC); ``json=False``
+    renders a human-readable console line; ``None`` picks the console view only when the
+    stream is a terminal, so redirected output stays machine-readable. Calling it again
+    replaces the previous configuration (a process may switch its stream, e.g. to a file).
+    """
+    out = stream if stream is not None else sys.stderr
+    if json is None:
+        isatty = getattr(out, "isatty", None)
+        json = not (callable(isatty) and isatty())
+    renderer = (structlog.processors.JSONRenderer(sort_keys=True) if json
+                else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        # Not cached: loggers created before a re-configuration must follow it.
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,82 @@
+"""`elastic-refit status` against a real etcd: a live job's members, leader, epoch and
+committed versions, as a table and as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from elastic_refit.cli import main
+from elastic_refit.cli.status_cmd import job_status
+from elastic_refit.runtime.local_job import MemberSpec
+
+from .runtime_job import LocalJob
+from .test_runtime import SPEC
+
+pytestmark = pytest.mark.etcd
+
+
+def _member(etcd: str, role: str, member_id: str, rank: int, **kw) -> MemberSpec:
+    return MemberSpec("job", role, member_id, rank, (etcd,), "d0" if role == "trainer" else "d1",
+                      spec_json=SPEC, **{"versions": (1, 2), **kw})
+
+
+def test_status_of_a_running_job(etcd_server, capsys):
+    etcd = etcd_server.endpoint
+    job = LocalJob()
+    try:
+        # Trainers publish two versions; inference ranks stay until we stop them, so the
+        # job is alive while status reads it.
+        for m in (_member(etcd, "trainer", "t0", 0), _member(etcd, "trainer", "t1", 1),
+                  _member(etcd, "inference", "i0", 2, incarnation="i0-a"),
+                  _member(etcd, "inference", "i1", 3, incarnation="i1-a", versions=(1, 2, 3))):
+            job.start(m)
+        deadline = time.monotonic() + 60
+        while True:
+            data = job_status([etcd], "job")
+            if data["latest_committed"] == 2:
+                break
+            assert time.monotonic() < deadline, f"version 2 never committed: {data}"
+            time.sleep(0.2)
+        reports = job.collect(["t0", "t1", "i0"], timeout_s=60)  # i0 exits after v2; i1 waits for v3
+        assert all("error" not in r for r in reports.values()), reports
+        deadline = time.monotonic() + 15
+        while True:  # the finished members left (leases revoked); a new epoch names i1 only
+            data = job_status([etcd], "job")
+            if data["epoch_members"] == ["i1"]:
+                break
+            assert time.monotonic() < deadline, f"epoch never settled: {data}"
+            time.sleep(0.2)
+
+        assert [m["member_id"] for m in data["members"]["inference"]] == ["i1"]
+        assert data["members"]["trainer"] == []
+        i1 = data["members"]["inference"][0]
+        assert (i1["incarnation"], i1["layout_rank"], i1["domain"], i1["state"], i1["rank"]) == ("i1-a", 3, "d1",
+                                                                                                 "ready", 0)
+        assert data["leader"]["member_id"] == "i1" and data["leader"]["token"] > 0
+        assert [c["version"] for c in data["committed"]] == [2, 1]
+        assert data["committed"][0]["epoch"] >= data["committed"][1]["epoch"]
+        assert {a["member_id"] for a in data["latest_acks"]} == {"i0", "i1"}
+        assert all(len(a["digest"]) == 32 for a in data["latest_acks"])
+
+        assert main(["status", "--etcd", etcd, "--job", "job", "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["latest_committed"] == 2 and printed["epoch"] == data["epoch"]
+        assert main(["status", "--etcd", etcd, "--job", "job"]) == 0
+        table = capsys.readouterr().out
+        assert "inference ranks (1)" in table and "i1-a" in table and "v2" in table and "acks of v2" in table
+    finally:
+        job.stop()
+
+
+def test_status_of_an_unknown_job_is_empty(etcd_server):
+    data = job_status([etcd_server.endpoint], "nobody")
+    assert data["epoch"] is None and data["leader"] is None and data["latest_committed"] is None
+    assert data["members"] == {"trainer": [], "inference": []}
+
+
+def test_status_rejects_bad_input(etcd_server, capsys):
+    assert main(["status", "--etcd", etcd_server.endpoint, "--job", "bad/name"]) == 2
+    assert "job must match" in capsys.readouterr().err
