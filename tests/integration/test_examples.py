@@ -1,0 +1,25 @@
+"""examples/rl_loop.py runs end to end (its own etcd, trainer and inference processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+pytestmark = pytest.mark.etcd
+
+
+def test_rl_loop_commits_every_version():
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "rl_loop.py"), "--versions", "4"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1].removeprefix("RESULT "))
+    assert result["ok"] and result["errors"] == []
+    assert result["versions"] == [1, 2, 3, 4]
+    assert sorted(result["inference"]) == ["actor0", "actor1"]
+    assert all(seen[-1] == 4 and seen == sorted(seen) for seen in result["inference"].values())
+    assert "acting with version 4" in proc.stdout
