@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic_refit.cli._output import format_bytes, format_seconds, render_table  # noqa: E402
-from elastic_refit.layout.refit import model_refit_spec  # noqa: E402
-from elastic_refit.plan import PlanOptions, make_plan  # noqa: E402
-from elastic_refit.transport.local import GatherBroadcastLocal, LocalTransport  # noqa: E402
-from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces  # noqa: E402
+from elastic_refit.cli._output import format_bytes, format_seconds, render_table
+from elastic_refit.layout.refit import model_refit_spec
+from elastic_refit.plan import PlanOptions, make_plan
+from elastic_refit.transport.local import GatherBroadcastLocal, LocalTransport
+from elastic_refit.transport.pattern import allocate, byte_view, check_pieces, fill_pieces
 
 
 def _sync(device: torch.device) -> None:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(not check_pieces(plan.destination, r, dst, seed=11, limit=1) for r, (_, dst) in buffers.items())
         for _, dst in buffers.values():  # reset so the next method starts from scratch
             for t in dst.values():
-                t.view(torch.uint8).fill_(0x5A) if t.dim() else None
+                byte_view(t).fill_(0x5A)
         return ok
 
     print("building the local transport ...", file=sys.stderr, flush=True)
@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"seconds": statistics.median(times), "min_seconds": min(times),
                          "bytes": runner.bytes_moved, "verified": verify()}
     copy_bytes = reshard.bytes_moved
-    a = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    copy_times = _time(lambda: b.copy_(a), device, args.repeat)
-    del a, b
+    src_bytes = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst_bytes = torch.empty_like(src_bytes)
+    copy_times = _time(lambda: dst_bytes.copy_(src_bytes), device, args.repeat)
     copy_seconds = statistics.median(copy_times)
 
     summary = {

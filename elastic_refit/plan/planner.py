@@ -125,6 +125,12 @@ def _regions(tensor: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> _R
         r_tensor, r_off, r_len, inc_region, inc_piece = _refine(
             bad, tensor, offsets, lengths, r_tensor, r_off, r_len, inc_region, inc_piece
         )
+        # Refined cells were appended: restore the (tensor, box) order the joins rely on.
+        order = _lexsort_rows(np.column_stack([r_tensor, r_off, r_len]))
+        rank_of = np.empty_like(order)
+        rank_of[order] = np.arange(order.size)
+        r_tensor, r_off, r_len = r_tensor[order], r_off[order], r_len[order]
+        inc_region = rank_of[inc_region]
     order = np.argsort(inc_region, kind="stable")
     inc_region, inc_piece = inc_region[order], inc_piece[order]
     starts, counts = _group_bounds(inc_region, r_tensor.size)
@@ -708,7 +714,7 @@ _DEFINING_COLUMNS = ("kind", "phase", "round", "message_offset", "tensor", "src_
 def _fingerprint(source: Layout, destination: Layout, topology: Topology, options: PlanOptions,
                  classes: TensorClasses, table: TransferTable) -> str:
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes}".encode())
+    digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes};direct={options.direct_min_bytes}".encode())
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())
     digest.update(topology.fingerprint().encode())

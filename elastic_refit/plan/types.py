@@ -41,10 +41,16 @@ class PlanOptions:
     """
 
     bucket_bytes: int = 64 * MiB
+    # Runs contiguous on both sides and at least this large travel straight from the
+    # source buffer into the destination buffer, without packing (part of the plan, so
+    # both ends of a message agree).
+    direct_min_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 2:
             raise ValueError(f"bucket_bytes must be an integer >= 2, got {self.bucket_bytes!r}")
+        if not isinstance(self.direct_min_bytes, int) or self.direct_min_bytes < 1:
+            raise ValueError(f"direct_min_bytes must be an integer >= 1, got {self.direct_min_bytes!r}")
 
     @property
     def max_transfer_bytes(self) -> int:

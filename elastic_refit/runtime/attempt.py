@@ -11,6 +11,7 @@ exists), the destinations are the inference ranks that do not hold it yet.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,8 @@ def version_digest(state: VersionState, version: int, members: tuple[MemberRecor
     return digest.hexdigest()
 
 
-def next_action(view: MembershipView, state: VersionState) -> AttemptSpec | CommitAction | None:
+def next_action(view: MembershipView, state: VersionState,
+                feasible: Callable[[AttemptSpec], bool] | None = None) -> AttemptSpec | CommitAction | None:
     """What the epoch's coordinator does next (pure).
 
     1. The newest published, uncommitted version newer than every committed one, once
@@ -85,7 +87,11 @@ def next_action(view: MembershipView, state: VersionState) -> AttemptSpec | Comm
        it, else an attempt to move it. Older uncommitted versions are superseded.
     2. Otherwise, inference ranks without the latest committed version catch up from the
        inference ranks that hold it; the trainers are not involved.
+
+    ``feasible(spec)`` (optional) says whether the live members hold every byte an attempt
+    needs; an infeasible attempt is not proposed: the version waits for its holders.
     """
+    feasible = feasible or (lambda spec: True)
     trainers = view.members_of("trainer")
     inference = view.members_of("inference")
     latest = state.latest_committed
@@ -101,12 +107,15 @@ def next_action(view: MembershipView, state: VersionState) -> AttemptSpec | Comm
             if not destinations:
                 return CommitAction(version, version_digest(state, version, inference))
             sources = tuple(sorted(t.member_id for t in trainers))
-            return AttemptSpec(version, REFIT, sources, holders, destinations)
+            spec = AttemptSpec(version, REFIT, sources, holders, destinations)
+            return spec if feasible(spec) else None
     if latest is not None and inference:
         holders = tuple(sorted(m.member_id for m in inference if holds(state, latest, m)))
         behind = tuple(sorted(m.member_id for m in inference if not holds(state, latest, m)))
         if holders and behind:
-            return AttemptSpec(latest, CATCH_UP, (), holders, behind)
+            spec = AttemptSpec(latest, CATCH_UP, (), holders, behind)
+            if feasible(spec):
+                return spec
     return None
 
 

@@ -28,6 +28,7 @@ class MemberSpec:
     versions: tuple[int, ...] = (1, 2, 3)
     mode: str = "in_place"
     incarnation: str | None = None
+    pause_s: float = 0.0  # trainers: time between versions (a training step)
     config: dict[str, Any] = field(default_factory=dict)
 
     def layouts(self) -> RefitLayouts:
@@ -55,6 +56,7 @@ def run_member(member: MemberSpec, fail_at=None) -> dict[str, Any]:
     if member.role == "trainer":
         with ElasticRefit(config, layouts, fail_at=fail_at) as refit:
             for version in member.versions:
+                time.sleep(member.pause_s)
                 tensors = allocate(layouts.source, member.layout_rank, fill=0)
                 fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
                 start = time.monotonic()

@@ -37,7 +37,9 @@ from elastic_refit.transport.executor import Executor, ExecutorOptions, digest
 from elastic_refit.transport.group import GroupOptions, RefitGroup
 from elastic_refit.transport.pattern import byte_view
 from membership import (
+    CommunicatorError,
     CommunicatorManager,
+    EpochTimeout,
     EtcdClient,
     MemberRecord,
     Membership,
@@ -170,14 +172,33 @@ class ElasticRefit:
         view: MembershipView | None = None
         group: RefitGroup | None = None
         seq = 0
+        broken_epoch = -1  # an epoch whose communicator could not be formed
         while not self._stop.is_set():
             try:
                 latest = self.membership.view
-                if latest is None or me not in latest:
+                # An epoch that lists this member under an earlier incarnation (a restart
+                # inside the old lease's TTL) is not ours: wait for the one that lists us.
+                if latest is None or me not in latest or latest.member(me).incarnation != self.config.incarnation:
                     self._stop.wait(self.config.poll_s)
                     continue
+                if latest.epoch == broken_epoch:
+                    # Its rendezvous keys are spent and a member is likely dead: the next
+                    # epoch (within the lease TTL) is the one to build. If none comes, the
+                    # membership is stable and only a record change makes the leader publish
+                    # a fresh epoch.
+                    try:
+                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=self.config.epoch_deadline_s)
+                    except EpochTimeout:
+                        record_state = self.membership.record.state
+                        self.membership.set_state("joining" if record_state == "ready" else "ready")
+                    continue
                 if view is None or latest.epoch != view.epoch:
-                    result = self.manager.reconfigure(view, latest)
+                    try:
+                        result = self.manager.reconfigure(view, latest)
+                    except CommunicatorError:
+                        broken_epoch = latest.epoch
+                        view = None  # nothing of the old communicator survives a failed rebuild
+                        raise
                     comm = result.communicator
                     group = RefitGroup(comm.pg, comm.rank, comm.size,
                                        GroupOptions(self.config.backend, self.config.collective_timeout_s),
@@ -215,7 +236,7 @@ class ElasticRefit:
         """Rank 0 of the epoch: commit what is complete, else propose the next attempt."""
         if seq > 0 and not self._attempt_finished(view, seq - 1):
             return
-        action = next_action(view, state)
+        action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
         if isinstance(action, CommitAction):
             self._hook("commit.before", version=action.version, epoch=view.epoch)
             if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
@@ -226,6 +247,23 @@ class ElasticRefit:
                 self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
                               kind=action.kind, sources=len(action.sources), holders=len(action.holders),
                               destinations=len(action.destinations))
+
+    def _feasible(self, view: MembershipView, spec: AttemptSpec) -> bool:
+        """Whether live members hold every byte ``spec`` needs (memoised per epoch)."""
+        key = (view.epoch, spec)
+        cache = self.__dict__.setdefault("_feasibility", {})
+        if key not in cache:
+            try:
+                plan_attempt(self.layouts.source, self.layouts.destination, view, spec,
+                             PlanOptions(bucket_bytes=self.config.bucket_bytes))
+                cache[key] = True
+            except ValueError as exc:
+                cache[key] = False
+                self.log.warning("refit.version.unavailable", version=spec.version, kind=spec.kind,
+                                 epoch=view.epoch, reason=str(exc).splitlines()[0][:300])
+            if len(cache) > 64:
+                cache.pop(next(iter(cache)))
+        return cache[key]
 
     def _attempt_finished(self, view: MembershipView, seq: int) -> bool:
         record = self.versions.attempt(view.epoch, seq)
@@ -253,7 +291,7 @@ class ElasticRefit:
                      intra_domain_bytes=s.intra_domain_bytes, gather_broadcast_bytes=s.gather_broadcast_bytes)
             store.set(f"attempt/{seq}/plan/{me}", plan.fingerprint)
             keys = [f"attempt/{seq}/plan/{m}" for m in spec.participants]
-            store.wait(keys, _seconds(self.config.epoch_deadline_s))
+            self._wait_keys(store, keys, view.epoch)
             for member_id, theirs in zip(spec.participants, store.multi_get(keys), strict=True):
                 if theirs.decode() != plan.fingerprint:
                     raise PlanMismatch(f"{me} planned {plan.fingerprint}, {member_id} planned {theirs.decode()}")
@@ -268,7 +306,8 @@ class ElasticRefit:
                 self.versions.retract(self.membership, self.versions.snapshot())
                 with self._cond:
                     self._holding = None
-            self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version)
+            self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
+                       executor=executor, group=group)
             report = executor.run(source, destination)
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
@@ -291,6 +330,18 @@ class ElasticRefit:
             # Wait for the membership to settle (a dead peer leaves within its TTL).
             with contextlib.suppress(Exception):
                 self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=self.config.ttl_s + 0.5)
+
+    def _wait_keys(self, store, keys: list[str], epoch: int) -> None:
+        """Wait for every participant's key, but give up as soon as a newer epoch exists
+        (a participant that moved on will never write its key here)."""
+        deadline = time.monotonic() + self.config.epoch_deadline_s
+        while not store.check(keys):
+            latest = self.membership.view
+            if latest is not None and latest.epoch != epoch:
+                raise RefitError(f"epoch {epoch} was superseded by epoch {latest.epoch} before the plan was agreed")
+            if time.monotonic() > deadline or self._stop.is_set():
+                raise RefitError(f"participants did not agree on a plan within {self.config.epoch_deadline_s} s")
+            time.sleep(self.config.poll_s)
 
     def _buffers(self, spec: AttemptSpec) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
         me = self.config.member_id
@@ -375,9 +426,3 @@ class ElasticRefit:
             if tuple(t.shape) != buffer.shape or str(t.dtype).removeprefix("torch.") != buffer.dtype:
                 raise ValueError(f"parameter {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
                                  f"{list(buffer.shape)} {buffer.dtype}")
-
-
-def _seconds(value: float):
-    import datetime
-
-    return datetime.timedelta(seconds=value)

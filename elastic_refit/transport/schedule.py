@@ -143,11 +143,11 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
                        packed, int(np.prod(ln[i, :nd])) * itemsize)
 
     half = plan.options.max_transfer_bytes
-    bucket_index, in_bucket = plan.options.bucket_of(x.message_offset)
+    direct_min = plan.options.direct_min_bytes
     kind = t.kind[x.row]
     src_side = t.src_side[x.row]
     local_copies = []
-    per_step: dict[tuple[int, int], dict[str, object]] = {}
+    per_step: dict[tuple[int, int], dict[str, list]] = {}
     for i in range(x.row.size):
         row = int(x.row[i])
         if kind[i] == int(TransferKind.LOCAL):
@@ -156,27 +156,45 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
                 box(int(SourceSide.DESTINATION), x.dst_piece, i, dst_off, dst_len, 0),
             ))
             continue
+        sending = int(t.src_rank[row]) == rank
         key = (int(t.phase[row]), int(t.round[row]))
         entry = per_step.setdefault(key, {})
-        if int(t.src_rank[row]) == rank:
-            msg = entry.setdefault("send", (int(t.dst_rank[row]), int(kind[i]), {}))
-            copy = box(int(src_side[i]), x.src_piece, i, src_off, src_len, int(in_bucket[i]))
+        peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
+        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], []])
+        src_layout = plan.destination if src_side[i] == int(SourceSide.DESTINATION) else plan.source
+        chunks = _direct_chunks(
+            t.offsets[row], t.lengths[row],
+            (src_layout, int(x.src_piece[i])), (plan.destination, int(x.dst_piece[i])), direct_min,
+            int(plan.destination.tensor_itemsize[int(t.tensor[row])]), half,
+        )
+        if chunks is None:
+            layout, pieces, off, ln, side = ((src_layout, x.src_piece, src_off, src_len, int(src_side[i])) if sending
+                                             else (plan.destination, x.dst_piece, dst_off, dst_len,
+                                                   int(SourceSide.DESTINATION)))
+            msg[3].append(box(side, pieces, i, off, ln, 0))
         else:
-            msg = entry.setdefault("recv", (int(t.src_rank[row]), int(kind[i]), {}))
-            copy = box(int(SourceSide.DESTINATION), x.dst_piece, i, dst_off, dst_len, int(in_bucket[i]))
-        msg[2].setdefault(int(bucket_index[i]), []).append(copy)
+            layout, piece, side = ((src_layout, int(x.src_piece[i]), int(src_side[i])) if sending
+                                   else (plan.destination, int(x.dst_piece[i]), int(SourceSide.DESTINATION)))
+            c_off, c_len = _pad_cols(*layout.local_regions(np.full(len(chunks[0]), piece), *_cut(chunks, layout.ndim)), k)
+            for j in range(c_off.shape[0]):
+                msg[2].append(Bucket(0, (_box_of(layout, piece, side, c_off[j], c_len[j]),)))
 
     def message(spec) -> Message | None:
         if spec is None:
             return None
-        peer, kind_value, buckets = spec
-        out = []
+        peer, kind_value, directs, packed = spec
+        buckets: dict[int, list[BoxCopy]] = {}
+        position = 0
+        for b in packed:  # sequential layout; a bucket holds the boxes starting in one half-window
+            index, offset = divmod(position, half)
+            buckets.setdefault(index, []).append(BoxCopy(b.buffer, b.offsets, b.lengths, offset, b.nbytes))
+            position += b.nbytes
+        out = [Bucket(d.boxes[0].nbytes, d.boxes) for d in directs]
         for index in sorted(buckets):
             boxes = buckets[index]
             start = min(b.packed_offset for b in boxes)
             end = max(b.packed_offset + b.nbytes for b in boxes)
-            boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes)
-                          for b in sorted(boxes, key=lambda b: b.packed_offset))
+            boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes) for b in boxes)
             out.append(Bucket(end - start, boxes))
         return Message(peer, TransferKind(kind_value), tuple(out))
 
@@ -187,5 +205,84 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     buffers = {**_buffer_specs(plan.source, rank, SourceSide.SOURCE),
                **_buffer_specs(plan.destination, rank, SourceSide.DESTINATION)}
     max_bucket = max((b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets), default=0)
-    assert max_bucket <= 2 * half, "planner guarantees buckets within bucket_bytes"
+    assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
     return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket)
+
+
+def _run_elements(lengths: np.ndarray, shape: np.ndarray) -> int:
+    """Elements of the longest contiguous runs of a box in a row-major buffer."""
+    run = 1
+    for d in reversed(range(len(shape))):
+        run *= int(lengths[d])
+        if lengths[d] != shape[d]:
+            break
+    return run
+
+
+def _direct_chunks(offsets: np.ndarray, lengths: np.ndarray, src: tuple[Layout, int], dst: tuple[Layout, int],
+                   direct_min: int, itemsize: int, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sub-boxes of a global box that are contiguous in both the source and destination
+    buffers, when each carries at least ``direct_min`` bytes; else None (pack the box).
+
+    Both runs are suffix products of the box's extents (local boxes match the global one up
+    to size-1 dims), so the shorter run cuts both sides into the same chunks. Chunks above
+    ``limit`` bytes are cut along their outer dims; a sub-range of the outermost dim of a
+    contiguous run is still contiguous.
+    """
+    runs = []
+    for layout, piece in (src, dst):
+        _, ln = layout.local_regions(np.array([piece]), offsets[None, : layout.ndim], lengths[None, : layout.ndim])
+        b = int(layout.piece_buffer[piece])
+        nd = int(layout.buffer_ndim[b])
+        runs.append(_run_elements(ln[0, :nd], layout.buffer_shape[b, :nd]))
+    chunk = min(runs)
+    if chunk * itemsize < direct_min:
+        return None
+    dims = [d for d in range(lengths.size) if lengths[d] > 1]
+    suffix, fixed = 1, len(dims)
+    while fixed > 0 and suffix * int(lengths[dims[fixed - 1]]) <= chunk:
+        fixed -= 1
+        suffix *= int(lengths[dims[fixed]])
+    lead = dims[:fixed]
+    grid = np.stack(np.meshgrid(*[np.arange(int(lengths[d])) for d in lead], indexing="ij"), -1).reshape(-1, len(lead)) \
+        if lead else np.zeros((1, 0), dtype=np.int64)
+    c_off = np.tile(offsets, (grid.shape[0], 1))
+    c_len = np.tile(lengths, (grid.shape[0], 1))
+    for j, d in enumerate(lead):
+        c_off[:, d] += grid[:, j]
+        c_len[:, d] = 1
+    while True:
+        nbytes = np.prod(c_len, axis=1) * itemsize
+        big = nbytes > limit
+        if not big.any():
+            return c_off, c_len
+        d = int(np.argmax(c_len[0] > 1))  # chunks share their shape: cut all the same way
+        slab = int(nbytes[0]) // int(c_len[0, d])
+        per = max(limit // slab, 1)
+        parts = -(-int(c_len[0, d]) // per)
+        starts = np.arange(parts) * per
+        c_off = np.repeat(c_off, parts, axis=0)
+        c_len = np.repeat(c_len, parts, axis=0)
+        c_off[:, d] += np.tile(starts, c_off.shape[0] // parts)
+        c_len[:, d] = np.minimum(per, c_len[:, d] - np.tile(starts, c_len.shape[0] // parts))
+
+
+def _cut(chunks: tuple[np.ndarray, np.ndarray], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    return chunks[0][:, :ndim], chunks[1][:, :ndim]
+
+
+def _pad_cols(off: np.ndarray, ln: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if off.shape[1] >= k:
+        return off, ln
+    o = np.zeros((off.shape[0], k), dtype=np.int64)
+    n = np.ones((ln.shape[0], k), dtype=np.int64)
+    o[:, : off.shape[1]], n[:, : ln.shape[1]] = off, ln
+    return o, n
+
+
+def _box_of(layout: Layout, piece: int, side: int, off: np.ndarray, ln: np.ndarray) -> BoxCopy:
+    b = int(layout.piece_buffer[piece])
+    nd = int(layout.buffer_ndim[b])
+    itemsize = DTYPE_ITEMSIZE[DTYPES[int(layout.buffer_dtype[b])]]
+    return BoxCopy((side, layout.buffer_names[int(layout.buffer_name[b])]), tuple(int(v) for v in off[:nd]),
+                   tuple(int(v) for v in ln[:nd]), 0, int(np.prod(ln[:nd])) * itemsize)

@@ -41,6 +41,7 @@ class RefitCase:
     domain_size: int = 8
     colocate: bool = False
     bucket_bytes: int = 64 << 20
+    direct_min_bytes: int = 256 << 10
 
     def build(self) -> RefitSpec:
         if self.spec_json is not None:
@@ -54,7 +55,8 @@ class RefitCase:
 
     def plan(self) -> Plan:
         spec = self.build()
-        return make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=self.bucket_bytes))
+        return make_plan(spec.source, spec.destination, spec.topology,
+                         PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes))
 
 
 @dataclass(frozen=True, slots=True)

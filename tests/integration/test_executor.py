@@ -46,10 +46,10 @@ CASES = {
                                         domain_size=4, bucket_bytes=8192),
     # stacked experts re-sliced from EP to TP
     "moe-pp2ep2-to-tp2": RefitCase(model=TINY_MOE, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=1",
-                                   domain_size=2, bucket_bytes=4096),
+                                   domain_size=2, bucket_bytes=4096, direct_min_bytes=256),
     # MLA, shared experts, colocated training and inference on the same ranks
     "mla-colocated": RefitCase(model=TINY_MLA, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2",
-                               domain_size=2, colocate=True, bucket_bytes=16384),
+                               domain_size=2, colocate=True, bucket_bytes=16384, direct_min_bytes=64),
     # uneven torch.chunk shards, colocated ranks, odd domain map, int8
     "spec-uneven-colocated": RefitCase(spec_json=UNEVEN_COLOCATED, bucket_bytes=64),
 }

@@ -24,6 +24,8 @@ COLOCATED = json.dumps({"domain_size": 2, "tensors": [
 CASES = [
     RefitCase(model=TINY_MOE, source="tp=2,pp=2,ep=2", destination="tp=2,dp=2", domain_size=2, bucket_bytes=2048),
     RefitCase(spec_json=COLOCATED, bucket_bytes=32),
+    RefitCase(model=TINY_MOE, source="tp=2,pp=2,ep=2", destination="tp=2,dp=2", domain_size=2, bucket_bytes=4096,
+              direct_min_bytes=64),
 ]
 
 
@@ -37,7 +39,7 @@ def _buffers(plan, seed):
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=["moe", "colocated"])
+@pytest.mark.parametrize("case", CASES, ids=["moe", "colocated", "moe-direct"])
 @pytest.mark.parametrize("method", [LocalTransport, GatherBroadcastLocal])
 def test_single_device_methods_are_bit_exact(case, method):
     plan = case.plan()

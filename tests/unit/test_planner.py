@@ -338,3 +338,22 @@ def test_identically_laid_out_tensors_share_one_class():
     assert sorted(np.diff(plan.classes.start).tolist()) == [1, 6]
     assert plan.stats.rows < plan.stats.transfers
     assert_plan_correct(plan)
+
+
+def test_refined_tensors_next_to_plain_ones():
+    # A holder's shard inside trainers' full replicas forces refinement of some tensors
+    # (partial overlaps) while others stay plain; regions must stay ordered by tensor.
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    for name, shape, holder_box in (("a", (12, 4), ((0, 0), (4, 4))), ("b", (8,), None), ("c", (6, 6), ((0, 0), (6, 2)))):
+        t = src.tensor(name, shape, "float32")
+        ids = src.buffers(name, [0, 1], shape, "float32")
+        zeros = [[0] * len(shape)] * 2
+        src.pieces(t, ids, zeros, [list(shape)] * 2, zeros)
+        off, ln = holder_box if holder_box else ((0,) * len(shape), shape)
+        hid = src.buffers(name, [2], ln, "float32")
+        src.pieces(t, hid, [list(off)], [list(ln)], [[0] * len(shape)])
+        td = dst.tensor(name, shape, "float32")
+        did = dst.buffers(name, [3], shape, "float32")
+        dst.pieces(td, did, [[0] * len(shape)], [list(shape)], [[0] * len(shape)])
+    plan = make_plan(src.build(), dst.build(), Topology((0, 0, 1, 1)))
+    assert_plan_correct(plan)

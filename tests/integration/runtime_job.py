@@ -1,0 +1,91 @@
+"""A local elastic job for runtime tests: a real etcd, member processes started and
+killed by pid, results collected from each member."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_refit.runtime.local_job import MemberSpec, run_member
+
+
+def _child(member: MemberSpec, fail_at, results) -> None:
+    try:
+        results.put(run_member(member, fail_at))
+    except BaseException as exc:  # reported, the test decides
+        results.put({"member_id": member.member_id, "error_type": type(exc).__name__,
+                     "error": f"{exc}\n{traceback.format_exc(limit=5)}"})
+
+
+@dataclass(frozen=True)
+class KillSelf:
+    """Fault hook: SIGKILL this process at ``phase`` of ``version`` (after ``after_sends``
+    sends of the transfer when the phase is ``transfer.before``)."""
+
+    member_id: str
+    version: int
+    phase: str = "transfer.before"
+    after_sends: int = 0
+
+    def __call__(self, phase: str, context: dict[str, Any]) -> None:
+        if context["member_id"] != self.member_id or phase != self.phase or context.get("version") != self.version:
+            return
+        group = context.get("group")
+        if phase != "transfer.before" or group is None or self.after_sends == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        original = group.send
+        count = {"n": 0}
+
+        def send(tensor, peer, tag=0):
+            count["n"] += 1
+            if count["n"] > self.after_sends:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(tensor, peer, tag)
+
+        group.send = send
+
+
+class LocalJob:
+    """Start members as spawned processes; collect what each one reports."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.procs: dict[str, mp.Process] = {}
+        self.reports: dict[str, dict[str, Any]] = {}
+
+    def start(self, member: MemberSpec, fail_at=None) -> mp.Process:
+        p = self.ctx.Process(target=_child, args=(member, fail_at, self.results), daemon=True)
+        p.start()
+        self.procs[member.member_id] = p
+        return p
+
+    def signal(self, member_id: str, sig: int) -> None:
+        pid = self.procs[member_id].pid
+        assert pid is not None
+        os.kill(pid, sig)
+
+    def collect(self, member_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while any(m not in self.reports for m in member_ids) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                r = self.results.get(timeout=0.2)
+                self.reports[r["member_id"]] = r
+        missing = [m for m in member_ids if m not in self.reports]
+        assert not missing, f"members {missing} did not report within {timeout_s} s (hung?)"
+        return {m: self.reports[m] for m in member_ids}
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                    os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=5)
