@@ -193,6 +193,7 @@ class ElasticRefit:
                         self.membership.set_state("joining" if record_state == "ready" else "ready")
                     continue
                 if view is None or latest.epoch != view.epoch:
+                    self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
                     try:
                         result = self.manager.reconfigure(view, latest)
                     except CommunicatorError:
@@ -200,6 +201,7 @@ class ElasticRefit:
                         view = None  # nothing of the old communicator survives a failed rebuild
                         raise
                     comm = result.communicator
+                    self._hook("comm.ready", epoch=latest.epoch, rank=comm.rank, path=result.path)
                     group = RefitGroup(comm.pg, comm.rank, comm.size,
                                        GroupOptions(self.config.backend, self.config.collective_timeout_s),
                                        store=comm.store)
