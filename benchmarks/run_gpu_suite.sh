@@ -18,5 +18,3 @@ python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.lo
 python3 benchmarks/bench_gpu_local.py --model qwen3-30b-a3b --layers 8 --source tp=2,pp=2,ep=2 \
     --destination tp=2,dp=2 --repeat 5 --json > "$OUT/bench_gpu_local.json" 2> "$OUT/bench_gpu_local.err"
 cat "$OUT/bench_gpu_local.json"; tail -3 "$OUT/bench_gpu_local.err"
-python3 benchmarks/bench_gpu_local.py --model qwen3-30b-a3b --layers 8 --source tp=2,pp=2,ep=2 \
-    --destination tp=2,dp=2 --repeat 5 2>/dev/null | tee "$OUT/bench_gpu_local.txt"
