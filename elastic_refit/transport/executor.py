@@ -132,7 +132,7 @@ class _BucketIO:
             if span is not None:
                 self.direct = (only.buffer, span[0], span[1])
         self.program = None
-        if self.direct is None:
+        if self.direct is None:  # a direct bucket needs no kernel program
             self.program = PackProgram(
                 [s.shape for s in specs], [getattr(torch, s.dtype) for s in specs],
                 [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in bucket.boxes],
@@ -144,7 +144,11 @@ class _BucketIO:
         self.wire_bytes = (self.trailer_offset + DIGEST_BYTES * len(bucket.boxes)) if options.verify else bucket.nbytes
 
     def direct_view(self, tensors: Mapping[BufferRef, torch.Tensor]) -> torch.Tensor:
-        ref, offset, nbytes = self.direct  # type: ignore[misc]
+        return self.direct_view_of(tensors, self.direct)
+
+    @staticmethod
+    def direct_view_of(tensors: Mapping[BufferRef, torch.Tensor], span) -> torch.Tensor:
+        ref, offset, nbytes = span
         return byte_view(tensors[ref]).reshape(-1)[offset : offset + nbytes]
 
     def _bound(self, tensors: Mapping[BufferRef, torch.Tensor], data: torch.Tensor):

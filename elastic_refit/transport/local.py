@@ -34,6 +34,7 @@ class _Transfer:
     receiver: _BucketIO
     src_rank: int
     dst_rank: int
+    direct: tuple | None  # (sender span, receiver span) when both sides are one contiguous span
 
 
 class LocalTransport:
@@ -45,6 +46,7 @@ class LocalTransport:
         self.device = torch.device(device)
         self.copy_wire = copy_wire
         options = ExecutorOptions(zero_copy=False, pack_backend=pack_backend, staging_bytes=1 << 62)
+        direct = ExecutorOptions(zero_copy=True, pack_backend=pack_backend, staging_bytes=1 << 62)
         ranks = sorted(set(plan.source.ranks) | set(plan.destination.ranks))
         self.schedules: dict[int, RankSchedule] = {r: build_rank_schedule(plan, r) for r in ranks}
         transfers: list[_Transfer] = []
@@ -60,12 +62,13 @@ class LocalTransport:
                 assert recv is not None and recv.peer == rank and len(recv.buckets) == len(step.send.buckets)
                 for out_bucket, in_bucket in zip(step.send.buckets, recv.buckets, strict=True):
                     assert out_bucket.nbytes == in_bucket.nbytes
-                    transfers.append(_Transfer(
-                        int(step.phase), step.round,
-                        _BucketIO(out_bucket, schedule, options, self.device),
-                        _BucketIO(in_bucket, self.schedules[peer], options, self.device),
-                        rank, peer,
-                    ))
+                    sender = _BucketIO(out_bucket, schedule, direct, self.device)
+                    receiver = _BucketIO(in_bucket, self.schedules[peer], direct, self.device)
+                    spans = (sender.direct, receiver.direct) if sender.direct and receiver.direct else None
+                    if spans is None:
+                        sender = _BucketIO(out_bucket, schedule, options, self.device)
+                        receiver = _BucketIO(in_bucket, self.schedules[peer], options, self.device)
+                    transfers.append(_Transfer(int(step.phase), step.round, sender, receiver, rank, peer, spans))
         # Deliver phase before fan-out; inside a phase any order is valid.
         transfers.sort(key=lambda t: (t.phase, t.round, t.src_rank, t.dst_rank))
         self.transfers = transfers
@@ -84,6 +87,11 @@ class LocalTransport:
                 dst.copy_(src.reshape(dst.shape))
         for t in self.transfers:
             n = t.sender.bucket.nbytes
+            if t.direct is not None:  # contiguous on both sides: the copy is the wire
+                src_ref, dst_ref = t.direct
+                t.receiver.direct_view_of(tensors[t.dst_rank], dst_ref).copy_(
+                    t.sender.direct_view_of(tensors[t.src_rank], src_ref))
+                continue
             packed = staging[0][:n]
             t.sender.pack(tensors[t.src_rank], packed, False)
             if self.copy_wire:
