@@ -1,0 +1,483 @@
+"""Run chaos trials: a real etcd, warm member processes, faults, the oracle, a summary.
+
+One etcd (or 3-node cluster) serves a whole run; every trial is a fresh job (its own key
+prefix) of 2 trainer replicas and ``num_inference`` inference replicas, so recovery is
+always possible. Members run in a pool of warm worker processes reused across trials; a
+worker a fault killed is replaced. The parent watches the trial's fault records and does
+the parent's part of each fault (SIGCONT after a stop, etcd down and up, restarting a
+victim as a new incarnation), then collects reports, waits for leases to settle and asks
+the oracle for a verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_conns
+from pathlib import Path
+from typing import Any
+
+from chaos.faults import Scenario
+from chaos.inject import FaultHook, Killer, read_fault_records
+from chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all, read_logs
+from chaos.worker import worker_main
+
+__all__ = ["ChaosRun", "TrialResult", "run_matrix", "spec_json", "summarize"]
+
+TTL_S = 2
+
+
+def spec_json(num_inference: int) -> str:
+    """The trial model: tiny tensors; trainers 0, 1 are replicas (whole tensors); inference
+    ranks are replicas too (2), or replicas of TP=2 (4, 6, ...)."""
+    if num_inference < 2:
+        raise ValueError(f"num_inference must be >= 2, got {num_inference}")
+    first = 2
+    if num_inference == 2 or num_inference % 2:
+        dst_mesh: Any = list(range(first, first + num_inference))
+        placements = {"w": ["R"], "experts": ["R"], "norm": ["R"]}
+    else:
+        dst_mesh = [[first + 2 * r, first + 2 * r + 1] for r in range(num_inference // 2)]
+        placements = {"w": ["R", "S(0)"], "experts": ["R", "S(1)"], "norm": ["R", "R"]}
+    src = {"mesh": [0, 1], "placements": ["R"]}
+    return json.dumps({
+        "domains": [0, 0] + [1] * num_inference,
+        "tensors": [
+            {"name": "w", "shape": [96, 64], "dtype": "bfloat16", "source": src,
+             "destination": {"mesh": dst_mesh, "placements": placements["w"]}},
+            {"name": "experts", "shape": [4, 32, 16], "dtype": "float32", "source": src,
+             "destination": {"mesh": dst_mesh, "placements": placements["experts"]}},
+            {"name": "norm", "shape": [64], "dtype": "float32", "source": src,
+             "destination": {"mesh": dst_mesh, "placements": placements["norm"]}},
+        ],
+    })
+
+
+# Small buckets: a tensor travels as several messages, so "transfer chunk k" has meaning.
+MEMBER_CONFIG = {"bucket_bytes": 4096, "staging_bytes": 1 << 16, "version_timeout_s": 40.0}
+
+
+# ---- the worker pool --------------------------------------------------------------------
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Any
+    pid: int
+    task: tuple[str, int] | None = None  # (member_id, life) it runs now
+
+
+class WorkerPool:
+    """Warm worker processes; keeps ``spares`` idle ones ready for restarts."""
+
+    def __init__(self, killer: Killer, spares: int = 1) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.killer = killer
+        self.spares = spares
+        self.workers: list[_Worker] = []
+        self.started_pids: list[int] = []
+
+    def _spawn(self) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=worker_main, args=(child,), daemon=True, name="chaos-worker")
+        proc.start()
+        child.close()
+        w = _Worker(proc, parent, proc.pid)
+        self.killer.adopt(proc.pid)
+        self.started_pids.append(proc.pid)
+        self.workers.append(w)
+        return w
+
+    def ensure(self, count: int, timeout_s: float = 60.0) -> None:
+        """At least ``count`` idle warm workers (waits for them to finish importing)."""
+        idle = [w for w in self.workers if w.task is None]
+        for _ in range(count - len(idle)):
+            self._spawn()
+        deadline = time.monotonic() + timeout_s
+        for w in [w for w in self.workers if w.task is None]:
+            if getattr(w, "ready", False):
+                continue
+            left = max(0.1, deadline - time.monotonic())
+            if not w.conn.poll(left):
+                raise RuntimeError(f"chaos worker {w.pid} not ready within {timeout_s} s")
+            _kind, _ = w.conn.recv()
+            w.ready = True  # type: ignore[attr-defined]
+
+    def acquire(self) -> _Worker:
+        for w in self.workers:
+            if w.task is None and getattr(w, "ready", False) and w.proc.is_alive():
+                return w
+        self.ensure(1)
+        return self.acquire()
+
+    def drop(self, w: _Worker) -> None:
+        """Forget a worker that died (reaped) or must not be reused (killed by pid)."""
+        if w.proc.is_alive():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                self.killer.signal(w.pid, signal.SIGCONT)
+                self.killer.signal(w.pid, signal.SIGKILL)
+        w.proc.join(5)
+        with contextlib.suppress(Exception):
+            w.conn.close()
+        self.killer.forget(w.pid)
+        if w in self.workers:
+            self.workers.remove(w)
+
+    def close(self) -> list[int]:
+        """Stop every worker (None, then SIGKILL by pid); returns pids still alive after."""
+        for w in list(self.workers):
+            with contextlib.suppress(Exception):
+                w.conn.send(None)
+        for w in list(self.workers):
+            w.proc.join(3)
+            self.drop(w)
+        return [p for p in self.started_pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children_of(pids: set[int]) -> list[int]:
+    """Live processes whose parent is one of ``pids``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) in pids:
+                out.append(int(entry))
+    return out
+
+
+# ---- one trial ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrialResult:
+    scenario: Scenario
+    verdict: TrialVerdict
+    wall_s: float
+    job: str
+    log_dir: str | None  # kept when the trial failed
+
+    def categories(self) -> dict[str, bool]:
+        return {c: self.verdict.has(c) for c in CATEGORIES}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.scenario.name, "victim": self.scenario.victim, "fault": self.scenario.fault,
+                "phase": self.scenario.phase, "seed": self.scenario.seed, "wall_s": round(self.wall_s, 3),
+                "job": self.job, "log_dir": self.log_dir, **self.verdict.to_json()}
+
+
+class _Etcd:
+    """The run's etcd: one node or a 3-node cluster; the fault side of etcd restarts."""
+
+    def __init__(self, nodes: int) -> None:
+        from membership import EtcdCluster, EtcdServer
+
+        self.cluster = EtcdServer(name="chaos") if nodes == 1 else EtcdCluster(nodes, name="chaos3")
+        self.cluster.start()
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(self.cluster.endpoints)
+
+    def bounce(self, down_s: float, then: Callable[[], None]) -> threading.Thread:
+        """SIGKILL a node (the raft leader of a cluster), call ``then``, restart after ``down_s``."""
+
+        def run() -> None:
+            index = self.cluster.leader_index() if self.cluster.size > 1 else 0
+            self.cluster.stop_node(index, signal.SIGKILL)
+            then()
+            time.sleep(down_s)
+            self.cluster.restart_node(index)
+
+        t = threading.Thread(target=run, name="etcd-bounce", daemon=True)
+        t.start()
+        return t
+
+    @property
+    def pids(self) -> set[int]:
+        return set(self.cluster.pids)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+@dataclass
+class ChaosRun:
+    """A run of many trials sharing one etcd and one worker pool."""
+
+    root: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="elastic-refit-chaos-"))
+    keep_logs: bool = False
+    deadline_s: float = 60.0
+    progress: Callable[[str], None] = lambda _m: None
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        self.killer = Killer()
+        self.pool = WorkerPool(self.killer)
+        self._etcd: dict[int, _Etcd] = {}
+
+    def etcd(self, nodes: int) -> _Etcd:
+        if nodes not in self._etcd:
+            self._etcd[nodes] = _Etcd(nodes)
+        return self._etcd[nodes]
+
+    def close(self) -> list[int]:
+        """Stop workers and etcd; returns pids that survived (should be none)."""
+        left = self.pool.close()
+        pids: list[int] = []
+        for e in self._etcd.values():
+            pids += list(e.pids)
+            e.stop()
+        if not self.keep_logs:
+            shutil.rmtree(self.root, ignore_errors=True)
+        return left + [p for p in pids if _alive(p)]
+
+    # ---- a trial -------------------------------------------------------------------------
+    def run_trial(self, scenario: Scenario, index: int = 0) -> TrialResult:
+        """Run one scenario end to end and judge it."""
+        from membership import EtcdClient
+
+        etcd = self.etcd(scenario.etcd_nodes)
+        job = f"chaos-{index}-{uuid.uuid4().hex[:6]}"
+        trial_dir = Path(self.root) / job
+        trial_dir.mkdir(parents=True)
+        members = [("trainer", "t0", 0), ("trainer", "t1", 1)] + [
+            ("inference", f"i{k}", 2 + k) for k in range(scenario.num_inference)]
+        layout_of = {m: (role, rank) for role, m, rank in members}
+        versions = tuple(range(1, scenario.versions + 1))
+        spec = spec_json(scenario.num_inference)
+        self.pool.ensure(len(members))
+        t_start = time.monotonic()
+        running: dict[str, tuple[Any, str, int]] = {}  # incarnation -> (worker, member_id, life)
+        latest: dict[str, str] = {}  # member_id -> latest incarnation
+        reports: dict[str, dict[str, Any]] = {}
+        died: set[str] = set()
+        pending_restarts: list[tuple[float, str, int]] = []  # (at monotonic, member_id, life)
+        handled: set[int] = set()
+        victims: set[str] = set()
+        etcd_threads: list[threading.Thread] = []
+        restart_after_exit: dict[str, tuple[str, int]] = {}  # incarnation -> (member, next life)
+
+        def start(member_id: str, life: int) -> None:
+            from elastic_refit.runtime.local_job import MemberSpec
+
+            role, rank = layout_of[member_id]
+            incarnation = f"{member_id}-L{life}-{uuid.uuid4().hex[:4]}"
+            faults = tuple((i, f) for i, f in enumerate(scenario.plan.faults)
+                           if f.life == life and f.matches_member(role, member_id))
+            hook = FaultHook(member_id, life, faults, str(trial_dir)) if faults else None
+            member = MemberSpec(job, role, member_id, rank, etcd.endpoints,
+                                "d-train" if role == "trainer" else "d-infer", spec_json=spec,
+                                versions=versions, incarnation=incarnation,
+                                pause_s=0.3 if role == "trainer" else 0.0, config=dict(MEMBER_CONFIG))
+            w = self.pool.acquire()
+            w.task = (member_id, life)
+            w.conn.send((member, hook, str(trial_dir / f"{incarnation}.log")))
+            running[incarnation] = (w, member_id, life)
+            latest[member_id] = incarnation
+
+        for _, member_id, _ in members:
+            start(member_id, 0)
+        timed_out = False
+        while True:
+            now = time.monotonic()
+            # parent side of every newly fired fault
+            for record in read_fault_records(trial_dir):
+                if record["index"] in handled:
+                    continue
+                handled.add(record["index"])
+                fault = scenario.plan.faults[record["index"]]
+                incarnation = next((inc for inc, (_, m, life) in running.items()
+                                    if m == record["member_id"] and life == record["life"]), None)
+                if fault.kind != "etcd_restart" and fault.kind != "slow" and incarnation:
+                    victims.add(incarnation)
+                if fault.kind == "stop":
+                    self.killer.cont_later(record["pid"], max(0.0, record["t"] + fault.duration_s - time.time()))
+                elif fault.kind == "etcd_restart":
+                    ack = trial_dir / f"ack-{record['index']}"
+                    etcd_threads.append(etcd.bounce(fault.duration_s, lambda ack=ack: ack.touch()))
+                if fault.restart:
+                    next_life = record["life"] + 1
+                    if fault.kind == "stop" and incarnation:
+                        restart_after_exit[incarnation] = (record["member_id"], next_life)
+                    else:
+                        pending_restarts.append((now + fault.restart_delay_s, record["member_id"], next_life))
+            for item in list(pending_restarts):
+                if item[0] <= now:
+                    pending_restarts.remove(item)
+                    start(item[1], item[2])
+            # reports and deaths
+            conns = {w.conn: inc for inc, (w, _, _) in running.items() if inc not in reports and inc not in died}
+            for conn in wait_conns(list(conns), timeout=0.02) if conns else ():
+                inc = conns[conn]
+                w, member_id, _life = running[inc]
+                try:
+                    _kind, payload = conn.recv()
+                    reports[inc] = payload
+                    w.task = None
+                    if not w.proc.is_alive() or payload.get("error_type") == "Terminated":
+                        w.proc.join(5)
+                        self.pool.drop(w)
+                except (EOFError, OSError):
+                    died.add(inc)
+                    self.pool.drop(w)
+                if inc in restart_after_exit:
+                    m, life = restart_after_exit.pop(inc)
+                    start(m, life)
+            if not conns:
+                time.sleep(0.02)
+            open_members = [inc for inc in latest.values() if inc not in reports and inc not in died]
+            if not open_members and not pending_restarts and not restart_after_exit and \
+                    not any(t.is_alive() for t in etcd_threads):
+                break
+            if now - t_start > self.deadline_s:
+                timed_out = True
+                break
+        missing = tuple(inc for inc in running if inc not in reports and inc not in died and inc not in victims)
+        # Anything still running is hung: stop it by pid (and do not reuse the worker).
+        for inc, (w, _, _) in running.items():
+            if inc not in reports and inc not in died:
+                self.pool.drop(w)
+        for t in etcd_threads:
+            t.join(30)
+        wall = time.monotonic() - t_start
+        # Settle: dead members' leases expire within the TTL; nothing else may remain.
+        client = EtcdClient(list(etcd.endpoints))
+        try:
+            leases: list[int] = []
+            settle = time.monotonic() + TTL_S + 2.0
+            while time.monotonic() < settle:
+                try:
+                    leases = client.leases()
+                except Exception:
+                    leases = []
+                if not leases:
+                    break
+                time.sleep(0.1)
+            committed: dict[int, dict[str, Any]] = {}
+            from membership import JobKeys
+
+            keys = JobKeys(job)
+            for kv in client.get_prefix(keys.versions_prefix).kvs:
+                if kv.key.endswith("/committed"):
+                    data = json.loads(kv.value)
+                    committed[int(data["version"])] = data
+            client.delete_prefix(keys.prefix)  # keep the shared etcd small
+        finally:
+            client.close()
+        worker_pids = {w.pid for w in self.pool.workers}
+        stray = [p for p in _children_of(worker_pids)]
+        stray += [p for p in _children_of({os.getpid()}) if p not in worker_pids and p not in
+                  {pid for e in self._etcd.values() for pid in e.pids} and not _is_mp_helper(p)]
+        faults = tuple(read_fault_records(trial_dir))
+        evidence = TrialEvidence(
+            logs=read_logs(trial_dir), committed=committed, reports=reports, last_version=versions[-1],
+            victims=frozenset(victims | died), faults=faults, expected_faults=len(scenario.plan.faults),
+            timed_out=timed_out, deadline_s=self.deadline_s, missing=missing, leases=tuple(leases),
+            stray_pids=tuple(stray), final=frozenset(latest.values()) - frozenset(victims | died))
+        verdict = check_all(evidence)
+        keep = self.keep_logs or not verdict.passed
+        if not keep:
+            shutil.rmtree(trial_dir, ignore_errors=True)
+        return TrialResult(scenario, verdict, wall, job, str(trial_dir) if keep else None)
+
+
+def _is_mp_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker (started by spawn), identified by its pid."""
+    with contextlib.suppress(Exception):
+        from multiprocessing import resource_tracker
+
+        return pid == resource_tracker._resource_tracker._pid
+    return False
+
+
+# ---- matrices and summaries -----------------------------------------------------------------
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    position = q * (len(values) - 1)
+    lo = int(position)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (position - lo)
+
+
+def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] | None = None) -> dict[str, Any]:
+    """The run's JSON summary: counts per category, recovery percentiles, per-cell rows."""
+    recovery = [r for t in results for r in t.verdict.recovery_s]
+    cells: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for t in results:
+        s = t.scenario
+        cell = cells.setdefault((s.victim, s.fault, s.phase), {
+            "victim": s.victim, "fault": s.fault, "phase": s.phase, "trials": 0, "passed": 0,
+            **{c: 0 for c in CATEGORIES}, "recovery": []})
+        cell["trials"] += 1
+        cell["passed"] += t.verdict.passed
+        for c in CATEGORIES:
+            cell[c] += t.verdict.has(c)
+        cell["recovery"] += list(t.verdict.recovery_s)
+    rows = []
+    for cell in cells.values():
+        rec = cell.pop("recovery")
+        cell["recovery_p50_s"] = _percentile(rec, 0.5)
+        cell["recovery_max_s"] = max(rec) if rec else None
+        rows.append(cell)
+    out = {
+        "trials": len(results),
+        "passed": sum(t.verdict.passed for t in results),
+        **{c: sum(t.verdict.has(c) for t in results) for c in CATEGORIES},
+        "recovery_p50_s": _percentile(recovery, 0.5),
+        "recovery_p99_s": _percentile(recovery, 0.99),
+        "recovery_max_s": max(recovery) if recovery else None,
+        "faults_fired": sum(t.verdict.faults_fired for t in results),
+        "wall_s": round(wall_s, 1),
+        "cells": sorted(rows, key=lambda r: (r["victim"], r["fault"], r["phase"])),
+        "failures": [t.to_json() for t in results if not t.verdict.passed],
+    }
+    if leaked_pids:
+        out["leaked"] += 1
+        out["leaked_pids"] = leaked_pids
+    return out
+
+
+def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | None = None,
+               deadline_s: float = 60.0, keep_logs: bool = False) -> dict[str, Any]:
+    """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`."""
+    say = progress or (lambda _m: None)
+    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s)
+    results: list[TrialResult] = []
+    t0 = time.monotonic()
+    leaked: list[int] = []
+    try:
+        say(f"chaos: {len(scenarios)} trials, logs under {run.root}")
+        for i, scenario in enumerate(scenarios):
+            result = run.run_trial(scenario, i)
+            results.append(result)
+            bad = [v for v in result.verdict.violations]
+            mark = "ok" if not bad else "FAIL " + "; ".join(f"{v.category}/{v.check}: {v.detail}"[:200] for v in bad[:3])
+            rec = ", ".join(f"{r:.2f}" for r in result.verdict.recovery_s)
+            say(f"[{i + 1}/{len(scenarios)}] {scenario.name}: {mark} ({result.wall_s:.1f} s; recovery {rec or '-'})"
+                + (f" logs: {result.log_dir}" if result.log_dir and bad else ""))
+    finally:
+        if any(not r.verdict.passed for r in results):
+            run.keep_logs = True  # failed trials' logs are evidence
+        leaked = run.close()
+    return summarize(results, time.monotonic() - t0, leaked)

@@ -1,0 +1,126 @@
+"""Warm member processes for chaos trials, reused across trials.
+
+A worker is a spawned process that imports torch and the runtime once, then runs one
+member (``run_member``) per task it receives over its pipe and reports back, so a trial
+pays no import time. A worker the fault killed is simply gone; the pool replaces it.
+SIGTERM while a member runs raises :class:`Terminated` in the worker's main thread: the
+member's ``ElasticRefit`` context closes (a graceful leave, its lease revoked).
+
+After each member the worker reports the TCP sockets and threads it still holds beyond
+its idle baseline: what a closed ``ElasticRefit`` leaks (less gRPC's process-wide poller
+thread and pooled etcd connection, which are shared and do not grow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+__all__ = ["Terminated", "open_tcp_sockets", "worker_main"]
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a member was running."""
+
+
+def open_tcp_sockets(pid: int | str = "self") -> list[str]:
+    """``local->remote state`` of the TCP sockets (IPv4/6) process ``pid`` holds open."""
+    inodes = set()
+    fd_dir = f"/proc/{pid}/fd"
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"{fd_dir}/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as fh:
+            next(fh)
+            for line in fh:
+                parts = line.split()
+                if len(parts) > 9 and parts[9] in inodes:
+                    out.append(f"{parts[1]}->{parts[2]} st={parts[3]}")
+    return out
+
+
+def _settled_leftovers(baseline_threads: int, wait_s: float = 2.0) -> tuple[list[str], list[str]]:
+    """Sockets and extra threads left after a member closed (given ``wait_s`` to go away:
+    gRPC and gloo close asynchronously)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sockets = open_tcp_sockets()
+        # gRPC's aio poller is one thread per process, started on first use, by design.
+        threads = [t.name for t in threading.enumerate()[baseline_threads:] if "_poll_wrapper" not in t.name]
+        if (not sockets and not threads) or time.monotonic() > deadline:
+            return sockets, threads
+        time.sleep(0.1)
+
+
+def worker_main(conn) -> None:
+    """Entry point of a worker process: serve tasks from ``conn`` until None or EOF."""
+    import torch
+
+    from chaos.inject import reset_state
+    from elastic_refit.runtime.local_job import run_member
+    from elastic_refit.runtime.logging import configure_logging
+
+    torch.set_num_threads(1)  # 2 cores, many processes
+    running = {"member": False}
+
+    def on_term(signum, frame):
+        if running["member"]:
+            raise Terminated()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    baseline_threads = threading.active_count()
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - for the process lifetime
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        member, hook, log_path = task
+        # C++ noise (gloo connection errors) goes to the member's own file.
+        err = os.open(log_path.removesuffix(".log") + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(err, 2)
+        os.close(err)
+        reset_state()
+        terminated = False
+        with open(log_path, "a", buffering=1) as log_file:
+            configure_logging(json=True, stream=log_file)
+            start = time.monotonic()
+            try:
+                running["member"] = True
+                report: dict[str, Any] = run_member(member, hook)
+            except Terminated:
+                terminated = True
+                report = {"member_id": member.member_id, "error_type": "Terminated", "error": "SIGTERM"}
+            except BaseException as exc:
+                report = {"member_id": member.member_id, "error_type": type(exc).__name__,
+                          "error": f"{exc}\n{traceback.format_exc(limit=4)}"[:2000]}
+            finally:
+                running["member"] = False
+            report["seconds"] = time.monotonic() - start
+            report["incarnation"] = member.incarnation
+            sockets, threads = _settled_leftovers(baseline_threads)
+            # gRPC keeps a closed channel's subchannel to an etcd endpoint in its process-wide
+            # pool (measured: one connection, the same one across sessions, never more): one
+            # per endpoint is not a leak; a socket to anything else, or more, is.
+            report["leftover_sockets"] = sockets if len(sockets) > len(member.etcd) else []
+            report["etcd_sockets_kept"] = len(sockets)
+            report["leftover_threads"] = threads
+        configure_logging(json=True, stream=devnull)  # late events of this member go nowhere
+        with contextlib.suppress(Exception):
+            conn.send(("report", report))
+        if terminated:
+            return  # a terminated process exits, as it would in production
