@@ -69,7 +69,7 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class TransferTable:
-    """One row per box copy, column-wise. Sorted by (phase, round, src, dst, tensor, box).
+    """One row per box copy, column-wise, in the planner's (deterministic) generation order.
 
     A row is planned for the representative ``tensor`` of a class of identically laid-out
     tensors and stands for ``instances`` box copies, one per class member (see

@@ -113,7 +113,8 @@ def execute_in_process(plan: Plan, source_buffers: Mapping[BufferKey, Any],
     x, src_off, src_len, dst_off, dst_len = copy_regions(plan)
     from_dst = plan.transfers.src_side[x.row] == int(SourceSide.DESTINATION)
     dst = plan.destination
-    for i in range(x.row.size):
+    # Fan-outs read what the deliver phase wrote: run the phases in order.
+    for i in np.argsort(plan.transfers.phase[x.row], kind="stable").tolist():
         layout = dst if from_dst[i] else plan.source
         src_piece = int(x.src_piece[i])
         src_buf = (destination_buffers if from_dst[i] else source_buffers)[_buffer_key(layout, src_piece)]
