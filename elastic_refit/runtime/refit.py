@@ -50,6 +50,35 @@ from membership import (
 from membership.versions import Commit, VersionState, VersionStore
 
 FaultHook = Callable[[str, dict[str, Any]], None]
+EventListener = Callable[[str, dict[str, Any]], None]
+
+
+class _EventLog:
+    """A structlog logger that also hands every event to a listener (metrics, tests), so
+    events are defined once, where they are logged."""
+
+    def __init__(self, logger: Any, listener: EventListener | None, context: dict[str, Any] | None = None) -> None:
+        self._logger = logger
+        self._listener = listener
+        self._context = context or {}
+
+    def bind(self, **context: Any) -> _EventLog:
+        return _EventLog(self._logger.bind(**context), self._listener, {**self._context, **context})
+
+    def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        getattr(self._logger, level)(event, **fields)
+        if self._listener is not None:
+            with contextlib.suppress(Exception):  # a metrics bug must not break a refit
+                self._listener(event, {**self._context, **fields})
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit("info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._emit("warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._emit("error", event, fields)
 
 
 class ElasticRefit:
@@ -58,14 +87,16 @@ class ElasticRefit:
     Trainer: ``publish(tensors, version)`` returns once ``version`` committed on every live
     inference rank. Inference: pass ``parameters`` (buffer name -> tensor, the inference
     layout's buffers of this rank); read them inside ``with refit.weights():``.
+    ``on_event(name, fields)`` receives every runtime event (e.g. ``RefitMetrics``).
     """
 
     def __init__(self, config: RefitConfig, layouts: RefitLayouts, *,
-                 parameters: Mapping[str, torch.Tensor] | None = None, fail_at: FaultHook | None = None) -> None:
+                 parameters: Mapping[str, torch.Tensor] | None = None, fail_at: FaultHook | None = None,
+                 on_event: EventListener | None = None) -> None:
         self.config = config
         self.layouts = layouts
         self.fail_at = fail_at
-        self.log = structlog.get_logger("elastic_refit.runtime").bind(
+        self.log = _EventLog(structlog.get_logger("elastic_refit.runtime"), on_event).bind(
             job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
         if config.role == "inference":
             if parameters is None:

@@ -167,3 +167,17 @@ def test_stale_rank_is_fenced(etcd_server, job):
     assert stale.get("error_type") == "MembershipLost", stale
     committed = committed_versions(etcd)
     assert sorted(committed) == list(VERSIONS)
+
+
+def test_staged_mode_swaps_committed_versions(etcd_server, job):
+    # Staged inference receives into spare buffers and swaps on commit; with a trainer
+    # killed mid-transfer the served weights are never torn.
+    etcd = etcd_server.endpoint
+    job.start(member(etcd, "trainer", "t0", 0))
+    job.start(member(etcd, "trainer", "t1", 1), fail_at=KillSelf("t1", version=2))
+    for m in (member(etcd, "inference", "i0", 2, mode="staged"), member(etcd, "inference", "i1", 3, mode="staged")):
+        job.start(m)
+    reports = job.collect(["t0", "i0", "i1"], timeout_s=120)
+    for m in ("i0", "i1"):
+        assert_all_verified(reports[m])
+    assert sorted(committed_versions(etcd)) == list(VERSIONS)

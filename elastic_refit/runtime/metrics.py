@@ -1,0 +1,57 @@
+"""Optional Prometheus metrics fed from the runtime's events.
+
+``RefitMetrics`` is an ``on_event`` listener for ``ElasticRefit``. Names carry the
+``refit_`` prefix and their unit (seconds, bytes); labels are low-cardinality (role, kind,
+outcome), never member ids. ``prometheus_client`` is imported lazily: without it,
+constructing ``RefitMetrics`` raises a clear error and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RefitMetrics:
+    """Counters and histograms of one process; register them on ``registry`` (default: the
+    client's global one) and serve them with ``prometheus_client.start_http_server``."""
+
+    def __init__(self, registry: Any | None = None) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise RuntimeError("metrics need the prometheus_client package (pip install prometheus_client)") from None
+        kw = {"registry": registry} if registry is not None else {}
+        self.transfer_seconds = prom.Histogram("refit_transfer_seconds", "Wall time of one rank's transfer",
+                                               ["role"], **kw)
+        self.plan_seconds = prom.Histogram("refit_plan_seconds", "Time to build a plan", ["role"], **kw)
+        self.bytes = prom.Counter("refit_bytes", "Bytes moved by this rank", ["direction", "path"], **kw)
+        self.versions = prom.Counter("refit_versions_committed", "Versions this process saw committed",
+                                     ["role"], **kw)
+        self.attempts = prom.Counter("refit_attempts", "Refit attempts by outcome", ["role", "outcome"], **kw)
+        self.faults = prom.Counter("refit_faults", "Faults detected by kind", ["kind"], **kw)
+        self.epoch = prom.Gauge("refit_epoch", "Membership epoch this process works in", **kw)
+        self.serving_version = prom.Gauge("refit_serving_version", "Committed version an inference rank serves",
+                                          **kw)
+
+    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+        role = str(fields.get("role", ""))
+        if event == "refit.transfer.done":
+            self.transfer_seconds.labels(role).observe(float(fields["seconds"]))
+            for name, direction, path in (("network_send_bytes", "send", "network"),
+                                          ("network_recv_bytes", "recv", "network"),
+                                          ("intra_recv_bytes", "recv", "intra"), ("local_bytes", "recv", "local")):
+                if fields.get(name):
+                    self.bytes.labels(direction, path).inc(int(fields[name]))
+            self.attempts.labels(role, "transferred").inc()
+        elif event == "refit.plan.built":
+            self.plan_seconds.labels(role).observe(float(fields["seconds"]))
+        elif event == "refit.attempt.failed":
+            self.attempts.labels(role, "failed").inc()
+        elif event == "refit.version.committed":
+            self.versions.labels(role).inc()
+        elif event == "fault.detected":
+            self.faults.labels(str(fields.get("kind", "unknown"))).inc()
+        elif event == "refit.epoch.entered":
+            self.epoch.set(int(fields["epoch"]))
+        elif event == "refit.version.serving":
+            self.serving_version.set(int(fields["version"]))
