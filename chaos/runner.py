@@ -275,6 +275,8 @@ class ChaosRun:
         victims: set[str] = set()
         etcd_threads: list[threading.Thread] = []
         restart_after_exit: dict[str, tuple[str, int]] = {}  # incarnation -> (member, next life)
+        reached: set[str] = set()  # incarnations holding the last version, waiting for stop
+        stopping = False
 
         def start(member_id: str, life: int) -> None:
             from elastic_refit.runtime.local_job import MemberSpec
@@ -330,7 +332,10 @@ class ChaosRun:
                 inc = conns[conn]
                 w, member_id, _life = running[inc]
                 try:
-                    _kind, payload = conn.recv()
+                    kind, payload = conn.recv()
+                    if kind == "reached":
+                        reached.add(inc)
+                        continue
                     reports[inc] = payload
                     w.task = None
                     if not w.proc.is_alive() or payload.get("error_type") == "Terminated":
@@ -345,6 +350,13 @@ class ChaosRun:
             if not conns:
                 time.sleep(0.02)
             open_members = [inc for inc in latest.values() if inc not in reports and inc not in died]
+            if open_members and all(inc in reached for inc in open_members) and not pending_restarts \
+                    and not restart_after_exit and not stopping:
+                # Every live member holds the last version: end the job (all leave together).
+                stopping = True
+                for inc in open_members:
+                    with contextlib.suppress(Exception):
+                        running[inc][0].conn.send("stop")
             if not open_members and not pending_restarts and not restart_after_exit and \
                     not any(t.is_alive() for t in etcd_threads):
                 break
@@ -459,8 +471,9 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
 
 
 def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | None = None,
-               deadline_s: float = 60.0, keep_logs: bool = False) -> dict[str, Any]:
-    """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`."""
+               deadline_s: float = 60.0, keep_logs: bool = False, results_path: str | None = None) -> dict[str, Any]:
+    """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`.
+    ``results_path``: append each trial's verdict there as one JSON line as it finishes."""
     say = progress or (lambda _m: None)
     run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s)
     results: list[TrialResult] = []
@@ -471,6 +484,9 @@ def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | N
         for i, scenario in enumerate(scenarios):
             result = run.run_trial(scenario, i)
             results.append(result)
+            if results_path:
+                with open(results_path, "a") as fh:
+                    fh.write(json.dumps(result.to_json()) + "\n")
             bad = [v for v in result.verdict.violations]
             mark = "ok" if not bad else "FAIL " + "; ".join(f"{v.category}/{v.check}: {v.detail}"[:200] for v in bad[:3])
             rec = ", ".join(f"{r:.2f}" for r in result.verdict.recovery_s)

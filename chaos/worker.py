@@ -62,12 +62,57 @@ def _settled_leftovers(baseline_threads: int, wait_s: float = 2.0) -> tuple[list
         time.sleep(0.1)
 
 
+def _run_member(member, hook, conn) -> dict[str, Any]:
+    """Like ``run_member``, but a member that reached the last version stays in the job
+    (serving, holding its shard) until the parent says stop: a restarted rank can always
+    catch up from live peers, and the job's end is not a membership change mid-trial."""
+    from elastic_refit.runtime.refit import ElasticRefit
+    from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
+
+    layouts = member.layouts()
+    config = member.refit_config()
+    out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
+
+    def hold_until_stop(refit) -> None:
+        conn.send(("reached", {"member_id": member.member_id, "incarnation": member.incarnation}))
+        while not conn.poll(0.1):
+            # Raises the agent's error (e.g. MembershipLost) if it failed while we wait.
+            with contextlib.suppress(TimeoutError):
+                refit.wait_for_version(10**9, timeout_s=0.0)
+        conn.recv()
+        out["stats"] = dict(refit.stats)
+
+    if member.role == "trainer":
+        with ElasticRefit(config, layouts, fail_at=hook) as refit:
+            for version in member.versions:
+                time.sleep(member.pause_s)
+                tensors = allocate(layouts.source, member.layout_rank, fill=0)
+                fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
+                start = time.monotonic()
+                commit = refit.publish(tensors, version)
+                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                                         "seconds": time.monotonic() - start})
+            hold_until_stop(refit)
+        return out
+    params = allocate(layouts.destination, member.layout_rank, fill=0)
+    with ElasticRefit(config, layouts, parameters=params, fail_at=hook) as refit:
+        seen = -1
+        while seen < member.versions[-1]:
+            version = refit.wait_for_version(seen + 1)
+            with refit.weights() as serving:
+                problems = check_pieces(layouts.destination, member.layout_rank, params, seed=serving)
+            out["committed"].append({"version": serving, "verified": not problems})
+            out["problems"] += problems
+            seen = max(seen, version)
+        hold_until_stop(refit)
+    return out
+
+
 def worker_main(conn) -> None:
     """Entry point of a worker process: serve tasks from ``conn`` until None or EOF."""
     import torch
 
     from chaos.inject import reset_state
-    from elastic_refit.runtime.local_job import run_member
     from elastic_refit.runtime.logging import configure_logging
 
     torch.set_num_threads(1)  # 2 cores, many processes
@@ -101,7 +146,7 @@ def worker_main(conn) -> None:
             start = time.monotonic()
             try:
                 running["member"] = True
-                report: dict[str, Any] = run_member(member, hook)
+                report: dict[str, Any] = _run_member(member, hook, conn)
             except Terminated:
                 terminated = True
                 report = {"member_id": member.member_id, "error_type": "Terminated", "error": "SIGTERM"}

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that define `register(subparsers)`; each adds one top-level subcommand.
-_COMMAND_MODULES = ("plan_cmd", "bench_cmd", "demo_cmd", "status_cmd")
+_COMMAND_MODULES = ("plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,78 @@
+"""`elastic-refit chaos`: run the fault matrix against a real etcd and local processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from elastic_refit.cli._output import print_json, progress, render_table
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "chaos", help="kill, stop, slow and restart ranks (and etcd) at every refit phase; check invariants",
+        description="Run the chaos matrix (victim x fault x phase) against a real etcd and local member "
+                    "processes (2 trainer replicas, inference replicas, tiny tensors); the oracle checks "
+                    "members' logs and etcd: no torn, lost or hung version, nothing leaked.")
+    parser.add_argument("--matrix", choices=("quick", "full"), default="quick",
+                        help="quick: one trial per key cell (CI); full: every cell, repeated (default quick)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="number of trials (full: default 200; quick: at most this many)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    parser.add_argument("--inference", type=int, default=2, help="inference ranks per trial (default 2)")
+    parser.add_argument("--etcd-cluster", action="store_true", help="run against a 3-node etcd cluster")
+    parser.add_argument("--deadline", type=float, default=60.0, help="a trial past this many seconds is hung")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every trial's member logs")
+    parser.add_argument("--results", help="append each trial's verdict to this file as a JSON line")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the matrix; exit status 0 only if every trial passed."""
+    import logging
+    from dataclasses import replace
+
+    from chaos.faults import build_matrix
+    from chaos.runner import run_matrix
+    from elastic_refit.runtime.logging import configure_logging
+
+    configure_logging(level=logging.WARNING)
+    if args.inference < 2:
+        raise ValueError(f"--inference must be >= 2 (a replica makes recovery possible), got {args.inference}")
+    scenarios = build_matrix(args.matrix, trials=args.trials, seed=args.seed, num_inference=args.inference)
+    if args.etcd_cluster:
+        scenarios = [replace(s, etcd_nodes=3) for s in scenarios]
+    summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
+                          results_path=args.results)
+    if args.json:
+        print_json(summary)
+    else:
+        print(render_summary(summary))
+    return 0 if summary["passed"] == summary["trials"] else 1
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render_summary(summary: dict) -> str:
+    """The table by victim x fault x phase, then totals and failures."""
+    rows = [[c["victim"], c["fault"], c["phase"], c["trials"], c["passed"], c["torn"], c["lost"], c["hung"],
+             c["leaked"], c["unsafe"], c["error"], _s(c["recovery_p50_s"]), _s(c["recovery_max_s"])]
+            for c in summary["cells"]]
+    lines = [render_table(["victim", "fault", "phase", "trials", "passed", "torn", "lost", "hung", "leaked",
+                           "unsafe", "error", "rec p50 s", "rec max s"], rows), ""]
+    lines.append(render_table(["total", "value"], [
+        ["trials / passed", f"{summary['trials']} / {summary['passed']}"],
+        ["torn / lost / hung / leaked", f"{summary['torn']} / {summary['lost']} / {summary['hung']} / "
+                                        f"{summary['leaked']}"],
+        ["unsafe / member errors", f"{summary['unsafe']} / {summary['error']}"],
+        ["recovery p50 / p99 / max", f"{_s(summary['recovery_p50_s'])} / {_s(summary['recovery_p99_s'])} / "
+                                     f"{_s(summary['recovery_max_s'])} s"],
+        ["wall time", f"{summary['wall_s']:.0f} s"],
+    ]))
+    for f in summary["failures"]:
+        lines.append(f"! {f['name']} (seed {f['seed']}): " + "; ".join(
+            f"{v['category']}/{v['check']}: {v['detail']}"[:240] for v in f["violations"][:3])
+            + (f" [logs: {f['log_dir']}]" if f.get("log_dir") else ""))
+    return "\n".join(lines)
