@@ -621,24 +621,8 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
         "buckets": int((last_copy[~local_msg] // half + 1).sum()),
         "rounds": num_rounds,
     }
-    cols = table
-    table = TransferTable(
-        kind=cols["kind"],
-        phase=cols["phase"],
-        round=rounds,
-        message=message,
-        message_offset=message_offset,
-        tensor=cols["tensor"],
-        src_side=cols["src_side"],
-        src_piece=cols["src_piece"],
-        dst_piece=cols["dst_piece"],
-        src_rank=cols["src_rank"],
-        dst_rank=cols["dst_rank"],
-        offsets=cols["offsets"],
-        lengths=cols["lengths"],
-        nbytes=nbytes,
-        instances=count,
-    )
+    table = TransferTable(**table, round=rounds, message=message, message_offset=message_offset,
+                          nbytes=nbytes, instances=count)
     return table, counts
 
 

@@ -72,6 +72,13 @@ def committed_versions(etcd: str) -> dict[int, dict]:
         return out
 
 
+def wait_for_commit(etcd: str, version: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while version not in committed_versions(etcd):
+        assert time.monotonic() < deadline, f"version {version} never committed"
+        time.sleep(0.2)
+
+
 def test_versions_commit_bit_exact(etcd_server, job):
     etcd = etcd_server.endpoint
     for m in (member(etcd, "trainer", "t0", 0), member(etcd, "trainer", "t1", 1),
@@ -120,10 +127,7 @@ def test_rank_joining_mid_run_catches_up(etcd_server, job):
     for m in (member(etcd, "trainer", "t0", 0, pause_s=1.5), member(etcd, "trainer", "t1", 1, pause_s=1.5),
               member(etcd, "inference", "i0", 2), member(etcd, "inference", "i1", 3)):
         job.start(m)
-    deadline = time.monotonic() + 60
-    while 1 not in committed_versions(etcd):
-        assert time.monotonic() < deadline, "version 1 never committed"
-        time.sleep(0.2)
+    wait_for_commit(etcd, 1)
     job.start(member(etcd, "inference", "i2", 5))
     reports = job.collect(["t0", "t1", "i0", "i1", "i2"], timeout_s=120)
     for m in ("i0", "i1", "i2"):
@@ -137,10 +141,7 @@ def test_restarted_rank_catches_up_from_peers(etcd_server, job):
               member(etcd, "inference", "i0", 2), member(etcd, "inference", "i2", 5)):
         job.start(m)
     job.start(member(etcd, "inference", "i1", 3, incarnation="first"))
-    deadline = time.monotonic() + 60
-    while 1 not in committed_versions(etcd):
-        assert time.monotonic() < deadline, "version 1 never committed"
-        time.sleep(0.2)
+    wait_for_commit(etcd, 1)
     job.signal("i1", signal.SIGKILL)
     job.procs["i1"].join(5)
     job.start(member(etcd, "inference", "i1", 3, incarnation="second"))
@@ -154,10 +155,7 @@ def test_stale_rank_is_fenced(etcd_server, job):
     for m in (member(etcd, "trainer", "t0", 0, pause_s=1.0), member(etcd, "trainer", "t1", 1, pause_s=1.0),
               member(etcd, "inference", "i0", 2), member(etcd, "inference", "i1", 3)):
         job.start(m)
-    deadline = time.monotonic() + 60
-    while 1 not in committed_versions(etcd):
-        assert time.monotonic() < deadline, "version 1 never committed"
-        time.sleep(0.2)
+    wait_for_commit(etcd, 1)
     job.signal("i1", signal.SIGSTOP)
     time.sleep(4.0)  # twice the lease TTL: i1 is dropped from the epoch
     job.signal("i1", signal.SIGCONT)
