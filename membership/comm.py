@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -239,7 +240,8 @@ class CommunicatorManager:
 
     def __init__(self, client: EtcdClient, job: str, member_id: str, *, backend: str = "gloo",
                  config: MembershipConfig | None = None, device: torch.device | str | None = None,
-                 support: RuntimeSupport | None = None):
+                 support: RuntimeSupport | None = None,
+                 superseded: Callable[[int], bool] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.client = client
@@ -252,6 +254,8 @@ class CommunicatorManager:
             device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
         self.current: Communicator | None = None
+        # superseded(epoch): a newer epoch exists, so a rendezvous for `epoch` is futile.
+        self.superseded = superseded
         self.log = get_logger(job=job, member_id=member_id, backend=backend)
         self.log.info("comm.runtime.probed", **self.support.to_json())
 
@@ -323,8 +327,9 @@ class CommunicatorManager:
     def _store(self, view: MembershipView, namespace: str) -> EtcdStore:
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
+        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None else None
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
-                         timeout=timedelta(seconds=self.config.epoch_deadline_s))
+                         timeout=timedelta(seconds=self.config.epoch_deadline_s), cancel=cancel)
 
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)

@@ -11,6 +11,7 @@ holds it, the pybind trampoline loses its Python half and every call fails.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -32,8 +33,11 @@ class EtcdStore(dist.Store):
     """
 
     def __init__(self, client: EtcdClient, job: str, epoch: int, *, namespace: str = "",
-                 timeout: timedelta = timedelta(seconds=30)):
+                 timeout: timedelta = timedelta(seconds=30), cancel: Callable[[], bool] | None = None):
         super().__init__()
+        # Checked while waiting: a rendezvous for a superseded epoch can never complete (a
+        # member that left will not write its keys), so it gives up at once.
+        self._cancel = cancel
         if namespace and not namespace.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"namespace must be alphanumeric with '_' or '-', got {namespace!r}")
         self._client = client
@@ -101,6 +105,9 @@ class EtcdStore(dist.Store):
                     f"store keys {[self._k(k) for k in pending]} not set within {limit}s "
                     f"(epoch {self.epoch})"
                 )
+            if self._cancel is not None and self._cancel():
+                raise StoreTimeout(f"store wait for {[self._k(k) for k in pending]} cancelled: "
+                                   f"epoch {self.epoch} was superseded")
             # Short polls first: rendezvous peers usually arrive within milliseconds.
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, _POLL_MAX_S)

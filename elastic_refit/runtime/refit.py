@@ -134,11 +134,15 @@ class ElasticRefit:
             ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s)).start()
         self.versions = VersionStore(self.client, c.job)
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
-                                           config=self.membership.config)
+                                           config=self.membership.config, superseded=self._superseded)
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
         self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
         return self
+
+    def _superseded(self, epoch: int) -> bool:
+        latest = self.membership.view
+        return latest is not None and latest.epoch > epoch
 
     def close(self) -> None:
         """Leave the job: stop the agent, revoke the lease (peers see a clean leave)."""
@@ -210,6 +214,7 @@ class ElasticRefit:
                 # An epoch that lists this member under an earlier incarnation (a restart
                 # inside the old lease's TTL) is not ours: wait for the one that lists us.
                 if latest is None or me not in latest or latest.member(me).incarnation != self.config.incarnation:
+                    self.membership.check()  # a member whose lease expired is out for good
                     self._stop.wait(self.config.poll_s)
                     continue
                 if latest.epoch == broken_epoch:
@@ -218,7 +223,8 @@ class ElasticRefit:
                     # membership is stable and only a record change makes the leader publish
                     # a fresh epoch.
                     try:
-                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=self.config.epoch_deadline_s)
+                        # A dead peer leaves within its lease TTL; past that, nobody will.
+                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=self.config.ttl_s + 1.0)
                     except EpochTimeout:
                         record_state = self.membership.record.state
                         self.membership.set_state("joining" if record_state == "ready" else "ready")
@@ -233,9 +239,12 @@ class ElasticRefit:
                         raise
                     comm = result.communicator
                     self._hook("comm.ready", epoch=latest.epoch, rank=comm.rank, path=result.path)
+                    # Waits end on a newer epoch (a dead or stopped peer leaves within its TTL), so
+                    # the data path can wait up to the epoch deadline for slow but live peers.
                     group = RefitGroup(comm.pg, comm.rank, comm.size,
-                                       GroupOptions(self.config.backend, self.config.collective_timeout_s),
+                                       GroupOptions(self.config.backend, self.config.epoch_deadline_s),
                                        store=comm.store)
+                    group.cancelled = lambda epoch=latest.epoch: self._superseded(epoch) or self.membership.lost.is_set()
                     view, seq = latest, 0
                     self.stats["reconfigurations"] += 1
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=comm.rank, num_ranks=comm.size,
@@ -251,6 +260,10 @@ class ElasticRefit:
                 spec = AttemptSpec.from_json(record)
                 if me in spec.participants:
                     self._run_attempt(view, group, seq, spec)  # type: ignore[arg-type]
+                    if group is not None and group._aborted and self._superseded(view.epoch) is False:
+                        # The communicator died with the attempt but the membership did not
+                        # change: this epoch's group cannot be used again.
+                        broken_epoch, view = view.epoch, None
                 seq += 1
             except MembershipLost as exc:
                 self.log.error("fault.detected", kind="membership_lost", error=str(exc))

@@ -8,10 +8,11 @@ NCCL M2N library) are probed at run time and never required.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,10 @@ class RefitGroup:
         # still uses it fails every call (DESIGN.md, known pitfalls).
         self._store = store
         self._aborted = False
+        # cancelled(): the refit this group serves is void (e.g. a newer epoch exists); every
+        # wait checks it, so a stopped or departed peer costs a lease TTL, not a timeout.
+        self.cancelled: Callable[[], bool] | None = None
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self.device = torch.device("cpu") if options.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
@@ -88,10 +93,11 @@ class RefitGroup:
         return self._call("recv", peer, lambda: self.process_group.recv([tensor], peer, tag))
 
     def wait(self, work, peer: int, what: str) -> None:
-        """Wait for one send/recv; any failure or timeout becomes ``TransportAborted``."""
+        """Wait for one send/recv; failure, timeout or cancellation -> ``TransportAborted``."""
         try:
-            if not work.wait(self.timeout):
-                raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+            self._wait_raw(work)
+        except TransportAborted:
+            raise
         except Exception as exc:  # c10d raises RuntimeError/DistBackendError subclasses
             raise TransportAborted(
                 f"rank {self.rank}: {what} with rank {peer} failed: {_first_line(exc)}",
@@ -129,8 +135,26 @@ class RefitGroup:
         return int(flag.item()) == 0
 
     def _wait_raw(self, work) -> None:
-        if not work.wait(self.timeout):
-            raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+        """Wait for ``work``; with a ``cancelled`` predicate the blocking wait runs on a helper
+        thread while this one checks the predicate, and a cancellation aborts the group
+        (which also ends the helper's wait)."""
+        if self.cancelled is None:
+            if not work.wait(self.timeout):
+                raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+            return
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="refit-wait")
+        future = self._waiter.submit(work.wait, self.timeout)
+        while True:
+            try:
+                if future.result(timeout=0.05) is False:
+                    raise TimeoutError(f"no completion within {self.options.timeout_s} s")
+                return
+            except concurrent.futures.TimeoutError:
+                if self.cancelled():
+                    self.abort()
+                    raise TransportAborted(f"rank {self.rank}: refit cancelled (a newer epoch exists)",
+                                           rank=self.rank, phase="cancelled") from None
 
     def abort(self) -> None:
         """Tear the group down so that peers blocked on this rank fail instead of hanging."""
@@ -140,6 +164,8 @@ class RefitGroup:
         # Best effort: the group may already be broken.
         with contextlib.suppress(Exception):
             self.process_group.abort()
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
 
     def _call(self, what: str, peer: int, fn):
         if self._aborted:
