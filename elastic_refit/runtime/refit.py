@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -127,6 +128,10 @@ class ElasticRefit:
 
     def start(self) -> ElasticRefit:
         c = self.config
+        # Lazy gloo connections: building an epoch's communicator must not block on a peer
+        # that published its address and then moved on to a newer epoch; pairs connect on
+        # first use, inside waits that a newer epoch cancels.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         self.client = EtcdClient(list(c.etcd))
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank)
