@@ -49,14 +49,25 @@ def open_tcp_sockets(pid: int | str = "self") -> list[str]:
     return out
 
 
-def _settled_leftovers(baseline_threads: int, wait_s: float = 2.0) -> tuple[list[str], list[str]]:
-    """Sockets and extra threads left after a member closed (given ``wait_s`` to go away:
-    gRPC and gloo close asynchronously)."""
+def _os_thread_alive(thread: threading.Thread) -> bool:
+    """Python keeps a ``_DummyThread`` entry for every C++ thread that ever called into it
+    (gloo's threads call the etcd store) and never removes it; the OS thread decides."""
+    native = getattr(thread, "native_id", None)
+    if not isinstance(thread, threading._DummyThread) or native is None:
+        return True
+    return os.path.exists(f"/proc/self/task/{native}")
+
+
+def _settled_leftovers(baseline_threads: int, wait_s: float = 4.0) -> tuple[list[str], list[str]]:
+    """Sockets and extra threads left after a member closed, given ``wait_s`` to go away:
+    gRPC and gloo close asynchronously, and an aborted group's last send/recv waits drain
+    within the runtime's per-wait bound (lease TTL + 1 s = 3 s by default)."""
     deadline = time.monotonic() + wait_s
     while True:
         sockets = open_tcp_sockets()
         # gRPC's aio poller is one thread per process, started on first use, by design.
-        threads = [t.name for t in threading.enumerate()[baseline_threads:] if "_poll_wrapper" not in t.name]
+        threads = [t.name for t in threading.enumerate()[baseline_threads:]
+                   if "_poll_wrapper" not in t.name and _os_thread_alive(t)]
         if (not sockets and not threads) or time.monotonic() > deadline:
             return sockets, threads
         time.sleep(0.1)

@@ -244,12 +244,12 @@ class ElasticRefit:
                         raise
                     comm = result.communicator
                     self._hook("comm.ready", epoch=latest.epoch, rank=comm.rank, path=result.path)
-                    # Waits end on a newer epoch (a dead or stopped peer leaves within its TTL), so
-                    # the data path can wait up to the epoch deadline for slow but live peers.
+                    # One send/recv may wait a lease TTL plus a second: longer than a slow but
+                    # live peer needs, and a dead one resets its connections at once (a stopped
+                    # one is out of the membership within its TTL).
                     group = RefitGroup(comm.pg, comm.rank, comm.size,
-                                       GroupOptions(self.config.backend, self.config.epoch_deadline_s),
+                                       GroupOptions(self.config.backend, self.config.ttl_s + 1.0),
                                        store=comm.store)
-                    group.cancelled = lambda epoch=latest.epoch: self._superseded(epoch) or self.membership.lost.is_set()
                     view, seq = latest, 0
                     self.stats["reconfigurations"] += 1
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=comm.rank, num_ranks=comm.size,
