@@ -52,6 +52,7 @@ class Membership:
         self._on_lost: list[Callable[[str], None]] = []
         self._leader = LeaderLoop(self)
         self._last_keepalive = 0.0
+        self._outage_logged = False
         self._known_members: set[str] = set()
         start, end = self.keys.control_range
         self.watcher = RangeWatcher(client, start, end, name="control",
@@ -195,10 +196,16 @@ class Membership:
             try:
                 left = await self.client.arefresh_lease(self.lease_id,
                                                         deadline_s=max(0.1, ttl - since))
-            except Exception as exc:  # keep the lease alive through any transient fault
-                if time.monotonic() - self._last_keepalive > ttl:
-                    self._mark_lost(f"no keepalive acknowledged for {ttl}s: {exc}")
+            except Exception as exc:
+                # etcd unreachable: keep trying. Only a reachable etcd can say the lease is
+                # gone (it keeps leases across its own restarts); meanwhile every write of
+                # ours is a transaction on the lease, so a lost member cannot act anyway.
+                if since > ttl and not self._outage_logged:
+                    self._outage_logged = True
+                    self.log.warning("membership.keepalive.unreachable", seconds=round(since, 3),
+                                     error=repr(exc)[:200])
                 continue
+            self._outage_logged = False
             if left <= 0:
                 self._mark_lost(f"lease {self.lease_id} expired (last keepalive "
                                 f"{time.monotonic() - self._last_keepalive:.2f}s ago)")

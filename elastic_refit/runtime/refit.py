@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -128,10 +127,9 @@ class ElasticRefit:
 
     def start(self) -> ElasticRefit:
         c = self.config
-        # Lazy gloo connections: building an epoch's communicator must not block on a peer
-        # that published its address and then moved on to a newer epoch; pairs connect on
-        # first use, inside waits that a newer epoch cancels.
-        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+        # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch
+        # deadline). Lazy connection (TORCH_GLOO_LAZY_INIT) was tried and rejected: a send to a
+        # peer that died before its pair connected blocks inside send() for ~50 s of retries.
         self.client = EtcdClient(list(c.etcd))
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank)
