@@ -195,14 +195,12 @@ class ReconfigureResult:
     communicator: Communicator | None
 
 
-_PARKED: list[Any] = []  # communicators whose abort timed out: never destroyed here
-
-
 def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort") -> float:
-    """Abort ``pg`` on a helper thread; give up (and park it) after ``timeout_s``.
+    """Abort ``pg`` on a helper thread; stop waiting for it after ``timeout_s``.
 
-    The helper holds the last reference so the backend's destructor, which may join
-    threads stuck on a dead peer, never runs on the caller's thread.
+    The helper holds the last reference, so the backend's destructor, which may join
+    threads stuck on a dead peer, runs on the helper once the abort returns: never on the
+    caller's thread, and never kept alive for good (that would leak its sockets).
     """
     box = [pg]
     done = threading.Event()
@@ -222,8 +220,8 @@ def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort") -> 
 
     t0 = time.monotonic()
     threading.Thread(target=_run, name=f"comm-{what}", daemon=True).start()
+    del pg  # from here on only the helper owns it
     if not done.wait(timeout_s):
-        _PARKED.append(pg)
         log.error("comm.abort.timed_out", what=what, timeout_s=timeout_s)
     elif errors:
         log.warning("comm.abort.failed", what=what, error=repr(errors[0])[:300])
