@@ -111,7 +111,6 @@ class ElasticRefit:
         self._readers = 0
         self._blocked = False  # in-place: parameters are being (or were partly) overwritten
         self._serving: int | None = None  # committed version the parameters hold
-        self._holding: int | None = None  # version in the incoming buffers, acked
         self._committed: dict[int, Commit] = {}
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -353,8 +352,6 @@ class ElasticRefit:
                 self._begin_apply()
                 # From here on this rank's buffers are being overwritten: it holds nothing.
                 self.versions.retract(self.membership, self.versions.snapshot())
-                with self._cond:
-                    self._holding = None
             self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
                        executor=executor, group=group)
             report = executor.run(source, destination)
@@ -365,8 +362,6 @@ class ElasticRefit:
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
-                with self._cond:
-                    self._holding = spec.version
                 log.info("refit.version.acked", digest=value)
             store.set(f"attempt/{seq}/done/{me}", "ok")
         except (TransportAborted, PlanMismatch, RefitError, ValueError, TimeoutError, RuntimeError) as exc:

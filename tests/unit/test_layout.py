@@ -531,3 +531,14 @@ def test_spec_not_an_object_and_missing_file(tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(FileNotFoundError, match=re.escape(f"spec file {str(missing)!r} does not exist")):
         load_spec(missing)
+
+
+def test_public_api_is_reexported_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, elastic_refit; from elastic_refit import make_plan, LayoutBuilder; "
+            "assert 'aetcd' not in sys.modules, 'planning must not load etcd'; "
+            "from elastic_refit import ElasticRefit, TransportAborted, MembershipLost; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
