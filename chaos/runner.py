@@ -27,6 +27,8 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from chaos.faults import Scenario
 from chaos.inject import FaultHook, Killer, read_fault_records
 from chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all, read_logs
@@ -423,13 +425,8 @@ def _is_mp_helper(pid: int) -> bool:
 
 # ---- matrices and summaries -----------------------------------------------------------------
 def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    position = q * (len(values) - 1)
-    lo = int(position)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (position - lo)
+    """Linearly interpolated ``q`` quantile (numpy's default), None for no values."""
+    return float(np.percentile(values, q * 100)) if values else None
 
 
 def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] | None = None) -> dict[str, Any]:

@@ -74,15 +74,10 @@ def _settled_leftovers(baseline_threads: int, wait_s: float = 4.0) -> tuple[list
 
 
 def _run_member(member, hook, conn) -> dict[str, Any]:
-    """Like ``run_member``, but a member that reached the last version stays in the job
-    (serving, holding its shard) until the parent says stop: a restarted rank can always
-    catch up from live peers, and the job's end is not a membership change mid-trial."""
-    from elastic_refit.runtime.refit import ElasticRefit
-    from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
-
-    layouts = member.layouts()
-    config = member.refit_config()
-    out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
+    """``run_member``, but a member that reached the last version stays in the job (serving,
+    holding its shard) until the parent says stop: a restarted rank can always catch up from
+    live peers, and the job's end is not a membership change mid-trial."""
+    from elastic_refit.runtime.local_job import run_member
 
     def hold_until_stop(refit) -> None:
         conn.send(("reached", {"member_id": member.member_id, "incarnation": member.incarnation}))
@@ -91,32 +86,8 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
             with contextlib.suppress(TimeoutError):
                 refit.wait_for_version(10**9, timeout_s=0.0)
         conn.recv()
-        out["stats"] = dict(refit.stats)
 
-    if member.role == "trainer":
-        with ElasticRefit(config, layouts, fail_at=hook) as refit:
-            for version in member.versions:
-                time.sleep(member.pause_s)
-                tensors = allocate(layouts.source, member.layout_rank, fill=0)
-                fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
-                start = time.monotonic()
-                commit = refit.publish(tensors, version)
-                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
-                                         "seconds": time.monotonic() - start})
-            hold_until_stop(refit)
-        return out
-    params = allocate(layouts.destination, member.layout_rank, fill=0)
-    with ElasticRefit(config, layouts, parameters=params, fail_at=hook) as refit:
-        seen = -1
-        while seen < member.versions[-1]:
-            version = refit.wait_for_version(seen + 1)
-            with refit.weights() as serving:
-                problems = check_pieces(layouts.destination, member.layout_rank, params, seed=serving)
-            out["committed"].append({"version": serving, "verified": not problems})
-            out["problems"] += problems
-            seen = max(seen, version)
-        hold_until_stop(refit)
-    return out
+    return run_member(member, hook, hold=hold_until_stop)
 
 
 def worker_main(conn) -> None:

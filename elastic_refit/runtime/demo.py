@@ -32,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["DemoConfig", "DemoSummary", "FaultRecord", "demo_spec", "run_demo"]
 
 TRAINERS = ("t0", "t1")
@@ -175,13 +177,8 @@ class DemoSummary:
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    position = q * (len(values) - 1)
-    lo = int(position)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (position - lo)
+    """Linearly interpolated ``q`` quantile (numpy's default), None for no values."""
+    return float(np.percentile(values, q * 100)) if values else None
 
 
 # ---- member processes ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +49,13 @@ class MemberSpec:
                            etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
 
 
-def run_member(member: MemberSpec, fail_at=None) -> dict[str, Any]:
-    """Run one member until its versions are done; returns what it saw."""
+def run_member(member: MemberSpec, fail_at=None,
+               hold: Callable[[ElasticRefit], None] | None = None) -> dict[str, Any]:
+    """Run one member until its versions are done; returns what it saw.
+
+    ``hold(refit)`` runs inside the context once the last version is reached (chaos keeps
+    members in the job until the whole trial is over); the stats are taken after it.
+    """
     layouts = member.layouts()
     config = member.refit_config()
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
@@ -63,19 +69,21 @@ def run_member(member: MemberSpec, fail_at=None) -> dict[str, Any]:
                 commit = refit.publish(tensors, version)
                 out["committed"].append({"version": commit.version, "epoch": commit.epoch,
                                          "seconds": time.monotonic() - start})
+            if hold is not None:
+                hold(refit)
             out["stats"] = dict(refit.stats)
         return out
     params = allocate(layouts.destination, member.layout_rank, fill=0)
     with ElasticRefit(config, layouts, parameters=params, fail_at=fail_at) as refit:
         seen = -1
-        for _ in range(len(member.versions) * 50):
+        while seen < member.versions[-1]:  # each wait returns a newer version or times out
             version = refit.wait_for_version(seen + 1)
             with refit.weights() as serving:
                 problems = check_pieces(layouts.destination, member.layout_rank, params, seed=serving)
             out["committed"].append({"version": serving, "verified": not problems})
             out["problems"] += problems
             seen = max(seen, version)
-            if seen >= member.versions[-1]:
-                break
+        if hold is not None:
+            hold(refit)
         out["stats"] = dict(refit.stats)
     return out
