@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_refit.layout.box import DTYPE_ITEMSIZE, DTYPES, Box, canonical_dtype
+from elastic_refit.layout.digest import update_int_arrays
 
 _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
 _ITEMSIZE_BY_INDEX = np.array([DTYPE_ITEMSIZE[d] for d in DTYPES], dtype=np.int64)
+# Every stored column, in the order the layout fingerprint hashes them.
+_HASHED_COLUMNS = ("buffer_rank", "buffer_name", "buffer_shape", "buffer_ndim", "buffer_dtype", "piece_tensor",
+                   "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets", "piece_local_lengths")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +191,9 @@ class Layout:
     def ranks(self) -> tuple[int, ...]:
         cached = self.__dict__.get("_ranks")
         if cached is None:
-            cached = tuple(int(r) for r in np.unique(self.buffer_rank))
+            # ranks are small ints: a presence count instead of np.unique's sort
+            present = np.bincount(self.buffer_rank) if self.num_buffers else np.zeros(0, dtype=np.int64)
+            cached = tuple(np.flatnonzero(present).tolist())
             object.__setattr__(self, "_ranks", cached)
         return cached
 
@@ -199,38 +205,29 @@ class Layout:
             digest = hashlib.sha256()  # about twice blake2b's speed over tens of MB
             digest.update(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
             digest.update(repr(self.buffer_names).encode())
-            for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_dtype", "piece_tensor",
-                         "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets",
-                         "piece_local_lengths"):
-                digest.update(getattr(self, name))  # contiguous arrays: hashed without copies
+            update_int_arrays(digest, ((name, getattr(self, name)) for name in _HASHED_COLUMNS))
             cached = digest.hexdigest()[:32]
             object.__setattr__(self, "_fingerprint", cached)
         return cached
 
-    def tensor_signatures(self) -> tuple[bytes, ...]:
-        """Per tensor, a digest of its shape, dtype and (rank, box) pieces (memoised).
+    def tensor_layout_ids(self) -> np.ndarray:
+        """Per tensor, the id of its layout (memoised, read-only ``int64[T]``).
 
-        Two tensors with equal signatures are laid out identically, up to local buffers.
+        Two tensors get the same id exactly when their shapes, dtypes and (rank, box)
+        piece lists are equal, so they are laid out identically up to local buffers. Ids
+        number the distinct layouts in the order of their first tensor.
         """
-        cached = self.__dict__.get("_signatures")
+        cached = self.__dict__.get("_layout_ids")
         if cached is None:
-            starts = np.searchsorted(self.piece_tensor, np.arange(len(self.tensors) + 1)).tolist()
-            rank, off, ln = self.piece_rank, self.piece_offsets, self.piece_lengths
-            out = []
-            for i, t in enumerate(self.tensors):
-                a, b = starts[i], starts[i + 1]
-                digest = hashlib.blake2b(repr((t.shape, t.dtype)).encode(), digest_size=16)
-                # contiguous slices hash through the buffer protocol, without copies
-                digest.update(rank[a:b])
-                digest.update(off[a:b])
-                digest.update(ln[a:b])
-                out.append(digest.digest())
-            cached = tuple(out)
-            object.__setattr__(self, "_signatures", cached)
+            cached = _readonly(_tensor_layout_ids(self, self.__dict__.get("_layout_ids_hint")))
+            object.__setattr__(self, "_layout_ids", cached)
         return cached
 
     def piece_nbytes(self) -> np.ndarray:
-        return np.prod(self.piece_lengths, axis=1) * self.tensor_itemsize[self.piece_tensor]
+        volume = self.piece_lengths[:, 0].copy()
+        for j in range(1, self.ndim):  # one multiply per dim: ~8x faster than np.prod(axis=1)
+            volume *= self.piece_lengths[:, j]
+        return volume * self.tensor_itemsize[self.piece_tensor]
 
     @property
     def nbytes(self) -> int:
@@ -326,38 +323,148 @@ class Layout:
     def without_ranks(self, ranks: Iterable[int]) -> Layout:
         """The same layout with every buffer and piece of ``ranks`` removed."""
         drop = np.isin(self.buffer_rank, np.fromiter(ranks, dtype=np.int64))
-        return self._select_buffers(~drop)
+        return self._select_ranks(~drop)
 
     def restrict_to_ranks(self, ranks: Iterable[int]) -> Layout:
         keep = np.isin(self.buffer_rank, np.fromiter(ranks, dtype=np.int64))
-        return self._select_buffers(keep)
+        return self._select_ranks(keep)
 
-    def _select_buffers(self, keep: np.ndarray) -> Layout:
+    def _select_ranks(self, keep: np.ndarray) -> Layout:
+        """The buffers where ``keep`` is set, with their pieces; ``keep`` keeps or drops
+        whole ranks (every buffer of a rank alike)."""
+        buffers = np.flatnonzero(keep)
+        pieces = np.flatnonzero(keep[self.piece_buffer])
         new_index = np.cumsum(keep) - 1
-        piece_keep = keep[self.piece_buffer]
+
+        def take(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+            return np.take(array, rows, axis=0)  # ~3x faster than a boolean mask on [N, K]
+
         derived = Layout(
             tensors=self.tensors,
             buffer_names=self.buffer_names,
-            buffer_rank=self.buffer_rank[keep],
-            buffer_name=self.buffer_name[keep],
-            buffer_shape=self.buffer_shape[keep],
-            buffer_ndim=self.buffer_ndim[keep],
-            buffer_dtype=self.buffer_dtype[keep],
-            piece_tensor=self.piece_tensor[piece_keep],
-            piece_buffer=new_index[self.piece_buffer[piece_keep]],
-            piece_offsets=self.piece_offsets[piece_keep],
-            piece_lengths=self.piece_lengths[piece_keep],
-            piece_local_offsets=self.piece_local_offsets[piece_keep],
-            piece_local_lengths=self.piece_local_lengths[piece_keep],
+            buffer_rank=take(self.buffer_rank, buffers),
+            buffer_name=take(self.buffer_name, buffers),
+            buffer_shape=take(self.buffer_shape, buffers),
+            buffer_ndim=take(self.buffer_ndim, buffers),
+            buffer_dtype=take(self.buffer_dtype, buffers),
+            piece_tensor=take(self.piece_tensor, pieces),
+            piece_buffer=new_index[take(self.piece_buffer, pieces)],
+            piece_offsets=take(self.piece_offsets, pieces),
+            piece_lengths=take(self.piece_lengths, pieces),
+            piece_local_offsets=take(self.piece_local_offsets, pieces),
+            piece_local_lengths=take(self.piece_local_lengths, pieces),
         )
-        if self.__dict__.get("_no_overlap"):  # a subset of non-overlapping pieces
+        # What survives removing whole ranks: pieces that did not overlap still do not, and
+        # tensors laid out identically still are (both lose the same ranks' pieces). The
+        # latter is a hint only: tensors that differed may now be equal, so
+        # tensor_layout_ids still compares one tensor per hinted group exactly.
+        if self.__dict__.get("_no_overlap"):
             object.__setattr__(derived, "_no_overlap", True)
+        hint = self.__dict__.get("_layout_ids")
+        if hint is None:
+            hint = self.__dict__.get("_layout_ids_hint")
+        if hint is not None:
+            object.__setattr__(derived, "_layout_ids_hint", hint)
         return derived
 
     def describe_ranks(self, rows: np.ndarray, limit: int = 6) -> str:
         ranks = sorted({int(r) for r in self.piece_rank[rows]})
         text = ", ".join(str(r) for r in ranks[:limit])
         return text + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")
+
+
+# Odd multipliers of the row hash (any fixed odd constants; equality is verified exactly).
+_HASH_MULTIPLIERS = tuple(np.uint64(m) for m in (
+    0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+    0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9,
+))
+
+
+def _row_hashes(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """A 64-bit hash of each row of some int64 columns: a wrapping polynomial in odd
+    constants, then one multiply-xorshift mix so that sums of row hashes stay non-linear."""
+    h = np.zeros(columns[0].shape[0], dtype=np.uint64)
+    for j, col in enumerate(columns):
+        np.add(h, col.view(np.uint64), out=h)
+        np.multiply(h, _HASH_MULTIPLIERS[j % len(_HASH_MULTIPLIERS)], out=h)
+    h ^= h >> np.uint64(29)
+    h *= _HASH_MULTIPLIERS[-1]
+    h ^= h >> np.uint64(32)
+    return h
+
+
+def _tensor_layout_ids(layout: Layout, hint: np.ndarray | None) -> np.ndarray:
+    """``Layout.tensor_layout_ids``. ``hint``: ids under which equal ids are known to mean
+    equal layouts here (those of a layout this one was derived from by dropping ranks);
+    then only the first tensor of each hinted group needs comparing."""
+    num_tensors = len(layout.tensors)
+    if hint is None:
+        leader = _first_equal_tensor(layout, np.arange(num_tensors))
+    else:
+        _, first, inverse = np.unique(hint, return_index=True, return_inverse=True)
+        firsts = np.sort(first)
+        leader = np.empty(num_tensors, dtype=np.int64)
+        leader[firsts] = _first_equal_tensor(layout, firsts)
+        leader = leader[first[inverse]]
+    # Number the layouts by first tensor.
+    is_first = leader == np.arange(num_tensors)
+    return (np.cumsum(is_first) - 1)[leader]
+
+
+def _first_equal_tensor(layout: Layout, tensors: np.ndarray) -> np.ndarray:
+    """For each of ``tensors`` (ascending ids), the first of them with an equal layout.
+
+    Tensors are grouped by a hash of their pieces, then every member is verified against
+    the first tensor of its group, so a collision splits a group instead of merging
+    different layouts.
+    """
+    if tensors.size == 0:
+        return tensors.copy()
+    starts = np.searchsorted(layout.piece_tensor, np.arange(len(layout.tensors) + 1))
+    start, count = starts[tensors], starts[tensors + 1] - starts[tensors]
+    # rows of the selected tensors, back to back; `local` = their start in that order
+    local = np.cumsum(count) - count
+    num_rows = int(count.sum())
+    if num_rows == layout.num_pieces:
+        rows = None
+    else:
+        rows = np.repeat(start - local, count) + np.arange(num_rows)
+    k = layout.ndim
+    columns = [layout.piece_rank, layout.piece_offsets, layout.piece_lengths]
+    if rows is not None:
+        columns = [np.take(c, rows, axis=0) for c in columns]
+    flat = [columns[0]] + [columns[1][:, j] for j in range(k)] + [columns[2][:, j] for j in range(k)]
+    # Sum of per-row hashes: pieces are sorted canonically, so order rarely matters; when
+    # it does, the exact check below catches it.
+    tensor_hash = np.zeros(tensors.size, dtype=np.uint64)
+    nonempty = np.flatnonzero(count)
+    if num_rows:
+        tensor_hash[nonempty] = np.add.reduceat(_row_hashes(flat), local[nonempty])
+    dtype = np.array([_DTYPE_INDEX[layout.tensors[t].dtype] for t in tensors.tolist()], dtype=np.int64)
+    keys = np.column_stack([tensor_hash.view(np.int64), count, dtype, layout.tensor_shape[tensors]])
+    _, first, candidate = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    leader = first[candidate.reshape(-1)]  # position (in `tensors`) of the group's first
+
+    # Exact check of every non-leader against its leader.
+    check = np.flatnonzero(leader != np.arange(tensors.size))
+    if check.size:
+        n = int(count[check].sum())
+        mine = np.repeat(local[check] - (np.cumsum(count[check]) - count[check]), count[check]) + np.arange(n)
+        theirs = mine + np.repeat(local[leader[check]] - local[check], count[check])
+        if not all(np.array_equal(np.take(c, mine, axis=0), np.take(c, theirs, axis=0)) for c in columns):
+            leader = _split_collisions(columns, local, count, leader)
+    return tensors[leader]
+
+
+def _split_collisions(columns, local, count, leader) -> np.ndarray:
+    """Exact regrouping (by content) of the hash groups where some member differs."""
+    leader = leader.copy()
+    exact: dict[tuple[int, bytes], int] = {}
+    for i in range(leader.size):
+        a, b = int(local[i]), int(local[i] + count[i])
+        content = b"".join(np.ascontiguousarray(c[a:b]).tobytes() for c in columns)
+        leader[i] = exact.setdefault((int(leader[i]), content), i)
+    return leader
 
 
 def _squeeze_dim_map(g_len: np.ndarray, l_len: np.ndarray) -> np.ndarray:

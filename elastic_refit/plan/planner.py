@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from elastic_refit.layout import Box, Layout, Topology
+from elastic_refit.layout.digest import update_int_arrays
 from elastic_refit.plan.types import (
     Phase,
     Plan,
@@ -40,17 +41,66 @@ from elastic_refit.plan.types import (
     TransferTable,
 )
 
-PLANNER_VERSION = "1"
+PLANNER_VERSION = "2"  # 2: fingerprints hash columns in their narrowest dtypes
 
 
 # --------------------------------------------------------------------------------------
 # small vectorised helpers
 # --------------------------------------------------------------------------------------
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for a non-negative int64 key.
+
+    With the row index in the low bits every value is distinct, so a plain (SIMD, unstable)
+    sort of one int64 array gives the stable order, ~10x faster than a stable argsort.
+    """
+    n = key.size
+    shift = max(n - 1, 1).bit_length()
+    if n == 0 or int(key.max()).bit_length() + shift > 63:
+        return np.argsort(key, kind="stable")
+    packed = (key << shift) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    return packed & ((1 << shift) - 1)
+
+
+def _pack(columns: list[np.ndarray], reserve: int) -> list[np.ndarray]:
+    """Int columns packed into few non-negative int64 words that order rows like the
+    columns do (``columns[0]`` most significant), leaving ``reserve`` low bits free."""
+    words: list[np.ndarray] = []
+    word, used = None, 0
+    for col in columns:
+        lo, hi = int(col.min()), int(col.max())
+        bits = (hi - lo).bit_length()
+        value = col - lo
+        if word is not None and used + bits <= 63 - reserve:
+            word, used = (word << bits) | value, used + bits
+        else:
+            if word is not None:
+                words.append(word)
+            word, used = value, bits
+    words.append(word)
+    return words
+
+
+def _lexsort_words(words: list[np.ndarray]) -> np.ndarray:
+    """Stable lexicographic order of rows given as packed words (least significant last):
+    one stable sort per word, least significant first."""
+    order = _stable_order(words[-1])
+    for w in reversed(words[:-1]):
+        order = order[_stable_order(w[order])]
+    return order
+
+
+def _lexsort(columns: list[np.ndarray]) -> np.ndarray:
+    """``np.lexsort(columns[::-1])``: the stable order of rows, ``columns[0]`` most significant."""
+    n = columns[0].shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    return _lexsort_words(_pack(columns, max(n - 1, 1).bit_length()))
+
+
 def _lexsort_rows(mat: np.ndarray) -> np.ndarray:
     """Indices that sort the rows of ``mat`` lexicographically (column 0 most significant)."""
-    if mat.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.lexsort(mat.T[::-1])
+    return _lexsort([mat[:, j] for j in range(mat.shape[1])])
 
 
 def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,14 +108,32 @@ def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = mat.shape[0]
     if n == 0:
         return mat.copy(), np.zeros(0, dtype=np.int64)
-    order = _lexsort_rows(mat)
-    sorted_mat = mat[order]
-    new_group = np.ones(n, dtype=bool)
-    new_group[1:] = np.any(sorted_mat[1:] != sorted_mat[:-1], axis=1)
+    words = _pack([mat[:, j] for j in range(mat.shape[1])], max(n - 1, 1).bit_length())
+    order = _lexsort_words(words)
+    new_group = np.zeros(n, dtype=bool)
+    new_group[0] = True
+    for w in words:  # the words encode a row exactly, so rows differ where a word does
+        sorted_w = w[order]
+        new_group[1:] |= sorted_w[1:] != sorted_w[:-1]
     group_of_sorted = np.cumsum(new_group) - 1
     inverse = np.empty(n, dtype=np.int64)
     inverse[order] = group_of_sorted
-    return sorted_mat[new_group], inverse
+    return mat[order[new_group]], inverse
+
+
+def _dense_ids(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for ints in ``[0, size)``, without a sort."""
+    present = np.zeros(size, dtype=bool)
+    present[values] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[values]
+
+
+def _volume(lengths: np.ndarray) -> np.ndarray:
+    """Elements of each box: ``np.prod(lengths, axis=1)``, one multiply per dim (~8x faster)."""
+    out = lengths[:, 0].copy()
+    for j in range(1, lengths.shape[1]):
+        out *= lengths[:, j]
+    return out
 
 
 def _sorted_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,8 +154,7 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     """For groups (start, count): (owner index of each expanded row, the row's position)."""
     total = int(counts.sum())
     owner = np.repeat(np.arange(counts.size), counts)
-    first = np.cumsum(counts) - counts
-    position = starts[owner] + (np.arange(total) - first[owner])
+    position = np.arange(total) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
     return owner, position
 
 
@@ -131,7 +198,7 @@ def _regions(tensor: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> _R
         rank_of[order] = np.arange(order.size)
         r_tensor, r_off, r_len = r_tensor[order], r_off[order], r_len[order]
         inc_region = rank_of[inc_region]
-    order = np.argsort(inc_region, kind="stable")
+    order = _stable_order(inc_region)
     inc_region, inc_piece = inc_region[order], inc_piece[order]
     starts, counts = _group_bounds(inc_region, r_tensor.size)
     return _Regions(r_tensor, r_off, r_len, starts, counts, inc_piece)
@@ -230,7 +297,7 @@ def _check_destination_overlap(dst: Layout) -> None:
 
 
 def _find_overlap(dst: Layout) -> None:
-    order = np.argsort(dst.piece_buffer, kind="stable")
+    order = _stable_order(dst.piece_buffer)
     buf = dst.piece_buffer[order]
     starts, counts = _group_bounds(buf, dst.num_buffers)
     for size in np.unique(counts[counts > 1]).tolist():
@@ -300,7 +367,7 @@ def make_plan(
                                                               options.max_transfer_bytes)
     # Bytes of one element across all members of the class: the unit of every weight.
     unit_bytes = destination.tensor_itemsize * instances
-    a_weight = np.prod(a_len, axis=1) * unit_bytes[a_tensor]
+    a_weight = _volume(a_len) * unit_bytes[a_tensor]
 
     # Needers: (atom, destination piece) incidence rows.
     n_atom, n_pos = _expand(dst_regions.inc_start[a_dst], dst_regions.inc_count[a_dst])
@@ -314,7 +381,7 @@ def make_plan(
     h_domain = domain_of_rank[h_rank]
 
     # Demands: group needer rows by (atom, domain); sort inside by rank for determinism.
-    n_order = np.lexsort((n_piece, n_rank, n_domain, n_atom))
+    n_order = _lexsort([n_atom, n_domain, n_rank, n_piece])
     n_atom, n_piece, n_rank, n_domain = n_atom[n_order], n_piece[n_order], n_rank[n_order], n_domain[n_order]
     n_key = n_atom * num_domains + n_domain
     new_demand = np.ones(n_key.size, dtype=bool)
@@ -344,7 +411,7 @@ def make_plan(
             src_regions, s_rows, source, a_tensor, a_off, a_len, num_ranks,
         ))
     table = _concat_parts(parts, k)
-    table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances)
+    table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances, num_ranks)
 
     stats, per_rank = _stats(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
@@ -374,20 +441,20 @@ def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) 
     Transformer layers repeat, so a model of a thousand tensors has a few dozen to a few
     hundred classes; the planner plans one representative each.
     """
-    src_sig = source.tensor_signatures()
-    dst_sig = destination.tensor_signatures()
-    members: dict[tuple[bytes, bytes], list[int]] = {}
-    for t in range(len(destination.tensors)):
-        members.setdefault((src_sig[int(tensor_map[t])], dst_sig[t]), []).append(t)
-    groups = list(members.values())  # insertion order: by first member, deterministic
-    sizes = np.array([len(g) for g in groups], dtype=np.int64)
-    flat = np.fromiter((t for g in groups for t in g), dtype=np.int64, count=int(sizes.sum()))
-    class_of = np.empty(len(destination.tensors), dtype=np.int64)
-    class_of[flat] = np.repeat(np.arange(len(groups)), sizes)
+    src_ids = source.tensor_layout_ids()[tensor_map]
+    dst_ids = destination.tensor_layout_ids()
+    key = src_ids * (int(dst_ids.max(initial=0)) + 1) + dst_ids
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    # Classes in the order of their first member; members in tensor order.
+    order = np.argsort(first)
+    rank_of = np.empty_like(order)
+    rank_of[order] = np.arange(order.size)
+    class_of = rank_of[inverse]
+    sizes = np.bincount(class_of, minlength=order.size)
     return TensorClasses(
-        representative=np.array([g[0] for g in groups], dtype=np.int64),
+        representative=first[order],
         start=np.concatenate([[0], np.cumsum(sizes)]),
-        members=flat,
+        members=np.argsort(class_of, kind="stable"),
         class_of=class_of,
     )
 
@@ -405,8 +472,8 @@ def _atoms(src: _Regions, dst: _Regions, k: int):
 
 def _check_coverage(atoms, dst: _Regions, d_rows: np.ndarray, destination: Layout) -> None:
     _, _, a_len, _, a_dst = atoms
-    covered = np.bincount(a_dst, weights=np.prod(a_len, axis=1).astype(np.float64), minlength=dst.tensor.size)
-    need = np.prod(dst.lengths, axis=1).astype(np.float64)
+    covered = np.bincount(a_dst, weights=_volume(a_len).astype(np.float64), minlength=dst.tensor.size)
+    need = _volume(dst.lengths).astype(np.float64)
     short = np.flatnonzero(covered < need)
     if short.size:
         r = int(short[0])
@@ -442,7 +509,7 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     intra-domain copy from a holder of the domain (rotating over holders to spread load)."""
     atom, piece, rank, domain = n_atom[rows], n_piece[rows], n_rank[rows], n_domain[rows]
     # holder rows sorted by (atom, rank) and by (atom, domain, rank)
-    by_rank = np.lexsort((h_piece, h_rank, h_atom))
+    by_rank = _lexsort([h_atom, h_rank, h_piece])
     key_rank = h_atom[by_rank] * num_ranks + h_rank[by_rank]
     want_rank = atom * num_ranks + rank
     pos = np.searchsorted(key_rank, want_rank)
@@ -451,7 +518,7 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     src_piece = np.where(local, h_piece[by_rank][pos_c], -1)
     src_rank = np.where(local, rank, -1)
 
-    by_domain = np.lexsort((h_piece, h_rank, h_domain, h_atom))
+    by_domain = _lexsort([h_atom, h_domain, h_rank, h_piece])
     key_domain = h_atom[by_domain] * num_domains + h_domain[by_domain]
     remote = np.flatnonzero(~local)
     want = atom[remote] * num_domains + domain[remote]
@@ -462,7 +529,7 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     src_rank[remote] = h_rank[by_domain][pick]
     kind = np.where(local, int(TransferKind.LOCAL), int(TransferKind.INTRA)).astype(np.int64)
     return _rows(kind, Phase.DELIVER, a_tensor[atom], SourceSide.SOURCE, src_piece, piece,
-                 src_rank, rank, a_off[atom], a_len[atom])
+                 src_rank, rank, np.take(a_off, atom, axis=0), np.take(a_len, atom, axis=0))
 
 
 def _serve_network(net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src, a_bytes,
@@ -480,15 +547,19 @@ def _serve_network(net, demand_first, demand_count, demand_atom, n_piece, n_rank
     receiver_row = first + (atom % cnt)  # rotate receivers among replicas in the domain
     receiver_piece, receiver_rank = n_piece[receiver_row], n_rank[receiver_row]
     network = _rows(TransferKind.NETWORK, Phase.DELIVER, a_tensor[atom], SourceSide.SOURCE,
-                    sender_piece, receiver_piece, sender_rank, receiver_rank, a_off[atom], a_len[atom])
+                    sender_piece, receiver_piece, sender_rank, receiver_rank,
+                    np.take(a_off, atom, axis=0), np.take(a_len, atom, axis=0))
 
-    owner, row = _expand(first, cnt)
+    # Only demands with several needers in the domain fan out.
+    shared = np.flatnonzero(cnt > 1)
+    owner, row = _expand(first[shared], cnt[shared])
+    owner = shared[owner]
     others = row != receiver_row[owner]
     owner, row = owner[others], row[others]
     fan_atom = atom[owner]
     fan_out = _rows(TransferKind.INTRA, Phase.FAN_OUT, a_tensor[fan_atom], SourceSide.DESTINATION,
                     receiver_piece[owner], n_piece[row], receiver_rank[owner], n_rank[row],
-                    a_off[fan_atom], a_len[fan_atom])
+                    np.take(a_off, fan_atom, axis=0), np.take(a_len, fan_atom, axis=0))
     return [network, fan_out]
 
 
@@ -507,7 +578,7 @@ def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, n
     multi = np.flatnonzero(~forced)
     if multi.size == 0:
         return choice
-    order = multi[np.lexsort((multi, -nbytes[multi], region[multi]))]
+    order = multi[_lexsort([region[multi], -nbytes[multi], multi])]
     reg_sorted = region[order]
     boundaries = np.flatnonzero(np.diff(reg_sorted)) + 1
     groups = np.split(order, boundaries)
@@ -537,7 +608,7 @@ def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
     """Split atoms above ``limit`` bytes along their outermost dims until every box fits."""
     tensor, offsets, lengths, src, dst = atoms
     while True:
-        nbytes = np.prod(lengths, axis=1) * itemsize[tensor]
+        nbytes = _volume(lengths) * itemsize[tensor]
         big = np.flatnonzero(nbytes > limit)
         if big.size == 0:
             return tensor, offsets, lengths, src, dst
@@ -562,46 +633,44 @@ def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
 
 
 def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndarray,
-              instances: np.ndarray) -> tuple[TransferTable, dict[str, int]]:
+              instances: np.ndarray, num_ranks: int) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets."""
     tensor = table["tensor"]
-    nbytes = np.prod(table["lengths"], axis=1) * itemsize[tensor]
+    nbytes = _volume(table["lengths"]) * itemsize[tensor]
     phase, src, dst = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
 
     rounds = np.full(src.size, -1, dtype=np.int64)  # local copies need no peer: round -1
     num_rounds = 0
-    for p in np.unique(phase).tolist():
+    for p in _dense_ids(phase, len(Phase))[0].tolist():
         sel = np.flatnonzero((phase == p) & ~is_local)
         if sel.size == 0:
             continue
-        senders, s_idx = np.unique(src[sel], return_inverse=True)
-        receivers, r_idx = np.unique(dst[sel], return_inverse=True)
+        senders, s_idx = _dense_ids(src[sel], num_ranks)
+        receivers, r_idx = _dense_ids(dst[sel], num_ranks)
         width = max(senders.size, receivers.size)
         shift = (r_idx - s_idx) % width
-        used, dense = np.unique(shift, return_inverse=True)
+        used, dense = _dense_ids(shift, width)
         rounds[sel] = dense
         num_rounds += used.size
 
-    # One stable sort on a packed (phase, round, src, dst) key; inside a message rows keep
+    # One stable sort on packed (phase, round, src, dst) keys; inside a message rows keep
     # their generation order, which is deterministic.
-    bits = max(int(max(src.max(initial=0), dst.max(initial=0))).bit_length(), 1)
-    if 1 + 2 * bits + max(num_rounds, 1).bit_length() + 1 > 62:
-        key_cols = [phase, rounds, src, dst]
-        order = np.lexsort(tuple(reversed(key_cols)))
-    else:
-        key = (((phase << (max(num_rounds, 1).bit_length() + 1)) | (rounds + 1)) << (2 * bits)) | (src << bits) | dst
-        order = np.argsort(key, kind="stable")
     # Rows stay in generation order (deterministic); only message ids and offsets need the
     # (phase, round, src, dst) order, so compute them there and scatter them back.
     count = instances[tensor]
     weight = nbytes * count
-    s_phase, s_rounds, s_src, s_dst = phase[order], rounds[order], src[order], dst[order]
-    n = order.size
-    new_msg = np.ones(n, dtype=bool)
+    n = src.size
+    new_msg = np.zeros(n, dtype=bool)
     if n:
-        new_msg[1:] = ((s_phase[1:] != s_phase[:-1]) | (s_rounds[1:] != s_rounds[:-1])
-                       | (s_src[1:] != s_src[:-1]) | (s_dst[1:] != s_dst[:-1]))
+        words = _pack([phase, rounds, src, dst], max(n - 1, 1).bit_length())
+        order = _lexsort_words(words)
+        new_msg[0] = True
+        for w in words:
+            sorted_w = w[order]
+            new_msg[1:] |= sorted_w[1:] != sorted_w[:-1]
+    else:
+        order = np.zeros(0, dtype=np.int64)
     s_message = np.cumsum(new_msg) - 1
     msg_first = np.flatnonzero(new_msg)
     s_weight = weight[order]
@@ -611,7 +680,7 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
     message_offset = np.empty(n, dtype=np.int64)
     message[order], message_offset[order] = s_message, s_offset
     # Buckets per message: the bucket of its last copy, plus one.
-    msg_last = np.append(msg_first[1:], n) - 1
+    msg_last = np.append(msg_first[1:], n)[: msg_first.size] - 1
     half = max(bucket_bytes // 2, 1)
     last_row = order[msg_last]
     last_copy = s_offset[msg_last] + (count[last_row] - 1) * nbytes[last_row]
@@ -630,42 +699,50 @@ def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses,
            destination: Layout, tensor_map: np.ndarray, domain_of_rank: np.ndarray, num_ranks: int,
            lower_bound_bytes: int):
     kind = table.kind
-    net = kind == int(TransferKind.NETWORK)
-    intra = kind == int(TransferKind.INTRA)
-    local = kind == int(TransferKind.LOCAL)
     weight = table.nbytes * table.instances
     copies = table.instances
-
-    def per_rank(ranks: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        return np.bincount(ranks[sel], weights=weight[sel], minlength=num_ranks).astype(np.int64)
-
-    net_send, net_recv = per_rank(table.src_rank, net), per_rank(table.dst_rank, net)
-    intra_send, intra_recv = per_rank(table.src_rank, intra), per_rank(table.dst_rank, intra)
-    used_ranks = np.union1d(source.buffer_rank, destination.buffer_rank)
+    of_kind = {k: kind == int(k) for k in TransferKind}
+    # Bytes per (kind, rank), sent and received: one bincount each instead of one per kind.
+    num_kinds = len(TransferKind)
+    send, recv = (
+        np.bincount(kind * num_ranks + ranks, weights=weight, minlength=num_kinds * num_ranks)
+        .astype(np.int64).reshape(num_kinds, num_ranks)
+        for ranks in (table.src_rank, table.dst_rank)
+    )
+    net_send, net_recv = send[TransferKind.NETWORK], recv[TransferKind.NETWORK]
+    intra_send, intra_recv = send[TransferKind.INTRA], recv[TransferKind.INTRA]
+    used = np.zeros(num_ranks, dtype=bool)
+    used[source.buffer_rank] = True
+    used[destination.buffer_rank] = True
     stats = PlanStats(
-        model_bytes=sum(t.nbytes for t in destination.tensors),
+        model_bytes=int(_tensor_nbytes(destination).sum()),
         dst_bytes=destination.nbytes,
         lower_bound_bytes=lower_bound_bytes,
-        cross_domain_bytes=int(weight[net].sum()),
-        intra_domain_bytes=int(weight[intra].sum()),
-        local_bytes=int(weight[local].sum()),
+        cross_domain_bytes=int(weight[of_kind[TransferKind.NETWORK]].sum()),
+        intra_domain_bytes=int(weight[of_kind[TransferKind.INTRA]].sum()),
+        local_bytes=int(weight[of_kind[TransferKind.LOCAL]].sum()),
         gather_broadcast_bytes=gather_broadcast_bytes(source, destination, tensor_map),
         max_send_bytes=int(net_send.max(initial=0)),
         max_recv_bytes=int(net_recv.max(initial=0)),
         transfers=int(copies.sum()),
         rows=len(table),
         tensor_classes=classes.num_classes,
-        network_transfers=int(copies[net].sum()),
-        intra_transfers=int(copies[intra].sum()),
-        local_transfers=int(copies[local].sum()),
+        network_transfers=int(copies[of_kind[TransferKind.NETWORK]].sum()),
+        intra_transfers=int(copies[of_kind[TransferKind.INTRA]].sum()),
+        local_transfers=int(copies[of_kind[TransferKind.LOCAL]].sum()),
         messages=counts["messages"],
         rounds=counts["rounds"],
         buckets=counts["buckets"],
         num_source_ranks=len(source.ranks),
         num_destination_ranks=len(destination.ranks),
-        num_domains=int(np.unique(domain_of_rank[used_ranks]).size),
+        num_domains=int(np.unique(domain_of_rank[used]).size),
     )
     return stats, (net_send, net_recv, intra_send, intra_recv)
+
+
+def _tensor_nbytes(layout: Layout) -> np.ndarray:
+    """Bytes of every logical tensor (shapes are padded with 1)."""
+    return _volume(layout.tensor_shape) * layout.tensor_itemsize
 
 
 def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.ndarray | None = None) -> int:
@@ -678,7 +755,7 @@ def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.n
     keys, inverse = _sorted_unique(source.piece_tensor * stride + source.piece_rank)
     held = np.bincount(inverse, weights=source.piece_nbytes()).astype(np.int64)
     held_tensor, held_rank = keys // stride, keys % stride
-    order = np.lexsort((held_rank, -held, held_tensor))  # per tensor: most bytes, then lowest rank
+    order = _lexsort([held_tensor, -held, held_rank])  # per tensor: most bytes, then lowest rank
     first = np.ones(order.size, dtype=bool)
     first[1:] = held_tensor[order][1:] != held_tensor[order][:-1]
     root_rank = np.full(len(source.tensors), -1, dtype=np.int64)
@@ -686,11 +763,14 @@ def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.n
     root_rank[held_tensor[order][first]] = held_rank[order][first]
     root_held[held_tensor[order][first]] = held[order][first]
 
-    pairs = _sorted_unique(destination.piece_tensor * stride + destination.piece_rank)[0]
-    pair_tensor, pair_rank = pairs // stride, pairs % stride
+    # (tensor, rank) pairs of the destination: pieces are sorted by tensor, then rank
+    pair = destination.piece_tensor * stride + destination.piece_rank
+    first_of_pair = np.ones(pair.size, dtype=bool)
+    first_of_pair[1:] = pair[1:] != pair[:-1]
+    pair_tensor, pair_rank = destination.piece_tensor[first_of_pair], destination.piece_rank[first_of_pair]
     is_root = pair_rank == root_rank[tensor_map[pair_tensor]]
     receivers = np.bincount(pair_tensor[~is_root], minlength=len(destination.tensors))
-    t_bytes = np.array([t.nbytes for t in destination.tensors], dtype=np.int64)
+    t_bytes = _tensor_nbytes(destination)
     gather = np.maximum(t_bytes - root_held[tensor_map], 0)
     return int((gather + t_bytes * receivers).sum())
 
@@ -707,10 +787,6 @@ def _fingerprint(source: Layout, destination: Layout, topology: Topology, option
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())
     digest.update(topology.fingerprint().encode())
-    digest.update(classes.members.tobytes())
-    digest.update(classes.start.tobytes())
-    for name in _DEFINING_COLUMNS:
-        col = getattr(table, name)
-        digest.update(name.encode())
-        digest.update(np.ascontiguousarray(col))
+    update_int_arrays(digest, [("class_members", classes.members), ("class_start", classes.start)]
+                      + [(name, getattr(table, name)) for name in _DEFINING_COLUMNS])
     return digest.hexdigest()[:32]
