@@ -14,7 +14,11 @@ def narrowest_dtype(array: np.ndarray) -> np.dtype:
     """The smallest little-endian integer dtype that holds every value of ``array``."""
     if array.size == 0:
         return _UNSIGNED[0]
-    lo, hi = int(array.min()), int(array.max())
+    return dtype_for_range(int(array.min()), int(array.max()))
+
+
+def dtype_for_range(lo: int, hi: int) -> np.dtype:
+    """The smallest little-endian integer dtype that holds ``lo..hi``."""
     for dtype in _UNSIGNED if lo >= 0 else _SIGNED:
         info = np.iinfo(dtype)
         if info.min <= lo and hi <= info.max:
