@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,18 +150,22 @@ class FaultHook:
             state["armed"][index] = (fault, "transfer")
         count = {"n": 0}
         hook = self
+        # The wrappers live on the group: they reach it weakly and keep none of the context's
+        # objects, so they add no reference cycle that would keep a closed group alive.
+        group_ref = weakref.ref(group)
+        record_context = {k: v for k, v in context.items() if k not in ("group", "executor")}
 
         for op in ("send", "recv"):
-            original = getattr(group, op)
+            original = getattr(type(group), op)
 
             def wrapped(tensor, peer, tag=0, _original=original):
                 if fault.kind == "slow":
                     time.sleep(fault.duration_s)
                 elif count["n"] >= fault.chunk and index in state["armed"]:
                     del state["armed"][index]
-                    hook._fire(index, fault, context, f"transfer[{fault.chunk}]", messages=n)
+                    hook._fire(index, fault, record_context, f"transfer[{fault.chunk}]", messages=n)
                 count["n"] += 1
-                return _original(tensor, peer, tag)
+                return _original(group_ref(), tensor, peer, tag)
 
             setattr(group, op, wrapped)
 

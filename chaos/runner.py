@@ -340,7 +340,10 @@ class ChaosRun:
                         continue
                     reports[inc] = payload
                     w.task = None
-                    if not w.proc.is_alive() or payload.get("error_type") == "Terminated":
+                    # A worker that leaked sockets or threads would carry them into later
+                    # trials: the leak is this trial's finding, and the worker is retired.
+                    if not w.proc.is_alive() or payload.get("error_type") == "Terminated" \
+                            or payload.get("leftover_sockets") or payload.get("leftover_threads"):
                         w.proc.join(5)
                         self.pool.drop(w)
                 except (EOFError, OSError):
@@ -366,10 +369,17 @@ class ChaosRun:
                 timed_out = True
                 break
         missing = tuple(inc for inc in running if inc not in reports and inc not in died and inc not in victims)
-        # Anything still running is hung: stop it by pid (and do not reuse the worker).
-        for inc, (w, _, _) in running.items():
-            if inc not in reports and inc not in died:
-                self.pool.drop(w)
+        # Anything still running is hung: dump its stacks into its .stderr (SIGUSR2, see
+        # the worker), then stop it by pid (and do not reuse the worker).
+        hung = [w for inc, (w, _, _) in running.items() if inc not in reports and inc not in died]
+        for w in hung:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                self.killer.signal(w.pid, signal.SIGCONT)
+                self.killer.signal(w.pid, signal.SIGUSR2)
+        if hung:
+            time.sleep(0.5)
+        for w in hung:
+            self.pool.drop(w)
         for t in etcd_threads:
             t.join(30)
         wall = time.monotonic() - t_start

@@ -14,6 +14,7 @@ thread and pooled etcd connection, which are shared and do not grow).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import threading
@@ -58,18 +59,32 @@ def _os_thread_alive(thread: threading.Thread) -> bool:
     return os.path.exists(f"/proc/self/task/{native}")
 
 
-def _settled_leftovers(baseline_threads: int, wait_s: float = 4.0) -> tuple[list[str], list[str]]:
-    """Sockets and extra threads left after a member closed, given ``wait_s`` to go away:
-    gRPC and gloo close asynchronously, and an aborted group's last send/recv waits drain
-    within the runtime's per-wait bound (lease TTL + 1 s = 3 s by default)."""
+def _remote_port(socket_line: str) -> int:
+    """Remote port of an ``open_tcp_sockets`` line (``local->remote st=..``, hex ports)."""
+    return int(socket_line.split("->")[1].split()[0].rsplit(":", 1)[1], 16)
+
+
+def _settled_leftovers(baseline_threads: int, sockets_before: set[str], etcd_endpoints: tuple[str, ...],
+                       wait_s: float = 4.0) -> tuple[list[str], list[str]]:
+    """Sockets the member opened and left open, and extra threads, given ``wait_s`` to go
+    away: gRPC and gloo close asynchronously, and an aborted group's last send/recv waits
+    drain within the runtime's per-wait bound (lease TTL + 1 s).
+
+    gRPC keeps a closed channel's subchannel to an etcd endpoint in its process-wide pool
+    (measured: one connection per endpoint, reused across sessions and replaced when etcd
+    restarts, never more): up to one per endpoint is not a leak; anything else is."""
+    etcd_ports = {int(e.rsplit(":", 1)[1]) for e in etcd_endpoints}
     deadline = time.monotonic() + wait_s
     while True:
         sockets = open_tcp_sockets()
+        pooled = [x for x in sockets if _remote_port(x) in etcd_ports]
+        new = [x for x in sockets if x not in sockets_before]
+        leaked = new if (len(pooled) > len(etcd_ports) or any(x not in pooled for x in new)) else []
         # gRPC's aio poller is one thread per process, started on first use, by design.
         threads = [t.name for t in threading.enumerate()[baseline_threads:]
                    if "_poll_wrapper" not in t.name and _os_thread_alive(t)]
-        if (not sockets and not threads) or time.monotonic() > deadline:
-            return sockets, threads
+        if (not leaked and not threads) or time.monotonic() > deadline:
+            return leaked, threads
         time.sleep(0.1)
 
 
@@ -121,8 +136,11 @@ def worker_main(conn) -> None:
         err = os.open(log_path.removesuffix(".log") + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(err, 2)
         os.close(err)
+        # A member the runner finds hung gets SIGUSR2 first: every thread's stack lands here.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         reset_state()
         terminated = False
+        sockets_before = set(open_tcp_sockets())
         with open(log_path, "a", buffering=1) as log_file:
             configure_logging(json=True, stream=log_file)
             start = time.monotonic()
@@ -139,12 +157,10 @@ def worker_main(conn) -> None:
                 running["member"] = False
             report["seconds"] = time.monotonic() - start
             report["incarnation"] = member.incarnation
-            sockets, threads = _settled_leftovers(baseline_threads)
-            # gRPC keeps a closed channel's subchannel to an etcd endpoint in its process-wide
-            # pool (measured: one connection, the same one across sessions, never more): one
-            # per endpoint is not a leak; a socket to anything else, or more, is.
-            report["leftover_sockets"] = sockets if len(sockets) > len(member.etcd) else []
-            report["etcd_sockets_kept"] = len(sockets)
+            # Only sockets this member opened count (the runner retires a worker that leaked).
+            sockets, threads = _settled_leftovers(baseline_threads, sockets_before, member.etcd)
+            report["leftover_sockets"] = sockets
+            report["sockets_kept"] = len(open_tcp_sockets())
             report["leftover_threads"] = threads
         configure_logging(json=True, stream=devnull)  # late events of this member go nowhere
         with contextlib.suppress(Exception):

@@ -139,6 +139,10 @@ def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if old is None:
         return "build"
+    # A member asked for a new communicator (its old one broke): every rank rebuilds.
+    old_records = {m.identity: m for m in old.members}
+    if any(m.identity in old_records and m.reform != old_records[m.identity].reform for m in new.members):
+        return "rebuild"
     d = diff(old, new)
     if d.unchanged and old.member_ids == new.member_ids:
         return "unchanged"

@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from membership.client import Compare, EtcdClient, Get, Put, TxnResult
 from membership.config import MembershipConfig
@@ -163,12 +164,21 @@ class Membership:
 
     def set_state(self, state: str) -> None:
         """Update this member's ``state`` (e.g. ``leaving`` before a planned exit)."""
-        self.record = MemberRecord(**{**self.record.to_json(), "state": state})
+        self._update_record(state=state)
+
+    def request_reform(self) -> None:
+        """Ask the leader for a new epoch with the same members (and so a new communicator):
+        this rank's communicator of the current epoch broke although nobody left."""
+        self._update_record(reform=self.record.reform + 1)
+        self.log.info("membership.reform.requested", reform=self.record.reform)
+
+    def _update_record(self, **changes: Any) -> None:
+        self.record = MemberRecord(**{**self.record.to_json(), **changes})
         res = self.client.txn([self.ownership_compare()],
                               [Put(self.member_key, self.record.encode(), self.lease_id)])
         if not res.succeeded:
             self.fenced_writes += 1
-            self._mark_lost("state update rejected: member key no longer on our lease")
+            self._mark_lost("record update rejected: member key no longer on our lease")
             self.check()
 
     # --------------------------------------------------------------- internals

@@ -30,11 +30,16 @@ class MemberRecord:
     address: str = ""
     state: str = "ready"
     layout_rank: int = -1  # this rank's rank in its side's layout (-1: not part of a layout)
+    # Bumped to ask for a new epoch with the same members: this rank's communicator broke
+    # (gloo closes a pair for good once it times out or its peer resets it).
+    reform: int = 0
 
     def __post_init__(self) -> None:
         check_role(self.role)
         if isinstance(self.layout_rank, bool) or not isinstance(self.layout_rank, int) or self.layout_rank < -1:
             raise ValueError(f"layout_rank must be an int >= -1, got {self.layout_rank!r}")
+        if isinstance(self.reform, bool) or not isinstance(self.reform, int) or self.reform < 0:
+            raise ValueError(f"reform must be an int >= 0, got {self.reform!r}")
         check_name("member_id", self.member_id)
         if not self.incarnation:
             raise ValueError(f"incarnation must be non-empty, got {self.incarnation!r}")
@@ -63,6 +68,7 @@ class MemberRecord:
             "address": self.address,
             "state": self.state,
             "layout_rank": self.layout_rank,
+            "reform": self.reform,
         }
 
     def encode(self) -> bytes:
@@ -80,6 +86,7 @@ class MemberRecord:
             address=str(data.get("address", "")),
             state=str(data.get("state", "ready")),
             layout_rank=int(data.get("layout_rank", -1)),
+            reform=int(data.get("reform", 0)),
         )
 
     @classmethod

@@ -115,6 +115,7 @@ class ElasticRefit:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._group: RefitGroup | None = None  # the current epoch's, owned by the agent thread
         self.stats: dict[str, Any] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -205,9 +206,21 @@ class ElasticRefit:
 
     # ---- agent ---------------------------------------------------------------------------
     def _agent(self) -> None:
+        try:
+            self._agent_loop()
+        finally:
+            # Frames of this thread may outlive it in a latched error's traceback: they must
+            # not keep the communicator (and its sockets) alive after close().
+            self._release_group()
+
+    def _release_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+    def _agent_loop(self) -> None:
         me = self.config.member_id
         view: MembershipView | None = None
-        group: RefitGroup | None = None
         seq = 0
         broken_epoch = -1  # an epoch whose communicator could not be formed
         while not self._stop.is_set():
@@ -220,37 +233,37 @@ class ElasticRefit:
                     self._stop.wait(self.config.poll_s)
                     continue
                 if latest.epoch == broken_epoch:
-                    # Its rendezvous keys are spent and a member is likely dead: the next
-                    # epoch (within the lease TTL) is the one to build. If none comes, the
-                    # membership is stable and only a record change makes the leader publish
-                    # a fresh epoch.
-                    try:
-                        # A dead peer leaves within its lease TTL; past that, nobody will.
-                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=self.config.ttl_s + 1.0)
-                    except EpochTimeout:
-                        record_state = self.membership.record.state
-                        self.membership.set_state("joining" if record_state == "ready" else "ready")
+                    # This epoch's communicator is gone (and its rendezvous keys are spent);
+                    # a reform request is out, so the next epoch comes from the leader.
+                    with contextlib.suppress(EpochTimeout):
+                        self.membership.wait_for_view(after_epoch=broken_epoch,
+                                                      timeout_s=self.config.epoch_deadline_s)
                     continue
                 if view is None or latest.epoch != view.epoch:
                     self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
+                    # The manager's watchdog must hold the last reference to the old process
+                    # group, so that its destructor never runs (and blocks) on this thread.
+                    self._release_group()
                     try:
                         result = self.manager.reconfigure(view, latest)
                     except CommunicatorError:
                         broken_epoch = latest.epoch
                         view = None  # nothing of the old communicator survives a failed rebuild
+                        self._request_reform(latest.epoch)
                         raise
                     comm = result.communicator
                     self._hook("comm.ready", epoch=latest.epoch, rank=comm.rank, path=result.path)
                     # One send/recv may wait a lease TTL plus a second: longer than a slow but
                     # live peer needs, and a dead one resets its connections at once (a stopped
                     # one is out of the membership within its TTL).
-                    group = RefitGroup(comm.pg, comm.rank, comm.size,
-                                       GroupOptions(self.config.backend, self.config.ttl_s + 1.0),
-                                       store=comm.store)
+                    self._group = RefitGroup(comm.pg, comm.rank, comm.size,
+                                             GroupOptions(self.config.backend, self.config.ttl_s + 1.0),
+                                             store=comm.store)
                     view, seq = latest, 0
                     self.stats["reconfigurations"] += 1
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=comm.rank, num_ranks=comm.size,
                                   path=result.path, seconds=result.seconds)
+                    del comm, result  # the group is the only holder of the communicator here
                 state = self.versions.snapshot()
                 self._observe(state)
                 if view.members[0].member_id == me:
@@ -260,12 +273,11 @@ class ElasticRefit:
                     self._stop.wait(self.config.poll_s)
                     continue
                 spec = AttemptSpec.from_json(record)
-                if me in spec.participants:
-                    self._run_attempt(view, group, seq, spec)  # type: ignore[arg-type]
-                    if group is not None and group._aborted and self._superseded(view.epoch) is False:
-                        # The communicator died with the attempt but the membership did not
-                        # change: this epoch's group cannot be used again.
-                        broken_epoch, view = view.epoch, None
+                if me in spec.participants and not self._run_attempt(view, self._group, seq, spec):  # type: ignore[arg-type]
+                    # The communicator died with the attempt: this epoch's group cannot be
+                    # used again, and every rank of the epoch must build a new one together.
+                    broken_epoch, view = view.epoch, None
+                    self._request_reform(broken_epoch)
                 seq += 1
             except MembershipLost as exc:
                 self.log.error("fault.detected", kind="membership_lost", error=str(exc))
@@ -280,10 +292,21 @@ class ElasticRefit:
                     self.membership.wait_for_view(after_epoch=view.epoch if view else 0,
                                                   timeout_s=self.config.collective_timeout_s)
 
+    def _request_reform(self, epoch: int) -> None:
+        """Ask for a new epoch with the same members, unless a newer epoch is already out
+        (then it brings a new communicator anyway, e.g. without a dead peer)."""
+        if not self._superseded(epoch):
+            self.log.warning("refit.communicator.broken", epoch=epoch)
+            self.membership.request_reform()
+
     def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:
         """Rank 0 of the epoch: commit what is complete, else propose the next attempt."""
-        if seq > 0 and not self._attempt_finished(view, seq - 1):
-            return
+        if seq > 0:
+            if not self._attempt_finished(view, seq - 1):
+                return
+            # Acks land before the done keys: a snapshot taken before the previous attempt
+            # finished may miss the last ones and propose a redundant catch-up attempt.
+            state = self.versions.snapshot()
         action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
         if isinstance(action, CommitAction):
             self._hook("commit.before", version=action.version, epoch=view.epoch)
@@ -323,7 +346,9 @@ class ElasticRefit:
         keys = [f"attempt/{seq}/done/{m}" for m in AttemptSpec.from_json(record).participants]
         return store.check(keys)
 
-    def _run_attempt(self, view: MembershipView, group: RefitGroup, seq: int, spec: AttemptSpec) -> None:
+    def _run_attempt(self, view: MembershipView, group: RefitGroup, seq: int, spec: AttemptSpec) -> bool:
+        """Run one attempt; False when it broke the epoch's communicator (a transport
+        fault: gloo closes a pair for good once it times out or its peer resets it)."""
         me = self.config.member_id
         store = self.manager.current.store
         log = self.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
@@ -364,6 +389,7 @@ class ElasticRefit:
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
                 log.info("refit.version.acked", digest=value)
             store.set(f"attempt/{seq}/done/{me}", "ok")
+            return True
         except (TransportAborted, PlanMismatch, RefitError, ValueError, TimeoutError, RuntimeError) as exc:
             self.stats["failed_attempts"] += 1
             log.warning("refit.attempt.failed", error_type=type(exc).__name__, error=str(exc).splitlines()[0][:300])
@@ -371,9 +397,12 @@ class ElasticRefit:
                 store.set(f"attempt/{seq}/done/{me}", "failed")
             if isinstance(exc, MembershipLost):
                 raise
+            if isinstance(exc, TransportAborted) or group.aborted:
+                return False
             # Wait for the membership to settle (a dead peer leaves within its TTL).
             with contextlib.suppress(Exception):
                 self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=self.config.ttl_s + 0.5)
+            return True
 
     def _wait_keys(self, store, keys: list[str], epoch: int) -> None:
         """Wait for every participant's key, but give up as soon as a newer epoch exists

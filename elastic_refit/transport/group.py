@@ -65,6 +65,11 @@ class RefitGroup:
         self.cancelled: Callable[[], bool] | None = None
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self.device = torch.device("cpu") if options.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        if options.backend == "gloo":
+            # Gloo applies its context timeout to collectives (the vote) whatever wait() is
+            # given, and closes a pair for good when it fires: make it this group's timeout.
+            with contextlib.suppress(AttributeError, RuntimeError):
+                process_group._set_default_timeout(self.timeout)
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int,
@@ -166,6 +171,23 @@ class RefitGroup:
             self.process_group.abort()
         if self._waiter is not None:
             self._waiter.shutdown(wait=False)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the group was aborted or closed (it cannot be used again)."""
+        return self._aborted
+
+    def close(self) -> None:
+        """Stop using the group and drop this object's references to the process group and
+        store. Whoever built the process group destroys it (gloo closes its sockets only
+        when the last reference goes); a closed group may outlive its communicator, e.g.
+        in the traceback of a latched error, without keeping those sockets open."""
+        self._aborted = True
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
+            self._waiter = None
+        self.process_group = None  # type: ignore[assignment]
+        self._store = None
 
     def _call(self, what: str, peer: int, fn):
         if self._aborted:
