@@ -47,8 +47,8 @@ PLANNER_VERSION = "2"  # 2: fingerprints hash columns in their narrowest dtypes
 # --------------------------------------------------------------------------------------
 # small vectorised helpers
 # --------------------------------------------------------------------------------------
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")`` for a non-negative int64 key.
+def _stable_sort(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.argsort(key, kind="stable")`` and the sorted keys, for a non-negative int64 key.
 
     With the row index in the low bits every value is distinct, so a plain (SIMD, unstable)
     sort of one int64 array gives the stable order, ~10x faster than a stable argsort.
@@ -56,10 +56,16 @@ def _stable_order(key: np.ndarray) -> np.ndarray:
     n = key.size
     shift = max(n - 1, 1).bit_length()
     if n == 0 or int(key.max()).bit_length() + shift > 63:
-        return np.argsort(key, kind="stable")
+        order = np.argsort(key, kind="stable")
+        return order, key[order]
     packed = (key << shift) | np.arange(n, dtype=np.int64)
     packed.sort()
-    return packed & ((1 << shift) - 1)
+    return packed & ((1 << shift) - 1), packed >> shift
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for a non-negative int64 key (see ``_stable_sort``)."""
+    return _stable_sort(key)[0]
 
 
 def _pack(columns: list[np.ndarray], reserve: int) -> list[np.ndarray]:
@@ -98,27 +104,40 @@ def _lexsort(columns: list[np.ndarray]) -> np.ndarray:
     return _lexsort_words(_pack(columns, max(n - 1, 1).bit_length()))
 
 
+def _order_or_none(columns: list[np.ndarray]) -> np.ndarray | None:
+    """``_lexsort(columns)``, or None when the rows are in that order already (generation
+    order often is: checking costs a fraction of sorting)."""
+    n = columns[0].shape[0]
+    if n < 2:
+        return None
+    words = _pack(columns, 0)
+    if len(words) == 1:
+        if bool(np.all(words[0][1:] >= words[0][:-1])):
+            return None
+        return _stable_order(words[0])
+    return _lexsort(columns)
+
+
 def _lexsort_rows(mat: np.ndarray) -> np.ndarray:
     """Indices that sort the rows of ``mat`` lexicographically (column 0 most significant)."""
     return _lexsort([mat[:, j] for j in range(mat.shape[1])])
 
 
-def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique rows of an int matrix and the inverse index of every input row."""
-    n = mat.shape[0]
+def _group_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of int columns grouped by value: ``order`` sorts them lexicographically (stable,
+    ``columns[0]`` most significant) and ``new`` marks, in that order, the first row of
+    every distinct value."""
+    n = columns[0].shape[0]
     if n == 0:
-        return mat.copy(), np.zeros(0, dtype=np.int64)
-    words = _pack([mat[:, j] for j in range(mat.shape[1])], max(n - 1, 1).bit_length())
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+    words = _pack(columns, max(n - 1, 1).bit_length())
     order = _lexsort_words(words)
-    new_group = np.zeros(n, dtype=bool)
-    new_group[0] = True
+    new = np.zeros(n, dtype=bool)
+    new[0] = True
     for w in words:  # the words encode a row exactly, so rows differ where a word does
         sorted_w = w[order]
-        new_group[1:] |= sorted_w[1:] != sorted_w[:-1]
-    group_of_sorted = np.cumsum(new_group) - 1
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[order] = group_of_sorted
-    return mat[order[new_group]], inverse
+        new[1:] |= sorted_w[1:] != sorted_w[:-1]
+    return order, new
 
 
 def _dense_ids(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,17 +199,18 @@ def _pad(array: np.ndarray, k: int, fill: int) -> np.ndarray:
 
 
 def _regions(tensor: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> _Regions:
-    k = offsets.shape[1]
-    keys = np.column_stack([tensor, offsets, lengths])
-    uniq, inverse = _unique_rows(keys)
-    r_tensor, r_off, r_len = uniq[:, 0], uniq[:, 1 : 1 + k], uniq[:, 1 + k :]
-    inc_region = inverse
-    inc_piece = np.arange(tensor.size, dtype=np.int64)
+    n = tensor.size
+    # contiguous columns: packing strided ones is several times slower
+    order, new = _group_rows([tensor, *np.ascontiguousarray(offsets.T), *np.ascontiguousarray(lengths.T)])
+    first = order[new]
+    r_tensor, r_off, r_len = tensor[first], offsets[first], lengths[first]
 
     bad = _tensors_with_partial_overlap(r_tensor, r_off, r_len)
     if bad.size:
+        inc_region = np.empty(n, dtype=np.int64)
+        inc_region[order] = np.cumsum(new) - 1
         r_tensor, r_off, r_len, inc_region, inc_piece = _refine(
-            bad, tensor, offsets, lengths, r_tensor, r_off, r_len, inc_region, inc_piece
+            bad, tensor, offsets, lengths, r_tensor, r_off, r_len, inc_region, np.arange(n, dtype=np.int64)
         )
         # Refined cells were appended: restore the (tensor, box) order the joins rely on.
         order = _lexsort_rows(np.column_stack([r_tensor, r_off, r_len]))
@@ -198,9 +218,14 @@ def _regions(tensor: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> _R
         rank_of[order] = np.arange(order.size)
         r_tensor, r_off, r_len = r_tensor[order], r_off[order], r_len[order]
         inc_region = rank_of[inc_region]
-    order = _stable_order(inc_region)
-    inc_region, inc_piece = inc_region[order], inc_piece[order]
-    starts, counts = _group_bounds(inc_region, r_tensor.size)
+        order = _stable_order(inc_region)
+        inc_region, inc_piece = inc_region[order], inc_piece[order]
+        starts, counts = _group_bounds(inc_region, r_tensor.size)
+    else:
+        # The grouping order already lists every region's pieces, in piece order.
+        inc_piece = order
+        starts = np.flatnonzero(new)
+        counts = np.diff(np.append(starts, n))
     return _Regions(r_tensor, r_off, r_len, starts, counts, inc_piece)
 
 
@@ -212,10 +237,11 @@ def _tensors_with_partial_overlap(r_tensor: np.ndarray, r_off: np.ndarray, r_len
     """
     bad: list[np.ndarray] = []
     for d in range(r_off.shape[1]):
-        iv, _ = _unique_rows(np.column_stack([r_tensor, r_off[:, d], r_len[:, d]]))
-        same_tensor = iv[1:, 0] == iv[:-1, 0]
-        overlap = same_tensor & (iv[1:, 1] < iv[:-1, 1] + iv[:-1, 2])
-        bad.append(iv[1:, 0][overlap])
+        order, new = _group_rows([r_tensor, r_off[:, d], r_len[:, d]])
+        first = order[new]
+        t, off, ln = r_tensor[first], r_off[first, d], r_len[first, d]
+        overlap = (t[1:] == t[:-1]) & (off[1:] < off[:-1] + ln[:-1])
+        bad.append(t[1:][overlap])
     return np.unique(np.concatenate(bad)) if bad else np.zeros(0, dtype=np.int64)
 
 
@@ -381,8 +407,9 @@ def make_plan(
     h_domain = domain_of_rank[h_rank]
 
     # Demands: group needer rows by (atom, domain); sort inside by rank for determinism.
-    n_order = _lexsort([n_atom, n_domain, n_rank, n_piece])
-    n_atom, n_piece, n_rank, n_domain = n_atom[n_order], n_piece[n_order], n_rank[n_order], n_domain[n_order]
+    n_order = _order_or_none([n_atom, n_domain, n_rank, n_piece])
+    if n_order is not None:
+        n_atom, n_piece, n_rank, n_domain = n_atom[n_order], n_piece[n_order], n_rank[n_order], n_domain[n_order]
     n_key = n_atom * num_domains + n_domain
     new_demand = np.ones(n_key.size, dtype=bool)
     new_demand[1:] = n_key[1:] != n_key[:-1]
@@ -509,7 +536,8 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     intra-domain copy from a holder of the domain (rotating over holders to spread load)."""
     atom, piece, rank, domain = n_atom[rows], n_piece[rows], n_rank[rows], n_domain[rows]
     # holder rows sorted by (atom, rank) and by (atom, domain, rank)
-    by_rank = _lexsort([h_atom, h_rank, h_piece])
+    by_rank = _order_or_none([h_atom, h_rank, h_piece])
+    by_rank = np.arange(h_atom.size) if by_rank is None else by_rank
     key_rank = h_atom[by_rank] * num_ranks + h_rank[by_rank]
     want_rank = atom * num_ranks + rank
     pos = np.searchsorted(key_rank, want_rank)
@@ -518,7 +546,8 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     src_piece = np.where(local, h_piece[by_rank][pos_c], -1)
     src_rank = np.where(local, rank, -1)
 
-    by_domain = _lexsort([h_atom, h_domain, h_rank, h_piece])
+    by_domain = _order_or_none([h_atom, h_domain, h_rank, h_piece])
+    by_domain = np.arange(h_atom.size) if by_domain is None else by_domain
     key_domain = h_atom[by_domain] * num_domains + h_domain[by_domain]
     remote = np.flatnonzero(~local)
     want = atom[remote] * num_domains + domain[remote]
@@ -640,42 +669,47 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
     phase, src, dst = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
 
-    rounds = np.full(src.size, -1, dtype=np.int64)  # local copies need no peer: round -1
-    num_rounds = 0
-    for p in _dense_ids(phase, len(Phase))[0].tolist():
-        sel = np.flatnonzero((phase == p) & ~is_local)
-        if sel.size == 0:
-            continue
-        senders, s_idx = _dense_ids(src[sel], num_ranks)
-        receivers, r_idx = _dense_ids(dst[sel], num_ranks)
-        width = max(senders.size, receivers.size)
-        shift = (r_idx - s_idx) % width
-        used, dense = _dense_ids(shift, width)
-        rounds[sel] = dense
-        num_rounds += used.size
+    # Per phase, senders and receivers are numbered densely and a message's round is its
+    # shift (receiver - sender) modulo the width; local copies need no peer (round -1).
+    # All phases at once: a phase's ids are counted within its row of a [phase, id] table.
+    num_phases = len(Phase)
+    peer = np.flatnonzero(~is_local) if is_local.any() else None
 
-    # One stable sort on packed (phase, round, src, dst) keys; inside a message rows keep
-    # their generation order, which is deterministic.
-    # Rows stay in generation order (deterministic); only message ids and offsets need the
-    # (phase, round, src, dst) order, so compute them there and scatter them back.
+    def dense_in_phase(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, the rank of its id among the ids its phase uses; and per phase, how many."""
+        slot = phase * size + ids
+        present = np.zeros(num_phases * size, dtype=bool)
+        present[slot if peer is None else slot[peer]] = True
+        present = present.reshape(num_phases, size)
+        return (np.cumsum(present, axis=1) - 1).reshape(-1)[slot], present.sum(axis=1)
+
+    s_idx, num_senders = dense_in_phase(src, num_ranks)
+    r_idx, num_receivers = dense_in_phase(dst, num_ranks)
+    width = np.maximum(np.maximum(num_senders, num_receivers), 1)
+    shift = (r_idx - s_idx) % width[phase]
+    rounds, used = dense_in_phase(shift, int(width.max()))
+    num_rounds = int(used.sum())
+    if peer is not None:
+        rounds[is_local] = -1
+
+    # One stable sort on a packed (phase, round, src, dst) key; inside a message rows keep
+    # their generation order. Rows themselves stay in generation order (deterministic); only
+    # message ids and offsets need the sorted order, so compute them there and scatter back.
     count = instances[tensor]
     weight = nbytes * count
     n = src.size
-    new_msg = np.zeros(n, dtype=bool)
-    if n:
-        words = _pack([phase, rounds, src, dst], max(n - 1, 1).bit_length())
-        order = _lexsort_words(words)
-        new_msg[0] = True
-        for w in words:
-            sorted_w = w[order]
-            new_msg[1:] |= sorted_w[1:] != sorted_w[:-1]
+    if (len(Phase) * (num_rounds + 1) * num_ranks * num_ranks).bit_length() <= 62:
+        key = ((phase * (num_rounds + 1) + (rounds + 1)) * num_ranks + src) * num_ranks + dst
+        order, sorted_key = _stable_sort(key)
+        new_msg = np.ones(n, dtype=bool)
+        new_msg[1:] = sorted_key[1:] != sorted_key[:-1]
     else:
-        order = np.zeros(0, dtype=np.int64)
+        order, new_msg = _group_rows([phase, rounds, src, dst])
     s_message = np.cumsum(new_msg) - 1
     msg_first = np.flatnonzero(new_msg)
     s_weight = weight[order]
     s_start = np.cumsum(s_weight) - s_weight
-    s_offset = s_start - s_start[msg_first][s_message]
+    s_offset = s_start - np.repeat(s_start[msg_first], np.diff(np.append(msg_first, n)))
     message = np.empty(n, dtype=np.int64)
     message_offset = np.empty(n, dtype=np.int64)
     message[order], message_offset[order] = s_message, s_offset
