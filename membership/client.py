@@ -462,7 +462,10 @@ class EtcdClient:
         return await self.call(f"delete {key}", fn)
 
     async def atxn(self, compare: Sequence[Compare], success: Sequence[Put | Get | Delete],
-                   failure: Sequence[Put | Get | Delete] = ()) -> TxnResult:
+                   failure: Sequence[Put | Get | Delete] = (), *, idempotent: bool = False) -> TxnResult:
+        """``idempotent``: applying the transaction twice has the effect and the outcome of
+        applying it once (e.g. a put guarded only by our own lease), so it may be retried."""
+
         async def fn(c: _Connection):
             req = rpc.TxnRequest(compare=[x.to_pb() for x in compare],
                                  success=[x.to_pb() for x in success],
@@ -475,7 +478,7 @@ class EtcdClient:
             return TxnResult(bool(resp.succeeded), resp.header.revision, gets)
 
         keys = ",".join(sorted({x.key for x in compare}))
-        return await self.call(f"txn {keys}", fn, idempotent=False)
+        return await self.call(f"txn {keys}", fn, idempotent=idempotent)
 
     async def agrant_lease(self, ttl_s: int) -> tuple[int, int]:
         """Grant a lease; returns ``(lease_id, granted_ttl_s)``."""
@@ -579,9 +582,9 @@ class EtcdClient:
         return self._sync(self.adelete(prefix, prefix=True))
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Put | Get | Delete],
-            failure: Sequence[Put | Get | Delete] = ()) -> TxnResult:
-        """An etcd transaction (one attempt: see :meth:`call`)."""
-        return self._sync(self.atxn(compare, success, failure))
+            failure: Sequence[Put | Get | Delete] = (), *, idempotent: bool = False) -> TxnResult:
+        """An etcd transaction (one attempt unless ``idempotent``: see :meth:`call`)."""
+        return self._sync(self.atxn(compare, success, failure, idempotent=idempotent))
 
     def grant_lease(self, ttl_s: int) -> tuple[int, int]:
         """Grant a lease of ``ttl_s`` seconds; returns ``(lease_id, granted_ttl_s)``."""

@@ -155,7 +155,8 @@ class Membership:
 
     def fenced_put(self, key: str, value: bytes) -> TxnResult:
         """Write ``key`` only while this member owns its key; else :class:`MembershipLost`."""
-        res = self.client.txn([self.ownership_compare()], [Put(key, value)])
+        # Guarded only by our own lease, so a retry through an etcd outage is safe.
+        res = self.client.txn([self.ownership_compare()], [Put(key, value)], idempotent=True)
         if not res.succeeded:
             self.fenced_writes += 1
             self._mark_lost("fenced write rejected: member key no longer on our lease")
@@ -175,7 +176,7 @@ class Membership:
     def _update_record(self, **changes: Any) -> None:
         self.record = MemberRecord(**{**self.record.to_json(), **changes})
         res = self.client.txn([self.ownership_compare()],
-                              [Put(self.member_key, self.record.encode(), self.lease_id)])
+                              [Put(self.member_key, self.record.encode(), self.lease_id)], idempotent=True)
         if not res.succeeded:
             self.fenced_writes += 1
             self._mark_lost("record update rejected: member key no longer on our lease")

@@ -109,7 +109,7 @@ class VersionStore:
         member_id = membership.record.member_id
         keys = [self.keys.ack(v, member_id) for v, acks in state.acks.items() if member_id in acks]
         if keys:
-            result = self.client.txn([membership.ownership_compare()], [Delete(k) for k in keys])
+            result = self.client.txn([membership.ownership_compare()], [Delete(k) for k in keys], idempotent=True)
             if not result.succeeded:
                 membership.check()
                 raise RuntimeError(f"{member_id}: could not retract acks {keys}")

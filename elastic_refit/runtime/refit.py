@@ -399,9 +399,10 @@ class ElasticRefit:
                 raise
             if isinstance(exc, TransportAborted) or group.aborted:
                 return False
-            # Wait for the membership to settle (a dead peer leaves within its TTL).
+            # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):
+            # back off briefly, then the next attempt (or epoch) retries.
             with contextlib.suppress(Exception):
-                self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=self.config.ttl_s + 0.5)
+                self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=10 * self.config.poll_s)
             return True
 
     def _wait_keys(self, store, keys: list[str], epoch: int) -> None:
