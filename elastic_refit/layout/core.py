@@ -208,14 +208,34 @@ class Layout:
         if cached is None:
             digests = self._rank_digests()
             digest = hashlib.sha256()  # about twice blake2b's speed over tens of MB
-            digest.update(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
-            digest.update(repr(self.buffer_names).encode())
+            digest.update(self._names_digest())
             digest.update(f"ndim={self.ndim}".encode())
-            update_int_arrays(digest, [("ranks", np.array(self.ranks, dtype=np.int64)),
-                                       ("buffer_rank", self.buffer_rank), ("piece_rank", self.piece_rank)])
+            update_int_arrays(digest, [("ranks", np.array(self.ranks, dtype=np.int64))])
+            # How the ranks' rows interleave. Built and derived layouts keep buffers in rank
+            # order and pieces in (tensor, rank) order, which the per-rank rows determine;
+            # any other order is hashed row by row.
+            stride = self.ranks[-1] + 1 if self.ranks else 1
+            if _non_decreasing(self.buffer_rank):
+                digest.update(b"buffer_rank:sorted;")
+            else:
+                update_int_arrays(digest, [("buffer_rank", self.buffer_rank)])
+            if _non_decreasing(self.piece_tensor * stride + self.piece_rank):
+                digest.update(b"piece_rank:sorted by tensor, rank;")
+            else:
+                update_int_arrays(digest, [("piece_rank", self.piece_rank)])
             digest.update(b"".join(digests[r] for r in self.ranks))
             cached = digest.hexdigest()[:32]
             object.__setattr__(self, "_fingerprint", cached)
+        return cached
+
+    def _names_digest(self) -> bytes:
+        """sha256 of the tensors and buffer names (memoised; derived layouts share both)."""
+        cached = self.__dict__.get("_names_sha")
+        if cached is None:
+            digest = hashlib.sha256(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
+            digest.update(repr(self.buffer_names).encode())
+            cached = digest.digest()
+            object.__setattr__(self, "_names_sha", cached)
         return cached
 
     def _rank_digests(self) -> dict[int, bytes]:
@@ -354,7 +374,8 @@ class Layout:
         kept_rank[ranks] = True
         keep = kept_rank[self.buffer_rank]
         buffers = np.flatnonzero(keep)
-        pieces = np.flatnonzero(keep[self.piece_buffer])
+        keep_piece = keep[self.piece_buffer]
+        pieces = np.flatnonzero(keep_piece)
         new_index = np.cumsum(keep) - 1
 
         def take(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -375,12 +396,21 @@ class Layout:
             piece_local_offsets=take(self.piece_local_offsets, pieces),
             piece_local_lengths=take(self.piece_local_lengths, pieces),
         )
-        # What survives dropping whole ranks: pieces that did not overlap still do not; a
+        # What survives dropping whole ranks: the tensors and names (the same objects); the
+        # kept ranks, which all hold buffers; pieces that did not overlap still do not; a
         # kept rank's rows (and so its digest) are unchanged; tensors laid out identically
         # still are (both lose the same ranks' pieces). The last is a hint only: tensors
         # that differed may now be equal, so tensor_layout_ids compares them again.
+        object.__setattr__(derived, "_ranks", tuple(int(r) for r in ranks))
+        if "_names_sha" in self.__dict__:
+            object.__setattr__(derived, "_names_sha", self.__dict__["_names_sha"])
         if self.__dict__.get("_no_overlap"):
             object.__setattr__(derived, "_no_overlap", True)
+        nbytes = self.__dict__.get("_nbytes")
+        if nbytes is not None:  # less the dropped pieces, which are few
+            dropped = np.flatnonzero(~keep_piece)
+            volume = np.prod(self.piece_lengths[dropped], axis=1)
+            object.__setattr__(derived, "_nbytes", nbytes - int((volume * self.tensor_itemsize[self.piece_tensor[dropped]]).sum()))
         digests = self.__dict__.get("_rank_digest") or self.__dict__.get("_rank_digest_hint")
         if digests:
             object.__setattr__(derived, "_rank_digest_hint", digests)
@@ -461,9 +491,13 @@ def _rank_digests(layout: Layout) -> dict[int, bytes]:
     return {r: d.digest() for r, d in digests.items()}
 
 
+def _non_decreasing(values: np.ndarray) -> bool:
+    return values.size < 2 or bool(np.all(values[1:] >= values[:-1]))
+
+
 def _order_by_rank(rank: np.ndarray) -> np.ndarray | None:
     """Stable order of rows by rank; None when they are in rank order already."""
-    if rank.size < 2 or bool(np.all(rank[1:] >= rank[:-1])):
+    if _non_decreasing(rank):
         return None
     # rank in the high bits, row index in the low ones: one plain sort is the stable order
     shift = (rank.size - 1).bit_length()

@@ -14,6 +14,11 @@ def narrowest_dtype(array: np.ndarray) -> np.dtype:
     """The smallest little-endian integer dtype that holds every value of ``array``."""
     if array.size == 0:
         return _UNSIGNED[0]
+    # One pass for the usual non-negative case: the OR of all values has the maximum's bit
+    # length, and its sign bit is set exactly when some value is negative.
+    bits = int(np.bitwise_or.reduce(array, axis=None))
+    if bits >= 0:
+        return dtype_for_range(0, bits)
     return dtype_for_range(int(array.min()), int(array.max()))
 
 

@@ -422,22 +422,21 @@ def make_plan(
     held = np.isin(demand_key, h_atom * num_domains + h_domain)
     lower_bound_bytes = int(a_weight[demand_atom[~held]].sum())
 
-    parts = []
-    # -- demands served inside the domain (a source rank of the domain holds the atom) --
     held_rows = np.flatnonzero(held[demand_of_row])
-    if held_rows.size:
-        parts.append(_serve_held(
-            held_rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank, h_domain,
-            num_domains, num_ranks, a_tensor, a_off, a_len,
-        ))
-    # -- demands that cross the network once, then fan out --
     net = np.flatnonzero(~held)
+    # The table is allocated once and each part writes its rows in place: held needers,
+    # then one network row per network demand, then the fan-outs of shared demands.
+    num_fan_out = int(demand_count[net].sum()) - net.size
+    table = _empty_table(held_rows.size + net.size + num_fan_out, k)
+    atoms = (a_tensor, a_off, a_len)
+    # -- demands served inside the domain (a source rank of the domain holds the atom) --
+    if held_rows.size:
+        _serve_held(table, held_rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank,
+                    h_domain, num_domains, num_ranks, atoms)
+    # -- demands that cross the network once, then fan out --
     if net.size:
-        parts.extend(_serve_network(
-            net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src, a_weight,
-            src_regions, s_rows, source, a_tensor, a_off, a_len, num_ranks,
-        ))
-    table = _concat_parts(parts, k)
+        _serve_network(table, held_rows.size, net, demand_first, demand_count, demand_atom, n_piece,
+                       n_rank, a_src, a_weight, src_regions, s_rows, source, num_ranks, atoms)
     table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances, num_ranks)
 
     stats, per_rank = _stats(
@@ -514,26 +513,39 @@ def _check_coverage(atoms, dst: _Regions, d_rows: np.ndarray, destination: Layou
         )
 
 
-def _rows(kind, phase, tensor, src_side, src_piece, dst_piece, src_rank, dst_rank, off, ln):
-    n = tensor.size
-    return {
-        "kind": np.full(n, int(kind), dtype=np.int64) if np.ndim(kind) == 0 else kind,
-        "phase": np.full(n, int(phase), dtype=np.int64),
-        "tensor": tensor,
-        "src_side": np.full(n, int(src_side), dtype=np.int64),
-        "src_piece": src_piece,
-        "dst_piece": dst_piece,
-        "src_rank": src_rank,
-        "dst_rank": dst_rank,
-        "offsets": off,
-        "lengths": ln,
-    }
+_ROW_COLUMNS = ("kind", "phase", "tensor", "src_side", "src_piece", "dst_piece", "src_rank", "dst_rank")
 
 
-def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank, h_domain,
-                num_domains, num_ranks, a_tensor, a_off, a_len):
-    """Needers whose domain holds the atom: a local copy if their own rank holds it, else an
-    intra-domain copy from a holder of the domain (rotating over holders to spread load)."""
+def _empty_table(n: int, k: int) -> dict[str, np.ndarray]:
+    table = {name: np.empty(n, dtype=np.int64) for name in _ROW_COLUMNS}
+    table["offsets"] = np.empty((n, k), dtype=np.int64)
+    table["lengths"] = np.empty((n, k), dtype=np.int64)
+    return table
+
+
+def _write_rows(table, at, kind, phase, src_side, atom, src_piece, dst_piece, src_rank, dst_rank, atoms):
+    """Rows ``at .. at + atom.size`` of the table: one box copy of ``atom[i]`` each."""
+    rows = slice(at, at + atom.size)
+    table["kind"][rows] = kind
+    table["phase"][rows] = phase
+    table["src_side"][rows] = src_side
+    table["src_piece"][rows] = src_piece
+    table["dst_piece"][rows] = dst_piece
+    table["src_rank"][rows] = src_rank
+    table["dst_rank"][rows] = dst_rank
+    # The atom's tensor and box, gathered straight into the table ("clip" skips the
+    # buffered bounds check; atom ids are in range by construction).
+    a_tensor, a_off, a_len = atoms
+    np.take(a_tensor, atom, out=table["tensor"][rows], mode="clip")
+    np.take(a_off, atom, axis=0, out=table["offsets"][rows], mode="clip")
+    np.take(a_len, atom, axis=0, out=table["lengths"][rows], mode="clip")
+
+
+def _serve_held(table, rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank, h_domain,
+                num_domains, num_ranks, atoms):
+    """Needers whose domain holds the atom (the table's first rows): a local copy if their own
+    rank holds it, else an intra-domain copy from a holder of the domain (rotating over
+    holders to spread load)."""
     atom, piece, rank, domain = n_atom[rows], n_piece[rows], n_rank[rows], n_domain[rows]
     # holder rows sorted by (atom, rank) and by (atom, domain, rank)
     by_rank = _order_or_none([h_atom, h_rank, h_piece])
@@ -556,14 +568,14 @@ def _serve_held(rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank
     pick = lo + (rank[remote] % (hi - lo))
     src_piece[remote] = h_piece[by_domain][pick]
     src_rank[remote] = h_rank[by_domain][pick]
-    kind = np.where(local, int(TransferKind.LOCAL), int(TransferKind.INTRA)).astype(np.int64)
-    return _rows(kind, Phase.DELIVER, a_tensor[atom], SourceSide.SOURCE, src_piece, piece,
-                 src_rank, rank, np.take(a_off, atom, axis=0), np.take(a_len, atom, axis=0))
+    kind = np.where(local, int(TransferKind.LOCAL), int(TransferKind.INTRA))
+    _write_rows(table, 0, kind, Phase.DELIVER, SourceSide.SOURCE, atom, src_piece, piece, src_rank, rank, atoms)
 
 
-def _serve_network(net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src, a_bytes,
-                   src_regions, s_rows, source, a_tensor, a_off, a_len, num_ranks):
-    """One network transfer per demand into a receiver, then fan-out to the other needers."""
+def _serve_network(table, at, net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src,
+                   a_bytes, src_regions, s_rows, source, num_ranks, atoms):
+    """One network transfer per demand into a receiver (rows from ``at``), then fan-out to the
+    other needers (the rows after those)."""
     atom = demand_atom[net]
     nbytes = a_bytes[atom]
     region = a_src[atom]
@@ -575,9 +587,8 @@ def _serve_network(net, demand_first, demand_count, demand_atom, n_piece, n_rank
     first, cnt = demand_first[net], demand_count[net]
     receiver_row = first + (atom % cnt)  # rotate receivers among replicas in the domain
     receiver_piece, receiver_rank = n_piece[receiver_row], n_rank[receiver_row]
-    network = _rows(TransferKind.NETWORK, Phase.DELIVER, a_tensor[atom], SourceSide.SOURCE,
-                    sender_piece, receiver_piece, sender_rank, receiver_rank,
-                    np.take(a_off, atom, axis=0), np.take(a_len, atom, axis=0))
+    _write_rows(table, at, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, sender_piece,
+                receiver_piece, sender_rank, receiver_rank, atoms)
 
     # Only demands with several needers in the domain fan out.
     shared = np.flatnonzero(cnt > 1)
@@ -585,11 +596,8 @@ def _serve_network(net, demand_first, demand_count, demand_atom, n_piece, n_rank
     owner = shared[owner]
     others = row != receiver_row[owner]
     owner, row = owner[others], row[others]
-    fan_atom = atom[owner]
-    fan_out = _rows(TransferKind.INTRA, Phase.FAN_OUT, a_tensor[fan_atom], SourceSide.DESTINATION,
-                    receiver_piece[owner], n_piece[row], receiver_rank[owner], n_rank[row],
-                    np.take(a_off, fan_atom, axis=0), np.take(a_len, fan_atom, axis=0))
-    return [network, fan_out]
+    _write_rows(table, at + net.size, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner],
+                receiver_piece[owner], n_piece[row], receiver_rank[owner], n_rank[row], atoms)
 
 
 def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, num_ranks):
@@ -622,15 +630,6 @@ def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, n
         choice[g] = picks
         np.add.at(load, ranks[picks], nbytes[g])
     return choice
-
-
-def _concat_parts(parts: list[dict[str, np.ndarray]], k: int) -> dict[str, np.ndarray]:
-    if not parts:
-        empty = np.zeros(0, dtype=np.int64)
-        return {name: (np.zeros((0, k), dtype=np.int64) if name in ("offsets", "lengths") else empty)
-                for name in ("kind", "phase", "tensor", "src_side", "src_piece", "dst_piece",
-                             "src_rank", "dst_rank", "offsets", "lengths")}
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
@@ -734,15 +733,16 @@ def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses,
            lower_bound_bytes: int):
     kind = table.kind
     weight = table.nbytes * table.instances
-    copies = table.instances
-    of_kind = {k: kind == int(k) for k in TransferKind}
-    # Bytes per (kind, rank), sent and received: one bincount each instead of one per kind.
+    # Bytes per (kind, rank), sent and received, in one bincount each; totals per kind are
+    # their row sums (whole numbers far below 2**53, so the float sums are exact).
     num_kinds = len(TransferKind)
     send, recv = (
         np.bincount(kind * num_ranks + ranks, weights=weight, minlength=num_kinds * num_ranks)
         .astype(np.int64).reshape(num_kinds, num_ranks)
         for ranks in (table.src_rank, table.dst_rank)
     )
+    kind_bytes = send.sum(axis=1)
+    kind_copies = np.bincount(kind, weights=table.instances, minlength=num_kinds).astype(np.int64)
     net_send, net_recv = send[TransferKind.NETWORK], recv[TransferKind.NETWORK]
     intra_send, intra_recv = send[TransferKind.INTRA], recv[TransferKind.INTRA]
     used = np.zeros(num_ranks, dtype=bool)
@@ -752,18 +752,18 @@ def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses,
         model_bytes=int(_tensor_nbytes(destination).sum()),
         dst_bytes=destination.nbytes,
         lower_bound_bytes=lower_bound_bytes,
-        cross_domain_bytes=int(weight[of_kind[TransferKind.NETWORK]].sum()),
-        intra_domain_bytes=int(weight[of_kind[TransferKind.INTRA]].sum()),
-        local_bytes=int(weight[of_kind[TransferKind.LOCAL]].sum()),
+        cross_domain_bytes=int(kind_bytes[TransferKind.NETWORK]),
+        intra_domain_bytes=int(kind_bytes[TransferKind.INTRA]),
+        local_bytes=int(kind_bytes[TransferKind.LOCAL]),
         gather_broadcast_bytes=gather_broadcast_bytes(source, destination, tensor_map),
         max_send_bytes=int(net_send.max(initial=0)),
         max_recv_bytes=int(net_recv.max(initial=0)),
-        transfers=int(copies.sum()),
+        transfers=int(kind_copies.sum()),
         rows=len(table),
         tensor_classes=classes.num_classes,
-        network_transfers=int(copies[of_kind[TransferKind.NETWORK]].sum()),
-        intra_transfers=int(copies[of_kind[TransferKind.INTRA]].sum()),
-        local_transfers=int(copies[of_kind[TransferKind.LOCAL]].sum()),
+        network_transfers=int(kind_copies[TransferKind.NETWORK]),
+        intra_transfers=int(kind_copies[TransferKind.INTRA]),
+        local_transfers=int(kind_copies[TransferKind.LOCAL]),
         messages=counts["messages"],
         rounds=counts["rounds"],
         buckets=counts["buckets"],
@@ -797,13 +797,18 @@ def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.n
     root_rank[held_tensor[order][first]] = held_rank[order][first]
     root_held[held_tensor[order][first]] = held[order][first]
 
-    # (tensor, rank) pairs of the destination: pieces are sorted by tensor, then rank
+    # Receivers per tensor: its destination ranks, less the root when the root is one of them.
+    # Pieces are sorted by tensor, then rank, so (tensor, rank) pairs are runs of one key.
     pair = destination.piece_tensor * stride + destination.piece_rank
     first_of_pair = np.ones(pair.size, dtype=bool)
     first_of_pair[1:] = pair[1:] != pair[:-1]
-    pair_tensor, pair_rank = destination.piece_tensor[first_of_pair], destination.piece_rank[first_of_pair]
-    is_root = pair_rank == root_rank[tensor_map[pair_tensor]]
-    receivers = np.bincount(pair_tensor[~is_root], minlength=len(destination.tensors))
+    num_tensors = len(destination.tensors)
+    receivers = np.bincount(destination.piece_tensor, weights=first_of_pair, minlength=num_tensors).astype(np.int64)
+    if pair.size:
+        root = root_rank[tensor_map]  # -1: the tensor has no source bytes (an empty tensor)
+        root_pair = np.arange(num_tensors) * stride + root
+        at = np.minimum(np.searchsorted(pair, root_pair), pair.size - 1)
+        receivers -= (root >= 0) & (pair[at] == root_pair)
     t_bytes = _tensor_nbytes(destination)
     gather = np.maximum(t_bytes - root_held[tensor_map], 0)
     return int((gather + t_bytes * receivers).sum())
