@@ -27,7 +27,7 @@ Phases (chaos vocabulary -> runtime hook):
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 __all__ = [
     "FAULT_KINDS",
@@ -207,7 +207,10 @@ class Scenario:
 TTL_S = 2.0  # the members' lease TTL (RefitConfig default); stop durations are chosen around it
 
 
-def _templates(rng: random.Random, versions: int) -> list[tuple[str, str, str, FaultPlan]]:
+ETCD_MEMBER_DOWN_S = 6.0  # longer than a trial's remaining refits: they run on two etcd nodes
+
+
+def _templates(rng: random.Random, versions: int, etcd_nodes: int = 1) -> list[tuple[str, str, str, FaultPlan]]:
     """Every (victim, fault, phase) cell with its plan; ``rng`` picks versions, ranks, chunks."""
 
     def v() -> int:
@@ -264,6 +267,12 @@ def _templates(rng: random.Random, versions: int) -> list[tuple[str, str, str, F
                     FaultPlan().etcd_restart(at=at, version=v(), duration_s=0.3)))
     out.append(("etcd", "etcd_restart~ttl", "transfer",
                 FaultPlan().etcd_restart(at="transfer", version=v(), duration_s=1.0)))
+    if etcd_nodes > 1:
+        # The raft leader is killed mid-transfer and stays down while the job refits through
+        # the quorum left (the runner restarts it once the trial's versions are in).
+        for at in ("transfer", "commit"):
+            out.append(("etcd", "etcd_member_down", at,
+                        FaultPlan().etcd_restart(at=at, version=v(), duration_s=ETCD_MEMBER_DOWN_S)))
     return out
 
 
@@ -304,9 +313,13 @@ def _in_quick(victim: str, fault: str, phase: str) -> bool:
 
 
 def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, versions: int = 3,
-                 num_inference: int = 2) -> list[Scenario]:
+                 num_inference: int = 2, etcd_nodes: int = 1) -> list[Scenario]:
     """The scenarios of matrix ``name`` (``quick``: one trial of a dozen cells; ``full``:
     every cell, repeated with fresh seeds until ``trials`` (default 200) are reached).
+
+    ``etcd_nodes=3`` runs every scenario against a 3-node etcd cluster and adds the cells
+    that need one (an etcd member down for the rest of the trial); the quick matrix is
+    then the cells whose victim is etcd, plus a rank kill.
 
     The same arguments give the same scenarios: every random choice (version, victim rank,
     chunk) comes from ``random.Random(seed)`` and the trial index."""
@@ -314,36 +327,39 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
         raise ValueError(f"matrix must be 'quick' or 'full', got {name!r}")
     if trials is not None and trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
+    if etcd_nodes not in (1, 3):
+        raise ValueError(f"etcd_nodes must be 1 or 3, got {etcd_nodes}")
     rng = random.Random(seed)
-    scenarios: list[Scenario] = []
+    suffix = "" if etcd_nodes == 1 else f" (etcd x{etcd_nodes})"
+
+    def scenario(victim: str, fault: str, phase: str, plan: FaultPlan) -> Scenario:
+        return Scenario(f"{victim} x {fault} x {phase}{suffix}", victim, fault, phase, plan,
+                        rng.randrange(1 << 30), versions, num_inference, etcd_nodes,
+                        quick_excluded=QUICK_EXCLUDED.get((victim, fault, phase)))
+
     if name == "quick":
-        for victim, fault, phase, plan in _templates(rng, versions):
-            if _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED:
-                scenarios.append(Scenario(f"{victim} x {fault} x {phase}", victim, fault, phase, plan,
-                                          rng.randrange(1 << 30), versions, num_inference))
+        def wanted(victim: str, fault: str, phase: str) -> bool:
+            if etcd_nodes > 1:
+                return victim == "etcd" or (victim, fault, phase.split("[")[0]) == ("inference", "kill", "transfer")
+            return _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED
+
+        scenarios = [scenario(*cell) for cell in _templates(rng, versions, etcd_nodes) if wanted(*cell[:3])]
         # One of each quick cell (the first template matching it).
-        seen: set[tuple[str, str]] = set()
+        seen: set[tuple[str, str, str]] = set()
         unique = []
         for s in scenarios:
-            key = (s.victim, s.fault + s.phase.split("[")[0])
+            key = (s.victim, s.fault, s.phase.split("[")[0])
             if key not in seen:
                 seen.add(key)
                 unique.append(s)
-        scenarios = unique
-        return scenarios[:trials] if trials else scenarios
+        return unique[:trials] if trials else unique
     target = trials or 200
+    scenarios = []
     rnd = 0
     while len(scenarios) < target:
-        for victim, fault, phase, plan in _templates(random.Random(seed * 1_000_003 + rnd), versions):
-            scenarios.append(Scenario(f"{victim} x {fault} x {phase}", victim, fault, phase, plan,
-                                      rng.randrange(1 << 30), versions, num_inference,
-                                      quick_excluded=QUICK_EXCLUDED.get((victim, fault, phase))))
+        for cell in _templates(random.Random(seed * 1_000_003 + rnd), versions, etcd_nodes):
+            scenarios.append(scenario(*cell))
             if len(scenarios) >= target:
                 break
         rnd += 1
     return scenarios
-
-
-def with_etcd_cluster(scenario: Scenario) -> Scenario:
-    """The same scenario against a 3-node etcd cluster."""
-    return replace(scenario, etcd_nodes=3, name=scenario.name + " (etcd x3)")

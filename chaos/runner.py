@@ -79,9 +79,10 @@ class _Worker:
 
 
 class WorkerPool:
-    """Warm worker processes; keeps ``spares`` idle ones ready for restarts."""
+    """Warm worker processes; keeps ``spares`` idle ones ready for restarts, so a victim's
+    new incarnation starts at once (inside its old lease's TTL), not after an import."""
 
-    def __init__(self, killer: Killer, spares: int = 1) -> None:
+    def __init__(self, killer: Killer, spares: int = 2) -> None:
         self.ctx = mp.get_context("spawn")
         self.killer = killer
         self.spares = spares
@@ -99,11 +100,16 @@ class WorkerPool:
         self.workers.append(w)
         return w
 
-    def ensure(self, count: int, timeout_s: float = 60.0) -> None:
-        """At least ``count`` idle warm workers (waits for them to finish importing)."""
+    def replenish(self, count: int) -> None:
+        """Start workers until ``count`` + ``spares`` are idle, without waiting for them
+        (they import while the last trial settles)."""
         idle = [w for w in self.workers if w.task is None]
-        for _ in range(count - len(idle)):
+        for _ in range(count + self.spares - len(idle)):
             self._spawn()
+
+    def ensure(self, count: int, timeout_s: float = 60.0) -> None:
+        """At least ``count`` + ``spares`` idle warm workers (waits for them to import)."""
+        self.replenish(count)
         deadline = time.monotonic() + timeout_s
         for w in [w for w in self.workers if w.task is None]:
             if getattr(w, "ready", False):
@@ -380,6 +386,7 @@ class ChaosRun:
             time.sleep(0.5)
         for w in hung:
             self.pool.drop(w)
+        self.pool.replenish(len(members))
         for t in etcd_threads:
             t.join(30)
         wall = time.monotonic() - t_start

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from chaos.faults import Fault, FaultPlan, build_matrix
+from chaos.faults import TTL_S, Fault, FaultPlan, build_matrix
 from chaos.oracle import (
     TrialEvidence,
     Violation,
@@ -165,3 +165,19 @@ def test_matrices_are_reproducible():
     assert build_matrix("full", trials=60, seed=3) == build_matrix("full", trials=60, seed=3)
     assert build_matrix("full", trials=60, seed=3) != build_matrix("full", trials=60, seed=4)
     assert len(build_matrix("full")) >= 200
+
+
+def test_cluster_matrix_runs_every_scenario_on_three_nodes_and_adds_member_down_cells():
+    full = build_matrix("full", trials=200, seed=1, etcd_nodes=3)
+    assert {s.etcd_nodes for s in full} == {3}
+    assert all(s.name.endswith("(etcd x3)") for s in full)
+    down = [s for s in full if s.fault == "etcd_member_down"]
+    assert {s.phase for s in down} == {"transfer", "commit"}
+    # down for longer than the trial's remaining refits: they must go through two nodes
+    assert all(f.duration_s > 2 * TTL_S for s in down for f in s.plan.faults)
+    assert not [s for s in build_matrix("full", trials=200, seed=1) if s.fault == "etcd_member_down"]
+    quick = build_matrix("quick", etcd_nodes=3)
+    assert {s.victim for s in quick} == {"etcd", "inference"}
+    assert {s.fault for s in quick if s.victim == "etcd"} >= {"etcd_restart<ttl", "etcd_member_down"}
+    with pytest.raises(ValueError, match="etcd_nodes"):
+        build_matrix("quick", etcd_nodes=2)
