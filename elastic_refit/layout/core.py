@@ -363,10 +363,12 @@ class Layout:
     # ---- derived layouts -----------------------------------------------------------------
     def without_ranks(self, ranks: Iterable[int]) -> Layout:
         """The same layout with every buffer and piece of ``ranks`` removed."""
-        return self._select_ranks(np.setdiff1d(self.ranks, np.fromiter(ranks, dtype=np.int64)))
+        mine = np.asarray(self.ranks, dtype=np.int64)
+        return self._select_ranks(np.setdiff1d(mine, np.fromiter(ranks, dtype=np.int64)))
 
     def restrict_to_ranks(self, ranks: Iterable[int]) -> Layout:
-        return self._select_ranks(np.intersect1d(self.ranks, np.fromiter(ranks, dtype=np.int64)))
+        mine = np.asarray(self.ranks, dtype=np.int64)
+        return self._select_ranks(np.intersect1d(mine, np.fromiter(ranks, dtype=np.int64)))
 
     def _select_ranks(self, ranks: np.ndarray) -> Layout:
         """Every buffer and piece of ``ranks`` (a subset of ``self.ranks``), in order."""

@@ -3,10 +3,15 @@
 - ``brute_force_lower_bound``: DESIGN.md invariant 2 computed on dense boolean masks.
 - ``write_counts``: how many times each destination element is written.
 - ``assert_plan_correct``: executes the plan in-process and checks every destination byte,
-  untouched padding, exactly-once writes, the bound, buckets and the round schedule.
+  untouched padding, exactly-once writes, the bound, buckets, the round schedule and every
+  figure of ``PlanStats`` (``assert_stats_match``).
+- ``rebuilt`` and ``assert_same_plan``: a layout with none of the facts a layout memoises or
+  inherits from the one it was derived from, and plan equality down to every column.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -110,3 +115,88 @@ def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
             pairs = np.unique(np.column_stack([t.src_rank[sel], t.dst_rank[sel]]), axis=0)
             assert np.unique(pairs[:, 0]).size == pairs.shape[0], "a rank sends to two peers in one round"
             assert np.unique(pairs[:, 1]).size == pairs.shape[0], "a rank receives from two peers in one round"
+
+    assert_stats_match(plan)
+
+
+def brute_force_gather_broadcast_bytes(source: Layout, destination: Layout) -> int:
+    """Each tensor gathered whole on the source rank holding most of it (lowest rank on a
+    tie), then sent whole to every other destination rank holding part of it."""
+    total = 0
+    for t in destination.tensors:
+        held: dict[int, int] = {}
+        for p in source.pieces(t.name):
+            held[p.rank] = held.get(p.rank, 0) + int(np.prod(p.box.lengths)) * t.itemsize
+        root = min(held, key=lambda r: (-held[r], r)) if held else None
+        total += max(t.nbytes - held.get(root, 0), 0)
+        total += t.nbytes * len({p.rank for p in destination.pieces(t.name)} - {root})
+    return total
+
+
+def assert_stats_match(plan: Plan) -> None:
+    """Every figure of ``plan.stats`` recomputed from the table and the layouts."""
+    src, dst, t, s = plan.source, plan.destination, plan.transfers, plan.stats
+    domains = plan.topology.domain_array()
+    nbytes = np.prod(t.lengths, axis=1) * dst.tensor_itemsize[t.tensor]
+    assert np.array_equal(t.nbytes, nbytes)
+    assert np.array_equal(t.instances, np.diff(plan.classes.start)[plan.classes.class_of[t.tensor]])
+    weight = t.nbytes * t.instances
+    by_kind = {k: t.kind == int(k) for k in TransferKind}
+    assert s.cross_domain_bytes == int(weight[by_kind[TransferKind.NETWORK]].sum())
+    assert s.intra_domain_bytes == int(weight[by_kind[TransferKind.INTRA]].sum())
+    assert s.local_bytes == int(weight[by_kind[TransferKind.LOCAL]].sum())
+    assert s.network_transfers == int(t.instances[by_kind[TransferKind.NETWORK]].sum())
+    assert s.intra_transfers == int(t.instances[by_kind[TransferKind.INTRA]].sum())
+    assert s.local_transfers == int(t.instances[by_kind[TransferKind.LOCAL]].sum())
+    assert s.transfers == int(t.instances.sum()) and s.rows == len(t)
+    for kind, send, recv in ((TransferKind.NETWORK, plan.network_send_bytes, plan.network_recv_bytes),
+                             (TransferKind.INTRA, plan.intra_send_bytes, plan.intra_recv_bytes)):
+        want_send = np.zeros(plan.topology.num_ranks, dtype=np.int64)
+        want_recv = np.zeros(plan.topology.num_ranks, dtype=np.int64)
+        np.add.at(want_send, t.src_rank[by_kind[kind]], weight[by_kind[kind]])
+        np.add.at(want_recv, t.dst_rank[by_kind[kind]], weight[by_kind[kind]])
+        assert np.array_equal(send, want_send) and np.array_equal(recv, want_recv), kind
+    assert s.max_send_bytes == int(plan.network_send_bytes.max(initial=0))
+    assert s.max_recv_bytes == int(plan.network_recv_bytes.max(initial=0))
+    assert s.model_bytes == sum(x.nbytes for x in dst.tensors)
+    assert s.dst_bytes == sum(int(np.prod(p.box.lengths)) * dst.tensor(p.tensor).itemsize for p in dst.pieces())
+    assert s.gather_broadcast_bytes == brute_force_gather_broadcast_bytes(src, dst)
+    assert s.tensor_classes == plan.classes.num_classes
+    assert s.num_source_ranks == len(set(src.buffer_rank.tolist()))
+    assert s.num_destination_ranks == len(set(dst.buffer_rank.tolist()))
+    assert s.num_domains == len({int(domains[r]) for r in src.buffer_rank.tolist() + dst.buffer_rank.tolist()})
+    # Messages, rounds and buckets of the peer-to-peer rows.
+    peer = ~by_kind[TransferKind.LOCAL]
+    assert s.rounds == len(set(zip(t.phase[peer].tolist(), t.round[peer].tolist(), strict=True)))
+    # A copy lives in the bucket where it starts, so a message's buckets run up to its last start.
+    messages: dict[int, int] = {}  # message -> start of its last copy
+    x = plan.expand(np.flatnonzero(peer))
+    for row, start in zip(x.row.tolist(), x.message_offset.tolist(), strict=True):
+        messages[int(t.message[row])] = max(messages.get(int(t.message[row]), 0), start)
+    assert s.messages == len(messages)
+    half = plan.options.max_transfer_bytes
+    assert s.buckets == sum(last // half + 1 for last in messages.values())
+
+
+def rebuilt(layout: Layout) -> Layout:
+    """The same layout, constructed from copies of its columns: nothing memoised or inherited
+    (what a cold plan in a fresh process starts from)."""
+    return Layout(**{f.name: (np.array(getattr(layout, f.name)) if isinstance(getattr(layout, f.name), np.ndarray)
+                              else getattr(layout, f.name))
+                     for f in dataclasses.fields(Layout) if f.init})
+
+
+def assert_same_plan(got: Plan, want: Plan) -> None:
+    """Equal down to every column (values and dtypes), class, figure and fingerprint."""
+    assert got.fingerprint == want.fingerprint
+    assert got.source.fingerprint == want.source.fingerprint
+    assert got.destination.fingerprint == want.destination.fingerprint
+    for name, col in want.transfers.columns().items():
+        other = getattr(got.transfers, name)
+        assert other.dtype == col.dtype and np.array_equal(other, col), name
+    for name in ("representative", "start", "members", "class_of"):
+        assert np.array_equal(getattr(got.classes, name), getattr(want.classes, name)), name
+    assert got.stats == want.stats
+    for name in ("source_tensor", "network_send_bytes", "network_recv_bytes", "intra_send_bytes",
+                 "intra_recv_bytes"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name

@@ -6,6 +6,8 @@ with ``match=`` on the values it must quote, not just its type.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
 import re
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from elastic_refit.layout import (
     Box,
+    Layout,
     LayoutBuilder,
     LogicalTensor,
     Replicate,
@@ -424,6 +427,92 @@ def test_fingerprint_stable_across_builds_and_sensitive_to_a_piece():
         return bld.build()
 
     assert one_piece(0).fingerprint == one_piece(0).fingerprint != one_piece(1).fingerprint
+
+
+def _rebuilt(layout):
+    """The layout from copies of its columns: nothing memoised or inherited."""
+    return Layout(**{f.name: (np.array(v) if isinstance(v := getattr(layout, f.name), np.ndarray) else v)
+                     for f in dataclasses.fields(Layout) if f.init})
+
+
+def test_fingerprint_covers_every_column_and_the_row_order():
+    base = _two_tensor_layout()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Layout) if f.init}
+    seen = {base.fingerprint}
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray):
+            changed = np.array(value)
+            changed.reshape(-1)[-1] += 1
+        elif name == "tensors":
+            changed = (LogicalTensor(value[0].name, value[0].shape, "float64"),) + value[1:]
+        else:
+            changed = ("renamed",) + value[1:]
+        seen.add(Layout(**{**fields, name: changed}).fingerprint)
+        assert len(seen) == 1 + list(fields).index(name) + 1, f"{name} is not covered"
+    # Rows in another order are another layout (plans address pieces by row), also when
+    # they leave the canonical order the fingerprint otherwise relies on.
+    order = np.array([1, 0] + list(range(2, base.num_pieces)))
+    swapped = {**fields, **{n: fields[n][order] for n in fields if n.startswith("piece_")}}
+    assert Layout(**swapped).fingerprint not in seen
+
+
+def test_derived_layouts_hash_and_group_like_rebuilt_ones():
+    b = LayoutBuilder()
+    for i in range(4):  # l0, l1 alike; l2 alike on ranks 0-3 but also whole on rank 5; l3 tp=2
+        add_sharded_tensor(b, f"l{i}", (8, 4), "float32", [0, 1, 2, 3] if i != 3 else [0, 1], ["S(0)"])
+    b.pieces("l2", b.buffers("l2.copy", [5], (8, 4), "float32"), [[0, 0]], [[8, 4]], [[0, 0]])
+    layout = b.build()
+    assert layout.tensor_layout_ids().tolist() == [0, 0, 1, 2]
+    assert len(layout.fingerprint) == 32  # memoised: derived layouts inherit its rank digests
+    for derive in (lambda x: x.without_ranks([5]), lambda x: x.without_ranks([1]).restrict_to_ranks([0, 2, 5]),
+                   lambda x: x.without_ranks([0, 1, 2, 3, 5]), lambda x: x.without_ranks([]).without_ranks([4])):
+        derived = derive(layout)
+        fresh = _rebuilt(derived)
+        assert derived.fingerprint == fresh.fingerprint
+        assert derived.tensor_layout_ids().tolist() == fresh.tensor_layout_ids().tolist()
+        assert derived.ranks == fresh.ranks and derived.nbytes == fresh.nbytes
+    # Without rank 5, l2 joins l0 and l1.
+    assert layout.without_ranks([5]).tensor_layout_ids().tolist() == [0, 0, 0, 1]
+
+
+@st.composite
+def repeated_layouts(draw):
+    """Tensors drawn from a few shapes, dtypes and meshes, so that equal layouts are common."""
+    b = LayoutBuilder()
+    for i in range(draw(st.integers(1, 12))):
+        shape = draw(st.sampled_from([(4,), (6, 4), (4, 6), (2, 3, 4)]))
+        mesh = draw(st.sampled_from([[0], [0, 1], [1, 0], [0, 1, 2], [2, 3]]))
+        dim = draw(st.integers(0, len(shape) - 1))
+        add_sharded_tensor(b, f"t{i}", shape, draw(st.sampled_from(["float32", "bfloat16"])), mesh,
+                           [draw(st.sampled_from(["R", f"S({dim})"]))])
+    return b.build()
+
+
+def _brute_force_layout_ids(layout):
+    ids: dict[tuple, int] = {}
+    out = []
+    for i, t in enumerate(layout.tensors):
+        rows = np.flatnonzero(layout.piece_tensor == i)
+        key = (t.shape, t.dtype, repr([layout.piece_rank[rows].tolist(), layout.piece_offsets[rows].tolist(),
+                                       layout.piece_lengths[rows].tolist()]))
+        out.append(ids.setdefault(key, len(ids)))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(repeated_layouts(), st.booleans(), st.lists(st.integers(0, 3), max_size=2))
+def test_tensor_layout_ids_are_exact_even_when_every_hash_collides(layout, collide, dropped):
+    from unittest import mock
+
+    from elastic_refit.layout import core
+
+    def zeros(columns):  # every row hashes alike: every group is a collision to split
+        return np.zeros(columns[0].shape[0], dtype=np.uint64)
+
+    with mock.patch.object(core, "_row_hashes", zeros) if collide else contextlib.nullcontext():
+        assert layout.tensor_layout_ids().tolist() == _brute_force_layout_ids(layout)
+        derived = layout.without_ranks(dropped)  # hinted by the parent's ids
+        assert derived.tensor_layout_ids().tolist() == _brute_force_layout_ids(derived)
 
 
 def test_build_order_does_not_change_the_layout():

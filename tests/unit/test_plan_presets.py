@@ -10,6 +10,8 @@ computed here independently of the planner:
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from elastic_refit.plan import SourceSide, TransferKind, make_plan
 from elastic_refit.plan.cost import get_cluster, predict
 from elastic_refit.transport.inprocess import copy_regions
 
-from .plan_oracle import assert_plan_correct
+from .plan_oracle import assert_plan_correct, assert_same_plan, rebuilt
 
 CASES = {
     # name: (model, training, inference, published parameter count without MTP)
@@ -263,6 +265,43 @@ def test_predicted_seconds_not_below_the_bound(full):
     # The bound is the lower-bound bytes through the NICs: at 50 GB/s, at least
     # lower_bound / (source ranks * 50 GB/s).
     assert p.bound_seconds >= plan.stats.lower_bound_bytes / plan.stats.num_source_ranks / 50e9 * (1 - 1e-9)
+
+
+# ---- re-plans after losing members ---------------------------------------------------------
+
+
+def _lost(ranks: tuple[int, ...], drop: str) -> list[int]:
+    return {"one rank": [ranks[0]], "three ranks": [ranks[1], ranks[len(ranks) // 2], ranks[-1]],
+            "a domain": list(ranks[8:16])}[drop]
+
+
+@pytest.mark.parametrize("drop", ["one rank", "three ranks", "a domain"])
+def test_replan_after_losing_destination_ranks_equals_a_cold_plan(full, drop):
+    """The fixture planned on these layouts, so they memoised what derived layouts inherit;
+    the re-plan must equal a cold plan on the derived layout rebuilt from its columns."""
+    _, spec, plan = full
+    lost = _lost(spec.destination.ranks, drop)
+    smaller = spec.destination.without_ranks(lost)
+    replan = make_plan(spec.source, smaller, spec.topology)
+    assert_same_plan(replan, make_plan(rebuilt(spec.source), rebuilt(smaller), spec.topology))
+    s = replan.stats
+    assert s.num_destination_ranks == plan.stats.num_destination_ranks - len(lost)
+    assert s.cross_domain_bytes == s.lower_bound_bytes == coarse_lower_bound(spec.source, smaller, spec.topology)
+    assert s.rows < plan.stats.rows
+
+
+def test_replan_fingerprint_matches_a_cold_plan_in_another_process(full):
+    name, spec, _ = full
+    model, train, infer, _ = CASES[name]
+    lost = _lost(spec.destination.ranks, "three ranks")
+    here = make_plan(spec.source, spec.destination.without_ranks(lost), spec.topology).fingerprint
+    code = (
+        "import sys; from elastic_refit.layout.refit import model_refit_spec; from elastic_refit.plan import make_plan;"
+        f"s=model_refit_spec({model!r},{train!r},{infer!r},domain_size=8);"
+        f"print(make_plan(s.source,s.destination.without_ranks({lost!r}),s.topology).fingerprint)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == here
 
 
 # ---- cut and shrunk models, executed end to end ---------------------------------------------

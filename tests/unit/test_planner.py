@@ -8,14 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from elastic_refit.layout import Box, LayoutBuilder, Topology, parse_spec, shard_boxes
 from elastic_refit.layout.dtensor import Replicate, Shard
 from elastic_refit.plan import PlanOptions, TransferKind, make_plan
 
-from .plan_oracle import assert_plan_correct, brute_force_lower_bound
+from .plan_oracle import assert_plan_correct, assert_same_plan, brute_force_lower_bound, rebuilt
 
 NUM_RANKS = 8
 DTYPES = ("float32", "bfloat16", "int8", "float64")
@@ -107,6 +107,110 @@ def test_plan_is_deterministic(case):
     assert a.fingerprint == b.fingerprint
     for name, col in a.transfers.columns().items():
         assert np.array_equal(col, getattr(b.transfers, name)), name
+
+
+# ---- re-plans after a membership change -------------------------------------------------
+# Layouts derived by dropping ranks inherit facts from their parent (rank digests, tensor
+# layout hints, no-overlap, nbytes, ...). A re-plan on them must equal a cold plan on the
+# same layouts rebuilt from their columns, which inherit nothing.
+
+
+def _plan_or_error(source, destination, topology, options):
+    try:
+        return make_plan(source, destination, topology, options), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def _assert_replan_is_cold(source, destination, topology, options, check_oracle=True):
+    got, got_error = _plan_or_error(source, destination, topology, options)
+    want, want_error = _plan_or_error(rebuilt(source), rebuilt(destination), topology, options)
+    assert got_error == want_error
+    for derived in (source, destination):
+        fresh = rebuilt(derived)
+        assert derived.fingerprint == fresh.fingerprint
+        assert np.array_equal(derived.tensor_layout_ids(), fresh.tensor_layout_ids())
+        assert derived.ranks == fresh.ranks and derived.nbytes == fresh.nbytes
+    if want is not None:
+        assert_same_plan(got, want)
+        if check_oracle:
+            assert_plan_correct(got)
+    return got
+
+
+@st.composite
+def removals(draw, source, destination):
+    """One or two rounds of dropped ranks: source ranks, destination ranks or both."""
+    rounds = []
+    for _ in range(draw(st.integers(1, 2))):
+        side = draw(st.sampled_from(["source", "destination", "both"]))
+        s = draw(st.lists(st.sampled_from(source.ranks), max_size=2)) if side != "destination" else []
+        d = draw(st.lists(st.sampled_from(destination.ranks), min_size=1, max_size=3)) if side != "source" else []
+        rounds.append((s, d))
+    return rounds
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(refit_cases(), st.data())
+def test_replan_after_dropping_ranks_equals_a_cold_plan(case, data):
+    src, dst, topo, options = case
+    make_plan(src, dst, topo, options)  # the parents memoise what their children inherit
+    for drop_src, drop_dst in data.draw(removals(src, dst)):
+        src, dst = src.without_ranks(drop_src), dst.without_ranks(drop_dst)
+        plan = _assert_replan_is_cold(src, dst, topo, options)
+        event("re-plan built" if plan is not None else "re-plan refused (not covered)")
+
+
+def test_replan_where_dropping_a_rank_merges_tensor_classes():
+    # a and b share their layout except that b also lives on rank 3; without rank 3 they are
+    # one class. A re-plan that kept the parent's classes would plan b separately.
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    from elastic_refit.layout import add_sharded_tensor
+
+    for name in ("a", "b"):
+        add_sharded_tensor(src, name, (8, 4), "float32", [0, 1], ["S(0)"])
+    add_sharded_tensor(dst, "a", (8, 4), "float32", [2], ["R"])
+    add_sharded_tensor(dst, "b", (8, 4), "float32", [2, 3], ["R"])
+    src, dst, topo = src.build(), dst.build(), Topology.uniform(4, 2)
+    assert make_plan(src, dst, topo).classes.num_classes == 2
+    smaller = dst.without_ranks([3])
+    plan = _assert_replan_is_cold(src, smaller, topo, PlanOptions())
+    assert plan.classes.num_classes == 1
+    # and back: restricting to rank 2 again derives from the derived layout
+    _assert_replan_is_cold(src, dst.restrict_to_ranks([2]), topo, PlanOptions())
+
+
+def test_replan_where_a_tensor_leaves_both_sides():
+    # b lives only on source rank 1 and destination rank 3: without both it has no pieces
+    # at all (no gather root), and the plan covers a alone.
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    from elastic_refit.layout import add_sharded_tensor
+
+    add_sharded_tensor(src, "a", (6, 4), "bfloat16", [0, 1], ["R"])
+    add_sharded_tensor(src, "b", (4,), "float32", [1], ["R"])
+    add_sharded_tensor(dst, "a", (6, 4), "bfloat16", [2, 3], ["S(0)"])
+    add_sharded_tensor(dst, "b", (4,), "float32", [3], ["R"])
+    src, dst, topo = src.build(), dst.build(), Topology((0, 1, 2, 2))
+    make_plan(src, dst, topo)
+    plan = _assert_replan_is_cold(src.without_ranks([1]), dst.without_ranks([3]), topo, PlanOptions())
+    # a: whole on rank 0 (no gather), sent to rank 2; b: the baseline still gathers its 16 bytes
+    assert plan.stats.gather_broadcast_bytes == 6 * 4 * 2 + 4 * 4
+
+
+def test_replan_fingerprint_matches_a_cold_plan_in_another_process():
+    spec = parse_spec(SPEC)
+    make_plan(spec.source, spec.destination, spec.topology)
+    here = make_plan(spec.source, spec.destination.without_ranks([9, 14]), spec.topology)
+    code = (
+        "import json,sys; from elastic_refit.layout import parse_spec; from elastic_refit.plan import make_plan;"
+        "s=parse_spec(json.loads(sys.argv[1]));"
+        "print(make_plan(s.source,s.destination.without_ranks([9,14]),s.topology).fingerprint)"
+    )
+    import json
+
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(SPEC)], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == here.fingerprint
 
 
 SPEC = {
