@@ -283,29 +283,18 @@ QUICK_CELLS = (
     ("trainer", "kill", "plan.agreed"),
     ("inference", "restart<ttl", "transfer"),
     ("trainer", "terminate", "transfer[0]"),
+    ("inference", "stop>ttl", "transfer[0]"),
+    ("trainer", "stall>ttl", "plan.agreed"),
+    ("inference", "slow", "transfer"),
     ("coordinator", "kill", "commit"),
     ("inference", "kill+kill", "transfer>reconfiguring"),
     ("inference", "restart+kill", "rejoin"),
     ("etcd", "etcd_restart<ttl", "transfer"),
+    ("etcd", "etcd_restart~ttl", "transfer"),
 )
-# Cells kept out of the quick matrix (they stay in the full one), with the reason.
-_SAME_EPOCH_ABORT = ("runtime bug: a rank slowed by 0.2 s per message still stalls the version: attempts keep "
-                     "failing and rebuilding until the version times out (seen after the fixes of this session)")
-_FENCED_NOT_NOTICED = ("runtime bug: after a rank is stopped past its lease TTL and fenced, a communicator of "
-                       "the stopped rank outlives close() (a leaked gloo listener); the rank itself now raises "
-                       "MembershipLost")
-QUICK_EXCLUDED: dict[tuple[str, str, str], str] = {
-    ("inference", "slow", "transfer"): _SAME_EPOCH_ABORT,
-    ("trainer", "slow", "transfer"): _SAME_EPOCH_ABORT,
-    ("inference", "stop>ttl", "transfer[0]"): _FENCED_NOT_NOTICED,
-    ("trainer", "stop>ttl", "transfer[0]"): _FENCED_NOT_NOTICED,
-    ("etcd", "etcd_restart<ttl", "transfer"): (
-        "runtime: after etcd restarts mid-transfer, one member intermittently keeps a gloo "
-        "listener (a communicator object outlives close()); not yet diagnosed"),
-    ("etcd", "etcd_restart~ttl", "transfer"): (
-        "runtime: an etcd outage about as long as the lease TTL (1 s down + restart) makes members "
-        "whose keepalive hit it raise MembershipLost and exit, though etcd keeps their leases"),
-}
+# Cells kept out of the quick matrix for a known runtime bug (they stay in the full one),
+# with the reason. Empty: every cell the full matrix found failing was fixed in the runtime.
+QUICK_EXCLUDED: dict[tuple[str, str, str], str] = {}
 
 
 def _in_quick(victim: str, fault: str, phase: str) -> bool:

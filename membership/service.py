@@ -64,11 +64,17 @@ class Membership:
     def start(self) -> Membership:
         """Grant the lease, write the member key, start keepalive, watch and leader loop."""
         self.lease_id, granted = self.client.grant_lease(self.config.ttl_s)
-        res = self.client.txn([], [Put(self.member_key, self.record.encode(), self.lease_id),
-                                   Get(self.member_key)])
+        res = self.client.txn([], [Get(self.member_key),
+                                   Put(self.member_key, self.record.encode(), self.lease_id)])
         self._last_keepalive = time.monotonic()
         self.log.info("membership.member.registered", lease_id=self.lease_id, ttl_s=granted,
                       revision=res.revision)
+        previous = res.gets[0][0] if res.gets and res.gets[0] else None
+        if previous is not None and previous.lease not in (0, self.lease_id):
+            # This is a restart: the earlier incarnation is dead (or must be fenced). Ending
+            # its lease now frees what it held (e.g. the leader key) without waiting its TTL.
+            self.client.revoke_lease(previous.lease)
+            self.log.info("membership.member.replaced", previous_lease_id=previous.lease)
         self.watcher.add_listener(self._on_change)
         self.watcher.start()
         self.client.spawn(self._keepalive(), name="keepalive")

@@ -106,6 +106,29 @@ def test_sigkill_member_is_removed_when_its_lease_expires(etcd_server, make_clie
     assert a.find("membership.member.gone")
 
 
+def test_a_restart_ends_its_predecessors_lease_and_takes_over_without_waiting_the_ttl(
+        etcd_server, make_client, agents, job):
+    ttl = 6  # long (below the epoch deadline), so only the revocation explains a quick takeover
+    client = make_client(etcd_server.endpoints)
+    a = agents(etcd_server.endpoints, job, "t0", ttl=ttl)
+    wait_epoch(client, job, lambda v: v.num_ranks == 1, what="t0 leads")
+    agents(etcd_server.endpoints, job, "t1", ttl=ttl, candidate=False)
+    before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
+    old_incarnation = before.member("t0").incarnation
+    old_lease = client.get(JobKeys(job).member("trainer", "t0")).lease
+    assert json.loads(client.get(JobKeys(job).leader).value)["member_id"] == "t0"
+    a.kill()  # the leader dies holding the leader key; a new incarnation starts at once
+    killed = time.monotonic()
+    a.start()
+    replaced = a.wait_event(lambda e: e.get("event") == "membership.member.replaced", timeout_s=30.0)
+    assert replaced["previous_lease_id"] == old_lease
+    after = wait_epoch(client, job, lambda v: "t0" in v and v.member("t0").incarnation != old_incarnation,
+                       timeout_s=ttl, what="t0's new incarnation in an epoch")
+    assert after.num_ranks == 2 and after.epoch > before.epoch
+    assert time.monotonic() - killed < ttl - ttl / 3, "the takeover waited for the old lease to expire"
+    assert client.lease_ttl(old_lease) == -1, "the dead incarnation's lease must be gone"
+
+
 def test_frozen_member_and_leader_are_fenced_after_resume(etcd_server, make_client, agents, job):
     client = make_client(etcd_server.endpoints)
     keys = JobKeys(job)

@@ -91,6 +91,20 @@ def test_choose_path_gloo_always_rebuilds():
     assert choose_path(old, view(2, rec("t0"), rec("t1")), "gloo", s) == "unchanged"
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "nccl4py"])
+def test_a_reform_request_makes_every_rank_rebuild(backend):
+    old = view(1, rec("t0"), rec("t1"), rec("t2"))
+    bumped = MemberRecord(**{**rec("t1").to_json(), "reform": 1})
+    s = support(nccl=(2, 29, 2), shrink=True, grow=True)
+    assert choose_path(old, view(2, rec("t0"), bumped, rec("t2")), backend, s) == "rebuild"
+    # even where a removal alone would shrink the old communicator
+    assert choose_path(old, view(2, rec("t0"), bumped), backend, s) == "rebuild"
+    assert MemberRecord.decode(bumped.encode()) == bumped
+    assert MemberRecord.decode(rec("t1").encode()).reform == 0
+    with pytest.raises(ValueError, match="reform"):
+        MemberRecord(**{**rec("t1").to_json(), "reform": -1})
+
+
 @pytest.mark.parametrize(
     ("nccl", "shrink", "grow", "backend", "new_ids", "peer_died", "expected"),
     [
