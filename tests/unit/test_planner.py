@@ -90,6 +90,51 @@ def refit_cases(draw):
     return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=bucket_bytes)
 
 
+@st.composite
+def repeated_refit_cases(draw):
+    """Layers: copies of a few tensors whose source ranks (like pipeline stages) or destination
+    ranks differ from copy to copy, so classes differ while one side's layouts repeat;
+    sources sometimes hold extra windows that overlap their shards partially, and declare
+    the tensors in another order than the destination."""
+    ranks = st.lists(st.integers(0, NUM_RANKS - 1), min_size=1, max_size=3, unique=True)
+    tensors = []  # (name, shape, placements, source ranks, destination ranks, window)
+    for proto in range(draw(st.integers(1, 2))):
+        ndim = draw(st.integers(1, 3))
+        shape = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+        place = [draw(st.sampled_from([Replicate(), Shard(draw(st.integers(0, ndim - 1)))])) for _ in range(2)]
+        window = draw(st.booleans())
+        s_ranks, d_ranks = draw(ranks), draw(ranks)
+        for copy in range(draw(st.integers(1, 3))):
+            if copy:
+                vary = draw(st.sampled_from(["source", "destination"]))
+                s_ranks = draw(ranks) if vary == "source" else s_ranks
+                d_ranks = draw(ranks) if vary == "destination" else d_ranks
+            tensors.append((f"p{proto}.{copy}", shape, place, s_ranks, d_ranks, window))
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    for side, order in ((dst, tensors), (src, draw(st.permutations(tensors)))):
+        for name, shape, place, s_ranks, d_ranks, window in order:
+            mesh, p = (s_ranks, place[0]) if side is src else (d_ranks, place[1])
+            t = side.tensor(name, shape, "float32")
+            off, ln = shard_boxes(shape, (len(mesh),), [p])
+            side.pieces(t, side.buffers(name, mesh, ln, "float32"), off, ln, np.zeros_like(off))
+            if window and side is src:  # the first half of the tensor on the last rank, over its shards
+                half = (max(shape[0] // 2, 1),) + shape[1:]
+                side.pieces(t, side.buffers(f"{name}.window", [NUM_RANKS - 1], half, "float32"),
+                            [[0] * len(shape)], [list(half)], [[0] * len(shape)])
+    domains = tuple(draw(st.lists(st.integers(0, 3), min_size=NUM_RANKS, max_size=NUM_RANKS)))
+    return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=draw(st.sampled_from([16, 1 << 20])))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repeated_refit_cases(), st.data())
+def test_repeated_layouts_share_regions_and_replan_like_cold(case, data):
+    src, dst, topo, options = case
+    plan = make_plan(src, dst, topo, options)
+    assert_plan_correct(plan)
+    drop = data.draw(st.lists(st.sampled_from(dst.ranks), min_size=1, max_size=2))
+    _assert_replan_is_cold(src, dst.without_ranks(drop), topo, options)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(refit_cases(), st.integers(0, 2**31 - 1))
 def test_random_layouts_are_reproduced_exactly_with_minimal_cross_domain_bytes(case, seed):
