@@ -668,12 +668,14 @@ def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, n
     multi = np.flatnonzero(~forced)
     if multi.size == 0:
         return choice
-    order = multi[_lexsort([region[multi], -nbytes[multi], multi])]
+    # by region, then largest first (a stable sort keeps demand order among equals)
+    top = int(nbytes[multi].max())
+    order = multi[_stable_order(region[multi] * (top + 1) + (top - nbytes[multi]))]
     reg_sorted = region[order]
     boundaries = np.flatnonzero(np.diff(reg_sorted)) + 1
     groups = np.split(order, boundaries)
-    totals = np.array([nbytes[g].sum() for g in groups])
-    group_order = np.lexsort((np.array([region[g[0]] for g in groups]), -totals))
+    totals = np.add.reduceat(nbytes[order], np.append(0, boundaries))
+    group_order = np.lexsort((reg_sorted[np.append(0, boundaries)], -totals))
     for gi in group_order.tolist():
         g = groups[gi]
         s, c = int(start[g[0]]), int(count[g[0]])
