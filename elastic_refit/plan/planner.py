@@ -415,7 +415,7 @@ def make_plan(
     # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
     table, lower_bound_bytes = _transfer_rows(source, destination, options, tensor_map, classes, instances,
                                               domain_of_rank)
-    table, counts = _schedule(table, options.bucket_bytes, destination.tensor_itemsize, instances, num_ranks)
+    table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks)
 
     stats, per_rank = _stats(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
@@ -461,11 +461,9 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     atoms = _atoms(src_regions, dst_regions, k)
     _check_coverage(atoms, dst_regions, d_rows, destination)
     # Boxes above half a bucket are split here, once per atom rather than once per transfer.
-    a_tensor, a_off, a_len, a_src, a_dst = _split_oversized(atoms, destination.tensor_itemsize,
-                                                              options.max_transfer_bytes)
-    # Bytes of one element across all members of the class: the unit of every weight.
-    unit_bytes = destination.tensor_itemsize * instances
-    a_weight = _volume(a_len) * unit_bytes[a_tensor]
+    a_tensor, a_off, a_len, a_src, a_dst, a_nbytes = _split_oversized(atoms, destination.tensor_itemsize,
+                                                                        options.max_transfer_bytes)
+    a_weight = a_nbytes * instances[a_tensor]  # bytes of one copy, times the class's members
 
     # Needers: (atom, destination piece) incidence rows.
     n_atom, n_pos = _expand(dst_regions.inc_start[a_dst], dst_regions.inc_count[a_dst])
@@ -501,7 +499,7 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     # then one network row per network demand, then the fan-outs of shared demands.
     num_fan_out = int(demand_count[net].sum()) - net.size
     table = _empty_table(held_rows.size + net.size + num_fan_out, k)
-    atoms = (a_tensor, a_off, a_len)
+    atoms = (a_tensor, a_off, a_len, a_nbytes)
     # -- demands served inside the domain (a source rank of the domain holds the atom) --
     if held_rows.size:
         _serve_held(table, held_rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece, h_rank,
@@ -565,7 +563,7 @@ def _check_coverage(atoms, dst: _Regions, d_rows: np.ndarray, destination: Layou
         )
 
 
-_ROW_COLUMNS = ("kind", "phase", "tensor", "src_side", "src_piece", "dst_piece", "src_rank", "dst_rank")
+_ROW_COLUMNS = ("kind", "phase", "tensor", "src_side", "src_piece", "dst_piece", "src_rank", "dst_rank", "nbytes")
 
 
 def _empty_table(n: int, k: int) -> dict[str, np.ndarray]:
@@ -587,8 +585,9 @@ def _write_rows(table, at, kind, phase, src_side, atom, src_piece, dst_piece, sr
     table["dst_rank"][rows] = dst_rank
     # The atom's tensor and box, gathered straight into the table ("clip" skips the
     # buffered bounds check; atom ids are in range by construction).
-    a_tensor, a_off, a_len = atoms
+    a_tensor, a_off, a_len, a_nbytes = atoms
     np.take(a_tensor, atom, out=table["tensor"][rows], mode="clip")
+    np.take(a_nbytes, atom, out=table["nbytes"][rows], mode="clip")
     np.take(a_off, atom, axis=0, out=table["offsets"][rows], mode="clip")
     np.take(a_len, atom, axis=0, out=table["lengths"][rows], mode="clip")
 
@@ -688,13 +687,14 @@ def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, n
 
 
 def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
-    """Split atoms above ``limit`` bytes along their outermost dims until every box fits."""
+    """Split atoms above ``limit`` bytes along their outermost dims until every box fits;
+    returns the atoms and their bytes."""
     tensor, offsets, lengths, src, dst = atoms
     while True:
         nbytes = _volume(lengths) * itemsize[tensor]
         big = np.flatnonzero(nbytes > limit)
         if big.size == 0:
-            return tensor, offsets, lengths, src, dst
+            return tensor, offsets, lengths, src, dst, nbytes
         ln = lengths[big]
         splittable = ln > 1
         if not splittable.any(axis=1).all():
@@ -715,11 +715,11 @@ def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
         lengths[position, d] = np.minimum(per_chunk[owner], ln[owner, d] - start)
 
 
-def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndarray,
-              instances: np.ndarray, num_ranks: int) -> tuple[TransferTable, dict[str, int]]:
+def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.ndarray,
+              num_ranks: int) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets."""
     tensor = table["tensor"]
-    nbytes = _volume(table["lengths"]) * itemsize[tensor]
+    nbytes = table.pop("nbytes")  # written with the rows, from the atoms
     phase, src, dst = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
 
@@ -731,11 +731,12 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, itemsize: np.ndar
 
     def dense_in_phase(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per row, the rank of its id among the ids its phase uses; and per phase, how many."""
-        slot = phase * size + ids
-        present = np.zeros(num_phases * size, dtype=bool)
-        present[slot if peer is None else slot[peer]] = True
-        present = present.reshape(num_phases, size)
-        return (np.cumsum(present, axis=1) - 1).reshape(-1)[slot], present.sum(axis=1)
+        present = np.zeros((num_phases, size), dtype=bool)
+        if peer is None:
+            present[phase, ids] = True
+        else:
+            present[phase[peer], ids[peer]] = True
+        return (np.cumsum(present, axis=1) - 1)[phase, ids], present.sum(axis=1)
 
     s_idx, num_senders = dense_in_phase(src, num_ranks)
     r_idx, num_receivers = dense_in_phase(dst, num_ranks)
