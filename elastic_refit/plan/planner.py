@@ -59,9 +59,12 @@ def _stable_sort(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n == 0 or int(key.max()).bit_length() + shift > 63:
         order = np.argsort(key, kind="stable")
         return order, key[order]
-    packed = (key << shift) | np.arange(n, dtype=np.int64)
+    packed = key << shift
+    packed |= np.arange(n, dtype=np.int64)
     packed.sort()
-    return packed & ((1 << shift) - 1), packed >> shift
+    order = packed & ((1 << shift) - 1)
+    packed >>= shift
+    return order, packed
 
 
 def _stable_order(key: np.ndarray) -> np.ndarray:
@@ -731,17 +734,17 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
 
     def dense_in_phase(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per row, the rank of its id among the ids its phase uses; and per phase, how many."""
+        slot = phase * size
+        slot += ids
         present = np.zeros((num_phases, size), dtype=bool)
-        if peer is None:
-            present[phase, ids] = True
-        else:
-            present[phase[peer], ids[peer]] = True
-        return (np.cumsum(present, axis=1) - 1)[phase, ids], present.sum(axis=1)
+        present.reshape(-1)[slot if peer is None else slot[peer]] = True
+        return np.take((np.cumsum(present, axis=1) - 1).reshape(-1), slot), present.sum(axis=1)
 
     s_idx, num_senders = dense_in_phase(src, num_ranks)
     r_idx, num_receivers = dense_in_phase(dst, num_ranks)
     width = np.maximum(np.maximum(num_senders, num_receivers), 1)
-    shift = (r_idx - s_idx) % width[phase]
+    shift = r_idx - s_idx
+    shift += width[phase] * (shift < 0)  # modulo the width, without a division
     rounds, used = dense_in_phase(shift, int(width.max()))
     num_rounds = int(used.sum())
     if peer is not None:
@@ -754,7 +757,13 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     weight = nbytes * count
     n = src.size
     if (len(Phase) * (num_rounds + 1) * num_ranks * num_ranks).bit_length() <= 62:
-        key = ((phase * (num_rounds + 1) + (rounds + 1)) * num_ranks + src) * num_ranks + dst
+        key = phase * (num_rounds + 1)
+        key += rounds
+        key += 1
+        key *= num_ranks
+        key += src
+        key *= num_ranks
+        key += dst
         order, sorted_key = _stable_sort(key)
         new_msg = np.ones(n, dtype=bool)
         new_msg[1:] = sorted_key[1:] != sorted_key[:-1]
