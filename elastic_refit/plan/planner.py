@@ -489,15 +489,23 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     new_demand[1:] = n_key[1:] != n_key[:-1]
     demand_first = np.flatnonzero(new_demand)
     demand_count = np.diff(np.append(demand_first, n_key.size))
-    demand_key = n_key[demand_first]
     demand_atom = n_atom[demand_first]
-    demand_of_row = np.cumsum(new_demand) - 1
 
-    held = np.isin(demand_key, h_atom * num_domains + h_domain)
+    # Held demands: only domains with a holder can hold one (often none: training and
+    # inference pools are disjoint), so only those demands are looked up.
+    holder_domain = np.zeros(num_domains, dtype=bool)
+    holder_domain[h_domain] = True
+    maybe = np.flatnonzero(holder_domain[n_domain[demand_first]])
+    held = np.zeros(demand_first.size, dtype=bool)
+    if maybe.size:
+        held[maybe] = np.isin(n_key[demand_first[maybe]], h_atom * num_domains + h_domain)
     lower_bound_bytes = int(a_weight[demand_atom[~held]].sum())
 
-    held_rows = np.flatnonzero(held[demand_of_row])
+    held_rows = np.flatnonzero(np.repeat(held, demand_count)) if maybe.size else maybe
     net = np.flatnonzero(~held)
+    # Free what the rows no longer need before the table is allocated, so that it reuses
+    # their memory rather than faulting in fresh pages.
+    del n_key, new_demand, n_pos, h_pos
     # The table is allocated once and each part writes its rows in place: held needers,
     # then one network row per network demand, then the fan-outs of shared demands.
     num_fan_out = int(demand_count[net].sum()) - net.size
@@ -576,17 +584,13 @@ def _empty_table(n: int, k: int) -> dict[str, np.ndarray]:
     return table
 
 
-def _write_rows(table, at, kind, phase, src_side, atom, src_piece, dst_piece, src_rank, dst_rank, atoms):
-    """Rows ``at .. at + atom.size`` of the table: one box copy of ``atom[i]`` each."""
-    rows = slice(at, at + atom.size)
+def _write_rows(table, rows: slice, kind, phase, src_side, atom, atoms) -> None:
+    """Rows ``rows`` of the table, one box copy of ``atom[i]`` each: all but the pieces and
+    ranks at both ends, which the caller writes."""
     table["kind"][rows] = kind
     table["phase"][rows] = phase
     table["src_side"][rows] = src_side
-    table["src_piece"][rows] = src_piece
-    table["dst_piece"][rows] = dst_piece
-    table["src_rank"][rows] = src_rank
-    table["dst_rank"][rows] = dst_rank
-    # The atom's tensor and box, gathered straight into the table ("clip" skips the
+    # The atom's tensor, bytes and box, gathered straight into the table ("clip" skips the
     # buffered bounds check; atom ids are in range by construction).
     a_tensor, a_off, a_len, a_nbytes = atoms
     np.take(a_tensor, atom, out=table["tensor"][rows], mode="clip")
@@ -624,35 +628,46 @@ def _serve_held(table, rows, n_atom, n_piece, n_rank, n_domain, h_atom, h_piece,
     src_piece[remote] = h_piece[by_domain][pick]
     src_rank[remote] = h_rank[by_domain][pick]
     kind = np.where(local, int(TransferKind.LOCAL), int(TransferKind.INTRA))
-    _write_rows(table, 0, kind, Phase.DELIVER, SourceSide.SOURCE, atom, src_piece, piece, src_rank, rank, atoms)
+    out = slice(0, atom.size)
+    _write_rows(table, out, kind, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
+    table["src_piece"][out], table["src_rank"][out] = src_piece, src_rank
+    table["dst_piece"][out], table["dst_rank"][out] = piece, rank
 
 
 def _serve_network(table, at, net, demand_first, demand_count, demand_atom, n_piece, n_rank, a_src,
                    a_bytes, src_regions, s_rows, source, num_ranks, atoms):
     """One network transfer per demand into a receiver (rows from ``at``), then fan-out to the
     other needers (the rows after those)."""
-    atom = demand_atom[net]
-    nbytes = a_bytes[atom]
+    if net.size == demand_first.size:  # no held demands (disjoint pools): no copies
+        atom, first, cnt = demand_atom, demand_first, demand_count
+    else:
+        atom, first, cnt = demand_atom[net], demand_first[net], demand_count[net]
     region = a_src[atom]
     start, count = src_regions.inc_start[region], src_regions.inc_count[region]
-    choice = _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, num_ranks)
-    sender_piece = s_rows[src_regions.inc_piece[start + choice]]
-    sender_rank = source.piece_rank[sender_piece]
-
-    first, cnt = demand_first[net], demand_count[net]
-    receiver_row = first + (atom % cnt)  # rotate receivers among replicas in the domain
-    receiver_piece, receiver_rank = n_piece[receiver_row], n_rank[receiver_row]
-    _write_rows(table, at, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, sender_piece,
-                receiver_piece, sender_rank, receiver_rank, atoms)
-
-    # Only demands with several needers in the domain fan out.
+    choice = _choose_senders(region, start, count, a_bytes[atom], src_regions, s_rows, source, num_ranks)
+    # Receivers rotate among the demand's needers in the domain (replicas); most have one.
     shared = np.flatnonzero(cnt > 1)
+    receiver_row = first.copy()
+    receiver_row[shared] += atom[shared] % cnt[shared]
+
+    rows = slice(at, at + net.size)
+    _write_rows(table, rows, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
+    sender_piece, receiver_piece = table["src_piece"][rows], table["dst_piece"][rows]
+    receiver_rank = table["dst_rank"][rows]
+    np.take(s_rows, src_regions.inc_piece[start + choice], out=sender_piece, mode="clip")
+    np.take(source.piece_rank, sender_piece, out=table["src_rank"][rows], mode="clip")
+    np.take(n_piece, receiver_row, out=receiver_piece, mode="clip")
+    np.take(n_rank, receiver_row, out=receiver_rank, mode="clip")
+
+    # Fan-out from the receiver to the demand's other needers.
     owner, row = _expand(first[shared], cnt[shared])
     owner = shared[owner]
     others = row != receiver_row[owner]
     owner, row = owner[others], row[others]
-    _write_rows(table, at + net.size, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner],
-                receiver_piece[owner], n_piece[row], receiver_rank[owner], n_rank[row], atoms)
+    fan = slice(rows.stop, rows.stop + owner.size)
+    _write_rows(table, fan, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner], atoms)
+    table["src_piece"][fan], table["src_rank"][fan] = receiver_piece[owner], receiver_rank[owner]
+    table["dst_piece"][fan], table["dst_rank"][fan] = n_piece[row], n_rank[row]
 
 
 def _choose_senders(region, start, count, nbytes, src_regions, s_rows, source, num_ranks):
