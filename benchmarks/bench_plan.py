@@ -11,7 +11,12 @@ measures, in order:
 - cold plan: the first ``make_plan``;
 - warm plan: ``make_plan`` again on the same inputs;
 - re-plan: ``destination.without_ranks([r])`` for the first destination rank, then
-  ``make_plan`` in the same process (what the runtime does after losing a member).
+  ``make_plan`` in the same process (what the runtime does after losing a member). The
+  derived layout copies every column of the kept ranks and inherits what its parent
+  memoised during the cold plan and still holds for it (per-rank digests of the
+  fingerprint, tensor layout groups as a hint that is re-verified, no-overlap, ranks,
+  nbytes); the planner itself starts from scratch, so the figure covers deriving the
+  layout and everything the planner does after the membership change.
 
 The table shows medians over repeats, the plan's size (rows, expanded transfers, tensor
 classes) and cross-domain bytes / lower bound (must be 1.000).
