@@ -199,10 +199,11 @@ class Layout:
         """Stable hash of every tensor, buffer and piece (computed on first use).
 
         Two levels: one sha256 per rank over that rank's buffers and pieces (see
-        ``_rank_digests``), then one over the tensors, buffer names, the rank of every
-        buffer and piece in layout order (which fixes how the ranks' rows interleave) and
-        the per-rank digests. Together they cover every column. A layout derived by
-        dropping ranks reuses the digests of the ranks it keeps, whose rows are unchanged.
+        ``_rank_digests``), then one over the tensors, buffer names, ranks, how the ranks'
+        rows interleave (a flag for the canonical orders, else the rank of every row) and
+        the per-rank digests. Together they cover every column and the row order. A layout
+        derived by dropping ranks reuses the digests of the ranks it keeps, whose rows are
+        unchanged.
         """
         cached = self.__dict__.get("_fingerprint")
         if cached is None:
@@ -411,8 +412,8 @@ class Layout:
         nbytes = self.__dict__.get("_nbytes")
         if nbytes is not None:  # less the dropped pieces, which are few
             dropped = np.flatnonzero(~keep_piece)
-            volume = np.prod(self.piece_lengths[dropped], axis=1)
-            object.__setattr__(derived, "_nbytes", nbytes - int((volume * self.tensor_itemsize[self.piece_tensor[dropped]]).sum()))
+            dropped_bytes = np.prod(self.piece_lengths[dropped], axis=1) * self.tensor_itemsize[self.piece_tensor[dropped]]
+            object.__setattr__(derived, "_nbytes", nbytes - int(dropped_bytes.sum()))
         digests = self.__dict__.get("_rank_digest") or self.__dict__.get("_rank_digest_hint")
         if digests:
             object.__setattr__(derived, "_rank_digest_hint", digests)

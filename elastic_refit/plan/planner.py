@@ -148,13 +148,6 @@ def _group_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, new
 
 
-def _dense_ids(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` for ints in ``[0, size)``, without a sort."""
-    present = np.zeros(size, dtype=bool)
-    present[values] = True
-    return np.flatnonzero(present), (np.cumsum(present) - 1)[values]
-
-
 def _volume(lengths: np.ndarray) -> np.ndarray:
     """Elements of each box: ``np.prod(lengths, axis=1)``, one multiply per dim (~8x faster)."""
     out = lengths[:, 0].copy()
@@ -760,6 +753,8 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     width = np.maximum(np.maximum(num_senders, num_receivers), 1)
     shift = r_idx - s_idx
     shift += width[phase] * (shift < 0)  # modulo the width, without a division
+    if peer is not None:
+        shift[is_local] = 0  # no peer: their ids are not counted, their shift is meaningless
     rounds, used = dense_in_phase(shift, int(width.max()))
     num_rounds = int(used.sum())
     if peer is not None:
