@@ -19,6 +19,11 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    rounds follow a shift schedule, so in a round every rank sends to at most one peer
    and receives from at most one peer. Boxes larger than half a bucket are split;
    buckets hold whole boxes and never exceed ``bucket_bytes``.
+
+Everything is planned once per *tensor class* (tensors laid out alike on both sides), and
+regions once per layout of one side. Sorts are one SIMD sort of packed int64 keys with the
+row index in the low bits. A re-plan after ranks leave costs what a cold plan costs minus
+what the derived layouts inherit (see ``Layout.without_ranks``): the planner keeps no state.
 """
 
 from __future__ import annotations
