@@ -549,10 +549,16 @@ def _atoms(src: _Regions, dst: _Regions, k: int):
     num_tensors = int(max(src.tensor.max(initial=-1), dst.tensor.max(initial=-1))) + 1
     s_start, s_count = _group_bounds(src.tensor, num_tensors)
     d_owner, s_idx = _expand(s_start[dst.tensor], s_count[dst.tensor])
-    lo = np.maximum(src.offsets[s_idx], dst.offsets[d_owner])
-    hi = np.minimum(src.offsets[s_idx] + src.lengths[s_idx], dst.offsets[d_owner] + dst.lengths[d_owner])
-    keep = np.all(hi > lo, axis=1)
-    return dst.tensor[d_owner[keep]], lo[keep], (hi - lo)[keep], s_idx[keep], d_owner[keep]
+    s_off, d_off = np.take(src.offsets, s_idx, axis=0), np.take(dst.offsets, d_owner, axis=0)
+    lo = np.maximum(s_off, d_off)
+    hi = np.minimum(s_off + np.take(src.lengths, s_idx, axis=0), d_off + np.take(dst.lengths, d_owner, axis=0))
+    hi -= lo  # the intersection's lengths
+    keep = hi[:, 0] > 0
+    for j in range(1, k):  # column by column: ~5x faster than np.all(axis=1)
+        keep &= hi[:, j] > 0
+    keep = np.flatnonzero(keep)
+    d_owner, s_idx = d_owner[keep], s_idx[keep]
+    return dst.tensor[d_owner], np.take(lo, keep, axis=0), np.take(hi, keep, axis=0), s_idx, d_owner
 
 
 def _check_coverage(atoms, dst: _Regions, d_rows: np.ndarray, destination: Layout) -> None:
@@ -826,8 +832,8 @@ def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses,
     net_send, net_recv = send[TransferKind.NETWORK], recv[TransferKind.NETWORK]
     intra_send, intra_recv = send[TransferKind.INTRA], recv[TransferKind.INTRA]
     used = np.zeros(num_ranks, dtype=bool)
-    used[source.buffer_rank] = True
-    used[destination.buffer_rank] = True
+    used[list(source.ranks)] = True
+    used[list(destination.ranks)] = True
     stats = PlanStats(
         model_bytes=int(_tensor_nbytes(destination).sum()),
         dst_bytes=destination.nbytes,
@@ -883,7 +889,7 @@ def gather_broadcast_bytes(source: Layout, destination: Layout, tensor_map: np.n
     first_of_pair = np.ones(pair.size, dtype=bool)
     first_of_pair[1:] = pair[1:] != pair[:-1]
     num_tensors = len(destination.tensors)
-    receivers = np.bincount(destination.piece_tensor, weights=first_of_pair, minlength=num_tensors).astype(np.int64)
+    receivers = np.bincount(destination.piece_tensor[first_of_pair], minlength=num_tensors)
     if pair.size:
         root = root_rank[tensor_map]  # -1: the tensor has no source bytes (an empty tensor)
         root_pair = np.arange(num_tensors) * stride + root
