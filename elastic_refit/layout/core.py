@@ -363,7 +363,12 @@ class Layout:
 
     # ---- derived layouts -----------------------------------------------------------------
     def without_ranks(self, ranks: Iterable[int]) -> Layout:
-        """The same layout with every buffer and piece of ``ranks`` removed."""
+        """The same layout with every buffer and piece of ``ranks`` removed.
+
+        The result copies the kept rows and inherits what this layout memoised and still
+        holds for them (per-rank fingerprint digests, tensor layout groups as a hint, ...),
+        so hashing and planning it after a membership change costs less than a fresh one.
+        """
         mine = np.asarray(self.ranks, dtype=np.int64)
         return self._select_ranks(np.setdiff1d(mine, np.fromiter(ranks, dtype=np.int64)))
 
