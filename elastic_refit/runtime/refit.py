@@ -353,6 +353,7 @@ class ElasticRefit:
         store = self.manager.current.store
         log = self.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
         self.stats["attempts"] += 1
+        planned = False
         try:
             self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
             t0 = time.perf_counter()
@@ -363,6 +364,7 @@ class ElasticRefit:
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,
                      intra_domain_bytes=s.intra_domain_bytes, gather_broadcast_bytes=s.gather_broadcast_bytes)
             store.set(f"attempt/{seq}/plan/{me}", plan.fingerprint)
+            planned = True
             keys = [f"attempt/{seq}/plan/{m}" for m in spec.participants]
             self._wait_keys(store, keys, view.epoch)
             for member_id, theirs in zip(spec.participants, store.multi_get(keys), strict=True):
@@ -390,10 +392,13 @@ class ElasticRefit:
                 log.info("refit.version.acked", digest=value)
             store.set(f"attempt/{seq}/done/{me}", "ok")
             return True
-        except (TransportAborted, PlanMismatch, RefitError, ValueError, TimeoutError, RuntimeError) as exc:
+        except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
             self.stats["failed_attempts"] += 1
-            log.warning("refit.attempt.failed", error_type=type(exc).__name__, error=str(exc).splitlines()[0][:300])
+            log.warning("refit.attempt.failed", error_type=type(exc).__name__,
+                        error=(str(exc).splitlines() or [""])[0][:300])
             with contextlib.suppress(Exception):
+                if not planned:  # peers waiting for this rank's plan fail now, not at the deadline
+                    store.set(f"attempt/{seq}/plan/{me}", f"failed: {type(exc).__name__}")
                 store.set(f"attempt/{seq}/done/{me}", "failed")
             if isinstance(exc, MembershipLost):
                 raise

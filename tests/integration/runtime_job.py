@@ -52,6 +52,24 @@ class KillSelf:
         group.send = send
 
 
+@dataclass
+class RaiseOnce:
+    """Fault hook: raise ``RuntimeError`` once at ``phase`` of ``version`` (a bug in one
+    attempt of this member, e.g. in planning)."""
+
+    member_id: str
+    version: int
+    phase: str = "attempt.start"
+    fired: bool = False
+
+    def __call__(self, phase: str, context: dict[str, Any]) -> None:
+        if self.fired or context["member_id"] != self.member_id or phase != self.phase \
+                or context.get("version") != self.version:
+            return
+        self.fired = True
+        raise RuntimeError(f"injected bug in {self.member_id} at {phase} of version {self.version}")
+
+
 class LocalJob:
     """Start members as spawned processes; collect what each one reports."""
 

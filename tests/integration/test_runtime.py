@@ -15,7 +15,7 @@ from elastic_refit.runtime.local_job import MemberSpec
 from membership.client import EtcdClient
 from membership.keys import JobKeys
 
-from .runtime_job import KillSelf, LocalJob
+from .runtime_job import KillSelf, LocalJob, RaiseOnce
 
 pytestmark = pytest.mark.etcd
 
@@ -90,6 +90,23 @@ def test_versions_commit_bit_exact(etcd_server, job):
     for m in ("t0", "t1"):
         assert [c["version"] for c in reports[m]["committed"]] == list(VERSIONS)
     assert sorted(committed_versions(etcd)) == list(VERSIONS)
+
+
+def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(etcd_server, job):
+    """A rank whose attempt fails before it published its plan (a planning bug, bad input)
+    marks the agreement failed: its peers retry at once instead of waiting the epoch deadline
+    (10 s) for its fingerprint."""
+    etcd = etcd_server.endpoint
+    for m in (member(etcd, "trainer", "t0", 0), member(etcd, "trainer", "t1", 1),
+              member(etcd, "inference", "i0", 2)):
+        job.start(m)
+    job.start(member(etcd, "inference", "i1", 3), fail_at=RaiseOnce("i1", version=2))
+    reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=90)
+    for m in ("i0", "i1"):
+        assert_all_verified(reports[m])
+    assert reports["i1"]["stats"]["failed_attempts"] >= 1
+    version_2 = next(c for c in reports["t0"]["committed"] if c["version"] == 2)
+    assert version_2["seconds"] < 5.0, f"version 2 took {version_2['seconds']:.1f} s: peers waited for the plan"
 
 
 def test_inference_rank_killed_mid_transfer(etcd_server, job):
