@@ -222,7 +222,7 @@ class ElasticRefit:
         me = self.config.member_id
         view: MembershipView | None = None
         seq = 0
-        broken_epoch = -1  # an epoch whose communicator could not be formed
+        broken_epoch = -1  # an epoch whose communicator could not be formed, or broke
         while not self._stop.is_set():
             try:
                 latest = self.membership.view
