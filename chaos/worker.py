@@ -121,6 +121,9 @@ def worker_main(conn) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
+    # A member the runner finds hung gets SIGUSR2: every thread's stack goes to fd 2, which
+    # each task points at its member's .stderr file.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     baseline_threads = threading.active_count()
     devnull = open(os.devnull, "w")  # noqa: SIM115 - for the process lifetime
     conn.send(("ready", os.getpid()))
@@ -136,8 +139,6 @@ def worker_main(conn) -> None:
         err = os.open(log_path.removesuffix(".log") + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(err, 2)
         os.close(err)
-        # A member the runner finds hung gets SIGUSR2 first: every thread's stack lands here.
-        faulthandler.register(signal.SIGUSR2, all_threads=True)
         reset_state()
         terminated = False
         sockets_before = set(open_tcp_sockets())
@@ -160,7 +161,6 @@ def worker_main(conn) -> None:
             # Only sockets this member opened count (the runner retires a worker that leaked).
             sockets, threads = _settled_leftovers(baseline_threads, sockets_before, member.etcd)
             report["leftover_sockets"] = sockets
-            report["sockets_kept"] = len(open_tcp_sockets())
             report["leftover_threads"] = threads
         configure_logging(json=True, stream=devnull)  # late events of this member go nowhere
         with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 from membership.client import Compare, EtcdClient, Get, Put, TxnResult
 from membership.config import MembershipConfig
@@ -161,32 +161,23 @@ class Membership:
 
     def fenced_put(self, key: str, value: bytes) -> TxnResult:
         """Write ``key`` only while this member owns its key; else :class:`MembershipLost`."""
-        # Guarded only by our own lease, so a retry through an etcd outage is safe.
-        res = self.client.txn([self.ownership_compare()], [Put(key, value)], idempotent=True)
-        if not res.succeeded:
-            self.fenced_writes += 1
-            self._mark_lost("fenced write rejected: member key no longer on our lease")
-            self.check()
-        return res
-
-    def set_state(self, state: str) -> None:
-        """Update this member's ``state`` (e.g. ``leaving`` before a planned exit)."""
-        self._update_record(state=state)
+        return self._fenced(Put(key, value), "fenced write")
 
     def request_reform(self) -> None:
         """Ask the leader for a new epoch with the same members (and so a new communicator):
         this rank's communicator of the current epoch broke although nobody left."""
-        self._update_record(reform=self.record.reform + 1)
+        self.record = replace(self.record, reform=self.record.reform + 1)
+        self._fenced(Put(self.member_key, self.record.encode(), self.lease_id), "record update")
         self.log.info("membership.reform.requested", reform=self.record.reform)
 
-    def _update_record(self, **changes: Any) -> None:
-        self.record = MemberRecord(**{**self.record.to_json(), **changes})
-        res = self.client.txn([self.ownership_compare()],
-                              [Put(self.member_key, self.record.encode(), self.lease_id)], idempotent=True)
+    def _fenced(self, put: Put, what: str) -> TxnResult:
+        # Guarded only by our own lease, so a retry through an etcd outage is safe.
+        res = self.client.txn([self.ownership_compare()], [put], idempotent=True)
         if not res.succeeded:
             self.fenced_writes += 1
-            self._mark_lost("record update rejected: member key no longer on our lease")
+            self._mark_lost(f"{what} rejected: member key no longer on our lease")
             self.check()
+        return res
 
     # --------------------------------------------------------------- internals
     def _mark_lost(self, reason: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from chaos.faults import build_matrix
-from chaos.runner import run_matrix
+from tests.chaos.matrix import assert_matrix_finds_nothing
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd]
 
@@ -18,10 +18,4 @@ pytestmark = [pytest.mark.chaos, pytest.mark.etcd]
 def test_quick_matrix_finds_nothing():
     scenarios = build_matrix("quick", seed=0)
     assert len(scenarios) >= 8
-    summary = run_matrix(scenarios, deadline_s=60.0)
-    failures = "\n".join(f"{f['name']}: {f['violations']}" for f in summary["failures"])
-    assert summary["trials"] == len(scenarios)
-    for category in ("torn", "lost", "hung", "leaked"):
-        assert summary[category] == 0, f"{category}:\n{failures}"
-    assert summary["passed"] == summary["trials"], failures
-    assert summary["faults_fired"] >= len(scenarios)
+    assert_matrix_finds_nothing(scenarios)
