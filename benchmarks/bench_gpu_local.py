@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic_refit.cli._output import format_bytes, format_seconds, render_table
 from elastic_refit.layout.refit import model_refit_spec
 from elastic_refit.plan import PlanOptions, make_plan
-from elastic_refit.transport.local import GatherBroadcastLocal, LocalTransport
-from elastic_refit.transport.pattern import allocate, byte_view, check_pieces, fill_pieces
+from elastic_refit.testing.local_transport import GatherBroadcastLocal, LocalTransport
+from elastic_refit.testing.pattern import allocate, byte_view, check_pieces, fill_pieces
 
 
 def _sync(device: torch.device) -> None:

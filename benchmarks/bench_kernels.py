@@ -29,8 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from kernels import BoxRegion, PackProgram
+from elastic_refit.kernels import BoxRegion, PackProgram
 
 L2_BYTES = 60 << 20
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import Fault, runtime_phase
+from elastic_refit.chaos.faults import Fault, runtime_phase
 
 __all__ = ["FaultHook", "Killer", "read_fault_records"]
 

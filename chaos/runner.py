@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from chaos.faults import Scenario
-from chaos.inject import FaultHook, Killer, read_fault_records
-from chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all, read_logs
-from chaos.worker import worker_main
+from elastic_refit.chaos.faults import Scenario
+from elastic_refit.chaos.inject import FaultHook, Killer, read_fault_records
+from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all, read_logs
+from elastic_refit.chaos.worker import worker_main
 
 __all__ = ["ChaosRun", "TrialResult", "run_matrix", "spec_json", "summarize"]
 
@@ -195,7 +194,7 @@ class _Etcd:
     """The run's etcd: one node or a 3-node cluster; the fault side of etcd restarts."""
 
     def __init__(self, nodes: int) -> None:
-        from membership import EtcdCluster, EtcdServer
+        from elastic_refit.testing.etcd import EtcdCluster, EtcdServer
 
         self.cluster = EtcdServer(name="chaos") if nodes == 1 else EtcdCluster(nodes, name="chaos3")
         self.cluster.start()
@@ -261,7 +260,7 @@ class ChaosRun:
     # ---- a trial -------------------------------------------------------------------------
     def run_trial(self, scenario: Scenario, index: int = 0) -> TrialResult:
         """Run one scenario end to end and judge it."""
-        from membership import EtcdClient
+        from elastic_refit.membership import EtcdClient
 
         etcd = self.etcd(scenario.etcd_nodes)
         job = f"chaos-{index}-{uuid.uuid4().hex[:6]}"
@@ -287,7 +286,7 @@ class ChaosRun:
         stopping = False
 
         def start(member_id: str, life: int) -> None:
-            from elastic_refit.runtime.local_job import MemberSpec
+            from elastic_refit.testing.job import MemberSpec
 
             role, rank = layout_of[member_id]
             incarnation = f"{member_id}-L{life}-{uuid.uuid4().hex[:4]}"
@@ -404,7 +403,7 @@ class ChaosRun:
                     break
                 time.sleep(0.1)
             committed: dict[int, dict[str, Any]] = {}
-            from membership import JobKeys
+            from elastic_refit.membership import JobKeys
 
             keys = JobKeys(job)
             for kv in client.get_prefix(keys.versions_prefix).kvs:

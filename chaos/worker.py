@@ -92,7 +92,7 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
     """``run_member``, but a member that reached the last version stays in the job (serving,
     holding its shard) until the parent says stop: a restarted rank can always catch up from
     live peers, and the job's end is not a membership change mid-trial."""
-    from elastic_refit.runtime.local_job import run_member
+    from elastic_refit.testing.job import run_member
 
     def hold_until_stop(refit) -> None:
         conn.send(("reached", {"member_id": member.member_id, "incarnation": member.incarnation}))
@@ -108,9 +108,9 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
 def worker_main(conn) -> None:
     """Entry point of a worker process: serve tasks from ``conn`` until None or EOF."""
     import torch
+    from elastic_refit.chaos.inject import reset_state
 
-    from chaos.inject import reset_state
-    from elastic_refit.runtime.logging import configure_logging
+    from elastic_refit.log import configure_logging
 
     torch.set_num_threads(1)  # 2 cores, many processes
     running = {"member": False}

@@ -38,7 +38,7 @@ _EXPORTS = {
     "RefitError": "elastic_refit.errors",
     "TransportAborted": "elastic_refit.errors",
     "VerificationFailed": "elastic_refit.errors",
-    "MembershipLost": "membership",
+    "MembershipLost": "elastic_refit.membership",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -52,8 +52,8 @@ def member(role: str, member_id: str, rank: int, etcd: str, job: str, versions: 
     import torch
 
     from elastic_refit.layout import parse_spec
+    from elastic_refit.log import configure_logging
     from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
-    from elastic_refit.runtime.logging import configure_logging
 
     torch.set_num_threads(1)
     configure_logging(json=True, stream=open(os.devnull, "w"))  # noqa: SIM115 - events are not the point here
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.versions < 1 or args.inference < 1:
         raise SystemExit("--versions and --inference must be >= 1")
-    from elastic_refit.runtime.logging import configure_logging
-    from membership import EtcdServer
+    from elastic_refit.log import configure_logging
+    from elastic_refit.testing import EtcdServer
 
     configure_logging(level=30)  # warnings only from this process
     os.environ["RL_NUM_INFERENCE"] = str(args.inference)  # inherited by the spawned members

@@ -22,7 +22,7 @@ Public names
 Example::
 
     import torch
-    from kernels import BoxRegion, PackProgram
+    from elastic_refit.kernels import BoxRegion, PackProgram
 
     w = torch.randn(64, 2048, 4096, dtype=torch.bfloat16, device="cuda")  # [E, I, H]
     tp = 4

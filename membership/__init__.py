@@ -2,7 +2,6 @@
 
 Public API::
 
-    EtcdServer / EtcdCluster        real etcd on loopback (tests, bench, demo)
     EtcdClient / EtcdConfig         sync adapter over aetcd (endpoints, TLS, auth, retries)
     Membership                      lease registration, list-then-watch, leader, epochs
     MemberRecord / MembershipView   frozen records and views; diff(old, new)
@@ -11,8 +10,8 @@ Public API::
     MembershipConfig                TTL, debounce and ordered timeouts
 """
 
-from membership.client import EtcdClient, EtcdConfig
-from membership.comm import (
+from elastic_refit.membership.client import EtcdClient, EtcdConfig
+from elastic_refit.membership.comm import (
     Communicator,
     CommunicatorManager,
     ReconfigureResult,
@@ -20,11 +19,10 @@ from membership.comm import (
     choose_path,
     probe_runtime,
 )
-from membership.config import MembershipConfig
-from membership.errors import (
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.errors import (
     CommunicatorError,
     EpochTimeout,
-    EtcdServerError,
     EtcdUnavailable,
     FencedWrite,
     LeadershipLost,
@@ -32,12 +30,11 @@ from membership.errors import (
     MembershipLost,
     StoreTimeout,
 )
-from membership.keys import JobKeys
-from membership.server import EtcdCluster, EtcdServer
-from membership.service import Membership
-from membership.store import EtcdStore
-from membership.view import MemberRecord, MembershipView, ViewDiff, diff
-from membership.watch import RangeWatcher
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.service import Membership
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.view import MemberRecord, MembershipView, ViewDiff, diff
+from elastic_refit.membership.watch import RangeWatcher
 
 __all__ = [
     "Communicator",
@@ -45,10 +42,7 @@ __all__ = [
     "CommunicatorManager",
     "EpochTimeout",
     "EtcdClient",
-    "EtcdCluster",
     "EtcdConfig",
-    "EtcdServer",
-    "EtcdServerError",
     "EtcdStore",
     "EtcdUnavailable",
     "FencedWrite",

@@ -24,6 +24,7 @@ import aetcd
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
+from elastic_refit.membership.errors import EtcdUnavailable
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -32,8 +33,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from membership.errors import EtcdUnavailable
-from membership.log import get_logger
+from elastic_refit.log import get_logger
 
 T = TypeVar("T")
 

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.errors import CommunicatorError, MembershipLost, StoreTimeout
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.view import MembershipView, diff
 
-from membership.client import EtcdClient
-from membership.config import MembershipConfig
-from membership.errors import CommunicatorError, MembershipLost, StoreTimeout
-from membership.log import get_logger
-from membership.store import EtcdStore
-from membership.view import MembershipView, diff
+from elastic_refit.log import get_logger
 
 BACKENDS: tuple[str, ...] = ("gloo", "nccl", "nccl4py")
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")

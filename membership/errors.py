@@ -26,10 +26,6 @@ class EtcdUnavailable(MembershipError):
         )
 
 
-class EtcdServerError(MembershipError):
-    """The etcd server binary is missing, or the server did not start or stop cleanly."""
-
-
 class MembershipLost(MembershipError):
     """This member's lease expired or its key was replaced: it is no longer a member.
 

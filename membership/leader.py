@@ -15,12 +15,12 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from membership.client import Compare, Get, Put
-from membership.errors import EtcdUnavailable, LeadershipLost
-from membership.view import MemberRecord, MembershipView, next_member_order
+from elastic_refit.membership.client import Compare, Get, Put
+from elastic_refit.membership.errors import EtcdUnavailable, LeadershipLost
+from elastic_refit.membership.view import MemberRecord, MembershipView, next_member_order
 
 if TYPE_CHECKING:
-    from membership.service import Membership
+    from elastic_refit.membership.service import Membership
 
 
 async def apublish_epoch(client, keys, token: int, expected_mod_revision: int,

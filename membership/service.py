@@ -19,14 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from membership.client import Compare, EtcdClient, Get, Put, TxnResult
-from membership.config import MembershipConfig
-from membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
-from membership.keys import JobKeys
-from membership.leader import LeaderLoop
-from membership.log import get_logger
-from membership.view import MemberRecord, MembershipView, diff
-from membership.watch import RangeSnapshot, RangeWatcher, WatchEvent
+from elastic_refit.membership.client import Compare, EtcdClient, Get, Put, TxnResult
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.leader import LeaderLoop
+from elastic_refit.membership.view import MemberRecord, MembershipView, diff
+from elastic_refit.membership.watch import RangeSnapshot, RangeWatcher, WatchEvent
+
+from elastic_refit.log import get_logger
 
 
 class Membership:

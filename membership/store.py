@@ -15,10 +15,9 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
-
-from membership.client import Compare, EtcdClient, Get, Put
-from membership.errors import StoreTimeout
-from membership.keys import JobKeys
+from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
+from elastic_refit.membership.errors import StoreTimeout
+from elastic_refit.membership.keys import JobKeys
 
 _POLL_MIN_S = 0.002
 _POLL_MAX_S = 0.05

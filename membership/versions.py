@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from membership.client import Compare, Delete, EtcdClient, Put
-from membership.keys import JobKeys
-from membership.service import Membership
+from elastic_refit.membership.client import Compare, Delete, EtcdClient, Put
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.service import Membership
 
 
 @dataclass(frozen=True, slots=True)

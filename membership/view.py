@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from membership.keys import ROLES, check_name, check_role
+from elastic_refit.membership.keys import ROLES, check_name, check_role
 
 MEMBER_STATES: tuple[str, ...] = ("joining", "ready", "leaving")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
+from elastic_refit.membership.client import EtcdClient, KeyValue, _b
+from elastic_refit.membership.errors import EtcdUnavailable, MembershipError
 
-from membership.client import EtcdClient, KeyValue, _b
-from membership.errors import EtcdUnavailable, MembershipError
-from membership.log import get_logger
+from elastic_refit.log import get_logger
 
 
 @dataclass(frozen=True, slots=True)

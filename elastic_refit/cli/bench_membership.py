@@ -24,10 +24,10 @@ def register(targets: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import sys
 
-    from membership.bench import BenchConfig, run_membership_bench
-    from membership.log import configure_json_logging
+    from elastic_refit.log import configure_logging
+    from elastic_refit.testing.membership_bench import BenchConfig, run_membership_bench
 
-    configure_json_logging(stream=sys.stderr)  # stdout stays the table or the JSON object
+    configure_logging(json=True, stream=sys.stderr)  # stdout stays the table or the JSON object
 
     cfg = BenchConfig(members=args.members, trials=args.trials, ttl_s=args.ttl, seed=args.seed)
     result = run_membership_bench(cfg, progress=progress)

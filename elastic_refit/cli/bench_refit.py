@@ -63,7 +63,7 @@ def _rank_entry(rank: int, world_size: int, store, case, options):
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    from elastic_refit.transport.worker import bench_rank
+    from elastic_refit.testing.world import bench_rank
 
     return bench_rank(rank, world_size, store, case, options, progress=_child_progress)
 
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from elastic_refit.cli.plan_cmd import load_case
-    from elastic_refit.transport.local_world import run_local_world
-    from elastic_refit.transport.worker import BenchOptions, RefitCase
+    from elastic_refit.testing.processes import run_local_world
+    from elastic_refit.testing.world import BenchOptions, RefitCase
 
     for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib)):
         if value < 1:

@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the matrix; exit status 0 only if every trial passed."""
     import logging
 
-    from chaos.faults import build_matrix
-    from chaos.runner import run_matrix
-    from elastic_refit.runtime.logging import configure_logging
+    from elastic_refit.chaos.faults import build_matrix
+    from elastic_refit.chaos.runner import run_matrix
+    from elastic_refit.log import configure_logging
 
     configure_logging(level=logging.WARNING)
     if args.inference < 2:

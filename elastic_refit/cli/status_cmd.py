@@ -24,8 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def job_status(endpoints: list[str], job: str, last: int = 5) -> dict[str, Any]:
     """The job's state as plain data: members by role, leader, epoch, versions, acks."""
-    from membership import EtcdClient, JobKeys, MemberRecord, MembershipView
-    from membership.versions import VersionStore
+    from elastic_refit.membership import EtcdClient, JobKeys, MemberRecord, MembershipView
+    from elastic_refit.membership.versions import VersionStore
 
     if last < 1:
         raise ValueError(f"--last must be >= 1, got {last}")

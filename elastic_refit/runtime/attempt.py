@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_refit.layout import Layout, Topology, combine_layouts
+from elastic_refit.membership.versions import VersionState
+from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit.plan import Plan, PlanOptions, make_plan
-from membership.versions import VersionState
-from membership.view import MemberRecord, MembershipView
 
 REFIT = "refit"  # move a newly published version from the trainers
 CATCH_UP = "catchup"  # bring ranks that joined or restarted to the latest committed version

@@ -30,13 +30,7 @@ import structlog
 import torch
 
 from elastic_refit.errors import PlanMismatch, RefitError, TransportAborted
-from elastic_refit.plan import PlanOptions
-from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
-from elastic_refit.runtime.config import RefitConfig, RefitLayouts
-from elastic_refit.transport.executor import Executor, ExecutorOptions, digest
-from elastic_refit.transport.group import GroupOptions, RefitGroup
-from elastic_refit.transport.pattern import byte_view
-from membership import (
+from elastic_refit.membership import (
     CommunicatorError,
     CommunicatorManager,
     EpochTimeout,
@@ -47,7 +41,13 @@ from membership import (
     MembershipLost,
     MembershipView,
 )
-from membership.versions import Commit, VersionState, VersionStore
+from elastic_refit.membership.versions import Commit, VersionState, VersionStore
+from elastic_refit.plan import PlanOptions
+from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
+from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.transport.buffers import byte_view, digest
+from elastic_refit.transport.executor import Executor, ExecutorOptions
+from elastic_refit.transport.group import GroupOptions, RefitGroup
 
 FaultHook = Callable[[str, dict[str, Any]], None]
 EventListener = Callable[[str, dict[str, Any]], None]

@@ -35,8 +35,8 @@ import torch
 from elastic_refit.errors import TransportAborted
 from elastic_refit.layout import DTYPES, Layout
 from elastic_refit.plan import Plan
+from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.group import RefitGroup
-from elastic_refit.transport.pattern import byte_view
 
 log = structlog.get_logger("elastic_refit.transport")
 

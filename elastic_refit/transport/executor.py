@@ -21,10 +21,11 @@ import structlog
 import torch
 
 from elastic_refit.errors import TransportAborted, VerificationFailed
+from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.plan import Plan, SourceSide
+from elastic_refit.transport.buffers import byte_view, digest
 from elastic_refit.transport.group import RefitGroup
-from elastic_refit.transport.pattern import byte_view
 from elastic_refit.transport.schedule import (
     BoxCopy,
     Bucket,
@@ -33,7 +34,6 @@ from elastic_refit.transport.schedule import (
     RankSchedule,
     build_rank_schedule,
 )
-from kernels import BoxRegion, PackProgram
 
 log = structlog.get_logger("elastic_refit.transport")
 
@@ -73,26 +73,6 @@ class TransferReport:
     zero_copy_buckets: int
     staging_bytes: int
     verified_boxes: int
-
-
-def digest(data: torch.Tensor) -> torch.Tensor:
-    """Position-sensitive 64-bit checksum of a flat uint8 tensor (an int64 scalar tensor)."""
-    n = data.numel()
-    words = -(-n // 8)
-    if words * 8 != n or data.storage_offset() % 8:
-        # int64 views need 8-byte alignment and length; boxes sit at any byte offset
-        padded = torch.zeros(words * 8, dtype=torch.uint8, device=data.device)
-        padded[:n] = data
-        data = padded
-    w = data.view(torch.int64)
-    width = 1024
-    rows = -(-words // width)
-    if rows * width != words:
-        w = torch.cat([w, torch.zeros(rows * width - words, dtype=torch.int64, device=w.device)])
-    w = w.view(rows, width)
-    col = torch.arange(width, dtype=torch.int64, device=w.device) * 2 + 1
-    row = torch.arange(rows, dtype=torch.int64, device=w.device) * 0x9E3779B1 + 1
-    return ((w * col).sum(dim=1) * row).sum() ^ n
 
 
 def _contiguous_span(shape: tuple[int, ...], box: BoxCopy, itemsize: int) -> tuple[int, int] | None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from chaos.faults import Scenario
-from chaos.runner import run_matrix
+from elastic_refit.chaos.faults import Scenario
+from elastic_refit.chaos.runner import run_matrix
 
 
 def assert_matrix_finds_nothing(scenarios: list[Scenario], deadline_s: float = 60.0) -> dict:

@@ -5,8 +5,8 @@ still commit bit-exactly, with nothing torn, lost, hung or leaked."""
 from __future__ import annotations
 
 import pytest
+from elastic_refit.chaos.faults import build_matrix
 
-from chaos.faults import build_matrix
 from tests.chaos.matrix import assert_matrix_finds_nothing
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd]

@@ -7,8 +7,8 @@ with their reason in ``chaos.faults.QUICK_EXCLUDED`` and still run in the full m
 from __future__ import annotations
 
 import pytest
+from elastic_refit.chaos.faults import build_matrix
 
-from chaos.faults import build_matrix
 from tests.chaos.matrix import assert_matrix_finds_nothing
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd]

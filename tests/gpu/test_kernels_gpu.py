@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from elastic_refit.kernels import BoxRegion, PackProgram
 
-from kernels import BoxRegion, PackProgram
 from tests.unit.test_kernels import DTYPES, random_program
 
 pytestmark = pytest.mark.gpu

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from elastic_refit.layout.models import ModelConfig
+from elastic_refit.testing.local_transport import GatherBroadcastLocal, LocalTransport
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.testing.world import SENTINEL, RefitCase, padding_problems
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.group import GroupOptions, RefitGroup
-from elastic_refit.transport.local import GatherBroadcastLocal, LocalTransport
-from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
-from elastic_refit.transport.worker import SENTINEL, RefitCase, padding_problems
 
 pytestmark = pytest.mark.gpu
 

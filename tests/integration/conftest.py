@@ -19,11 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from elastic_refit.membership.client import EtcdClient
 
-from membership.client import EtcdClient
-from membership.server import EtcdCluster, EtcdServer
+from elastic_refit.testing.etcd import EtcdCluster, EtcdServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pythonpath() -> str:
+    """The repository first, then whatever the caller had (a GPU machine's wheels live there)."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -87,12 +92,12 @@ def job() -> str:
 
 
 class Agent:
-    """One ``python -m membership.agent`` process with its JSON events collected."""
+    """One ``python -m elastic_refit.testing.agent`` process with its JSON events collected."""
 
     def __init__(self, endpoints, job: str, member_id: str, *, role: str = "trainer",
                  ttl: int = 2, comm: str = "none", candidate: bool = True):
         self.member_id = member_id
-        self.args = [sys.executable, "-m", "membership.agent", "--endpoints", ",".join(endpoints),
+        self.args = [sys.executable, "-m", "elastic_refit.testing.agent", "--endpoints", ",".join(endpoints),
                      "--job", job, "--role", role, "--member-id", member_id, "--ttl", str(ttl),
                      "--comm", comm]
         if not candidate:
@@ -103,7 +108,7 @@ class Agent:
         self.start()
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      cwd=REPO_ROOT, env=env, start_new_session=True)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()

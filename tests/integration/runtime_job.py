@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_refit.runtime.local_job import MemberSpec, run_member
+from elastic_refit.testing.job import MemberSpec, run_member
 
 
 def _child(member: MemberSpec, fail_at, results) -> None:

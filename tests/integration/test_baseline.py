@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from elastic_refit.errors import TransportAborted
 from elastic_refit.layout.models import ModelConfig
+from elastic_refit.testing.pattern import allocate, byte_view, check_pieces, fill_pieces
+from elastic_refit.testing.processes import run_local_world
+from elastic_refit.testing.world import SENTINEL, RefitCase, padding_problems
 from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
 from elastic_refit.transport.group import GroupOptions, RefitGroup
-from elastic_refit.transport.local_world import run_local_world
-from elastic_refit.transport.pattern import allocate, byte_view, check_pieces, fill_pieces
-from elastic_refit.transport.worker import SENTINEL, RefitCase, padding_problems
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, _pythonpath
 
 pytestmark = pytest.mark.etcd
 
 
 def test_demo_json_summary(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     proc = subprocess.run([sys.executable, "-m", "elastic_refit.cli", "demo", "--json", "--log-dir", str(tmp_path)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

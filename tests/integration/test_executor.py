@@ -10,8 +10,8 @@ import pytest
 
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import TransferKind
-from elastic_refit.transport.local_world import run_local_world
-from elastic_refit.transport.worker import RefitCase, WorkerOptions, refit_rank
+from elastic_refit.testing.processes import run_local_world
+from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 
 from .faults import CorruptFirstPack, FailAfterSends
 

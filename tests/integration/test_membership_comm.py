@@ -7,12 +7,11 @@ from datetime import timedelta
 
 import pytest
 import torch
-
-from membership.comm import CommunicatorManager, probe_runtime
-from membership.config import MembershipConfig
-from membership.errors import MembershipLost, StoreTimeout
-from membership.store import EtcdStore
-from membership.view import MemberRecord, MembershipView
+from elastic_refit.membership.comm import CommunicatorManager, probe_runtime
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.errors import MembershipLost, StoreTimeout
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.view import MemberRecord, MembershipView
 
 pytestmark = pytest.mark.etcd
 

@@ -8,13 +8,13 @@ import threading
 import time
 
 import pytest
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.errors import EtcdUnavailable
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.view import MembershipView
+from elastic_refit.membership.watch import RangeWatcher
 
-from membership.client import EtcdClient
-from membership.errors import EtcdServerError, EtcdUnavailable
-from membership.keys import JobKeys
-from membership.server import EtcdServer
-from membership.view import MembershipView
-from membership.watch import RangeWatcher
+from elastic_refit.testing.etcd import EtcdServer, EtcdServerError
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -280,7 +280,7 @@ def test_no_leases_keys_or_processes_left_after_clean_exit(etcd_server, make_cli
 
 
 def test_unreachable_etcd_raises_a_typed_error_naming_the_endpoint():
-    from membership.server import free_ports
+    from elastic_refit.testing.etcd import free_ports
 
     port = free_ports(1)[0]
     client = EtcdClient([f"127.0.0.1:{port}"], retry_deadline_s=0.5, request_timeout_s=0.3)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from membership.comm import NCCL_MIN_SHRINK, CommunicatorManager, probe_runtime
-from membership.view import MemberRecord, MembershipView
+from elastic_refit.membership.comm import NCCL_MIN_SHRINK, CommunicatorManager, probe_runtime
+from elastic_refit.membership.view import MemberRecord, MembershipView
 
 pytestmark = [pytest.mark.gpu, pytest.mark.etcd]
 

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
 
-from elastic_refit.runtime.local_job import MemberSpec
-from membership.client import EtcdClient
-from membership.keys import JobKeys
+from elastic_refit.testing.job import MemberSpec
 
 from .runtime_job import KillSelf, LocalJob, RaiseOnce
 

@@ -10,7 +10,7 @@ import pytest
 
 from elastic_refit.cli import main
 from elastic_refit.cli.status_cmd import job_status
-from elastic_refit.runtime.local_job import MemberSpec
+from elastic_refit.testing.job import MemberSpec
 
 from .runtime_job import LocalJob
 from .test_runtime import SPEC

@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_refit.layout import Layout, Topology
 from elastic_refit.plan import Plan, TransferKind
-from elastic_refit.transport.inprocess import (
+from elastic_refit.testing.inprocess import (
     allocate_buffers,
     check_pieces,
     copy_regions,

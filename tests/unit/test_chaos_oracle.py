@@ -6,9 +6,8 @@ import json
 from dataclasses import replace
 
 import pytest
-
-from chaos.faults import TTL_S, Fault, FaultPlan, build_matrix
-from chaos.oracle import (
+from elastic_refit.chaos.faults import TTL_S, Fault, FaultPlan, build_matrix
+from elastic_refit.chaos.oracle import (
     TrialEvidence,
     Violation,
     check_all,

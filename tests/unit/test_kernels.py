@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import math
 
+import elastic_refit.kernels as kernels
 import numpy as np
 import pytest
 import torch
+from elastic_refit.kernels import BoxRegion, PackProgram, packed_nbytes
+from elastic_refit.kernels import _triton_backend as tb
+from elastic_refit.kernels.boxes import MAX_STRIDED_DIMS, collapse, entries_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import kernels
-from kernels import BoxRegion, PackProgram, packed_nbytes
-from kernels import _triton_backend as tb
-from kernels.boxes import MAX_STRIDED_DIMS, collapse, entries_for
 
 DTYPES = [
     torch.uint8,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from elastic_refit.layout.models import ModelConfig
-from elastic_refit.transport.local import GatherBroadcastLocal, LocalTransport
-from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
-from elastic_refit.transport.worker import SENTINEL, RefitCase, padding_problems
+from elastic_refit.testing.local_transport import GatherBroadcastLocal, LocalTransport
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.testing.world import SENTINEL, RefitCase, padding_problems
 
 TINY_MOE = ModelConfig(name="tiny-moe", hidden_size=32, num_layers=2, vocab_size=70, num_heads=4,
                        num_kv_heads=2, head_dim=8, intermediate_size=0, num_experts=4,

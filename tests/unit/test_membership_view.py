@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from membership.comm import RuntimeSupport, choose_path
-from membership.config import MembershipConfig
-from membership.keys import JobKeys
-from membership.view import MemberRecord, MembershipView, diff, next_member_order
+from elastic_refit.membership.comm import RuntimeSupport, choose_path
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.view import MemberRecord, MembershipView, diff, next_member_order
 
 
 def rec(member_id: str, role: str = "trainer", inc: str = "a", state: str = "ready") -> MemberRecord:

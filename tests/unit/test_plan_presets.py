@@ -20,7 +20,7 @@ from elastic_refit.layout import Layout, Topology, get_model, logical_tensors, p
 from elastic_refit.layout.refit import model_refit_spec
 from elastic_refit.plan import SourceSide, TransferKind, make_plan
 from elastic_refit.plan.cost import get_cluster, predict
-from elastic_refit.transport.inprocess import copy_regions
+from elastic_refit.testing.inprocess import copy_regions
 
 from .plan_oracle import assert_plan_correct, assert_same_plan, rebuilt
 

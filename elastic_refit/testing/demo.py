@@ -232,10 +232,10 @@ def _member_main(role: str, member_id: str, layout_rank: int, incarnation: str, 
     import torch
 
     from elastic_refit.layout import parse_spec
+    from elastic_refit.log import configure_logging
     from elastic_refit.runtime.config import RefitConfig, RefitLayouts
-    from elastic_refit.runtime.logging import configure_logging
     from elastic_refit.runtime.refit import ElasticRefit
-    from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
+    from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
     torch.set_num_threads(1)  # 2 cores, 6 processes
     if go is not None:
@@ -348,9 +348,10 @@ class _Job:
 def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] | None = None) -> DemoSummary:
     """Run the demo job end to end and return its summary; leaves no process behind."""
     from elastic_refit.layout import parse_spec
+    from elastic_refit.membership import EtcdClient
+    from elastic_refit.membership.versions import VersionStore
     from elastic_refit.plan import make_plan
-    from membership import EtcdClient, EtcdServer
-    from membership.versions import VersionStore
+    from elastic_refit.testing.etcd import EtcdServer
 
     config = config or DemoConfig()
     say = progress or (lambda _msg: None)
@@ -549,7 +550,7 @@ def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] |
 
 def _epoch_lists(client: Any, job: str, member_id: str, incarnation: str) -> bool:
     """Whether the job's current epoch still lists ``member_id`` in ``incarnation``."""
-    from membership import JobKeys, MembershipView
+    from elastic_refit.membership import JobKeys, MembershipView
 
     kv = client.get(JobKeys(job).epoch)
     if kv is None:

@@ -1,4 +1,4 @@
-"""structlog set-up for elastic-refit processes: JSON lines, or a console view on a terminal.
+"""The one structlog set-up of elastic-refit processes: JSON lines, or a console view on a terminal.
 
 Every event has a dotted name (``refit.version.committed``) and numbers as fields; the
 schema is in docs/LOGS.md. Call :func:`configure_logging` once per process (member
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "get_logger"]
 
 
 def configure_logging(json: bool | None = None, *, stream: TextIO | None = None,
@@ -44,3 +44,8 @@ def configure_logging(json: bool | None = None, *, stream: TextIO | None = None,
         # Not cached: loggers created before a re-configuration must follow it.
         cache_logger_on_first_use=False,
     )
+
+
+def get_logger(name: str = "elastic_refit", **context: Any) -> Any:
+    """A structlog logger with ``context`` bound once (job, role, member_id, epoch, ...)."""
+    return structlog.get_logger(name).bind(**context)

@@ -11,7 +11,7 @@ from typing import Any
 
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
-from elastic_refit.transport.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,19 +14,11 @@ import numpy as np
 import torch
 
 from elastic_refit.layout import Layout
+from elastic_refit.transport.buffers import byte_view
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _K3 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The same storage as uint8, last dim scaled by the itemsize (tensor must be contiguous)."""
-    if tensor.dtype == torch.uint8:
-        return tensor
-    if tensor.dim() == 0:
-        return tensor.reshape(1).view(torch.uint8)
-    return tensor.view(torch.uint8)
 
 
 def pattern_bytes(name: str, shape: tuple[int, ...], itemsize: int, offsets: tuple[int, ...],

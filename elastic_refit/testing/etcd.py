@@ -20,8 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from membership.errors import EtcdServerError
-from membership.log import get_logger
+from elastic_refit.log import get_logger
+
+__all__ = ["EtcdCluster", "EtcdServer", "EtcdServerError", "NodeSpec"]
+
+
+class EtcdServerError(RuntimeError):
+    """The etcd server binary is missing, or the server did not start or stop cleanly."""
+
 
 _INSTALL_HINT = (
     "the `etcd` binary was not found on PATH (or at ETCD_BIN). Install it with "

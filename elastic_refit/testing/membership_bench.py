@@ -1,6 +1,6 @@
 """Membership recovery benchmark: SIGKILL a member, time detection, epoch, gloo rebuild.
 
-A real etcd and ``members`` agent processes (``python -m membership.agent --comm gloo``).
+A real etcd and ``members`` agent processes (``python -m elastic_refit.testing.agent --comm gloo``).
 Each trial SIGKILLs one member at random and measures, from the kill:
 
 - detect: the member's key disappears (its lease expired) as seen by a watch;
@@ -25,17 +25,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
-from membership.client import EtcdClient
-from membership.keys import JobKeys
-from membership.server import EtcdServer
-from membership.view import MembershipView
-from membership.watch import RangeWatcher
-
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.view import MembershipView
+from elastic_refit.membership.watch import RangeWatcher
+from elastic_refit.testing.etcd import EtcdServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +69,16 @@ class _Member:
 
     def __init__(self, endpoints: list[str], job: str, member_id: str, ttl_s: int):
         self.member_id = member_id
-        self.args = [sys.executable, "-m", "membership.agent", "--endpoints", ",".join(endpoints),
+        self.args = [sys.executable, "-m", "elastic_refit.testing.agent", "--endpoints", ",".join(endpoints),
                      "--job", job, "--member-id", member_id, "--ttl", str(ttl_s), "--comm", "gloo"]
         self.events: list[dict] = []
         self.cond = threading.Condition()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(_REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the package is installed: inherit PYTHONPATH
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     cwd=_REPO_ROOT, env=env, start_new_session=True)
+                                     env=env, start_new_session=True)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen) -> None:

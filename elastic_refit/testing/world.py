@@ -22,9 +22,9 @@ from elastic_refit.errors import PlanMismatch
 from elastic_refit.layout import Layout, RefitSpec, parse_spec
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Plan, PlanOptions, make_plan
+from elastic_refit.testing.pattern import allocate, byte_view, check_pieces, fill_pieces
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.group import GroupOptions, RefitGroup
-from elastic_refit.transport.pattern import allocate, byte_view, check_pieces, fill_pieces
 
 SENTINEL = 0x5A
 
@@ -201,7 +201,7 @@ def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], 
     """Fill (``write``) or check every piece of ``rank`` against the pattern, in slices of
     ``_CHECK_ELEMENTS`` so that multi-GB pieces need no multi-GB temporaries. Checking
     returns up to ``limit`` mismatch descriptions."""
-    from elastic_refit.transport.pattern import _local_view, pattern_bytes
+    from elastic_refit.testing.pattern import _local_view, pattern_bytes
 
     problems: list[str] = []
     k = layout.ndim

@@ -1,6 +1,6 @@
 """A member process: join, follow epochs, keep a communicator per epoch.
 
-``python -m membership.agent --endpoints 127.0.0.1:2379 --job j --role trainer
+``python -m elastic_refit.testing.agent --endpoints 127.0.0.1:2379 --job j --role trainer
 --member-id t0`` registers one rank, then for every new epoch reconfigures its
 communicator (gloo by default) and verifies it with an all-reduce. Events go to stdout as
 JSON lines. Used by the integration tests, the membership benchmark and the demo.
@@ -25,18 +25,23 @@ import uuid
 
 import torch
 
-from membership.client import EtcdClient
-from membership.comm import CommunicatorManager
-from membership.config import MembershipConfig
-from membership.errors import CommunicatorError, EpochTimeout, MembershipError, MembershipLost
-from membership.leader import publish_epoch
-from membership.log import configure_json_logging, get_logger
-from membership.service import Membership
-from membership.view import MemberRecord, MembershipView
+from elastic_refit.log import configure_logging, get_logger
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.comm import CommunicatorManager
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.errors import (
+    CommunicatorError,
+    EpochTimeout,
+    MembershipError,
+    MembershipLost,
+)
+from elastic_refit.membership.leader import publish_epoch
+from elastic_refit.membership.service import Membership
+from elastic_refit.membership.view import MemberRecord, MembershipView
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="membership.agent")
+    p = argparse.ArgumentParser(prog="elastic_refit.testing.agent")
     p.add_argument("--endpoints", required=True, help="comma-separated host:port list")
     p.add_argument("--job", required=True)
     p.add_argument("--role", default="trainer", choices=("trainer", "inference"))
@@ -50,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configure_json_logging(stream=sys.stdout)
+    configure_logging(json=True, stream=sys.stdout)
     incarnation = uuid.uuid4().hex[:12]
     record = MemberRecord(role=args.role, member_id=args.member_id, incarnation=incarnation,
                           host=socket.gethostname(), domain=args.domain, device="cpu",

@@ -1,0 +1,60 @@
+"""What tests, demos and benchmarks need, in the spirit of ``torch.testing``.
+
+Nothing in the library imports this package. It holds:
+
+- ``EtcdServer`` / ``EtcdCluster``: real etcd on free loopback ports, stopped by pid;
+- ``run_local_world``: one function on N spawned processes sharing a rendezvous store;
+- ``MemberSpec`` / ``run_member``: one member of a local elastic job (the one member loop
+  of the demo, the chaos suite and the runtime tests);
+- ``allocate`` / ``fill_pieces`` / ``check_pieces``: deterministic, position-dependent
+  pattern data that a destination can verify bit-exactly;
+- ``FaultyTransport`` and ``PhaseHooks``: the one fault seam (a fault-injecting transport
+  wrapper and hooks at the runtime's named phases);
+- ``read_logs``: the JSON event logs of member processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EtcdCluster": "elastic_refit.testing.etcd",
+    "EtcdServer": "elastic_refit.testing.etcd",
+    "EtcdServerError": "elastic_refit.testing.etcd",
+    "RankResult": "elastic_refit.testing.processes",
+    "run_local_world": "elastic_refit.testing.processes",
+    "allocate": "elastic_refit.testing.pattern",
+    "check_pieces": "elastic_refit.testing.pattern",
+    "fill_pieces": "elastic_refit.testing.pattern",
+    "MemberSpec": "elastic_refit.testing.job",
+    "run_member": "elastic_refit.testing.job",
+}
+
+__all__ = [
+    "EtcdCluster",
+    "EtcdServer",
+    "EtcdServerError",
+    "MemberSpec",
+    "RankResult",
+    "allocate",
+    "check_pieces",
+    "fill_pieces",
+    "run_local_world",
+    "run_member",
+]
+
+if TYPE_CHECKING:
+    from elastic_refit.testing.etcd import EtcdCluster, EtcdServer, EtcdServerError
+    from elastic_refit.testing.job import MemberSpec, run_member
+    from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+    from elastic_refit.testing.processes import RankResult, run_local_world
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic_refit.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,36 @@
+"""Byte views and checksums of the tensors a refit reads and writes."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["byte_view", "digest"]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The same storage as uint8, last dim scaled by the itemsize (tensor must be contiguous)."""
+    if tensor.dtype == torch.uint8:
+        return tensor
+    if tensor.dim() == 0:
+        return tensor.reshape(1).view(torch.uint8)
+    return tensor.view(torch.uint8)
+
+
+def digest(data: torch.Tensor) -> torch.Tensor:
+    """Position-sensitive 64-bit checksum of a flat uint8 tensor (an int64 scalar tensor)."""
+    n = data.numel()
+    words = -(-n // 8)
+    if words * 8 != n or data.storage_offset() % 8:
+        # int64 views need 8-byte alignment and length; boxes sit at any byte offset
+        padded = torch.zeros(words * 8, dtype=torch.uint8, device=data.device)
+        padded[:n] = data
+        data = padded
+    w = data.view(torch.int64)
+    width = 1024
+    rows = -(-words // width)
+    if rows * width != words:
+        w = torch.cat([w, torch.zeros(rows * width - words, dtype=torch.int64, device=w.device)])
+    w = w.view(rows, width)
+    col = torch.arange(width, dtype=torch.int64, device=w.device) * 2 + 1
+    row = torch.arange(rows, dtype=torch.int64, device=w.device) * 0x9E3779B1 + 1
+    return ((w * col).sum(dim=1) * row).sum() ^ n
