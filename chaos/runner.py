@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
@@ -402,15 +402,11 @@ class ChaosRun:
                 if not leases:
                     break
                 time.sleep(0.1)
-            committed: dict[int, dict[str, Any]] = {}
             from elastic_refit.membership import JobKeys
+            from elastic_refit.membership.versions import VersionStore
 
-            keys = JobKeys(job)
-            for kv in client.get_prefix(keys.versions_prefix).kvs:
-                if kv.key.endswith("/committed"):
-                    data = json.loads(kv.value)
-                    committed[int(data["version"])] = data
-            client.delete_prefix(keys.prefix)  # keep the shared etcd small
+            committed = {v: asdict(c) for v, c in VersionStore(client, job).snapshot().committed.items()}
+            client.delete_prefix(JobKeys(job).prefix)  # keep the shared etcd small
         finally:
             client.close()
         worker_pids = {w.pid for w in self.pool.workers}

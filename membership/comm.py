@@ -36,8 +36,10 @@ from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
 
 from elastic_refit.log import get_logger
+from elastic_refit.transport.c10d import C10dTransport
+from elastic_refit.transport.protocol import Backend, Transport
 
-BACKENDS: tuple[str, ...] = ("gloo", "nccl", "nccl4py")
+BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
 NCCL_MIN_SHRINK = (2, 27, 0)
 NCCL_MIN_GROW = (2, 29, 2)
@@ -160,7 +162,8 @@ def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
 # ---------------------------------------------------------------- communicator
 @dataclass(slots=True)
 class Communicator:
-    """One epoch's communicator. ``pg`` is a torch c10d backend (or an nccl4py comm).
+    """One epoch's communicator, owned by the manager. ``pg`` is a torch c10d backend (or
+    an nccl4py comm); everything above membership sees it only as a :class:`Transport`.
 
     ``store`` is kept here on purpose: the process group must never outlive the Python
     half of its store.
@@ -175,6 +178,7 @@ class Communicator:
     store: EtcdStore | None
     device: torch.device
     path: str
+    transport: Transport | None = None
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` across ranks in place (used to verify a fresh communicator)."""
@@ -196,7 +200,9 @@ class ReconfigureResult:
     seconds: float
     abort_seconds: float
     build_seconds: float
-    communicator: Communicator | None
+    transport: Transport
+    rank: int
+    num_ranks: int
 
 
 def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort") -> float:
@@ -243,14 +249,19 @@ class CommunicatorManager:
     def __init__(self, client: EtcdClient, job: str, member_id: str, *, backend: str = "gloo",
                  config: MembershipConfig | None = None, device: torch.device | str | None = None,
                  support: RuntimeSupport | None = None,
-                 superseded: Callable[[int], bool] | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+                 superseded: Callable[[int], bool] | None = None,
+                 transport_timeout_s: float | None = None):
+        backend = Backend.parse(backend).value
         self.client = client
         self.job = job
         self.member_id = member_id
         self.backend = backend
         self.config = config or MembershipConfig()
+        # One send/recv may wait a lease TTL plus a second: longer than a slow but live peer
+        # needs, and a dead one resets its connections at once (a stopped one is out of the
+        # membership within its TTL).
+        self.transport_timeout_s = (self.config.ttl_s + 1.0 if transport_timeout_s is None
+                                    else float(transport_timeout_s))
         self.support = support or probe_runtime()
         if device is None:
             device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
@@ -271,6 +282,7 @@ class CommunicatorManager:
         communicator could not be formed before the epoch deadline.
         """
         t0 = time.monotonic()
+        self._close_transport()
         if self.member_id not in new_view:
             self._abort_current("not_a_member")
             raise MembershipLost(f"member {self.member_id!r} is not in epoch {new_view.epoch}")
@@ -305,21 +317,47 @@ class CommunicatorManager:
             else:
                 raise CommunicatorError(
                     f"{path} of epoch {new_view.epoch} failed on {self.member_id}: {exc}") from exc
+        assert self.current is not None
+        self.current.transport = self._transport_of(self.current)
         seconds = time.monotonic() - t0
         self.log.info("comm.reconfigured", path=path, epoch=new_view.epoch,
                       from_epoch=old_view.epoch if old_view else None,
                       num_ranks=new_view.num_ranks, rank=new_view.rank_of(self.member_id),
                       seconds=round(seconds, 4), abort_seconds=round(abort_s, 4),
                       build_seconds=round(build_s, 4))
-        return ReconfigureResult(path, new_view.epoch, seconds, abort_s, build_s, self.current)
+        return ReconfigureResult(path, new_view.epoch, seconds, abort_s, build_s, self.current.transport,
+                                 self.current.rank, self.current.size)
+
+    @property
+    def store(self) -> EtcdStore | None:
+        """The current epoch's rendezvous store (``store/{epoch}/`` in etcd)."""
+        return self.current.store if self.current is not None else None
 
     def close(self) -> None:
         """Abort the current communicator (bounded by the watchdog)."""
+        self._close_transport()
         if self.current is not None:
             self._abort_current("close")
 
     # --------------------------------------------------------------- internals
+    def _transport_of(self, comm: Communicator) -> Transport:
+        """The epoch's transport over ``comm`` (a new one per epoch: the previous epoch's
+        was closed, and with it every reference outside this manager)."""
+        if comm.backend == Backend.NCCL4PY:
+            raise CommunicatorError("no transport runs nccl4py communicators yet; use backend 'nccl' or 'gloo'")
+        return C10dTransport(comm.pg, comm.rank, comm.size, backend=comm.backend,
+                             timeout_s=self.transport_timeout_s, store=comm.store,
+                             can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
+
+    def _close_transport(self) -> None:
+        # The watchdog must hold the last reference to an old process group, so that its
+        # destructor never runs (and blocks) on the runtime's thread.
+        if self.current is not None and self.current.transport is not None:
+            self.current.transport.close()
+            self.current.transport = None
+
     def _abort_current(self, why: str) -> float:
+        self._close_transport()
         comm, self.current = self.current, None
         if comm is None:
             return 0.0

@@ -71,11 +71,37 @@ class JobKeys:
     def versions_prefix(self) -> str:
         return self.prefix + "versions/"
 
+    def version(self, version: int) -> str:
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        return f"{self.versions_prefix}{version}/"
+
+    def source(self, version: int, member_id: str) -> str:
+        return f"{self.version(version)}sources/{check_name('member_id', member_id)}"
+
     def ack(self, version: int, member_id: str) -> str:
-        return f"{self.versions_prefix}{version}/acks/{check_name('member_id', member_id)}"
+        return f"{self.version(version)}acks/{check_name('member_id', member_id)}"
 
     def committed(self, version: int) -> str:
-        return f"{self.versions_prefix}{version}/committed"
+        return f"{self.version(version)}committed"
+
+    def attempt(self, epoch: int, seq: int) -> str:
+        """The attempt ``seq`` the coordinator of ``epoch`` proposed (purged with the epoch)."""
+        return f"{self.store(epoch)}attempts/{seq:08d}"
+
+    def parse_version_key(self, key: str) -> tuple[int, str, str | None] | None:
+        """``(version, kind, member_id)`` of a key under ``versions/`` (kind ``sources``,
+        ``acks`` or ``committed``; member_id None for ``committed``), else ``None``."""
+        if not key.startswith(self.versions_prefix):
+            return None
+        parts = key[len(self.versions_prefix):].split("/")
+        if not parts[0].isdigit():
+            return None
+        if len(parts) == 3 and parts[1] in ("sources", "acks"):
+            return int(parts[0]), parts[1], parts[2]
+        if len(parts) == 2 and parts[1] == "committed":
+            return int(parts[0]), "committed", None
+        return None
 
     @property
     def control_range(self) -> tuple[str, str]:
@@ -94,3 +120,22 @@ class JobKeys:
         if len(rest) != 2 or rest[0] not in ROLES:
             return None
         return rest[0], rest[1]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptKeys:
+    """Keys of one attempt inside an epoch's rendezvous store (relative to ``store/{epoch}/``)."""
+
+    seq: int
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            raise ValueError(f"attempt seq must be >= 0, got {self.seq}")
+
+    def plan(self, member_id: str) -> str:
+        """The plan fingerprint ``member_id`` computed (or ``failed: <error type>``)."""
+        return f"attempt/{self.seq}/plan/{check_name('member_id', member_id)}"
+
+    def done(self, member_id: str) -> str:
+        """``ok`` or ``failed``: ``member_id`` finished the attempt."""
+        return f"attempt/{self.seq}/done/{check_name('member_id', member_id)}"

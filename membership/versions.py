@@ -58,43 +58,34 @@ class VersionStore:
         self.client = client
         self.keys = JobKeys(job)
 
-    # ---- keys ---------------------------------------------------------------------
-    def source_key(self, version: int, member_id: str) -> str:
-        return f"{self.keys.versions_prefix}{version}/sources/{member_id}"
-
-    def attempt_key(self, epoch: int, seq: int) -> str:
-        return f"{self.keys.store(epoch)}attempts/{seq:08d}"
-
     # ---- reads --------------------------------------------------------------------
     def snapshot(self) -> VersionState:
         """Every version key in one range read."""
         result = self.client.get_prefix(self.keys.versions_prefix)
         state = VersionState(revision=result.revision)
-        prefix = self.keys.versions_prefix
         for kv in result.kvs:
-            parts = kv.key[len(prefix):].split("/")
-            try:
-                version = int(parts[0])
-            except ValueError:
+            parsed = self.keys.parse_version_key(kv.key)
+            if parsed is None:
                 continue
+            version, kind, member_id = parsed
             data = json.loads(kv.value)
-            if len(parts) == 3 and parts[1] == "sources":
-                state.sources.setdefault(version, {})[parts[2]] = str(data["incarnation"])
-            elif len(parts) == 3 and parts[1] == "acks":
-                state.acks.setdefault(version, {})[parts[2]] = Ack(
+            if kind == "sources":
+                state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
+            elif kind == "acks":
+                state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
                     str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
-            elif len(parts) == 2 and parts[1] == "committed":
+            else:
                 state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
         return state
 
     def attempt(self, epoch: int, seq: int) -> dict[str, Any] | None:
-        kv = self.client.get(self.attempt_key(epoch, seq))
+        kv = self.client.get(self.keys.attempt(epoch, seq))
         return json.loads(kv.value) if kv else None
 
     # ---- fenced writes ------------------------------------------------------------
     def publish_source(self, membership: Membership, version: int) -> None:
         """This trainer holds ``version`` (fenced on its own lease)."""
-        membership.fenced_put(self.source_key(version, membership.record.member_id),
+        membership.fenced_put(self.keys.source(version, membership.record.member_id),
                               json.dumps({"incarnation": membership.record.incarnation}).encode())
 
     def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
@@ -127,7 +118,7 @@ class VersionStore:
         guard = self._epoch_guard(membership, epoch)
         if not guard:
             return False
-        key = self.attempt_key(epoch, seq)
+        key = self.keys.attempt(epoch, seq)
         result = self.client.txn(guard + [Compare(key, "create", "==", 0)],
                                  [Put(key, json.dumps(attempt, sort_keys=True).encode())])
         return result.succeeded

@@ -41,15 +41,16 @@ from elastic_refit.membership import (
     MembershipLost,
     MembershipView,
 )
+from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.versions import Commit, VersionState, VersionStore
 from elastic_refit.plan import PlanOptions
 from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.runtime.phases import HOOKS
 from elastic_refit.transport.buffers import byte_view, digest
 from elastic_refit.transport.executor import Executor, ExecutorOptions
-from elastic_refit.transport.group import GroupOptions, RefitGroup
+from elastic_refit.transport.protocol import Transport
 
-FaultHook = Callable[[str, dict[str, Any]], None]
 EventListener = Callable[[str, dict[str, Any]], None]
 
 
@@ -91,11 +92,10 @@ class ElasticRefit:
     """
 
     def __init__(self, config: RefitConfig, layouts: RefitLayouts, *,
-                 parameters: Mapping[str, torch.Tensor] | None = None, fail_at: FaultHook | None = None,
+                 parameters: Mapping[str, torch.Tensor] | None = None,
                  on_event: EventListener | None = None) -> None:
         self.config = config
         self.layouts = layouts
-        self.fail_at = fail_at
         self.log = _EventLog(structlog.get_logger("elastic_refit.runtime"), on_event).bind(
             job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
         if config.role == "inference":
@@ -115,7 +115,7 @@ class ElasticRefit:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._group: RefitGroup | None = None  # the current epoch's, owned by the agent thread
+        self._transport: Transport | None = None  # the current epoch's, used by the agent thread
         self.stats: dict[str, Any] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -137,7 +137,8 @@ class ElasticRefit:
             ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s)).start()
         self.versions = VersionStore(self.client, c.job)
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
-                                           config=self.membership.config, superseded=self._superseded)
+                                           config=self.membership.config, superseded=self._superseded,
+                                           transport_timeout_s=c.ttl_s + 1.0)
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
         self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
@@ -211,12 +212,12 @@ class ElasticRefit:
         finally:
             # Frames of this thread may outlive it in a latched error's traceback: they must
             # not keep the communicator (and its sockets) alive after close().
-            self._release_group()
+            self._release_transport()
 
-    def _release_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            group.close()
+    def _release_transport(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
 
     def _agent_loop(self) -> None:
         me = self.config.member_id
@@ -243,7 +244,7 @@ class ElasticRefit:
                     self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
                     # The manager's watchdog must hold the last reference to the old process
                     # group, so that its destructor never runs (and blocks) on this thread.
-                    self._release_group()
+                    self._release_transport()
                     try:
                         result = self.manager.reconfigure(view, latest)
                     except CommunicatorError:
@@ -251,19 +252,13 @@ class ElasticRefit:
                         view = None  # nothing of the old communicator survives a failed rebuild
                         self._request_reform(latest.epoch)
                         raise
-                    comm = result.communicator
-                    self._hook("comm.ready", epoch=latest.epoch, rank=comm.rank, path=result.path)
-                    # One send/recv may wait a lease TTL plus a second: longer than a slow but
-                    # live peer needs, and a dead one resets its connections at once (a stopped
-                    # one is out of the membership within its TTL).
-                    self._group = RefitGroup(comm.pg, comm.rank, comm.size,
-                                             GroupOptions(self.config.backend, self.config.ttl_s + 1.0),
-                                             store=comm.store)
+                    self._transport = HOOKS.wrap_transport(result.transport)
+                    self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
                     view, seq = latest, 0
                     self.stats["reconfigurations"] += 1
-                    self.log.info("refit.epoch.entered", epoch=view.epoch, rank=comm.rank, num_ranks=comm.size,
-                                  path=result.path, seconds=result.seconds)
-                    del comm, result  # the group is the only holder of the communicator here
+                    self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
+                                  num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
+                    del result  # the manager and self._transport are the only holders
                 state = self.versions.snapshot()
                 self._observe(state)
                 if view.members[0].member_id == me:
@@ -273,7 +268,7 @@ class ElasticRefit:
                     self._stop.wait(self.config.poll_s)
                     continue
                 spec = AttemptSpec.from_json(record)
-                if me in spec.participants and not self._run_attempt(view, self._group, seq, spec):  # type: ignore[arg-type]
+                if me in spec.participants and not self._run_attempt(view, self._transport, seq, spec):  # type: ignore[arg-type]
                     # The communicator died with the attempt: this epoch's group cannot be
                     # used again, and every rank of the epoch must build a new one together.
                     broken_epoch, view = view.epoch, None
@@ -340,17 +335,17 @@ class ElasticRefit:
         record = self.versions.attempt(view.epoch, seq)
         if record is None:
             return True
-        store = self.manager.current.store if self.manager.current else None
+        store = self.manager.store
         if store is None:
             return False
-        keys = [f"attempt/{seq}/done/{m}" for m in AttemptSpec.from_json(record).participants]
+        keys = [AttemptKeys(seq).done(m) for m in AttemptSpec.from_json(record).participants]
         return store.check(keys)
 
-    def _run_attempt(self, view: MembershipView, group: RefitGroup, seq: int, spec: AttemptSpec) -> bool:
+    def _run_attempt(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec) -> bool:
         """Run one attempt; False when it broke the epoch's communicator (a transport
         fault: gloo closes a pair for good once it times out or its peer resets it)."""
         me = self.config.member_id
-        store = self.manager.current.store
+        store = self.manager.store
         log = self.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
         self.stats["attempts"] += 1
         planned = False
@@ -363,9 +358,9 @@ class ElasticRefit:
             log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,
                      intra_domain_bytes=s.intra_domain_bytes, gather_broadcast_bytes=s.gather_broadcast_bytes)
-            store.set(f"attempt/{seq}/plan/{me}", plan.fingerprint)
+            store.set(AttemptKeys(seq).plan(me), plan.fingerprint)
             planned = True
-            keys = [f"attempt/{seq}/plan/{m}" for m in spec.participants]
+            keys = [AttemptKeys(seq).plan(m) for m in spec.participants]
             self._wait_keys(store, keys, view.epoch)
             for member_id, theirs in zip(spec.participants, store.multi_get(keys), strict=True):
                 if theirs.decode() != plan.fingerprint:
@@ -373,14 +368,14 @@ class ElasticRefit:
             log.info("refit.plan.agreed", participants=len(spec.participants))
             self._hook("plan.agreed", epoch=view.epoch, seq=seq, version=spec.version)
             source, destination = self._buffers(spec)
-            executor = Executor(plan, group, ExecutorOptions(staging_bytes=self.config.staging_bytes,
+            executor = Executor(plan, transport, ExecutorOptions(staging_bytes=self.config.staging_bytes,
                                                              verify=self.config.verify))
             if me in spec.destinations:
                 self._begin_apply()
                 # From here on this rank's buffers are being overwritten: it holds nothing.
                 self.versions.retract(self.membership, self.versions.snapshot())
             self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
-                       executor=executor, group=group)
+                       executor=executor, transport=transport)
             report = executor.run(source, destination)
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
@@ -390,7 +385,7 @@ class ElasticRefit:
                 value = self._digest()
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
                 log.info("refit.version.acked", digest=value)
-            store.set(f"attempt/{seq}/done/{me}", "ok")
+            store.set(AttemptKeys(seq).done(me), "ok")
             return True
         except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
             self.stats["failed_attempts"] += 1
@@ -398,11 +393,11 @@ class ElasticRefit:
                         error=(str(exc).splitlines() or [""])[0][:300])
             with contextlib.suppress(Exception):
                 if not planned:  # peers waiting for this rank's plan fail now, not at the deadline
-                    store.set(f"attempt/{seq}/plan/{me}", f"failed: {type(exc).__name__}")
-                store.set(f"attempt/{seq}/done/{me}", "failed")
+                    store.set(AttemptKeys(seq).plan(me), f"failed: {type(exc).__name__}")
+                store.set(AttemptKeys(seq).done(me), "failed")
             if isinstance(exc, MembershipLost):
                 raise
-            if isinstance(exc, TransportAborted) or group.aborted:
+            if isinstance(exc, TransportAborted) or transport.aborted:
                 return False
             # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):
             # back off briefly, then the next attempt (or epoch) retries.
@@ -493,8 +488,7 @@ class ElasticRefit:
             self._cond.notify_all()
 
     def _hook(self, phase: str, **context: Any) -> None:
-        if self.fail_at is not None:
-            self.fail_at(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
+        HOOKS.fire(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
 
     def _check_parameters(self, parameters: Mapping[str, torch.Tensor]) -> None:
         layout = self.layouts.destination

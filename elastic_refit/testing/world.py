@@ -1,4 +1,4 @@
-"""One rank of a local refit world: plan, agree, build the group, move, verify.
+"""One rank of a local refit world: plan, agree, build the transport, move, verify.
 
 Shared by the multi-process tests and ``elastic-refit bench``. Source pieces are filled
 with the deterministic pattern, destination buffers with a sentinel, and after the refit
@@ -22,9 +22,12 @@ from elastic_refit.errors import PlanMismatch
 from elastic_refit.layout import Layout, RefitSpec, parse_spec
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Plan, PlanOptions, make_plan
-from elastic_refit.testing.pattern import allocate, byte_view, check_pieces, fill_pieces
+from elastic_refit.testing.faults import FaultyTransport
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.transport.buffers import byte_view
+from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions
-from elastic_refit.transport.group import GroupOptions, RefitGroup
+from elastic_refit.transport.protocol import Transport, post_recv, post_send
 
 SENTINEL = 0x5A
 
@@ -105,8 +108,9 @@ def padding_problems(layout: Layout, rank: int, buffers: dict[str, torch.Tensor]
 
 
 def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, options: WorkerOptions,
-               before_run: Callable[[RefitGroup, Executor], None] | None = None) -> dict[str, Any]:
-    """Run ``case`` on this rank and return its report, timings and verification result."""
+               fault: Callable[[FaultyTransport], None] | None = None) -> dict[str, Any]:
+    """Run ``case`` on this rank and return its report, timings and verification result.
+    ``fault`` programs this rank's transport, wrapped in a ``FaultyTransport``."""
     t0 = time.perf_counter()
     plan = case.plan()
     plan_seconds = time.perf_counter() - t0
@@ -115,15 +119,16 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     if options.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
-    group = RefitGroup.create(dist.PrefixStore("refit", store), rank, world_size,
-                              GroupOptions(options.backend, options.timeout_s))
-    executor = Executor(plan, group, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
+    transport: Transport = C10dTransport.create(dist.PrefixStore("refit", store), rank, world_size,
+                                                backend=options.backend, timeout_s=options.timeout_s)
+    if fault is not None:
+        transport = FaultyTransport(transport)
+        fault(transport)
+    executor = Executor(plan, transport, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
                                                      pack_backend=options.pack_backend))
     src = allocate(plan.source, rank, fill=0, device=device)
     dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
     fill_pieces(plan.source, rank, src, options.seed)
-    if before_run is not None:
-        before_run(group, executor)
     reports = []
     for _ in range(options.warmup):
         executor.run(src, dst)
@@ -131,7 +136,7 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         reports.append(executor.run(src, dst))
     problems = check_pieces(plan.destination, rank, dst, options.seed)
     problems += padding_problems(plan.destination, rank, dst, SENTINEL)
-    group.abort()  # done with this world; nothing else uses the group
+    transport.abort()  # done with this world; nothing else uses it
     return {
         "rank": rank,
         "plan_seconds": plan_seconds,
@@ -247,25 +252,25 @@ def _buffer_digests(buffers: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: hashlib.sha1(byte_view(t).reshape(-1).cpu().numpy()).hexdigest() for n, t in buffers.items()}
 
 
-def _p2p(group: RefitGroup, pairs: list[tuple[int, int]], nbytes: int, repeat: int) -> list[float]:
+def _p2p(transport: Transport, pairs: list[tuple[int, int]], nbytes: int, repeat: int) -> list[float]:
     """Seconds of ``repeat`` one-message transfers over ``pairs`` at once (after one
     warm-up, which also sets up the lazily connected pairs); this rank's times."""
-    rank = group.rank
+    rank = transport.rank
     role = next(((peer, True) for a, peer in pairs if a == rank), None) or \
         next(((a, False) for a, b in pairs if b == rank), None)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device) if role else None
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=transport.device) if role else None
     if buf is not None:
         buf.fill_(rank)
     out = []
     for i in range(repeat + 1):
-        group.vote(True)  # barrier: every pair starts together
+        transport.vote(True)  # barrier: every pair starts together
         t0 = time.perf_counter()
         if role is not None:
             peer, sender = role
-            work = group.send(buf, peer, 1 << 30) if sender else group.recv(buf, peer, 1 << 30)
-            group.wait(work, peer, "p2p bandwidth")
-            if group.device.type == "cuda":
-                torch.cuda.synchronize(group.device)
+            work = post_send(transport, buf, peer, 1 << 30) if sender else post_recv(transport, buf, peer, 1 << 30)
+            transport.wait(work, peer, "p2p bandwidth")
+            if transport.device.type == "cuda":
+                torch.cuda.synchronize(transport.device)
         if i:
             out.append(time.perf_counter() - t0)
     return out
@@ -288,17 +293,17 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     if options.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
-    group = RefitGroup.create(dist.PrefixStore("bench", store), rank, world_size,
-                              GroupOptions(options.backend, options.timeout_s))
+    transport = C10dTransport.create(dist.PrefixStore("bench", store), rank, world_size,
+                                     backend=options.backend, timeout_s=options.timeout_s)
     try:
         say(f"raw send/recv: {options.p2p_bytes >> 20} MiB messages")
-        p2p_pair = _p2p(group, [(0, 1)], options.p2p_bytes, options.p2p_repeat) if world_size > 1 else []
+        p2p_pair = _p2p(transport, [(0, 1)], options.p2p_bytes, options.p2p_repeat) if world_size > 1 else []
         half = world_size // 2
-        p2p_all = _p2p(group, [(i, i + half) for i in range(half)], options.p2p_bytes,
+        p2p_all = _p2p(transport, [(i, i + half) for i in range(half)], options.p2p_bytes,
                        options.p2p_repeat) if world_size > 1 else []
-        executor = Executor(plan, group, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
+        executor = Executor(plan, transport, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
                                                          pack_backend=options.pack_backend))
-        baseline = GatherBroadcast(plan, group, BaselineOptions(chunk_bytes=options.chunk_bytes))
+        baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=options.chunk_bytes))
         say("filling source buffers with the pattern")
         src = allocate(plan.source, rank, fill=0, device=device)
         pattern_pieces(plan.source, rank, src, options.seed, write=True)
@@ -314,7 +319,7 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
             for m in order:
                 for t in dst.values():
                     byte_view(t).fill_(SENTINEL)
-                group.vote(True)  # start together; the refit's own vote ends it together
+                transport.vote(True)  # start together; the refit's own vote ends it together
                 report = methods[m](src, dst)
                 key = "warmup_seconds" if i < options.warmup else "seconds"
                 results[m][key].append(report.seconds)
@@ -343,7 +348,7 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
             send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
             staging_bytes=gb.staging_bytes, messages=gb.messages)
     finally:
-        group.abort()  # done with this world; nothing else uses the group
+        transport.abort()  # done with this world; nothing else uses it
     return {
         "rank": rank,
         "fingerprint": plan.fingerprint,

@@ -13,7 +13,7 @@ For every destination tensor, in destination order:
    k+1 is already arriving.
 3. **copy-out** — each destination rank copies its pieces out of its staging tensor.
 
-It uses the same ``RefitGroup`` (point-to-point only) as the executor. The per-rank
+It uses the same ``Transport`` (point-to-point only) as the executor. The per-rank
 schedule is built once; ``run`` is cheap to repeat. Memory per rank: one staging tensor
 (the largest tensor it touches, kept between runs) plus two chunk buffers for regions
 that are not contiguous on one side. Bytes sent and received, summed over ranks, equal
@@ -36,7 +36,7 @@ from elastic_refit.errors import TransportAborted
 from elastic_refit.layout import DTYPES, Layout
 from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view
-from elastic_refit.transport.group import RefitGroup
+from elastic_refit.transport.protocol import Transport, post_recv, post_send
 
 log = structlog.get_logger("elastic_refit.transport")
 
@@ -318,14 +318,14 @@ def build_baseline_schedule(plan: Plan, rank: int, options: BaselineOptions) -> 
 
 
 class GatherBroadcast:
-    """Runs rank ``group.rank``'s part of the classic refit of ``plan``'s layouts."""
+    """Runs rank ``transport.rank``'s part of the classic refit of ``plan``'s layouts."""
 
-    def __init__(self, plan: Plan, group: RefitGroup, options: BaselineOptions | None = None) -> None:
+    def __init__(self, plan: Plan, transport: Transport, options: BaselineOptions | None = None) -> None:
         self.plan = plan
-        self.group = group
+        self.transport = transport
         self.options = options or BaselineOptions()
-        self.rank = group.rank
-        self.device = group.device
+        self.rank = transport.rank
+        self.device = transport.device
         self.ops = build_baseline_schedule(plan, self.rank, self.options)
         self._shapes: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
         for side, layout in ((0, plan.source), (1, plan.destination)):
@@ -368,7 +368,7 @@ class GatherBroadcast:
             destination: Mapping[str, torch.Tensor] | None = None) -> BaselineReport:
         """Gather every tensor on its root and broadcast it whole; ``source``/``destination``
         map buffer names to this rank's tensors. Raises ``TransportAborted`` when this or
-        any other rank fails (the group is aborted so peers do not hang)."""
+        any other rank fails (the transport is aborted so peers do not hang)."""
         start = time.perf_counter()
         messages = 0
         try:
@@ -381,9 +381,9 @@ class GatherBroadcast:
         except BaseException as exc:
             log.warning("refit.baseline.failed", rank=self.rank,
                         error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self.group.abort()
+            self.transport.abort()
             raise
-        if not self.group.vote(True):
+        if not self.transport.vote(True):
             raise TransportAborted(f"rank {self.rank}: another rank failed the refit", rank=self.rank, phase="vote")
         g = self.send_recv_bytes()
         report = BaselineReport(
@@ -449,13 +449,13 @@ class GatherBroadcast:
     def _stream(self, items: tuple[_Item, ...], side: int, buffers, stage, *, receive: bool, what: str) -> int:
         """Send or receive ``items`` in order with up to ``window`` in flight; regions that
         are not contiguous go through the two chunk buffers."""
-        group, window = self.group, self.options.window
+        transport, window = self.transport, self.options.window
         inflight: deque = deque()  # (work, item, chunk index or None, view)
         free = [0, 1]
 
         def complete() -> None:
             work, it, slot, view = inflight.popleft()
-            group.wait(work, it.peer, what)
+            transport.wait(work, it.peer, what)
             if slot is not None:
                 if receive:
                     view.copy_(self._chunks[slot][: it.region.nbytes].view(view.shape))
@@ -467,18 +467,18 @@ class GatherBroadcast:
                 complete()
             view = self._view(it.region, side, buffers, stage)
             if direct:
-                work = group.recv(view, it.peer, it.tag) if receive else group.send(view, it.peer, it.tag)
+                work = post_recv(transport, view, it.peer, it.tag) if receive else post_send(transport, view, it.peer, it.tag)
                 inflight.append((work, it, None, view))
                 continue
             slot = free.pop(0)
             flat = self._chunks[slot][: it.region.nbytes]
             if receive:
-                work = group.recv(flat, it.peer, it.tag)
+                work = post_recv(transport, flat, it.peer, it.tag)
             else:
                 flat.view(view.shape).copy_(view)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                work = group.send(flat, it.peer, it.tag)
+                work = post_send(transport, flat, it.peer, it.tag)
             inflight.append((work, it, slot, view))
         while inflight:
             complete()
@@ -487,7 +487,7 @@ class GatherBroadcast:
     def _chain(self, op: _TensorOp, stage: torch.Tensor, where: str) -> int:
         """Pipelined chain broadcast of the staging tensor: receive chunk k from the
         predecessor, forward it to the successor while later chunks arrive."""
-        group, window = self.group, self.options.window
+        transport, window = self.transport, self.options.window
         flat = stage.reshape(-1)
         views = [flat[o : o + n] for o, n in op.chunks]
         tags = [_tag(op.index, _BROADCAST, k) for k in range(len(views))]
@@ -496,17 +496,17 @@ class GatherBroadcast:
         if op.pred is None:
             # The root: everything is in staging, post all sends.
             for v, tag in zip(views, tags, strict=True):
-                sends.append(group.send(v, op.succ, tag))  # type: ignore[arg-type]
+                sends.append(post_send(transport, v, op.succ, tag))  # type: ignore[arg-type]
         else:
             recvs: deque = deque()
             ahead = 0
             for k in range(len(views)):
                 while ahead < len(views) and ahead < k + window:
-                    recvs.append(group.recv(views[ahead], op.pred, tags[ahead]))
+                    recvs.append(post_recv(transport, views[ahead], op.pred, tags[ahead]))
                     ahead += 1
-                group.wait(recvs.popleft(), op.pred, what_recv)
+                transport.wait(recvs.popleft(), op.pred, what_recv)
                 if op.succ is not None:
-                    sends.append(group.send(views[k], op.succ, tags[k]))
+                    sends.append(post_send(transport, views[k], op.succ, tags[k]))
         while sends:
-            group.wait(sends.popleft(), op.succ, what_send)  # type: ignore[arg-type]
+            transport.wait(sends.popleft(), op.succ, what_send)  # type: ignore[arg-type]
         return len(views) * ((op.pred is not None) + (op.succ is not None))

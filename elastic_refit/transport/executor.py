@@ -1,4 +1,4 @@
-"""The executor: move one rank's share of a plan over a ``RefitGroup``.
+"""The executor: move one rank's share of a plan over a ``Transport``.
 
 Per step a rank sends at most one message and receives at most one. A message travels as
 buckets; each bucket is packed with one kernel launch into a staging buffer (or sent
@@ -6,7 +6,7 @@ straight from the parameter when it is one contiguous box), and two staging buff
 direction overlap packing, transfer and unpacking. Staging never exceeds four buckets
 (plus digest trailers), which ``staging_bytes`` bounds.
 
-Any failure aborts the group so peers fail fast, and every rank ends with a vote, so a
+Any failure aborts the transport so peers fail fast, and every rank ends with a vote, so a
 rank whose own transfers all succeeded still learns that the refit did not.
 """
 
@@ -25,7 +25,7 @@ from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.plan import Plan, SourceSide
 from elastic_refit.transport.buffers import byte_view, digest
-from elastic_refit.transport.group import RefitGroup
+from elastic_refit.transport.protocol import Transport, post_recv, post_send
 from elastic_refit.transport.schedule import (
     BoxCopy,
     Bucket,
@@ -166,15 +166,15 @@ class _BucketIO:
 
 
 class Executor:
-    """Runs rank ``rank``'s share of ``plan`` over ``group``; build once per epoch."""
+    """Runs rank ``rank``'s share of ``plan`` over ``transport``; build once per epoch."""
 
-    def __init__(self, plan: Plan, group: RefitGroup, options: ExecutorOptions | None = None) -> None:
+    def __init__(self, plan: Plan, transport: Transport, options: ExecutorOptions | None = None) -> None:
         self.plan = plan
-        self.group = group
+        self.transport = transport
         self.options = options or ExecutorOptions()
-        self.rank = group.rank
+        self.rank = transport.rank
         self.schedule = build_rank_schedule(plan, self.rank)
-        self.device = group.device
+        self.device = transport.device
         self._io: dict[int, _BucketIO] = {}
         for step in self.schedule.steps:
             for msg in (step.send, step.recv):
@@ -204,7 +204,7 @@ class Executor:
         """Move this rank's bytes: ``source`` and ``destination`` map buffer names to tensors.
 
         Raises ``TransportAborted`` when this or any other rank fails, ``ValueError`` for
-        missing or mismatched buffers (after aborting the group so peers do not hang).
+        missing or mismatched buffers (after aborting the transport so peers do not hang).
         """
         start = time.perf_counter()
         try:
@@ -219,9 +219,9 @@ class Executor:
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
             log.warning("refit.transfer.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self.group.abort()
+            self.transport.abort()
             raise
-        if not self.group.vote(True, self.participants):
+        if not self.transport.vote(True, self.participants):
             raise TransportAborted(f"rank {self.rank}: another rank failed the refit", rank=self.rank, phase="vote")
         by_kind = self.schedule.bytes_by_kind()
         report = TransferReport(
@@ -272,7 +272,7 @@ class Executor:
         dst.copy_(src.reshape(dst.shape))
 
     def _exchange(self, send: Message | None, recv: Message | None, tensors, counts, where: str) -> None:
-        group, verify = self.group, self.options.verify
+        transport, verify = self.transport, self.options.verify
         n_send = len(send.buckets) if send else 0
         n_recv = len(recv.buckets) if recv else 0
         send_work: list = [None, None]
@@ -283,7 +283,7 @@ class Executor:
             if i < n_send:
                 io = self._io[id(send.buckets[i])]  # type: ignore[union-attr]
                 if send_work[slot] is not None:  # the staging slot is free once its send is done
-                    group.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
+                    transport.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
                 if io.direct is not None:
                     payload = io.direct_view(tensors)
                     counts["zero_copy"] += 1
@@ -292,17 +292,17 @@ class Executor:
                     io.pack(tensors, payload, verify)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                send_work[slot] = group.send(payload, send.peer, tag=i)  # type: ignore[union-attr]
+                send_work[slot] = post_send(transport, payload, send.peer, tag=i)  # type: ignore[union-attr]
                 counts["buckets"] += 1
             if i < n_recv:
                 io = self._io[id(recv.buckets[i])]  # type: ignore[union-attr]
                 target = io.direct_view(tensors) if io.direct is not None else self._staging[2 + slot][: io.wire_bytes]
-                recv_work[slot] = group.recv(target, recv.peer, tag=i)  # type: ignore[union-attr]
+                recv_work[slot] = post_recv(transport, target, recv.peer, tag=i)  # type: ignore[union-attr]
                 recv_target[slot] = (io, target)
                 counts["buckets"] += 1
             prev = (i - 1) % 2
             if i >= 1 and i - 1 < n_recv:
-                group.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]
+                transport.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]
                 io, target = recv_target[prev]
                 if io.direct is None:
                     counts["verified"] += io.unpack(tensors, target, verify, f"rank {self.rank} {where}")
@@ -311,4 +311,4 @@ class Executor:
                 recv_work[prev] = None
         for slot in (0, 1):
             if send_work[slot] is not None:
-                group.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
+                transport.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]

@@ -13,7 +13,7 @@ from elastic_refit.plan import TransferKind
 from elastic_refit.testing.processes import run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 
-from .faults import CorruptFirstPack, FailAfterSends
+from .faults import CorruptFirstSend, FailAfterSends
 
 TINY_DENSE = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=3, vocab_size=250, num_heads=4,
                          num_kv_heads=2, head_dim=16, intermediate_size=96)
@@ -122,7 +122,7 @@ def test_a_failing_rank_aborts_every_other_rank(mode):
     if mode == "kill":
         assert victim_result.exitcode == -9
     else:
-        assert "injected failure" in victim_result.error
+        assert "injected: failure on rank" in victim_result.error
     for r in results:
         if r.rank == victim:
             continue
@@ -136,7 +136,7 @@ def test_a_failing_rank_aborts_every_other_rank(mode):
 def test_corrupted_bytes_are_detected_never_silent():
     case = CASES["spec-uneven-colocated"]
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True, timeout_s=10)),
-                              timeout_s=120, per_rank_args=[(CorruptFirstPack(rank=0),)] * _world_size(case))
+                              timeout_s=120, per_rank_args=[(CorruptFirstSend(rank=0),)] * _world_size(case))
     kinds = {r.rank: r.error_type for r in results}
     assert not any(r.ok for r in results), kinds
     assert "VerificationFailed" in kinds.values(), kinds

@@ -1,0 +1,132 @@
+"""The transport seam: what the executor, the baseline and the runtime need of a communicator.
+
+A :class:`Transport` moves flat byte buffers between the ranks of one refit world. It
+posts batches of point-to-point operations (:meth:`Transport.post`), waits for them with
+a bound (:meth:`Transport.wait`), runs the end-of-refit vote, and can be aborted (peers
+blocked on this rank fail instead of hanging) and closed. Capability flags say what the
+communicator behind it can do when membership changes.
+
+Implementations: :mod:`elastic_refit.transport.c10d` (torch ProcessGroupGloo /
+ProcessGroupNCCL). The test toolkit wraps any transport to inject faults
+(``elastic_refit.testing.faults.FaultyTransport``); nothing else patches a transport.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Backend", "Capabilities", "P2POp", "Transport", "Work"]
+
+
+class Backend(enum.StrEnum):
+    """The communicator library behind a transport."""
+
+    GLOO = "gloo"  # torch ProcessGroupGloo: CPU tensors; reconfiguration is always a rebuild
+    NCCL = "nccl"  # torch ProcessGroupNCCL: one GPU per rank; shrink through shrink_group
+    NCCL4PY = "nccl4py"  # communicators owned through nccl4py: shrink and grow
+
+    @classmethod
+    def parse(cls, value: str | Backend) -> Backend:
+        """``value`` as a backend; ``ValueError`` naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(b.value for b in cls)
+            raise ValueError(f"backend must be one of {choices}, got {value!r}") from None
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self is Backend.GLOO else "cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the communicator behind a transport can do."""
+
+    backend: Backend
+    device: torch.device
+    can_shrink: bool = False
+    can_grow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    """One send or receive of a flat buffer to or from ``peer``; ``tag`` orders messages
+    between one pair (gloo matches on it, NCCL on posting order)."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("send", "recv"):
+            raise ValueError(f"op must be 'send' or 'recv', got {self.op!r}")
+        if self.peer < 0:
+            raise ValueError(f"peer must be >= 0, got {self.peer}")
+
+
+class Work(Protocol):
+    """A handle of posted operations."""
+
+    def wait(self, timeout: object = ...) -> bool | None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Point-to-point byte movement plus a vote over one refit world."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the transport was aborted or closed (it cannot be used again)."""
+        ...
+
+    def post(self, ops: Sequence[P2POp]) -> Work:
+        """Post ``ops`` together (one group where the backend batches) and return one handle.
+        Raises ``TransportAborted`` on an aborted transport or a failed post."""
+        ...
+
+    def wait(self, work: Work, peer: int, what: str) -> None:
+        """Wait for ``work``; failure, timeout or cancellation raise ``TransportAborted``
+        naming ``what`` and ``peer``."""
+        ...
+
+    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
+        """True only if every participant (default: every rank) reports ``ok``; a dead or
+        absent participant, or the timeout, raises ``TransportAborted``."""
+        ...
+
+    def abort(self) -> None:
+        """Tear the communicator down so that peers blocked on this rank fail fast."""
+        ...
+
+    def close(self) -> None:
+        """Stop using the transport and drop its references to the communicator."""
+        ...
+
+
+def post_send(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+    """Post one send."""
+    return transport.post((P2POp("send", tensor, peer, tag),))
+
+
+def post_recv(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+    """Post one receive."""
+    return transport.post((P2POp("recv", tensor, peer, tag),))
