@@ -27,7 +27,9 @@ Phases (chaos vocabulary -> runtime hook):
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "FAULT_KINDS",
@@ -194,6 +196,9 @@ class Scenario:
     num_inference: int = 2
     etcd_nodes: int = 1
     quick_excluded: str | None = field(default=None, compare=False)  # why it is not in the quick matrix
+    spec_json: str | None = field(default=None, compare=False)  # the job's layouts (default: the trial model)
+    trainer_pause_s: float = 0.3  # trainers: time between versions (a training step)
+    member_config: Mapping[str, Any] | None = field(default=None, compare=False)  # RefitConfig overrides
 
     def __post_init__(self) -> None:
         if self.versions < 2:
@@ -202,6 +207,8 @@ class Scenario:
             raise ValueError(f"num_inference must be >= 2 (replicas make recovery possible), got {self.num_inference}")
         if self.etcd_nodes not in (1, 3):
             raise ValueError(f"etcd_nodes must be 1 or 3, got {self.etcd_nodes}")
+        if not self.trainer_pause_s >= 0:
+            raise ValueError(f"trainer_pause_s must be >= 0, got {self.trainer_pause_s}")
 
 
 TTL_S = 2.0  # the members' lease TTL (RefitConfig default); stop durations are chosen around it

@@ -1,12 +1,13 @@
-"""Injection: the ``fail_at`` hook a member process runs, and the parent's process killer.
+"""Injection: the phase hook a member process runs, and the parent's process killer.
 
 :class:`FaultHook` is picklable and built per member incarnation with only the faults
-that may fire there; a member without faults gets ``None`` as its ``fail_at`` (the
-runtime then skips every hook: no cost when disabled). When a fault fires, the hook
+that may fire there; the worker installs it with ``install_faults`` (a member without
+faults installs nothing, and the runtime's hooks then cost nothing). When a fault fires, the hook
 claims it exactly once across processes (an ``O_EXCL`` marker file), appends a record
 (fault index, member, phase, pid, time) to the trial's ``faults.jsonl`` and acts: it
-signals its own process by pid (kill, terminate, stop), blocks (stall), wraps the
-transfer's messages (slow, chunk k), or waits for the parent to take etcd down.
+signals its own process by pid (kill, terminate, stop), blocks (stall), programs the
+epoch's ``FaultyTransport`` (slow messages, a fault before message k), or waits for the
+parent to take etcd down.
 
 :class:`Killer` signals processes the runner started, by pid only, and refuses any other
 pid: it never looks processes up by name.
@@ -20,12 +21,13 @@ import os
 import signal
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastic_refit.chaos.faults import Fault, runtime_phase
+
+from elastic_refit.testing.faults import FaultyTransport
 
 __all__ = ["FaultHook", "Killer", "read_fault_records"]
 
@@ -34,7 +36,7 @@ _VERSIONLESS = ("comm.reconfiguring", "comm.ready")
 
 @dataclass(frozen=True, slots=True)
 class FaultHook:
-    """``fail_at`` of one member incarnation: ``faults`` are (plan index, fault) pairs."""
+    """The phase hook of one member incarnation: ``faults`` are (plan index, fault) pairs."""
 
     member_id: str
     life: int
@@ -43,7 +45,7 @@ class FaultHook:
 
     def __post_init__(self) -> None:
         if not self.faults:
-            raise ValueError(f"{self.member_id}: a FaultHook needs at least one fault (pass fail_at=None instead)")
+            raise ValueError(f"{self.member_id}: a FaultHook needs at least one fault (install no hook instead)")
 
     # ---- the hook --------------------------------------------------------------------
     def __call__(self, phase: str, context: dict[str, Any]) -> None:
@@ -134,40 +136,29 @@ class FaultHook:
                 time.sleep(0.01)
 
     def _arm_transfer(self, index: int, fault: Fault, context: dict[str, Any], state: dict) -> None:
-        group = context.get("group")
+        transport = context.get("transport")
         n = _num_messages(context.get("executor"))
-        if group is None:
+        if not isinstance(transport, FaultyTransport):
             self._fire(index, fault, context, "transfer[0]", messages=n)
             return
         if fault.kind == "slow":
-            if not self._claim(index):
-                return
-            self._record(index, fault, context, "transfer", messages=n, delay_s=fault.duration_s)
-        elif fault.chunk == 0:
+            if self._claim(index):
+                self._record(index, fault, context, "transfer", messages=n, delay_s=fault.duration_s)
+                transport.delay(fault.duration_s)
+            return
+        if fault.chunk == 0:
             self._fire(index, fault, context, "transfer[0]", messages=n)
             return
-        else:
-            state["armed"][index] = (fault, "transfer")
-        count = {"n": 0}
-        hook = self
-        # The wrappers live on the group: they reach it weakly and keep none of the context's
-        # objects, so they add no reference cycle that would keep a closed group alive.
-        group_ref = weakref.ref(group)
-        record_context = {k: v for k, v in context.items() if k not in ("group", "executor")}
+        state["armed"][index] = (fault, "transfer")
+        # The action keeps none of the context's objects (no executor, no transport), so it
+        # adds no reference cycle that would keep a closed transport alive.
+        record_context = {k: v for k, v in context.items() if k not in ("transport", "executor")}
 
-        for op in ("send", "recv"):
-            original = getattr(type(group), op)
+        def fire() -> None:
+            if state["armed"].pop(index, None) is not None:
+                self._fire(index, fault, record_context, f"transfer[{fault.chunk}]", messages=n)
 
-            def wrapped(tensor, peer, tag=0, _original=original):
-                if fault.kind == "slow":
-                    time.sleep(fault.duration_s)
-                elif count["n"] >= fault.chunk and index in state["armed"]:
-                    del state["armed"][index]
-                    hook._fire(index, fault, record_context, f"transfer[{fault.chunk}]", messages=n)
-                count["n"] += 1
-                return _original(group_ref(), tensor, peer, tag)
-
-            setattr(group, op, wrapped)
+        transport.inject(fire, after=fault.chunk)
 
 
 # Per-process mutable state of hooks (the dataclass is frozen and slotted); keyed by id.

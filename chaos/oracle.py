@@ -22,11 +22,8 @@ leave, nothing else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -35,8 +32,6 @@ __all__ = [
     "TrialVerdict",
     "Violation",
     "check_all",
-    "parse_log_lines",
-    "read_logs",
 ]
 
 CATEGORIES = ("torn", "lost", "hung", "leaked", "unsafe", "error")
@@ -98,40 +93,6 @@ class TrialVerdict:
         return {"passed": self.passed, "faults_fired": self.faults_fired, "recovery_s": list(self.recovery_s),
                 "violations": [{"category": v.category, "check": v.check, "detail": v.detail}
                                for v in self.violations]}
-
-
-# ---- reading ---------------------------------------------------------------------------
-def _timestamp(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def parse_log_lines(lines: list[str]) -> list[dict[str, Any]]:
-    """JSON events of one log (non-JSON lines skipped), each with ``_t`` (unix seconds)."""
-    out = []
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut by SIGKILL
-        event["_t"] = _timestamp(event.get("timestamp"))
-        out.append(event)
-    return out
-
-
-def read_logs(log_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """``{incarnation: events}`` from every ``*.log`` in ``log_dir`` (one file per incarnation)."""
-    out = {}
-    for path in sorted(Path(log_dir).glob("*.log")):
-        out[path.stem] = parse_log_lines(path.read_text(errors="replace").splitlines())
-    return out
 
 
 def _events(evidence: TrialEvidence, name: str):

@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 from elastic_refit.chaos.faults import Scenario
 from elastic_refit.chaos.inject import FaultHook, Killer, read_fault_records
-from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all, read_logs
+from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all
 from elastic_refit.chaos.worker import worker_main
+
+from elastic_refit.testing.logs import read_logs
 
 __all__ = ["ChaosRun", "TrialResult", "run_matrix", "spec_json", "summarize"]
 
@@ -180,6 +182,7 @@ class TrialResult:
     wall_s: float
     job: str
     log_dir: str | None  # kept when the trial failed
+    evidence: TrialEvidence | None = field(default=None, repr=False, compare=False)  # what the oracle judged
 
     def categories(self) -> dict[str, bool]:
         return {c: self.verdict.has(c) for c in CATEGORIES}
@@ -258,8 +261,10 @@ class ChaosRun:
         return left + [p for p in pids if _alive(p)]
 
     # ---- a trial -------------------------------------------------------------------------
-    def run_trial(self, scenario: Scenario, index: int = 0) -> TrialResult:
-        """Run one scenario end to end and judge it."""
+    def run_trial(self, scenario: Scenario, index: int = 0,
+                  narrate: Callable[[str], None] | None = None) -> TrialResult:
+        """Run one scenario end to end and judge it; ``narrate`` (optional) is told of
+        faults, restarts, commits and catch-ups as they happen."""
         from elastic_refit.membership import EtcdClient
 
         etcd = self.etcd(scenario.etcd_nodes)
@@ -270,7 +275,7 @@ class ChaosRun:
             ("inference", f"i{k}", 2 + k) for k in range(scenario.num_inference)]
         layout_of = {m: (role, rank) for role, m, rank in members}
         versions = tuple(range(1, scenario.versions + 1))
-        spec = spec_json(scenario.num_inference)
+        spec = scenario.spec_json or spec_json(scenario.num_inference)
         self.pool.ensure(len(members))
         t_start = time.monotonic()
         running: dict[str, tuple[Any, str, int]] = {}  # incarnation -> (worker, member_id, life)
@@ -296,24 +301,32 @@ class ChaosRun:
             member = MemberSpec(job, role, member_id, rank, etcd.endpoints,
                                 "d-train" if role == "trainer" else "d-infer", spec_json=spec,
                                 versions=versions, incarnation=incarnation,
-                                pause_s=0.3 if role == "trainer" else 0.0, config=dict(MEMBER_CONFIG))
+                                pause_s=scenario.trainer_pause_s if role == "trainer" else 0.0,
+                                config={**MEMBER_CONFIG, **(scenario.member_config or {})})
             w = self.pool.acquire()
             w.task = (member_id, life)
             w.conn.send((member, hook, str(trial_dir / f"{incarnation}.log")))
             running[incarnation] = (w, member_id, life)
             latest[member_id] = incarnation
+            if life and narrator is not None:
+                narrator.restarted(member_id, incarnation)
 
+        narrator = _Narrator(narrate, etcd.endpoints, job, trial_dir) if narrate is not None else None
         for _, member_id, _ in members:
             start(member_id, 0)
         timed_out = False
         while True:
             now = time.monotonic()
+            if narrator is not None:
+                narrator.tick()
             # parent side of every newly fired fault
             for record in read_fault_records(trial_dir):
                 if record["index"] in handled:
                     continue
                 handled.add(record["index"])
                 fault = scenario.plan.faults[record["index"]]
+                if narrator is not None:
+                    narrator.fault(fault, record)
                 incarnation = next((inc for inc, (_, m, life) in running.items()
                                     if m == record["member_id"] and life == record["life"]), None)
                 if fault.kind != "etcd_restart" and fault.kind != "slow" and incarnation:
@@ -388,6 +401,8 @@ class ChaosRun:
         self.pool.replenish(len(members))
         for t in etcd_threads:
             t.join(30)
+        if narrator is not None:
+            narrator.close()
         wall = time.monotonic() - t_start
         # Settle: dead members' leases expire within the TTL; nothing else may remain.
         client = EtcdClient(list(etcd.endpoints))
@@ -423,7 +438,61 @@ class ChaosRun:
         keep = self.keep_logs or not verdict.passed
         if not keep:
             shutil.rmtree(trial_dir, ignore_errors=True)
-        return TrialResult(scenario, verdict, wall, job, str(trial_dir) if keep else None)
+        return TrialResult(scenario, verdict, wall, job, str(trial_dir) if keep else None, evidence)
+
+
+class _Narrator:
+    """Tells a trial's story as it happens: faults, restarts, commits (read through
+    ``VersionStore``) and restarted ranks serving again (read from their logs)."""
+
+    def __init__(self, say: Callable[[str], None], endpoints: tuple[str, ...], job: str, trial_dir: Path) -> None:
+        from elastic_refit.membership import EtcdClient
+        from elastic_refit.membership.versions import VersionStore
+
+        self.say = say
+        self.t0 = time.time()
+        self.client = EtcdClient(list(endpoints))
+        self.versions = VersionStore(self.client, job)
+        self.trial_dir = trial_dir
+        self.committed: set[int] = set()
+        self.waiting: dict[str, str] = {}  # restarted incarnation -> member id, until it serves
+        self.next_tick = 0.0
+
+    def _stamp(self) -> str:
+        return f"[{time.time() - self.t0:5.1f}s]"
+
+    def fault(self, fault: Any, record: dict[str, Any]) -> None:
+        what = {"kill": "SIGKILLed", "restart": "SIGKILLed", "terminate": "sent SIGTERM", "stop": "SIGSTOPped",
+                "stall": "stalled", "slow": "slowed down", "etcd_restart": "saw etcd go down"}[fault.kind]
+        self.say(f"{self._stamp()} FAULT: {record['member_id']} ({record.get('role')}) {what} during the refit "
+                 f"of version {record.get('version')} ({record.get('phase')})")
+
+    def restarted(self, member_id: str, incarnation: str) -> None:
+        self.waiting[incarnation] = member_id
+        self.say(f"{self._stamp()} {member_id} restarted as incarnation {incarnation}")
+
+    def tick(self) -> None:
+        if time.monotonic() < self.next_tick:
+            return
+        self.next_tick = time.monotonic() + 0.2
+        with contextlib.suppress(Exception):  # etcd may be down on purpose
+            state = self.versions.snapshot()
+            for v in sorted(set(state.committed) - self.committed):
+                self.committed.add(v)
+                self.say(f"{self._stamp()} version {v} committed in epoch {state.committed[v].epoch} "
+                         f"({len(state.acks.get(v, {}))} inference ranks acked)")
+        for incarnation, member_id in list(self.waiting.items()):
+            serving = [e for e in read_logs(self.trial_dir, incarnation).get(incarnation, [])
+                       if e.get("event") == "refit.version.serving"]
+            if serving:
+                del self.waiting[incarnation]
+                self.say(f"{self._stamp()} {member_id} caught up from its peers: serving version "
+                         f"{serving[0].get('version')}")
+
+    def close(self) -> None:
+        self.next_tick = 0.0
+        self.tick()
+        self.client.close()
 
 
 def _is_mp_helper(pid: int) -> bool:

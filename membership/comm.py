@@ -180,16 +180,6 @@ class Communicator:
     path: str
     transport: Transport | None = None
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` across ranks in place (used to verify a fresh communicator)."""
-        if self.backend == "nccl4py":
-            raise CommunicatorError("allreduce on nccl4py communicators goes through transport/")
-        self.pg.allreduce([tensor]).wait()
-        return tensor
-
-    def barrier(self) -> None:
-        self.allreduce(torch.zeros(1, device=self.device))
-
 
 @dataclass(frozen=True, slots=True)
 class ReconfigureResult:

@@ -12,6 +12,8 @@ from elastic_refit.cli._output import (
     render_table,
 )
 
+__all__ = ["register", "render_summary", "run"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     kill_inference = None if args.no_faults else min(3, args.versions)
     kill_trainer = None if args.no_faults else min(5, args.versions)
-    config = DemoConfig(versions=args.versions, num_inference=args.inference, kill_inference_at=kill_inference,
+    config = DemoConfig(num_versions=args.versions, num_inference=args.inference, kill_inference_at=kill_inference,
                         kill_trainer_at=kill_trainer, timeout_s=args.timeout, log_dir=args.log_dir)
     summary = run_demo(config, progress=progress)
     data = summary.to_json()
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(data)
     else:
         print(render_summary(data))
-    ok = (data["versions_committed"] == config.versions and data["verified"] and data["recovered"])
+    ok = (data["num_versions_committed"] == config.num_versions and data["verified"] and data["recovered"])
     return 0 if ok else 1
 
 
@@ -59,14 +61,15 @@ def render_summary(data: dict) -> str:
     lines = []
     p50 = data["recovery_p50_s"]
     outcome = [
-        ("versions committed", f"{data['versions_committed']} / {data['versions_published']}"),
+        ("versions committed", f"{data['num_versions_committed']} / {data['num_versions_published']}"),
         ("ranks", f"{data['num_trainers']} trainers (DP replicas) -> {data['num_inference']} inference "
                    f"({data['num_inference'] // 2} x TP=2)"),
-        ("epochs / attempts / failed", f"{data['epochs']} / {data['attempts']} / {data['failed_attempts']}"),
-        ("faults injected", str(data["faults_injected"])),
+        ("epochs / attempts / failed", f"{data['num_epochs']} / {data['num_attempts']} / {data['num_failed_attempts']}"),
+        ("faults injected", str(data["num_faults"])),
         ("recovered", "yes" if data["recovered"] else "NO"),
         ("recovery p50 (kill -> next commit)", "-" if p50 is None else format_seconds(p50)),
-        ("verified bit-exact", f"{'yes' if data['verified'] else 'NO'} ({data['checks']} rank-version checks)"),
+        ("verified bit-exact", f"{'yes' if data['verified'] else 'NO'} ({data['num_checks']} rank-version checks)"),
+        ("torn / lost / hung / leaked", "none" if not data["violations"] else f"{len(data['violations'])} violations"),
         ("wall time", format_seconds(data["wall_s"])),
     ]
     lines.append(render_table(["summary", "value"], outcome))
@@ -99,6 +102,6 @@ def render_summary(data: dict) -> str:
         lines.append("")
         lines.append(render_table(["version", "epoch", "committed at", "digest"], [
             [f"v{c['version']}", c["epoch"], f"{c['at_s']:.2f} s", c["digest"][:12]] for c in data["committed"]]))
-    for e in data["errors"] + data["problems"]:
+    for e in data["errors"] + data["problems"] + data["violations"]:
         lines.append(f"! {e}")
     return "\n".join(lines)

@@ -8,8 +8,8 @@ Nothing in the library imports this package. It holds:
   of the demo, the chaos suite and the runtime tests);
 - ``allocate`` / ``fill_pieces`` / ``check_pieces``: deterministic, position-dependent
   pattern data that a destination can verify bit-exactly;
-- ``FaultyTransport`` and ``PhaseHooks``: the one fault seam (a fault-injecting transport
-  wrapper and hooks at the runtime's named phases);
+- ``FaultyTransport`` and ``install_faults``: the one fault seam (a fault-injecting
+  transport wrapper, and hooks at the runtime's named phases);
 - ``read_logs``: the JSON event logs of member processes.
 """
 
@@ -27,6 +27,9 @@ _EXPORTS = {
     "allocate": "elastic_refit.testing.pattern",
     "check_pieces": "elastic_refit.testing.pattern",
     "fill_pieces": "elastic_refit.testing.pattern",
+    "read_logs": "elastic_refit.testing.logs",
+    "FaultyTransport": "elastic_refit.testing.faults",
+    "install_faults": "elastic_refit.testing.faults",
     "MemberSpec": "elastic_refit.testing.job",
     "run_member": "elastic_refit.testing.job",
 }
@@ -35,18 +38,23 @@ __all__ = [
     "EtcdCluster",
     "EtcdServer",
     "EtcdServerError",
+    "FaultyTransport",
     "MemberSpec",
     "RankResult",
     "allocate",
     "check_pieces",
     "fill_pieces",
+    "install_faults",
+    "read_logs",
     "run_local_world",
     "run_member",
 ]
 
 if TYPE_CHECKING:
     from elastic_refit.testing.etcd import EtcdCluster, EtcdServer, EtcdServerError
+    from elastic_refit.testing.faults import FaultyTransport, install_faults
     from elastic_refit.testing.job import MemberSpec, run_member
+    from elastic_refit.testing.logs import read_logs
     from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
     from elastic_refit.testing.processes import RankResult, run_local_world
 

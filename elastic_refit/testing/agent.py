@@ -14,14 +14,18 @@ rejected by etcd.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +42,112 @@ from elastic_refit.membership.errors import (
 from elastic_refit.membership.leader import publish_epoch
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.view import MemberRecord, MembershipView
+from elastic_refit.transport.protocol import Transport, post_recv, post_send
+
+
+class AgentProcess:
+    """One agent process (``python -m elastic_refit.testing.agent``) with its JSON events
+    collected from stdout by a reader thread; stopped by pid only."""
+
+    def __init__(self, endpoints: Sequence[str], job: str, member_id: str, *, role: str = "trainer",
+                 ttl: int = 2, comm: str = "none", candidate: bool = True, start: bool = True) -> None:
+        self.member_id = member_id
+        self.args = [sys.executable, "-m", "elastic_refit.testing.agent", "--endpoints", ",".join(endpoints),
+                     "--job", job, "--role", role, "--member-id", member_id, "--ttl", str(ttl), "--comm", comm]
+        if not candidate:
+            self.args.append("--no-candidate")
+        self.events: list[dict] = []
+        self.cond = threading.Condition()
+        self.proc: subprocess.Popen | None = None
+        self.pids: list[int] = []  # every process this object started
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start (again: a new incarnation). The package is installed, so the environment
+        (PYTHONPATH included) passes through unchanged."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.pids.append(self.proc.pid)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": "raw", "line": line.decode(errors="replace").rstrip()}
+            event["_t"] = time.time()
+            event["_pid"] = proc.pid
+            with self.cond:
+                self.events.append(event)
+                self.cond.notify_all()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def wait_event(self, predicate: Callable[[dict], bool], timeout_s: float = 15.0, since: float = 0.0) -> dict:
+        """The first event at or after ``since`` (unix time) that ``predicate`` accepts;
+        ``TimeoutError`` with the last events after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if e["_t"] >= since and predicate(e):
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    tail = "\n".join(json.dumps(e)[:300] for e in self.events[-15:])
+                    raise TimeoutError(f"agent {self.member_id}: event not seen in {timeout_s}s; "
+                                       f"last events:\n{tail}")
+                self.cond.wait(left)
+
+    def find(self, name: str, **fields) -> list[dict]:
+        """Every event named ``name`` whose ``fields`` match."""
+        with self.cond:
+            return [e for e in self.events if e.get("event") == name
+                    and all(e.get(k) == v for k, v in fields.items())]
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM (a clean leave) and wait, SIGKILL if it does not exit; the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def verify_transport(transport: Transport) -> bool:
+    """A fresh communicator works end to end: every rank sends its rank around a ring and
+    checks what its predecessor sent, then all vote. False (or ``TransportAborted``) if not."""
+    rank, size = transport.rank, transport.world_size
+    ok = True
+    if size > 1:
+        mine = torch.tensor([rank], dtype=torch.int64, device=transport.device)
+        theirs = torch.full((1,), -1, dtype=torch.int64, device=transport.device)
+        sent = post_send(transport, mine, (rank + 1) % size)
+        got = post_recv(transport, theirs, (rank - 1) % size)
+        transport.wait(got, (rank - 1) % size, "ring check receive")
+        transport.wait(sent, (rank + 1) % size, "ring check send")
+        ok = int(theirs.item()) == (rank - 1) % size
+    return transport.vote(ok)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,11 +205,9 @@ def main(argv=None) -> int:
             if manager is not None and args.member_id in new:
                 try:
                     res = manager.reconfigure(current, new)
-                    check = torch.ones(1)
-                    res.communicator.allreduce(check)
-                    log.info("comm.verified", epoch=new.epoch, total=float(check.item()),
-                             expected=float(new.num_ranks),
-                             ok=bool(check.item() == new.num_ranks))
+                    ok = verify_transport(res.transport)
+                    log.info("comm.verified", epoch=new.epoch, total=float(res.transport.world_size),
+                             expected=float(new.num_ranks), ok=ok)
                 except (CommunicatorError, RuntimeError) as exc:
                     # A newer epoch usually explains it (a peer died mid-rendezvous).
                     log.warning("comm.reconfigure.failed", epoch=new.epoch, error=str(exc)[:300])

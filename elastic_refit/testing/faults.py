@@ -6,7 +6,7 @@ action before the k-th matching operation is posted (raise a transport fault, SI
 process, ...), to delay every operation, or to corrupt what the next send puts on the
 wire. Everything else goes to the wrapped transport unchanged.
 
-:func:`install` attaches a phase hook to the runtime (``elastic_refit.runtime.phases``)
+:func:`install_faults` attaches a phase hook to the runtime (``elastic_refit.runtime.phases``)
 and makes every epoch's transport a :class:`FaultyTransport`, so that a hook firing at
 ``transfer.before`` finds ``context["transport"]`` ready to be programmed.
 """
@@ -27,7 +27,7 @@ from elastic_refit.errors import TransportAborted
 from elastic_refit.runtime.phases import HOOKS, PhaseHook
 from elastic_refit.transport.protocol import Capabilities, P2POp, Transport, Work
 
-__all__ = ["FaultyTransport", "injected_failure", "install", "kill_self"]
+__all__ = ["FaultyTransport", "injected_failure", "install_faults", "kill_self"]
 
 
 def kill_self() -> None:
@@ -192,7 +192,7 @@ class _Many:
 
 
 @contextlib.contextmanager
-def install(hook: PhaseHook | None = None) -> Iterator[None]:
+def install_faults(hook: PhaseHook | None = None) -> Iterator[None]:
     """Within the block, ``hook`` runs at every runtime phase and every epoch's transport is
     a :class:`FaultyTransport` (``context["transport"]`` at ``transfer.before``)."""
     uninstall = HOOKS.install(hook, wrap_transport=FaultyTransport)

@@ -49,9 +49,9 @@ class MemberSpec:
                            etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
 
 
-def run_member(member: MemberSpec, fail_at=None,
-               hold: Callable[[ElasticRefit], None] | None = None) -> dict[str, Any]:
-    """Run one member until its versions are done; returns what it saw.
+def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None) -> dict[str, Any]:
+    """Run one member until its versions are done; returns what it saw. Faults, if any,
+    are installed around it (``elastic_refit.testing.faults.install_faults``).
 
     ``hold(refit)`` runs inside the context once the last version is reached (chaos keeps
     members in the job until the whole trial is over); the stats are taken after it.
@@ -60,7 +60,7 @@ def run_member(member: MemberSpec, fail_at=None,
     config = member.refit_config()
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
     if member.role == "trainer":
-        with ElasticRefit(config, layouts, fail_at=fail_at) as refit:
+        with ElasticRefit(config, layouts) as refit:
             for version in member.versions:
                 time.sleep(member.pause_s)
                 tensors = allocate(layouts.source, member.layout_rank, fill=0)
@@ -74,7 +74,7 @@ def run_member(member: MemberSpec, fail_at=None,
             out["stats"] = dict(refit.stats)
         return out
     params = allocate(layouts.destination, member.layout_rank, fill=0)
-    with ElasticRefit(config, layouts, parameters=params, fail_at=fail_at) as refit:
+    with ElasticRefit(config, layouts, parameters=params) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out
             version = refit.wait_for_version(seen + 1)

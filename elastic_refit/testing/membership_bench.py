@@ -15,12 +15,8 @@ members share a verified communicator again.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +28,7 @@ from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
 from elastic_refit.membership.watch import RangeWatcher
+from elastic_refit.testing.agent import AgentProcess
 from elastic_refit.testing.etcd import EtcdServer
 
 
@@ -62,60 +59,6 @@ class Trial:
     rebuild_s: float
     ready_s: float
     epoch: int
-
-
-class _Member:
-    """One agent process; its stdout JSON events are collected by a reader thread."""
-
-    def __init__(self, endpoints: list[str], job: str, member_id: str, ttl_s: int):
-        self.member_id = member_id
-        self.args = [sys.executable, "-m", "elastic_refit.testing.agent", "--endpoints", ",".join(endpoints),
-                     "--job", job, "--member-id", member_id, "--ttl", str(ttl_s), "--comm", "gloo"]
-        self.events: list[dict] = []
-        self.cond = threading.Condition()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the package is installed: inherit PYTHONPATH
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            event["_t"] = time.time()
-            with self.cond:
-                self.events.append(event)
-                self.cond.notify_all()
-
-    def wait(self, predicate: Callable[[dict], bool], timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                for e in self.events:
-                    if predicate(e):
-                        return e
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"member {self.member_id}: awaited event not seen in {timeout_s}s")
-                self.cond.wait(left)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -151,7 +94,7 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
         watcher = RangeWatcher(client, start, end, name="bench")
         watcher.add_listener(on_change)
         watcher.start()
-        members = [_Member(etcd.endpoints, job, f"m{i}", cfg.ttl_s) for i in range(cfg.members)]
+        members = [AgentProcess(etcd.endpoints, job, f"m{i}", ttl=cfg.ttl_s, comm="gloo", start=False) for i in range(cfg.members)]
         try:
             progress(f"starting etcd and {cfg.members} member processes")
             for m in members:
@@ -174,9 +117,9 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
                 else:
                     raise TimeoutError(f"trial {k}: no epoch without {victim.member_id}")
                 t_epoch, view = new
-                recs = [m.wait(lambda e, ep=view.epoch: e.get("event") == "comm.reconfigured"
-                               and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
-                oks = [m.wait(lambda e, ep=view.epoch: e.get("event") == "comm.verified"
+                recs = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.reconfigured"
+                                     and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
+                oks = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.verified"
                               and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
                 trial = Trial(victim=victim.member_id, detect_s=t_gone - t_kill,
                               epoch_s=t_epoch - t_kill, rebuild_s=max(r["seconds"] for r in recs),
@@ -218,7 +161,7 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
     }
 
 
-def _wait_all_verified(members: list[_Member], size: int, after_epoch: int, timeout_s: float) -> int:
+def _wait_all_verified(members: list[AgentProcess], size: int, after_epoch: int, timeout_s: float) -> int:
     """Wait until every member verified a communicator of ``size`` ranks in one epoch."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -24,7 +24,7 @@ from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.testing.faults import FaultyTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
-from elastic_refit.transport.buffers import byte_view
+from elastic_refit.transport.buffers import byte_view, split_box
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.protocol import Transport, post_recv, post_send
@@ -180,27 +180,6 @@ class BenchOptions:
 _CHECK_ELEMENTS = 1 << 22  # pattern check slice: bounds the int64 temporaries to ~100 MB
 
 
-def _box_slices(offsets: list[int], lengths: list[int], limit: int):
-    """Cut a box into boxes of at most ``limit`` elements along its outer dims."""
-    d = next((j for j, n in enumerate(lengths) if n > 1), None)
-    total = int(np.prod(lengths)) if lengths else 1
-    if total <= limit or d is None:
-        yield offsets, lengths
-        return
-    row = total // lengths[d]
-    if row > limit:
-        for i in range(lengths[d]):
-            o, n = list(offsets), list(lengths)
-            o[d], n[d] = offsets[d] + i, 1
-            yield from _box_slices(o, n, limit)
-        return
-    step = max(1, limit // row)
-    for s in range(0, lengths[d], step):
-        o, n = list(offsets), list(lengths)
-        o[d], n[d] = offsets[d] + s, min(step, lengths[d] - s)
-        yield o, n
-
-
 def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], seed: int, *,
                    write: bool, limit: int = 5) -> list[str]:
     """Fill (``write``) or check every piece of ``rank`` against the pattern, in slices of
@@ -218,7 +197,7 @@ def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], 
         off = [int(v) for v in layout.piece_offsets[p, :nd]]
         ln = [int(v) for v in layout.piece_lengths[p, :nd]]
         wrong = 0
-        for so, sn in _box_slices(off, ln, _CHECK_ELEMENTS):
+        for so, sn in split_box(off, ln, _CHECK_ELEMENTS):
             lo, ll = layout.local_regions(np.array([p]), np.array([so + [0] * (k - nd)]),
                                           np.array([sn + [1] * (k - nd)]))
             region = _local_view(buf, lo[0, :bnd], ll[0, :bnd], t.itemsize)

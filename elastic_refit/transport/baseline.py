@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ import torch
 from elastic_refit.errors import TransportAborted
 from elastic_refit.layout import DTYPES, Layout
 from elastic_refit.plan import Plan
-from elastic_refit.transport.buffers import byte_view
+from elastic_refit.transport.buffers import byte_view, split_box
 from elastic_refit.transport.protocol import Transport, post_recv, post_send
 
 log = structlog.get_logger("elastic_refit.transport")
@@ -175,28 +175,6 @@ def _subtract(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) ->
     return out
 
 
-def _split(offsets: list[int], lengths: list[int], itemsize: int, limit: int) -> Iterator[tuple[list[int], list[int]]]:
-    """Cut a global box into sub-boxes of at most ``limit`` bytes along its outer dims
-    (sender and root derive the same cuts, so no sizes travel)."""
-    nbytes = math.prod(lengths) * itemsize
-    d = next((j for j, n in enumerate(lengths) if n > 1), None)
-    if nbytes <= limit or d is None:
-        yield offsets, lengths
-        return
-    row = nbytes // lengths[d]
-    if row > limit:
-        for i in range(lengths[d]):
-            o, n = list(offsets), list(lengths)
-            o[d], n[d] = offsets[d] + i, 1
-            yield from _split(o, n, itemsize, limit)
-        return
-    step = max(1, limit // row)
-    for start in range(0, lengths[d], step):
-        o, n = list(offsets), list(lengths)
-        o[d], n[d] = offsets[d] + start, min(step, lengths[d] - start)
-        yield o, n
-
-
 def _tag(tensor: int, phase: int, item: int) -> int:
     # Distinct tags per (tensor, phase, item); gloo matches on them, NCCL on order.
     return ((tensor & 0x3FFF) << 17) | (phase << 16) | item
@@ -268,7 +246,7 @@ def build_baseline_schedule(plan: Plan, rank: int, options: BaselineOptions) -> 
                 if math.prod(n) == 0:
                     continue
                 covered.append((o, n))
-                for so, sn in _split(o, n, item, limit):
+                for so, sn in split_box(o, n, limit // item):  # at most limit bytes each
                     per_sender.setdefault(int(src.piece_rank[p]), []).append((p, so, sn))
         missing = t.numel - sum(math.prod(n) for _, n in covered)
         if missing != 0:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["byte_view", "digest"]
+__all__ = ["byte_view", "digest", "split_box"]
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -34,3 +36,28 @@ def digest(data: torch.Tensor) -> torch.Tensor:
     col = torch.arange(width, dtype=torch.int64, device=w.device) * 2 + 1
     row = torch.arange(rows, dtype=torch.int64, device=w.device) * 0x9E3779B1 + 1
     return ((w * col).sum(dim=1) * row).sum() ^ n
+
+
+def split_box(offsets: list[int], lengths: list[int], max_elements: int) -> Iterator[tuple[list[int], list[int]]]:
+    """Cut a box into boxes of at most ``max_elements`` elements along its outer dims (a box
+    of single elements is the smallest cut). Both ends of a message derive the same cuts, so
+    no sizes travel."""
+    d = next((j for j, n in enumerate(lengths) if n > 1), None)
+    total = 1
+    for n in lengths:
+        total *= n
+    if total <= max_elements or d is None:
+        yield offsets, lengths
+        return
+    row = total // lengths[d]
+    if row > max_elements:
+        for i in range(lengths[d]):
+            o, n = list(offsets), list(lengths)
+            o[d], n[d] = offsets[d] + i, 1
+            yield from split_box(o, n, max_elements)
+        return
+    step = max(1, max_elements // row)
+    for start in range(0, lengths[d], step):
+        o, n = list(offsets), list(lengths)
+        o[d], n[d] = offsets[d] + start, min(step, lengths[d] - start)
+        yield o, n

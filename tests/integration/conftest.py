@@ -6,13 +6,7 @@ teardown fails the test if one of them is still alive.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +15,7 @@ from pathlib import Path
 import pytest
 from elastic_refit.membership.client import EtcdClient
 
+from elastic_refit.testing.agent import AgentProcess
 from elastic_refit.testing.etcd import EtcdCluster, EtcdServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,110 +86,20 @@ def job() -> str:
     return "job-" + uuid.uuid4().hex[:8]
 
 
-class Agent:
-    """One ``python -m elastic_refit.testing.agent`` process with its JSON events collected."""
-
-    def __init__(self, endpoints, job: str, member_id: str, *, role: str = "trainer",
-                 ttl: int = 2, comm: str = "none", candidate: bool = True):
-        self.member_id = member_id
-        self.args = [sys.executable, "-m", "elastic_refit.testing.agent", "--endpoints", ",".join(endpoints),
-                     "--job", job, "--role", role, "--member-id", member_id, "--ttl", str(ttl),
-                     "--comm", comm]
-        if not candidate:
-            self.args.append("--no-candidate")
-        self.events: list[dict] = []
-        self._new = threading.Condition()
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     cwd=REPO_ROOT, env=env, start_new_session=True)
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = {"event": "raw", "line": line.decode(errors="replace").rstrip()}
-            event["_t"] = time.time()
-            event["_pid"] = proc.pid
-            with self._new:
-                self.events.append(event)
-                self._new.notify_all()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def wait_event(self, predicate: Callable[[dict], bool], timeout_s: float = 15.0,
-                   since: float = 0.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        with self._new:
-            while True:
-                for e in self.events:
-                    if e["_t"] >= since and predicate(e):
-                        return e
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    tail = "\n".join(json.dumps(e)[:300] for e in self.events[-15:])
-                    raise AssertionError(f"agent {self.member_id}: event not seen in "
-                                         f"{timeout_s}s; last events:\n{tail}")
-                self._new.wait(left)
-
-    def find(self, name: str, **fields) -> list[dict]:
-        with self._new:
-            return [e for e in self.events if e.get("event") == name
-                    and all(e.get(k) == v for k, v in fields.items())]
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM (clean leave) and wait; returns the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGCONT)
-                os.kill(self.proc.pid, signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-
 @pytest.fixture
 def agents():
-    """Factory of member processes; all are stopped by pid and checked gone afterwards."""
-    started: list[Agent] = []
-    pids: list[int] = []
+    """Factory of agent processes; all are stopped by pid and checked gone afterwards."""
+    started: list[AgentProcess] = []
 
-    def spawn(*args, **kwargs) -> Agent:
-        a = Agent(*args, **kwargs)
-        started.append(a)
-        pids.append(a.pid)
-        orig_start = a.start
-
-        def start_again() -> None:
-            orig_start()
-            pids.append(a.pid)
-
-        a.start = start_again  # type: ignore[method-assign]
-        return a
+    def spawn(*args, **kwargs) -> AgentProcess:
+        agent = AgentProcess(*args, **kwargs)
+        started.append(agent)
+        return agent
 
     yield spawn
-    for a in started:
-        if a.proc is not None and a.proc.poll() is None:
-            try:
-                a.stop(timeout_s=10)
-            except subprocess.TimeoutExpired:
-                a.kill()
-    alive = [p for p in pids if _pid_alive(p)]
+    for agent in started:
+        agent.stop(timeout_s=10)
+    alive = [p for agent in started for p in agent.pids if _pid_alive(p)]
     assert not alive, f"member processes {alive} left behind"
 
 

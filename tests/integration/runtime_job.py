@@ -13,12 +13,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_refit.testing.faults import install_faults, kill_self
 from elastic_refit.testing.job import MemberSpec, run_member
 
 
-def _child(member: MemberSpec, fail_at, results) -> None:
+def _child(member: MemberSpec, hook, results) -> None:
     try:
-        results.put(run_member(member, fail_at))
+        with install_faults(hook) if hook is not None else contextlib.nullcontext():
+            results.put(run_member(member))
     except BaseException as exc:  # reported, the test decides
         results.put({"member_id": member.member_id, "error_type": type(exc).__name__,
                      "error": f"{exc}\n{traceback.format_exc(limit=5)}"})
@@ -26,8 +28,8 @@ def _child(member: MemberSpec, fail_at, results) -> None:
 
 @dataclass(frozen=True)
 class KillSelf:
-    """Fault hook: SIGKILL this process at ``phase`` of ``version`` (after ``after_sends``
-    sends of the transfer when the phase is ``transfer.before``)."""
+    """Phase hook: SIGKILL this process at ``phase`` of ``version`` (at ``transfer.before``,
+    after ``after_sends`` sends of the transfer)."""
 
     member_id: str
     version: int
@@ -37,19 +39,9 @@ class KillSelf:
     def __call__(self, phase: str, context: dict[str, Any]) -> None:
         if context["member_id"] != self.member_id or phase != self.phase or context.get("version") != self.version:
             return
-        group = context.get("group")
-        if phase != "transfer.before" or group is None or self.after_sends == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        original = group.send
-        count = {"n": 0}
-
-        def send(tensor, peer, tag=0):
-            count["n"] += 1
-            if count["n"] > self.after_sends:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(tensor, peer, tag)
-
-        group.send = send
+        if phase != "transfer.before" or self.after_sends == 0:
+            kill_self()
+        context["transport"].inject(kill_self, after=self.after_sends, op="send")
 
 
 @dataclass
@@ -80,6 +72,7 @@ class LocalJob:
         self.reports: dict[str, dict[str, Any]] = {}
 
     def start(self, member: MemberSpec, fail_at=None) -> mp.Process:
+        """Start ``member``; ``fail_at`` is a phase hook installed in its process."""
         p = self.ctx.Process(target=_child, args=(member, fail_at, self.results), daemon=True)
         p.start()
         self.procs[member.member_id] = p

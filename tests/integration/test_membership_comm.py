@@ -13,6 +13,8 @@ from elastic_refit.membership.errors import MembershipLost, StoreTimeout
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MemberRecord, MembershipView
 
+from elastic_refit.testing.agent import verify_transport
+
 pytestmark = pytest.mark.etcd
 
 
@@ -45,10 +47,8 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     mgr = CommunicatorManager(client, "solo", "t0", config=MembershipConfig())
     v1 = MembershipView(1, (me,))
     res = mgr.reconfigure(None, v1)
-    assert res.path == "build" and res.communicator.size == 1
-    x = torch.full((3,), 2.0)
-    res.communicator.allreduce(x)
-    assert x.tolist() == [2.0, 2.0, 2.0]
+    assert res.path == "build" and res.num_ranks == 1 and res.transport.world_size == 1
+    assert verify_transport(res.transport)
     assert client.count_prefix("/elastic-refit/solo/store/1/") > 0  # rendezvous went via etcd
     other = MemberRecord("trainer", "t1", "inc1", "h", "d0", "cpu")
     with pytest.raises(MembershipLost, match="not in epoch 2"):
