@@ -2,7 +2,7 @@
 
 The runtime calls :meth:`PhaseHooks.fire` at each phase of :data:`PHASES` and passes every
 epoch's transport through :meth:`PhaseHooks.wrap_transport`. With nothing installed both
-cost one attribute test. The test toolkit (``elastic_refit.testing.faults``) installs hooks
+cost one attribute test. The test toolkit (its ``faults`` module) installs hooks
 here to inject faults at named phases and to wrap the transport in a fault-injecting one;
 nothing patches runtime or transport methods.
 

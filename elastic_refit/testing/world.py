@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_refit.errors import PlanMismatch
 from elastic_refit.layout import Layout, RefitSpec, parse_spec
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.testing.faults import FaultyTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.transport.agreement import agree_on_plan
 from elastic_refit.transport.buffers import byte_view, split_box
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions
@@ -75,16 +75,6 @@ class WorkerOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def agree_on_plan(store: dist.Store, rank: int, world_size: int, fingerprint: str, key: str = "plan") -> None:
-    """Every rank publishes its plan fingerprint and checks all others before data moves."""
-    store.set(f"{key}/{rank}", fingerprint)
-    store.wait([f"{key}/{r}" for r in range(world_size)])
-    for r in range(world_size):
-        other = store.get(f"{key}/{r}").decode()
-        if other != fingerprint:
-            raise PlanMismatch(f"rank {rank} planned {fingerprint} but rank {r} planned {other}")
-
-
 def padding_problems(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], sentinel: int) -> list[str]:
     """Bytes outside every piece must still hold the sentinel."""
     problems = []
@@ -114,7 +104,8 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     t0 = time.perf_counter()
     plan = case.plan()
     plan_seconds = time.perf_counter() - t0
-    agree_on_plan(store, rank, world_size, plan.fingerprint)
+    agree_on_plan(store, plan.fingerprint, me=str(rank), participants=[str(r) for r in range(world_size)],
+                  key=lambda r: f"plan/{r}")
     device = "cpu"
     if options.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -267,7 +258,8 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
 
     say = progress if (progress is not None and rank == 0) else (lambda _m: None)
     plan = case.plan()
-    agree_on_plan(store, rank, world_size, plan.fingerprint, key="bench-plan")
+    agree_on_plan(store, plan.fingerprint, me=str(rank), participants=[str(r) for r in range(world_size)],
+                  key=lambda r: f"bench-plan/{r}")
     device = "cpu"
     if options.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -325,7 +317,7 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
             local_bytes=ex.local_bytes, staging_bytes=ex.staging_bytes)
         results["gather_broadcast"].update(
             send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
-            staging_bytes=gb.staging_bytes, messages=gb.messages)
+            staging_bytes=gb.staging_bytes, num_messages=gb.num_messages)
     finally:
         transport.abort()  # done with this world; nothing else uses it
     return {

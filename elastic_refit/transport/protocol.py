@@ -8,7 +8,7 @@ communicator behind it can do when membership changes.
 
 Implementations: :mod:`elastic_refit.transport.c10d` (torch ProcessGroupGloo /
 ProcessGroupNCCL). The test toolkit wraps any transport to inject faults
-(``elastic_refit.testing.faults.FaultyTransport``); nothing else patches a transport.
+(the test toolkit's ``FaultyTransport``); nothing patches a transport.
 """
 
 from __future__ import annotations
