@@ -58,6 +58,7 @@ class RuntimeSupport:
     nccl4py_version: str | None
     nccl4py_shrink: bool
     nccl4py_grow: bool
+    nccl4py_nccl_version: tuple[int, int, int] | None = None  # the libnccl nccl4py loaded
 
     @property
     def nccl_shrink(self) -> bool:
@@ -66,9 +67,15 @@ class RuntimeSupport:
                 and self.nccl_backend_shrink)
 
     @property
+    def nccl4py_can_shrink(self) -> bool:
+        """ncclCommShrink reachable through nccl4py."""
+        return (self.nccl4py_nccl_version is not None and self.nccl4py_nccl_version >= NCCL_MIN_SHRINK
+                and self.nccl4py_shrink)
+
+    @property
     def nccl_grow(self) -> bool:
-        """ncclCommGrow reachable through nccl4py."""
-        return (self.nccl_version is not None and self.nccl_version >= NCCL_MIN_GROW
+        """ncclCommGrow reachable through nccl4py (on the libnccl nccl4py loaded)."""
+        return (self.nccl4py_nccl_version is not None and self.nccl4py_nccl_version >= NCCL_MIN_GROW
                 and self.nccl4py_grow)
 
     def to_json(self) -> dict[str, Any]:
@@ -79,7 +86,10 @@ class RuntimeSupport:
             "torch_shrink_group": self.torch_shrink_group,
             "nccl_backend_shrink": self.nccl_backend_shrink,
             "nccl4py_version": self.nccl4py_version,
+            "nccl4py_nccl_version": (".".join(map(str, self.nccl4py_nccl_version))
+                                     if self.nccl4py_nccl_version else None),
             "nccl_shrink": self.nccl_shrink,
+            "nccl4py_shrink": self.nccl4py_can_shrink,
             "nccl_grow": self.nccl_grow,
             "gloo_shrink": False,
         }
@@ -101,6 +111,7 @@ def _nccl_version() -> tuple[int, int, int] | None:
 def probe_runtime() -> RuntimeSupport:
     """Probe torch, NCCL and nccl4py once; cheap and side-effect free."""
     nccl4py_version = None
+    nccl4py_nccl_version = None
     nccl4py_shrink = nccl4py_grow = False
     try:
         import nccl.core as nccl_core  # nccl4py
@@ -110,6 +121,10 @@ def probe_runtime() -> RuntimeSupport:
                               or getattr(__import__("nccl"), "__version__", "unknown"))
         nccl4py_shrink = comm_cls is not None and hasattr(comm_cls, "shrink")
         nccl4py_grow = comm_cls is not None and hasattr(comm_cls, "grow")
+        lib = nccl_core.get_version().libnccl
+        if lib is not None:
+            release = lib.version.release
+            nccl4py_nccl_version = (int(release[0]), int(release[1]), int(release[2]) if len(release) > 2 else 0)
     except Exception:  # absent, or present without a CUDA runtime
         pass
     pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
@@ -122,6 +137,7 @@ def probe_runtime() -> RuntimeSupport:
         nccl4py_version=nccl4py_version,
         nccl4py_shrink=nccl4py_shrink,
         nccl4py_grow=nccl4py_grow,
+        nccl4py_nccl_version=nccl4py_nccl_version,
     )
 
 
@@ -149,9 +165,7 @@ def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
     if d.unchanged and old.member_ids == new.member_ids:
         return "unchanged"
     if backend in ("nccl", "nccl4py") and _order_kept(old, new):
-        can_shrink = support.nccl_shrink if backend == "nccl" else (
-            support.nccl_version is not None and support.nccl_version >= NCCL_MIN_SHRINK
-            and support.nccl4py_shrink)
+        can_shrink = support.nccl_shrink if backend == "nccl" else support.nccl4py_can_shrink
         if d.removals_only and can_shrink:
             return "shrink_abort" if peer_died else "shrink"
         if d.additions_only and backend == "nccl4py" and support.nccl_grow:
@@ -279,6 +293,12 @@ class CommunicatorManager:
         if self.current is None:
             old_view = None
         path = choose_path(old_view, new_view, self.backend, self.support, peer_died=peer_died)
+        if self.backend != Backend.GLOO:
+            try:
+                path = self._agree_path(new_view, path)
+            except StoreTimeout as exc:
+                raise CommunicatorError(f"no reconfiguration path agreed for epoch {new_view.epoch} on "
+                                        f"{self.member_id}: {exc}") from exc
         abort_s = build_s = 0.0
         try:
             if path == "unchanged":
@@ -330,11 +350,32 @@ class CommunicatorManager:
             self._abort_current("close")
 
     # --------------------------------------------------------------- internals
+    def _agree_path(self, view: MembershipView, mine: str) -> str:
+        """Every rank takes the path rank 0 of the epoch chose: a newcomer has no previous
+        view (it would build while the others grow), and ranks whose probes differ must not
+        split between a fast path and a rebuild. Rank 0 of a grow or shrink is a survivor."""
+        store = self._store(view, f"path-{self.backend}")
+        if view.rank_of(self.member_id) == 0:
+            store.set("path", mine)
+            return mine
+        agreed = store.get("path").decode()
+        has_parent = self.current is not None
+        if agreed in ("shrink", "shrink_abort", "unchanged") and not has_parent:
+            raise CommunicatorError(f"epoch {view.epoch} takes the {agreed} path, but {self.member_id} has no "
+                                    "communicator to take it from")
+        if agreed in ("build", "rebuild"):
+            return "rebuild" if has_parent else "build"
+        return agreed
+
     def _transport_of(self, comm: Communicator) -> Transport:
         """The epoch's transport over ``comm`` (a new one per epoch: the previous epoch's
         was closed, and with it every reference outside this manager)."""
         if comm.backend == Backend.NCCL4PY:
-            raise CommunicatorError("no transport runs nccl4py communicators yet; use backend 'nccl' or 'gloo'")
+            from elastic_refit.transport.nccl import NcclTransport
+
+            return NcclTransport(comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
+                                 device=self.device, can_shrink=self.support.nccl4py_can_shrink,
+                                 can_grow=self.support.nccl_grow)
         return C10dTransport(comm.pg, comm.rank, comm.size, backend=comm.backend,
                              timeout_s=self.transport_timeout_s, store=comm.store,
                              can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
@@ -395,15 +436,31 @@ class CommunicatorManager:
             pg.eager_connect_single_device(self.device)
         return pg
 
+    def _nccl4py_config(self):
+        import nccl.core as nccl_core
+
+        # Non-blocking: init, shrink and grow return at once and are settled by polling,
+        # so a peer that dies mid-way ends in a timeout or an error, never a hang.
+        return nccl_core.NCCLConfig(blocking=False)
+
+    def _settle(self, comm, what: str) -> None:
+        from elastic_refit.transport.nccl import settle
+
+        settle(comm, self.config.epoch_deadline_s, what)
+
     def _build_nccl4py(self, store: EtcdStore, rank: int, size: int):
         import nccl.core as nccl_core
 
+        from elastic_refit.transport.nccl import nccl_call
+
+        torch.cuda.set_device(self.device)
         if rank == 0:
-            uid = nccl_core.get_unique_id()
-            store.set("unique_id", bytes(uid.as_bytes() if hasattr(uid, "as_bytes") else uid))
-        raw = store.get("unique_id")
-        uid = nccl_core.UniqueId.from_bytes(raw) if hasattr(nccl_core.UniqueId, "from_bytes") else raw
-        return nccl_core.Communicator.init(nranks=size, rank=rank, unique_id=uid)
+            store.set("unique_id", nccl_core.get_unique_id().as_bytes)
+        uid = nccl_core.UniqueId.from_bytes(store.get("unique_id"))
+        comm = nccl_core.Communicator()
+        nccl_call(lambda: comm.initialize(size, rank, uid, self._nccl4py_config()))
+        self._settle(comm, "nccl4py init")
+        return comm
 
     def _shrink(self, old: MembershipView, new: MembershipView, *, abort: bool) -> tuple[float, float]:
         parent = self.current
@@ -416,8 +473,16 @@ class CommunicatorManager:
         else:
             import nccl.core as nccl_core
 
-            flag = nccl_core.CommShrinkFlag.Abort if abort else nccl_core.CommShrinkFlag.Default
-            child = parent.pg.shrink(excluded, flag)
+            from elastic_refit.transport.nccl import nccl_call
+
+            if not abort:
+                # Leavers are alive: quiesce whatever this rank still has in flight first.
+                with contextlib.suppress(Exception):
+                    nccl_call(parent.pg.revoke)
+                    self._settle(parent.pg, "nccl4py revoke")
+            flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
+            child = nccl_call(lambda: parent.pg.shrink(excluded, config=self._nccl4py_config(), flag=flag))
+            self._settle(child, "nccl4py shrink")
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer.
         abort_s = self._abort_current("shrink_parent")
@@ -426,22 +491,32 @@ class CommunicatorManager:
                                     self.device, "shrink_abort" if abort else "shrink")
         return abort_s, build_s
 
-    def _grow(self, old: MembershipView, new: MembershipView) -> float:
+    def _grow(self, old: MembershipView | None, new: MembershipView) -> float:
+        """Existing ranks keep their numbers; the grow root (rank 0, a survivor) publishes
+        the communicator's grow id in the epoch's store, newcomers join with it."""
         import nccl.core as nccl_core
+
+        from elastic_refit.transport.nccl import nccl_call
 
         t0 = time.monotonic()
         store = self._store(new, "grow")
         rank = new.rank_of(self.member_id)
-        existing = self.current is not None and self.member_id in old
+        existing = self.current is not None and old is not None and self.member_id in old
+        config = self._nccl4py_config()
         if existing and rank == 0:
             uid = self.current.pg.get_unique_id()  # type: ignore[union-attr]
-            store.set("grow_unique_id", bytes(uid.as_bytes() if hasattr(uid, "as_bytes") else uid))
-        raw = store.get("grow_unique_id")
-        uid = nccl_core.UniqueId.from_bytes(raw) if hasattr(nccl_core.UniqueId, "from_bytes") else raw
-        if existing:
-            comm = self.current.pg.grow(new.num_ranks, uid)  # type: ignore[union-attr]
+            store.set("grow_unique_id", uid.as_bytes)
+            comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, uid, config=config))  # type: ignore[union-attr]
+        elif existing:
+            comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, config=config))  # type: ignore[union-attr]
         else:
-            comm = nccl_core.Communicator.grow_join(new.num_ranks, rank, uid)
+            torch.cuda.set_device(self.device)
+            uid = nccl_core.UniqueId.from_bytes(store.get("grow_unique_id"))
+            comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
+        self._settle(comm, "nccl4py grow")
+        if existing:
+            # The parent is spent once the child exists.
+            self._abort_current("grow_parent")
         self.current = Communicator(new.epoch, self.backend, rank, new.num_ranks,
                                     new.member_ids, comm, store, self.device, "grow")
         return time.monotonic() - t0

@@ -32,8 +32,26 @@ class RankResult:
     seconds: float = 0.0
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def nccl_rank_env(rank: int) -> dict[str, str]:
+    """Environment of rank ``rank`` of a multi-rank NCCL job on this host: one GPU per rank
+    when there are enough GPUs, else every rank shares GPU 0 as a host of its own (its own
+    ``NCCL_HOSTID``), and the ranks talk over NCCL's socket transport on loopback: every byte
+    crosses NCCL's network path, as between the nodes of a cluster."""
+    import torch
+
+    num_gpus = torch.cuda.device_count()
+    env = {"ELASTIC_REFIT_CUDA_DEVICE": str(rank % max(1, num_gpus)), "NCCL_SOCKET_IFNAME": "lo",
+           "NCCL_NVLS_ENABLE": "0"}  # never NVLink multicast on shared hosts
+    if num_gpus <= rank:
+        env["NCCL_HOSTID"] = f"elastic-refit-rank{rank}"
+    return env
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
+           rank_env: Callable[[int], dict[str, str]] | None = None) -> None:
     start = time.perf_counter()
+    if rank_env is not None:
+        os.environ.update(rank_env(rank))  # before CUDA or NCCL initialise
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, wait_for_workers=False)
         value = fn(rank, world_size, store, *args)
@@ -44,8 +62,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 def run_local_world(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-                    per_rank_args: list[tuple] | None = None) -> list[RankResult]:
-    """Call ``fn(rank, world_size, store, *args)`` on ``world_size`` spawned processes.
+                    per_rank_args: list[tuple] | None = None,
+                    rank_env: Callable[[int], dict[str, str]] | None = None) -> list[RankResult]:
+    """Call ``fn(rank, world_size, store, *args)`` on ``world_size`` spawned processes
+    (``rank_env(rank)``, a picklable function such as :func:`nccl_rank_env`, sets each
+    rank's environment first).
 
     Returns one ``RankResult`` per rank, in rank order; a rank that died without reporting
     has ``ok=False`` and its exit code. Never leaves a child running.
@@ -56,7 +77,8 @@ def run_local_world(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     procs = []
     for rank in range(world_size):
         extra = per_rank_args[rank] if per_rank_args else ()
-        p = ctx.Process(target=_entry, args=(fn, rank, world_size, store.port, args + extra, results), daemon=True)
+        p = ctx.Process(target=_entry, args=(fn, rank, world_size, store.port, args + extra, results, rank_env),
+                        daemon=True)
         p.start()
         procs.append(p)
     collected: dict[int, RankResult] = {}

@@ -9,6 +9,7 @@ the sentinel.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,7 @@ from elastic_refit.transport.agreement import agree_on_plan
 from elastic_refit.transport.buffers import byte_view, split_box
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions
-from elastic_refit.transport.protocol import Transport, post_recv, post_send
+from elastic_refit.transport.protocol import Backend, Transport, post_recv, post_send
 
 SENTINEL = 0x5A
 
@@ -75,6 +76,21 @@ class WorkerOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def make_transport(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float) -> Transport:
+    """This rank's transport of a local world: gloo on the CPU, or NCCL (torch's process
+    group or an nccl4py communicator) on the GPU ``nccl_rank_env`` gave this rank."""
+    kind = Backend.parse(backend)
+    if kind is Backend.GLOO:
+        return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
+    device = int(os.environ.get("ELASTIC_REFIT_CUDA_DEVICE", rank % max(1, torch.cuda.device_count())))
+    torch.cuda.set_device(device)
+    if kind is Backend.NCCL:
+        return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
+    from elastic_refit.transport.nccl import NcclTransport
+
+    return NcclTransport.create(store, rank, world_size, timeout_s=timeout_s)
+
+
 def padding_problems(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], sentinel: int) -> list[str]:
     """Bytes outside every piece must still hold the sentinel."""
     problems = []
@@ -106,12 +122,9 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     plan_seconds = time.perf_counter() - t0
     agree_on_plan(store, plan.fingerprint, me=str(rank), participants=[str(r) for r in range(world_size)],
                   key=lambda r: f"plan/{r}")
-    device = "cpu"
-    if options.backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = f"cuda:{torch.cuda.current_device()}"
-    transport: Transport = C10dTransport.create(dist.PrefixStore("refit", store), rank, world_size,
-                                                backend=options.backend, timeout_s=options.timeout_s)
+    transport: Transport = make_transport(dist.PrefixStore("refit", store), rank, world_size,
+                                          options.backend, options.timeout_s)
+    device = transport.device
     if fault is not None:
         transport = FaultyTransport(transport)
         fault(transport)
@@ -260,12 +273,9 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     plan = case.plan()
     agree_on_plan(store, plan.fingerprint, me=str(rank), participants=[str(r) for r in range(world_size)],
                   key=lambda r: f"bench-plan/{r}")
-    device = "cpu"
-    if options.backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = f"cuda:{torch.cuda.current_device()}"
-    transport = C10dTransport.create(dist.PrefixStore("bench", store), rank, world_size,
-                                     backend=options.backend, timeout_s=options.timeout_s)
+    transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, options.backend,
+                               options.timeout_s)
+    device = transport.device
     try:
         say(f"raw send/recv: {options.p2p_bytes >> 20} MiB messages")
         p2p_pair = _p2p(transport, [(0, 1)], options.p2p_bytes, options.p2p_repeat) if world_size > 1 else []

@@ -63,7 +63,8 @@ class BaselineOptions:
 
 @dataclass(frozen=True, slots=True)
 class BaselineReport:
-    """What one rank moved in one gather-and-broadcast refit."""
+    """What one rank moved in one gather-and-broadcast refit: bytes (``*_bytes``), counts
+    (``num_*``: tensors refit, messages sent and received) and the wall time (``seconds``)."""
 
     rank: int
     seconds: float
@@ -74,8 +75,8 @@ class BaselineReport:
     broadcast_send_bytes: int
     broadcast_recv_bytes: int
     local_bytes: int
-    tensors: int
-    messages: int
+    num_tensors: int
+    num_messages: int
     staging_bytes: int
 
 
@@ -348,12 +349,12 @@ class GatherBroadcast:
         map buffer names to this rank's tensors. Raises ``TransportAborted`` when this or
         any other rank fails (the transport is aborted so peers do not hang)."""
         start = time.perf_counter()
-        messages = 0
+        num_messages = 0
         try:
             buffers = self._resolve(source or {}, destination or {})
             self._ensure_staging()
             for op in self.ops:
-                messages += self._tensor(op, buffers)
+                num_messages += self._tensor(op, buffers)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
@@ -368,10 +369,12 @@ class GatherBroadcast:
             rank=self.rank, seconds=time.perf_counter() - start, send_bytes=g["send"], recv_bytes=g["recv"],
             gather_send_bytes=g["gather_send"], gather_recv_bytes=g["gather_recv"],
             broadcast_send_bytes=g["broadcast_send"], broadcast_recv_bytes=g["broadcast_recv"],
-            local_bytes=g["local"], tensors=len(self.ops), messages=messages, staging_bytes=self.staging_allocated,
+            local_bytes=g["local"], num_tensors=len(self.ops), num_messages=num_messages,
+            staging_bytes=self.staging_allocated,
         )
         log.info("refit.baseline.done", rank=self.rank, seconds=report.seconds, sent_bytes=report.send_bytes,
-                 recv_bytes=report.recv_bytes, tensors=report.tensors, messages=messages)
+                 recv_bytes=report.recv_bytes, tensors=report.num_tensors,  # field names: docs/LOGS.md
+                 messages=report.num_messages)
         return report
 
     # ---- internals ---------------------------------------------------------------------
@@ -454,8 +457,6 @@ class GatherBroadcast:
                 work = post_recv(transport, flat, it.peer, it.tag)
             else:
                 flat.view(view.shape).copy_(view)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
                 work = post_send(transport, flat, it.peer, it.tag)
             inflight.append((work, it, slot, view))
         while inflight:

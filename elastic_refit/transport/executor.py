@@ -60,7 +60,10 @@ class ExecutorOptions:
 
 @dataclass(frozen=True, slots=True)
 class TransferReport:
-    """What one rank moved in one refit."""
+    """What one rank moved in one refit: bytes (``*_bytes``), counts (``num_*``) and the
+    wall time (``seconds``). ``num_buckets`` counts buckets sent and received,
+    ``num_zero_copy_buckets`` those of them that went straight from or into a parameter,
+    ``num_verified_boxes`` the received boxes whose digest was checked."""
 
     rank: int
     seconds: float
@@ -69,10 +72,16 @@ class TransferReport:
     intra_send_bytes: int
     intra_recv_bytes: int
     local_bytes: int
-    buckets: int
-    zero_copy_buckets: int
+    num_buckets: int
+    num_zero_copy_buckets: int
     staging_bytes: int
-    verified_boxes: int
+    num_verified_boxes: int
+
+    @property
+    def verified_boxes(self) -> int:
+        """Old name of ``num_verified_boxes``, read by ``elastic_refit/runtime/refit.py``;
+        remove once it reads the new one."""
+        return self.num_verified_boxes
 
 
 def _contiguous_span(shape: tuple[int, ...], box: BoxCopy, itemsize: int) -> tuple[int, int] | None:
@@ -210,7 +219,7 @@ class Executor:
         try:
             tensors = self._resolve(source or {}, destination or {})
             self._ensure_staging()
-            counts = {"buckets": 0, "zero_copy": 0, "verified": 0}
+            counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
             for step in self.schedule.steps:
@@ -232,14 +241,14 @@ class Executor:
             intra_send_bytes=by_kind["intra_send"],
             intra_recv_bytes=by_kind["intra_recv"],
             local_bytes=by_kind["local"],
-            buckets=counts["buckets"],
-            zero_copy_buckets=counts["zero_copy"],
+            num_buckets=counts["num_buckets"],
+            num_zero_copy_buckets=counts["num_zero_copy_buckets"],
             staging_bytes=self.staging_allocated,
-            verified_boxes=counts["verified"],
+            num_verified_boxes=counts["num_verified_boxes"],
         )
         log.info("refit.transfer.done", rank=self.rank, seconds=report.seconds,
                  sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,
-                 local_bytes=report.local_bytes, buckets=report.buckets)
+                 local_bytes=report.local_bytes, buckets=report.num_buckets)  # field names: docs/LOGS.md
         return report
 
     # ---- internals ---------------------------------------------------------------------
@@ -286,28 +295,26 @@ class Executor:
                     transport.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
                 if io.direct is not None:
                     payload = io.direct_view(tensors)
-                    counts["zero_copy"] += 1
+                    counts["num_zero_copy_buckets"] += 1
                 else:
                     payload = self._staging[slot][: io.wire_bytes]
                     io.pack(tensors, payload, verify)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
                 send_work[slot] = post_send(transport, payload, send.peer, tag=i)  # type: ignore[union-attr]
-                counts["buckets"] += 1
+                counts["num_buckets"] += 1
             if i < n_recv:
                 io = self._io[id(recv.buckets[i])]  # type: ignore[union-attr]
                 target = io.direct_view(tensors) if io.direct is not None else self._staging[2 + slot][: io.wire_bytes]
                 recv_work[slot] = post_recv(transport, target, recv.peer, tag=i)  # type: ignore[union-attr]
                 recv_target[slot] = (io, target)
-                counts["buckets"] += 1
+                counts["num_buckets"] += 1
             prev = (i - 1) % 2
             if i >= 1 and i - 1 < n_recv:
                 transport.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]
                 io, target = recv_target[prev]
                 if io.direct is None:
-                    counts["verified"] += io.unpack(tensors, target, verify, f"rank {self.rank} {where}")
+                    counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {where}")
                 else:
-                    counts["zero_copy"] += 1
+                    counts["num_zero_copy_buckets"] += 1
                 recv_work[prev] = None
         for slot in (0, 1):
             if send_work[slot] is not None:

@@ -100,12 +100,15 @@ class Transport(Protocol):
 
     def post(self, ops: Sequence[P2POp]) -> Work:
         """Post ``ops`` together (one group where the backend batches) and return one handle.
-        Raises ``TransportAborted`` on an aborted transport or a failed post."""
+        A send sees every write the caller queued on its current CUDA stream before the call
+        (no synchronisation needed); raises ``TransportAborted`` on an aborted transport or
+        a failed post."""
         ...
 
     def wait(self, work: Work, peer: int, what: str) -> None:
-        """Wait for ``work``; failure, timeout or cancellation raise ``TransportAborted``
-        naming ``what`` and ``peer``."""
+        """Wait for ``work``: afterwards a sent buffer may be reused and the caller's current
+        CUDA stream sees what arrived. Failure or timeout raise ``TransportAborted`` naming
+        ``what`` and ``peer``."""
         ...
 
     def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:

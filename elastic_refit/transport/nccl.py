@@ -1,0 +1,247 @@
+"""The nccl4py transport: NCCL communicators this runtime owns directly.
+
+Compared with torch's ProcessGroupNCCL, owning the communicator gives the runtime NCCL's
+whole lifecycle: non-blocking initialisation that can be aborted, ``revoke`` to quiesce
+in-flight work (NCCL >= 2.28.7), ``shrink`` (>= 2.27) and ``grow`` (>= 2.29.2). The
+lifecycle lives in ``membership.comm``; this module moves bytes.
+
+Every batch of operations is posted inside one NCCL group on the transport's own CUDA
+stream, ordered after the work already queued on the caller's stream (a CUDA event, no
+device-wide synchronisation), and completes when an event recorded after it fires. Waits
+poll that event and the communicator's asynchronous error state, so a dead peer or a
+timeout ends in ``TransportAborted`` instead of a hang. nccl4py is optional (the
+``[nccl]`` extra); nothing imports it on CPU machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from elastic_refit.errors import TransportAborted
+from elastic_refit.transport.protocol import Backend, Capabilities, P2POp
+
+__all__ = ["NcclTransport", "nccl_call", "settle"]
+
+_POLL_S = 0.0005
+_VOTE_TAG = 0x7E57
+
+
+def _nccl():
+    import nccl.core as nccl_core  # optional: the [nccl] extra
+
+    return nccl_core
+
+
+def _in_progress_code() -> int:
+    from nccl.bindings import nccl as bindings
+
+    return int(bindings.Result.InProgress)
+
+
+def nccl_call(fn: Callable[[], Any]) -> Any:
+    """Run one nccl4py call; a non-blocking communicator may answer ``ncclInProgress``,
+    which is not an error (:func:`settle` waits for it)."""
+    try:
+        return fn()
+    except Exception as exc:
+        status = getattr(exc, "status", None)
+        if status is not None and int(status) == _in_progress_code():
+            return None
+        raise
+
+
+def settle(comm: Any, timeout_s: float, what: str, cancelled: Callable[[], bool] | None = None) -> None:
+    """Wait until ``comm`` (non-blocking) is no longer ``ncclInProgress``; raise
+    ``TransportAborted`` on an error state, on the timeout, or once ``cancelled()``."""
+    in_progress = _in_progress_code()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = int(comm.get_async_error())
+        if state == 0:
+            return
+        if state != in_progress:
+            raise TransportAborted(f"{what}: NCCL reports error {state}: {_error_string(state)}", phase=what)
+        if time.monotonic() > deadline:
+            raise TransportAborted(f"{what}: not done within {timeout_s} s", phase=what)
+        if cancelled is not None and cancelled():
+            raise TransportAborted(f"{what}: cancelled", phase=what)
+        time.sleep(_POLL_S)
+
+
+def _error_string(state: int) -> str:
+    with contextlib.suppress(Exception):
+        return str(_nccl().get_error_string(state))
+    return "unknown"
+
+
+class _Posted:
+    """The completion event of one batch; keeps its tensors alive until then."""
+
+    __slots__ = ("event", "tensors")
+
+    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        self.event = event
+        self.tensors = tensors
+
+    def wait(self, timeout: object = None) -> bool:
+        return self.event.query()
+
+
+class NcclTransport:
+    """A :class:`~elastic_refit.transport.protocol.Transport` over one nccl4py communicator.
+
+    ``comm`` must be initialised (and settled); ``timeout_s`` bounds every wait and vote.
+    Tags are not used: NCCL matches the operations of a pair in posting order, which the
+    executor and baseline keep identical on both sides.
+    """
+
+    def __init__(self, comm: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
+                 device: torch.device | None = None, can_shrink: bool = False, can_grow: bool = False) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self.comm = comm
+        self._rank = rank
+        self._world_size = world_size
+        self.timeout_s = float(timeout_s)
+        device = device or torch.device("cuda", torch.cuda.current_device())
+        self._capabilities = Capabilities(Backend.NCCL4PY, device, can_shrink=can_shrink, can_grow=can_grow)
+        self.stream = torch.cuda.Stream(device=device)
+        self._aborted = False
+
+    @classmethod
+    def create(cls, store: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
+               init_timeout_s: float = 60.0) -> NcclTransport:
+        """Initialise a communicator over ``store`` (a ``torch.distributed.Store``: rank 0
+        publishes the unique id) on the current CUDA device; every rank calls this."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        nccl = _nccl()
+        if rank == 0:
+            store.set("nccl4py/unique_id", nccl.get_unique_id().as_bytes)
+        uid = nccl.UniqueId.from_bytes(store.get("nccl4py/unique_id"))
+        comm = nccl.Communicator()
+        nccl_call(lambda: comm.initialize(world_size, rank, uid, nccl.NCCLConfig(blocking=False)))
+        settle(comm, init_timeout_s, "nccl4py init")
+        return cls(comm, rank, world_size, timeout_s=timeout_s)
+
+    # ---- the protocol ------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def device(self) -> torch.device:
+        return self._capabilities.device
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def post(self, ops: Sequence[P2POp]) -> _Posted:
+        if self._aborted:
+            raise TransportAborted(f"rank {self.rank}: post on an aborted transport", rank=self.rank)
+        nccl = _nccl()
+        # What the caller queued (packing, copies) runs before the communication.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            nccl_call(nccl.group_start)
+            try:
+                for op in ops:
+                    if op.op == "send":
+                        nccl_call(lambda op=op: self.comm.send(op.tensor, op.peer, stream=self.stream))
+                    else:
+                        nccl_call(lambda op=op: self.comm.recv(op.tensor, op.peer, stream=self.stream))
+            finally:
+                nccl_call(nccl.group_end)
+        except TransportAborted:
+            raise
+        except Exception as exc:
+            peers = sorted({op.peer for op in ops})
+            raise TransportAborted(f"rank {self.rank}: posting to ranks {peers} failed: {_first_line(exc)}",
+                                   rank=self.rank, peer=peers[0] if peers else None, phase="post") from exc
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        for op in ops:  # the caching allocator must not reuse these before NCCL is done
+            op.tensor.record_stream(self.stream)
+        return _Posted(event, [op.tensor for op in ops])
+
+    def wait(self, work: _Posted, peer: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        in_progress = _in_progress_code()
+        while not work.event.query():
+            state = int(self.comm.get_async_error()) if not self._aborted else -1
+            if state not in (0, in_progress):
+                self.abort()
+                raise TransportAborted(
+                    f"rank {self.rank}: {what} with rank {peer} failed: NCCL error {state}: {_error_string(state)}",
+                    rank=self.rank, peer=peer, phase=what)
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TransportAborted(f"rank {self.rank}: {what} with rank {peer} not done within "
+                                       f"{self.timeout_s} s", rank=self.rank, peer=peer, phase=what)
+            time.sleep(_POLL_S)
+        # Later work on the caller's stream (unpacking) sees the received bytes.
+        torch.cuda.current_stream(self.device).wait_event(work.event)
+
+    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
+        try:
+            if participants is None or len(set(participants)) == self.world_size:
+                nccl = _nccl()
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                nccl_call(lambda: self.comm.allreduce(flag, flag, nccl.SUM, stream=self.stream))
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.wait(_Posted(event, [flag]), -1, "completion vote")
+            else:
+                members = sorted(set(participants))
+                root = members[0]
+                if self.rank == root:
+                    others = [torch.zeros_like(flag) for _ in members[1:]]
+                    self.wait(self.post([P2POp("recv", b, p, _VOTE_TAG) for p, b in
+                                         zip(members[1:], others, strict=True)]), -1, "completion vote")
+                    flag += torch.stack(others).sum(dim=0) if others else 0
+                    self.wait(self.post([P2POp("send", flag, p, _VOTE_TAG) for p in members[1:]]), -1,
+                              "completion vote")
+                else:
+                    self.wait(self.post([P2POp("send", flag, root, _VOTE_TAG)]), root, "completion vote")
+                    self.wait(self.post([P2POp("recv", flag, root, _VOTE_TAG)]), root, "completion vote")
+        except TransportAborted:
+            raise
+        except Exception as exc:
+            raise TransportAborted(f"rank {self.rank}: completion vote failed: {_first_line(exc)}",
+                                   rank=self.rank, phase="vote") from exc
+        return int(flag.item()) == 0
+
+    def abort(self) -> None:
+        """Mark the transport aborted; the communicator itself is aborted by its owner
+        (``membership.comm``), which decides between revoke, shrink and abort."""
+        if self._aborted:
+            return
+        self._aborted = True
+        with contextlib.suppress(Exception):
+            self.comm.revoke()
+
+    def close(self) -> None:
+        self._aborted = True
+        self.comm = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,63 @@
+"""The executor and the baseline over several NCCL ranks: both backends (torch's
+ProcessGroupNCCL and nccl4py communicators), on the layout table of the data-path tests.
+
+With one GPU every rank shares it as a host of its own (``NCCL_HOSTID``), so every byte
+between ranks crosses NCCL's socket transport; with several GPUs each rank has its own.
+Every destination byte is checked against the pattern, padding against the sentinel, and
+each rank's bytes against the plan."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from elastic_refit.plan import TransferKind
+from elastic_refit.testing.processes import nccl_rank_env, run_local_world
+from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
+from tests.integration.test_executor import CASES, TINY_DENSE
+
+pytestmark = pytest.mark.gpu
+
+BACKENDS = ["nccl", pytest.param("nccl4py", marks=pytest.mark.skipif(
+    importlib.util.find_spec("nccl") is None, reason="nccl4py is not installed (the [nccl] extra)"))]
+
+
+def _world_size(case: RefitCase) -> int:
+    return case.build().topology.num_ranks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_refit_is_bit_exact_and_moves_the_planned_bytes(name, backend):
+    case = CASES[name]
+    plan = case.plan()
+    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(backend=backend, timeout_s=60)),
+                              timeout_s=240, rank_env=nccl_rank_env)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+        report = r.value["report"]
+        assert report["network_send_bytes"] == plan.network_send_bytes[r.rank]
+        assert report["network_recv_bytes"] == plan.network_recv_bytes[r.rank]
+        assert report["intra_send_bytes"] == plan.intra_send_bytes[r.rank]
+        assert report["intra_recv_bytes"] == plan.intra_recv_bytes[r.rank]
+    t = plan.transfers
+    local = t.kind == int(TransferKind.LOCAL)
+    assert sum(r.value["report"]["local_bytes"] for r in results) == int((t.nbytes * t.instances)[local].sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_nccl_refit_at_4_and_8_ranks_with_digests(backend, num_ranks):
+    half = num_ranks // 2
+    source = "tp=2,pp=2" if half == 4 else "tp=2,pp=1"
+    case = RefitCase(model=TINY_DENSE, source=source, destination=f"tp=2,dp={half // 2}", domain_size=2,
+                     bucket_bytes=8192)
+    assert _world_size(case) == num_ranks
+    results = run_local_world(refit_rank, num_ranks,
+                              (case, WorkerOptions(backend=backend, timeout_s=60, verify=True, repeat=2)),
+                              timeout_s=240, rank_env=nccl_rank_env)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
