@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.model, "layers": args.layers, "source": args.source, "destination": args.destination,
-        "ranks": len(ranks), "model_bytes": plan.stats.model_bytes, "dst_bytes": plan.stats.dst_bytes,
+        "num_ranks": len(ranks), "model_bytes": plan.stats.model_bytes, "dst_bytes": plan.stats.dst_bytes,
         "reshard": results["reshard"], "gather_broadcast": results["gather_broadcast"],
         "copy_GBps": copy_bytes / copy_seconds / 1e9,
         "reshard_GBps": results["reshard"]["bytes"] / results["reshard"]["seconds"] / 1e9,
         "gather_broadcast_GBps": results["gather_broadcast"]["bytes"] / results["gather_broadcast"]["seconds"] / 1e9,
         "speedup": results["gather_broadcast"]["seconds"] / results["reshard"]["seconds"],
-        "transfers": len(reshard.transfers),
-        "direct_transfers": sum(t.direct is not None for t in reshard.transfers),
+        "num_transfers": len(reshard.transfers),
+        "num_direct_transfers": sum(t.direct is not None for t in reshard.transfers),
         "direct_min_bytes": plan.options.direct_min_bytes,
         "verified": results["reshard"]["verified"] and results["gather_broadcast"]["verified"],
     }

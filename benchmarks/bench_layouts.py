@@ -40,8 +40,8 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         rows.append({
             "model": model, "framework": framework, "parallelism": par, "first_rank": first_rank,
-            "ranks": len(layout.ranks), "tensors": len(layout.tensors), "buffers": layout.num_buffers,
-            "pieces": layout.num_pieces, "best_seconds": min(times),
+            "num_ranks": len(layout.ranks), "num_tensors": len(layout.tensors), "num_buffers": layout.num_buffers,
+            "num_pieces": layout.num_pieces, "best_seconds": min(times),
             "median_seconds": statistics.median(times),
         })
     if args.json:
@@ -51,8 +51,8 @@ def main() -> None:
     print(f"{'model':<16} {'framework':<9} {'parallelism':<22} {'ranks':>5} {'pieces':>8} "
           f"{'buffers':>8} {'best s':>7} {'median s':>8}")
     for r in rows:
-        print(f"{r['model']:<16} {r['framework']:<9} {r['parallelism']:<22} {r['ranks']:>5} "
-              f"{r['pieces']:>8} {r['buffers']:>8} {r['best_seconds']:>7.3f} {r['median_seconds']:>8.3f}")
+        print(f"{r['model']:<16} {r['framework']:<9} {r['parallelism']:<22} {r['num_ranks']:>5} "
+              f"{r['num_pieces']:>8} {r['num_buffers']:>8} {r['best_seconds']:>7.3f} {r['median_seconds']:>8.3f}")
 
 
 if __name__ == "__main__":

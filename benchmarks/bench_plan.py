@@ -74,16 +74,16 @@ def worker(case: str, cpu: int) -> dict:
     s, r = plan.stats, replan.stats
     return {
         "case": case, "model": model, "source": source, "destination": destination, "cpu": cpu,
-        "source_ranks": s.num_source_ranks, "destination_ranks": s.num_destination_ranks,
-        "source_pieces": spec.source.num_pieces, "destination_pieces": spec.destination.num_pieces,
+        "num_source_ranks": s.num_source_ranks, "num_destination_ranks": s.num_destination_ranks,
+        "num_source_pieces": spec.source.num_pieces, "num_destination_pieces": spec.destination.num_pieces,
         "layout_s": t1 - t0, "cold_plan_s": t2 - t1, "warm_plan_s": t3 - t2,
         "without_ranks_s": t4 - t3, "replan_s": t5 - t3,
         "layout_cpu_s": c1 - c0, "cold_plan_cpu_s": c2 - c1, "warm_plan_cpu_s": c3 - c2,
         "replan_cpu_s": c5 - c3,
-        "rows": s.rows, "transfers": s.transfers, "classes": s.tensor_classes,
+        "num_rows": s.num_rows, "num_transfers": s.num_transfers, "num_tensor_classes": s.num_tensor_classes,
         "cross_over_bound": s.cross_domain_bytes / max(s.lower_bound_bytes, 1),
         "replan_cross_over_bound": r.cross_domain_bytes / max(r.lower_bound_bytes, 1),
-        "removed_rank": lost, "replan_transfers": r.transfers,
+        "removed_rank": lost, "replan_num_transfers": r.num_transfers,
     }
 
 
@@ -155,12 +155,12 @@ def main() -> None:
     for case, r in results.items():
         rows.append((
             f"{case} {r['source']} -> {r['destination']}",
-            f"{r['source_ranks']}+{r['destination_ranks']}",
+            f"{r['num_source_ranks']}+{r['num_destination_ranks']}",
             cell(case, "layout_s"),
             cell(case, "cold_plan_s"),
             cell(case, "warm_plan_s"),
             cell(case, "replan_s"),
-            f"{r['rows']}/{r['transfers']}/{r['classes']}",
+            f"{r['num_rows']}/{r['num_transfers']}/{r['num_tensor_classes']}",
             f"{r['cross_over_bound']:.3f}",
         ))
     print(f"median of {args.repeat} fresh processes, each pinned to cpu {cpu}; times are wall / CPU")

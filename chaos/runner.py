@@ -83,16 +83,17 @@ class WorkerPool:
     """Warm worker processes; keeps ``spares`` idle ones ready for restarts, so a victim's
     new incarnation starts at once (inside its old lease's TTL), not after an import."""
 
-    def __init__(self, killer: Killer, spares: int = 2) -> None:
+    def __init__(self, killer: Killer, spares: int = 2, gpu: bool = False) -> None:
         self.ctx = mp.get_context("spawn")
         self.killer = killer
         self.spares = spares
+        self.gpu = gpu
         self.workers: list[_Worker] = []
         self.started_pids: list[int] = []
 
     def _spawn(self) -> _Worker:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=worker_main, args=(child,), daemon=True, name="chaos-worker")
+        proc = self.ctx.Process(target=worker_main, args=(child, self.gpu), daemon=True, name="chaos-worker")
         proc.start()
         child.close()
         w = _Worker(proc, parent, proc.pid)
@@ -236,13 +237,22 @@ class ChaosRun:
     keep_logs: bool = False
     deadline_s: float = 60.0
     progress: Callable[[str], None] = lambda _m: None
+    backend: str = "gloo"  # members' communicators: gloo on the CPU, or NCCL on GPU 0
 
     def __post_init__(self) -> None:
+        from elastic_refit.transport.protocol import Backend
+
         if self.deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        self.backend = Backend.parse(self.backend).value
         self.killer = Killer()
-        self.pool = WorkerPool(self.killer)
+        self.pool = WorkerPool(self.killer, gpu=self.backend != "gloo")
         self._etcd: dict[int, _Etcd] = {}
+
+    def _device_config(self) -> dict[str, Any]:
+        if self.backend == "gloo":
+            return {}
+        return {"backend": self.backend, "device": "cuda:0"}
 
     def etcd(self, nodes: int) -> _Etcd:
         if nodes not in self._etcd:
@@ -302,7 +312,7 @@ class ChaosRun:
                                 "d-train" if role == "trainer" else "d-infer", spec_json=spec,
                                 versions=versions, incarnation=incarnation,
                                 pause_s=scenario.trainer_pause_s if role == "trainer" else 0.0,
-                                config={**MEMBER_CONFIG, **(scenario.member_config or {})})
+                                config={**MEMBER_CONFIG, **self._device_config(), **(scenario.member_config or {})})
             w = self.pool.acquire()
             w.task = (member_id, life)
             w.conn.send((member, hook, str(trial_dir / f"{incarnation}.log")))
@@ -549,11 +559,13 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
 
 
 def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | None = None,
-               deadline_s: float = 60.0, keep_logs: bool = False, results_path: str | None = None) -> dict[str, Any]:
+               deadline_s: float = 60.0, keep_logs: bool = False, results_path: str | None = None,
+               backend: str = "gloo") -> dict[str, Any]:
     """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`.
-    ``results_path``: append each trial's verdict there as one JSON line as it finishes."""
+    ``results_path``: append each trial's verdict there as one JSON line as it finishes;
+    ``backend``: the members' communicators (``nccl`` / ``nccl4py``: every member on GPU 0)."""
     say = progress or (lambda _m: None)
-    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s)
+    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s, backend=backend)
     results: list[TrialResult] = []
     t0 = time.monotonic()
     leaked: list[int] = []

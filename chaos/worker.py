@@ -107,8 +107,13 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
         return run_member(member, hold=hold_until_stop)
 
 
-def worker_main(conn) -> None:
-    """Entry point of a worker process: serve tasks from ``conn`` until None or EOF."""
+def worker_main(conn, gpu: bool = False) -> None:
+    """Entry point of a worker process: serve tasks from ``conn`` until None or EOF. With
+    ``gpu``, the worker is a host of its own to NCCL (its own ``NCCL_HOSTID``), so several
+    workers share one GPU over NCCL's socket transport."""
+    if gpu:
+        os.environ.update({"NCCL_HOSTID": f"elastic-refit-chaos-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo",
+                           "NCCL_NVLS_ENABLE": "0"})
     import torch
     from elastic_refit.chaos.inject import reset_state
 

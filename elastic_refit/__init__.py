@@ -1,23 +1,80 @@
 """elastic-refit: move only the shard intersections between live training and inference layouts.
 
-The public API, re-exported here and imported on first use (so that planning code does not
-load etcd or gRPC):
+The public API, re-exported here and imported on first use (so that planning loads neither
+etcd nor gRPC):
 
 - layouts: ``LayoutBuilder``, ``Layout``, ``Topology``, ``Box``, ``Shard``, ``Replicate``,
   ``add_sharded_tensor``, ``from_dtensors``, ``load_spec``;
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
-- runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``;
-- runtime faults: ``RefitError``, ``TransportAborted``, ``PlanMismatch``,
-  ``VerificationFailed``, ``MembershipLost``.
+- runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
+  ``ElasticRefit.publish`` returns);
+- runtime faults, all ``RefitError``: ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
+  ``RefitTimeout``, ``TransportAborted``, ``VerificationFailed``.
+
+The executor and the transports it runs over are in :mod:`elastic_refit.transport`.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_refit.errors import (
+        MembershipLost,
+        PlanMismatch,
+        RefitError,
+        RefitFailed,
+        RefitTimeout,
+        TransportAborted,
+        VerificationFailed,
+    )
+    from elastic_refit.layout import (
+        Box,
+        Layout,
+        LayoutBuilder,
+        Replicate,
+        Shard,
+        Topology,
+        add_sharded_tensor,
+        from_dtensors,
+        load_spec,
+    )
+    from elastic_refit.membership.versions import Commit
+    from elastic_refit.plan import Plan, PlanOptions, make_plan
+    from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
 
 __version__ = "0.1.0"
 
+__all__ = [
+    "Box",
+    "Commit",
+    "ElasticRefit",
+    "Layout",
+    "LayoutBuilder",
+    "MembershipLost",
+    "Plan",
+    "PlanMismatch",
+    "PlanOptions",
+    "RefitConfig",
+    "RefitError",
+    "RefitFailed",
+    "RefitLayouts",
+    "RefitTimeout",
+    "Replicate",
+    "Shard",
+    "Topology",
+    "TransportAborted",
+    "VerificationFailed",
+    "__version__",
+    "add_sharded_tensor",
+    "from_dtensors",
+    "load_spec",
+    "make_plan",
+]
+
+# The module each exported name is imported from on first use (the imports above, for
+# type checkers and IDEs, run only for them).
 _EXPORTS = {
     "Box": "elastic_refit.layout",
     "Layout": "elastic_refit.layout",
@@ -31,17 +88,18 @@ _EXPORTS = {
     "Plan": "elastic_refit.plan",
     "PlanOptions": "elastic_refit.plan",
     "make_plan": "elastic_refit.plan",
+    "Commit": "elastic_refit.membership.versions",
     "ElasticRefit": "elastic_refit.runtime",
     "RefitConfig": "elastic_refit.runtime",
     "RefitLayouts": "elastic_refit.runtime",
+    "MembershipLost": "elastic_refit.errors",
     "PlanMismatch": "elastic_refit.errors",
     "RefitError": "elastic_refit.errors",
+    "RefitFailed": "elastic_refit.errors",
+    "RefitTimeout": "elastic_refit.errors",
     "TransportAborted": "elastic_refit.errors",
     "VerificationFailed": "elastic_refit.errors",
-    "MembershipLost": "elastic_refit.membership",
 }
-
-__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str) -> Any:
@@ -51,3 +109,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+__all__ = ["build_parser", "main"]
+
 # Modules that define `register(subparsers)`; each adds one top-level subcommand.
 _COMMAND_MODULES = ("plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd")
 

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+__all__ = ["format_bytes", "format_seconds", "print_json", "progress", "render_table"]
+
 
 def format_bytes(num_bytes: float) -> str:
     """Human-readable bytes in powers of 1024 (``1.50 GiB``)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+__all__ = ["register"]
+
 # Sub-benchmarks that register themselves as `bench <name>`; each module defines
 # `register(bench_subparsers)`.
 _BENCH_MODULES: tuple[str, ...] = ("bench_membership",)

@@ -6,6 +6,8 @@ import argparse
 
 from elastic_refit.cli._output import format_seconds, print_json, progress, render_table
 
+__all__ = ["register"]
+
 
 def register(targets: argparse._SubParsersAction) -> None:
     """Add ``bench membership`` to the ``bench`` sub-commands."""

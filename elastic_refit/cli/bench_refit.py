@@ -23,6 +23,8 @@ from elastic_refit.cli._output import (
     render_table,
 )
 
+__all__ = ["LABELS", "METHODS", "add_arguments", "run", "summarize"]
+
 METHODS = ("reshard", "gather_broadcast")
 LABELS = {"reshard": "reshard (plan)", "gather_broadcast": "gather-and-broadcast"}
 
@@ -84,7 +86,7 @@ def _median(values: list[float]) -> float:
 
 def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> dict[str, Any]:
     """Fold the ranks' results into the benchmark's JSON object."""
-    out: dict[str, Any] = {"ranks": world_size, "backend": backend}
+    out: dict[str, Any] = {"num_ranks": world_size, "backend": backend}
     problems = [p for v in values for m in METHODS for p in v[m]["problems"]]
     for m in METHODS:
         runs = len(values[0][m]["seconds"])
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         for r in failed[:4]:
             progress(f"rank {r.rank}: {r.error_type}: {r.error.strip().splitlines()[0] if r.error else ''}")
         if args.json:
-            print_json({"verified": False, "ranks": world_size, "backend": backend,
+            print_json({"verified": False, "num_ranks": world_size, "backend": backend,
                         "errors": [f"rank {r.rank}: {r.error_type}: {r.error}" for r in failed]})
         return 1
     out = summarize([r.value for r in results], world_size, backend)

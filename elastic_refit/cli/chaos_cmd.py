@@ -6,6 +6,8 @@ import argparse
 
 from elastic_refit.cli._output import print_json, progress, render_table
 
+__all__ = ["register", "render_summary", "run"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -22,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--etcd-cluster", action="store_true", help="run against a 3-node etcd cluster (adds cells with an etcd member down for the rest of a trial)")
     parser.add_argument("--deadline", type=float, default=60.0, help="a trial past this many seconds is hung")
     parser.add_argument("--keep-logs", action="store_true", help="keep every trial's member logs")
+    parser.add_argument("--backend", choices=("gloo", "nccl", "nccl4py"), default="gloo",
+                        help="members' communicators: gloo on the CPU (default), or NCCL with every member on "
+                             "GPU 0 as a host of its own")
     parser.add_argument("--results", help="append each trial's verdict to this file as a JSON line")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.set_defaults(handler=run)
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = build_matrix(args.matrix, trials=args.trials, seed=args.seed, num_inference=args.inference,
                              etcd_nodes=3 if args.etcd_cluster else 1)
     summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
-                          results_path=args.results)
+                          results_path=args.results, backend=args.backend)
     if args.json:
         print_json(summary)
     else:

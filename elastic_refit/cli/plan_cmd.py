@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -16,6 +17,8 @@ from elastic_refit.cli._output import (
 from elastic_refit.layout import RefitSpec, load_spec
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
+
+__all__ = ["add_case_arguments", "load_case", "plan_figures", "register", "run"]
 
 
 def add_case_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,30 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plan_figures(plan: Plan, plan_seconds: float) -> dict[str, Any]:
-    s = plan.stats
-    return {
-        "model_bytes": s.model_bytes,
-        "dst_bytes": s.dst_bytes,
-        "lower_bound_bytes": s.lower_bound_bytes,
-        "cross_domain_bytes": s.cross_domain_bytes,
-        "intra_domain_bytes": s.intra_domain_bytes,
-        "local_bytes": s.local_bytes,
-        "gather_broadcast_bytes": s.gather_broadcast_bytes,
-        "max_send_bytes": s.max_send_bytes,
-        "max_recv_bytes": s.max_recv_bytes,
-        "transfers": s.transfers,
-        "network_transfers": s.network_transfers,
-        "intra_transfers": s.intra_transfers,
-        "local_transfers": s.local_transfers,
-        "messages": s.messages,
-        "rounds": s.rounds,
-        "buckets": s.buckets,
-        "source_ranks": s.num_source_ranks,
-        "destination_ranks": s.num_destination_ranks,
-        "domains": s.num_domains,
-        "plan_seconds": plan_seconds,
-        "fingerprint": plan.fingerprint,
-    }
+    """The ``--json`` object: every figure of ``plan.stats`` under its own name (``*_bytes``,
+    ``num_*``), the plan time and the fingerprint."""
+    return {**dataclasses.asdict(plan.stats), "plan_seconds": plan_seconds, "fingerprint": plan.fingerprint}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
         ("planned local copies", format_bytes(s.local_bytes), ""),
         ("gather-and-broadcast", format_bytes(s.gather_broadcast_bytes), f"{s.gather_broadcast_bytes / lb:.2f}x bound"),
         ("busiest NIC send / recv", f"{format_bytes(s.max_send_bytes)} / {format_bytes(s.max_recv_bytes)}", ""),
-        ("transfers net/intra/local", f"{s.network_transfers}/{s.intra_transfers}/{s.local_transfers}", ""),
-        ("messages / rounds / buckets", f"{s.messages}/{s.rounds}/{s.buckets}", ""),
+        ("transfers net/intra/local", f"{s.num_network_transfers}/{s.num_intra_transfers}/{s.num_local_transfers}",
+         ""),
+        ("messages / rounds / buckets", f"{s.num_messages}/{s.num_rounds}/{s.num_buckets}", ""),
         ("layout build time", format_seconds(layout_seconds), ""),
         ("plan time", format_seconds(plan_seconds), ""),
     ]

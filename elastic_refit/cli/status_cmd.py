@@ -11,6 +11,8 @@ from typing import Any
 
 from elastic_refit.cli._output import print_json, render_table
 
+__all__ = ["job_status", "register", "render_status", "run"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show a job's members, leader, epoch and committed versions",

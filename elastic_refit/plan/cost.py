@@ -13,6 +13,8 @@ import numpy as np
 
 from elastic_refit.plan.types import Plan
 
+__all__ = ["CLUSTERS", "GB", "Cluster", "Prediction", "get_cluster", "predict"]
+
 GB = 1e9
 
 
@@ -71,7 +73,7 @@ def predict(plan: Plan, cluster: Cluster) -> Prediction:
     nvlink = cluster.nvlink_gbps * GB
     network = float(np.maximum(plan.network_send_bytes, plan.network_recv_bytes).max(initial=0)) / nic
     intra = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) / nvlink
-    latency = plan.stats.rounds * cluster.latency_s
+    latency = plan.stats.num_rounds * cluster.latency_s
 
     domains = np.unique(plan.topology.domain_array(), return_inverse=True)[1]
     ranks_per_domain = np.bincount(domains)

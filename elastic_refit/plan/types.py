@@ -9,6 +9,19 @@ import numpy as np
 
 from elastic_refit.layout import Layout, Topology
 
+__all__ = [
+    "ExpandedTransfers",
+    "MiB",
+    "Phase",
+    "Plan",
+    "PlanOptions",
+    "PlanStats",
+    "SourceSide",
+    "TensorClasses",
+    "TransferKind",
+    "TransferTable",
+]
+
 MiB = 1 << 20
 
 
@@ -101,11 +114,11 @@ class TransferTable:
     instances: np.ndarray
 
     def __post_init__(self) -> None:
-        n = self.kind.shape[0]
+        num_rows = self.kind.shape[0]
         for name in self.__dataclass_fields__:
             array = _readonly(getattr(self, name))
-            if array.shape[0] != n:
-                raise ValueError(f"transfer column {name!r} has {array.shape[0]} rows, expected {n}")
+            if array.shape[0] != num_rows:
+                raise ValueError(f"transfer column {name!r} has {array.shape[0]} rows, expected {num_rows}")
             object.__setattr__(self, name, array)
 
     def __len__(self) -> int:
@@ -136,13 +149,15 @@ class TensorClasses:
         return int(self.representative.shape[0])
 
     def members_of_representative(self, tensor: int) -> np.ndarray:
-        c = int(self.class_of[tensor])
-        return self.members[self.start[c] : self.start[c + 1]]
+        tensor_class = int(self.class_of[tensor])
+        return self.members[self.start[tensor_class] : self.start[tensor_class + 1]]
 
 
 @dataclass(frozen=True, slots=True)
 class PlanStats:
-    """Figures of one plan, all in bytes or counts (the planner reads no clock)."""
+    """Figures of one plan, all in bytes (``*_bytes``) or counts (``num_*``); the planner
+    reads no clock. ``num_transfers`` counts box copies (a row stands for one copy per
+    member of its tensor class), ``num_rows`` the rows of the transfer table."""
 
     model_bytes: int
     dst_bytes: int
@@ -153,15 +168,15 @@ class PlanStats:
     gather_broadcast_bytes: int
     max_send_bytes: int
     max_recv_bytes: int
-    transfers: int
-    rows: int
-    tensor_classes: int
-    network_transfers: int
-    intra_transfers: int
-    local_transfers: int
-    messages: int
-    rounds: int
-    buckets: int
+    num_transfers: int
+    num_rows: int
+    num_tensor_classes: int
+    num_network_transfers: int
+    num_intra_transfers: int
+    num_local_transfers: int
+    num_messages: int
+    num_rounds: int
+    num_buckets: int
     num_source_ranks: int
     num_destination_ranks: int
     num_domains: int
@@ -210,26 +225,29 @@ class Plan:
 
     def expand(self, rows: np.ndarray | None = None) -> ExpandedTransfers:
         """Every box copy of ``rows`` (default: all), one per member of the row's class."""
-        t = self.transfers
-        rows = np.arange(len(t), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
-        count = t.instances[rows]
-        row = np.repeat(rows, count)
-        j = np.arange(row.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        rep = t.tensor[row]
-        cls = self.classes.class_of[rep]
-        member = self.classes.members[self.classes.start[cls] + j]
+        transfers = self.transfers
+        rows = np.arange(len(transfers), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        copies = transfers.instances[rows]
+        row = np.repeat(rows, copies)
+        # Which member of its row's class each copy is (0: the representative).
+        member_index = np.arange(row.size, dtype=np.int64) - np.repeat(np.cumsum(copies) - copies, copies)
+        representative = transfers.tensor[row]
+        tensor_class = self.classes.class_of[representative]
+        member = self.classes.members[self.classes.start[tensor_class] + member_index]
         dst_start = self._dst_piece_start  # type: ignore[attr-defined]
         src_start = self._src_piece_start  # type: ignore[attr-defined]
-        dst_piece = t.dst_piece[row] - dst_start[rep] + dst_start[member]
-        from_dst = t.src_side[row] == int(SourceSide.DESTINATION)
+        dst_piece = transfers.dst_piece[row] - dst_start[representative] + dst_start[member]
+        from_dst = transfers.src_side[row] == int(SourceSide.DESTINATION)
         src_piece = np.where(
             from_dst,
-            t.src_piece[row] - dst_start[rep] + dst_start[member],
-            t.src_piece[row] - src_start[self.source_tensor[rep]] + src_start[self.source_tensor[member]],
+            transfers.src_piece[row] - dst_start[representative] + dst_start[member],
+            transfers.src_piece[row] - src_start[self.source_tensor[representative]]
+            + src_start[self.source_tensor[member]],
         )
-        return ExpandedTransfers(row, member, src_piece, dst_piece, t.message_offset[row] + j * t.nbytes[row])
+        message_offset = transfers.message_offset[row] + member_index * transfers.nbytes[row]
+        return ExpandedTransfers(row, member, src_piece, dst_piece, message_offset)
 
     def rows_for(self, rank: int) -> np.ndarray:
         """Indices of every transfer that ``rank`` sends, receives or copies locally."""
-        t = self.transfers
-        return np.flatnonzero((t.src_rank == rank) | (t.dst_rank == rank))
+        transfers = self.transfers
+        return np.flatnonzero((transfers.src_rank == rank) | (transfers.dst_rank == rank))

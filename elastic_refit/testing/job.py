@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
@@ -58,12 +60,15 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     """
     layouts = member.layouts()
     config = member.refit_config()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
     if member.role == "trainer":
         with ElasticRefit(config, layouts) as refit:
             for version in member.versions:
                 time.sleep(member.pause_s)
-                tensors = allocate(layouts.source, member.layout_rank, fill=0)
+                tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)
                 fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
                 start = time.monotonic()
                 commit = refit.publish(tensors, version)
@@ -73,7 +78,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 hold(refit)
             out["stats"] = dict(refit.stats)
         return out
-    params = allocate(layouts.destination, member.layout_rank, fill=0)
+    params = allocate(layouts.destination, member.layout_rank, fill=0, device=device)
     with ElasticRefit(config, layouts, parameters=params) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out

@@ -1,1 +1,45 @@
+"""The transport seam and the data path: the ``Transport`` protocol, its torch c10d
+implementation, and the executor that runs one rank's share of a plan over it.
 
+Public API (imported on first use, so that ``import elastic_refit.transport.protocol``
+stays light)::
+
+    Transport, Backend          the protocol (elastic_refit.transport.protocol)
+    C10dTransport               gloo / NCCL process group: C10dTransport.create(store, rank, world_size, ...)
+    Executor, ExecutorOptions   Executor(plan, transport, ExecutorOptions(...)).run(source, destination)
+    TransferReport              what Executor.run returns
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_refit.transport.c10d import C10dTransport
+    from elastic_refit.transport.executor import Executor, ExecutorOptions, TransferReport
+    from elastic_refit.transport.protocol import Backend, Transport
+
+__all__ = ["Backend", "C10dTransport", "Executor", "ExecutorOptions", "TransferReport", "Transport"]
+
+_EXPORTS = {
+    "Backend": "elastic_refit.transport.protocol",
+    "Transport": "elastic_refit.transport.protocol",
+    "C10dTransport": "elastic_refit.transport.c10d",
+    "Executor": "elastic_refit.transport.executor",
+    "ExecutorOptions": "elastic_refit.transport.executor",
+    "TransferReport": "elastic_refit.transport.executor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic_refit.transport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -77,12 +77,6 @@ class TransferReport:
     staging_bytes: int
     num_verified_boxes: int
 
-    @property
-    def verified_boxes(self) -> int:
-        """Old name of ``num_verified_boxes``, read by ``elastic_refit/runtime/refit.py``;
-        remove once it reads the new one."""
-        return self.num_verified_boxes
-
 
 def _contiguous_span(shape: tuple[int, ...], box: BoxCopy, itemsize: int) -> tuple[int, int] | None:
     """(byte offset, bytes) of a box when it is one contiguous span of its buffer."""

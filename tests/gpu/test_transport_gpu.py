@@ -14,8 +14,7 @@ from elastic_refit.layout.models import ModelConfig
 from elastic_refit.testing.local_transport import GatherBroadcastLocal, LocalTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 from elastic_refit.testing.world import SENTINEL, RefitCase, padding_problems
-from elastic_refit.transport.executor import Executor, ExecutorOptions
-from elastic_refit.transport.group import GroupOptions, RefitGroup
+from elastic_refit.transport import C10dTransport, Executor, ExecutorOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -56,13 +55,13 @@ def test_executor_over_one_rank_nccl(verify):
          "source": {"mesh": [0], "placements": ["R"]}, "destination": {"mesh": [0], "placements": ["R"]}}]})
     plan = RefitCase(spec_json=spec).plan()
     store = dist.HashStore()
-    group = RefitGroup.create(store, 0, 1, GroupOptions("nccl", timeout_s=30))
+    transport = C10dTransport.create(store, 0, 1, backend="nccl", timeout_s=30)
     try:
         src = allocate(plan.source, 0, fill=0, device="cuda")
         fill_pieces(plan.source, 0, src, seed=5)
         dst = allocate(plan.destination, 0, fill=SENTINEL, device="cuda")
-        report = Executor(plan, group, ExecutorOptions(verify=verify)).run(src, dst)
+        report = Executor(plan, transport, ExecutorOptions(verify=verify)).run(src, dst)
         assert report.local_bytes == plan.stats.local_bytes == plan.stats.dst_bytes
         assert check_pieces(plan.destination, 0, dst, seed=5) == []
     finally:
-        group.abort()
+        transport.abort()

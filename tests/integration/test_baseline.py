@@ -25,8 +25,8 @@ from elastic_refit.layout.models import ModelConfig
 from elastic_refit.testing.pattern import allocate, byte_view, check_pieces, fill_pieces
 from elastic_refit.testing.processes import run_local_world
 from elastic_refit.testing.world import SENTINEL, RefitCase, padding_problems
+from elastic_refit.transport import C10dTransport
 from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
-from elastic_refit.transport.group import GroupOptions, RefitGroup
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,8 +71,9 @@ def _baseline_cases(rank: int, world_size: int, store: dist.Store, cases: dict[s
     out = {}
     for name, case in cases.items():
         plan = case.plan()
-        group = RefitGroup.create(dist.PrefixStore(name, store), rank, world_size, GroupOptions("gloo", 30))
-        baseline = GatherBroadcast(plan, group, BaselineOptions(chunk_bytes=chunk_bytes, window=2))
+        transport = C10dTransport.create(dist.PrefixStore(name, store), rank, world_size, backend="gloo",
+                                         timeout_s=30)
+        baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=chunk_bytes, window=2))
         src = allocate(plan.source, rank)
         fill_pieces(plan.source, rank, src, seed=7)
         dst = allocate(plan.destination, rank, fill=SENTINEL)
@@ -84,12 +85,13 @@ def _baseline_cases(rank: int, world_size: int, store: dist.Store, cases: dict[s
             reports.append(asdict(baseline.run(src, dst)))
             problems += check_pieces(plan.destination, rank, dst, seed=7)
             problems += padding_problems(plan.destination, rank, dst, SENTINEL)
-        group.abort()
+        transport.abort()
         out[name] = {"reports": reports, "problems": problems}
     # A rank that fails mid-refit (here: a missing buffer) fails every rank.
     plan = CASES["dense-tp2pp2-to-tp2dp2"].plan()
-    group = RefitGroup.create(dist.PrefixStore("fault", store), rank, world_size, GroupOptions("gloo", 5))
-    baseline = GatherBroadcast(plan, group)
+    transport = C10dTransport.create(dist.PrefixStore("fault", store), rank, world_size, backend="gloo",
+                                     timeout_s=5)
+    baseline = GatherBroadcast(plan, transport)
     src = allocate(plan.source, rank)
     dst = allocate(plan.destination, rank)
     try:
@@ -145,7 +147,7 @@ def test_baseline_is_bit_exact_and_moves_the_classic_bytes(world_results, name):
     assert sum(r["recv_bytes"] for r in reports) == plan.stats.gather_broadcast_bytes
     assert sum(r["send_bytes"] for r in reports) == plan.stats.gather_broadcast_bytes
     # Chunked: more messages than tensors, and staging never above one tensor + two chunks.
-    assert sum(r["messages"] for r in reports) > len(plan.destination.tensors)
+    assert sum(r["num_messages"] for r in reports) > len(plan.destination.tensors)
     largest = max(t.nbytes for t in plan.destination.tensors)
     assert max(r["staging_bytes"] for r in reports) <= largest + 2 * 48
 
@@ -173,7 +175,7 @@ def test_bench_cli_json_on_a_tiny_spec(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["verified"] is True
-    assert out["ranks"] == 4
+    assert out["num_ranks"] == 4
     for method in ("reshard", "gather_broadcast"):
         assert out[method]["seconds"] > 0
     # reshard: each destination receives its half of w and all of b; baseline: plus the gather.

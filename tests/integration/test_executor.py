@@ -83,7 +83,7 @@ def test_verify_mode_checks_every_box():
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True)), timeout_s=120)
     assert all(r.ok and not r.value["problems"] for r in results), [r.error for r in results if not r.ok]
     plan = case.plan()
-    received = sum(r.value["report"]["verified_boxes"] for r in results)
+    received = sum(r.value["report"]["num_verified_boxes"] for r in results)
     nonlocal_copies = int(plan.transfers.instances[plan.transfers.kind != int(TransferKind.LOCAL)].sum())
     assert received == nonlocal_copies
 
@@ -96,8 +96,8 @@ def test_staging_stays_within_budget():
     for r in results:
         assert r.ok, r.error
         assert not r.value["problems"]
-        assert 0 < r.value["report"]["staging_bytes"] <= budget or r.value["report"]["buckets"] == 0
-    assert sum(r.value["report"]["buckets"] for r in results) > 50  # the budget forced many buckets
+        assert 0 < r.value["report"]["staging_bytes"] <= budget or r.value["report"]["num_buckets"] == 0
+    assert sum(r.value["report"]["num_buckets"] for r in results) > 50  # the budget forced many buckets
 
 
 def test_budget_too_small_for_the_plan_is_a_clear_error():

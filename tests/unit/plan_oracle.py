@@ -145,10 +145,10 @@ def assert_stats_match(plan: Plan) -> None:
     assert s.cross_domain_bytes == int(weight[by_kind[TransferKind.NETWORK]].sum())
     assert s.intra_domain_bytes == int(weight[by_kind[TransferKind.INTRA]].sum())
     assert s.local_bytes == int(weight[by_kind[TransferKind.LOCAL]].sum())
-    assert s.network_transfers == int(t.instances[by_kind[TransferKind.NETWORK]].sum())
-    assert s.intra_transfers == int(t.instances[by_kind[TransferKind.INTRA]].sum())
-    assert s.local_transfers == int(t.instances[by_kind[TransferKind.LOCAL]].sum())
-    assert s.transfers == int(t.instances.sum()) and s.rows == len(t)
+    assert s.num_network_transfers == int(t.instances[by_kind[TransferKind.NETWORK]].sum())
+    assert s.num_intra_transfers == int(t.instances[by_kind[TransferKind.INTRA]].sum())
+    assert s.num_local_transfers == int(t.instances[by_kind[TransferKind.LOCAL]].sum())
+    assert s.num_transfers == int(t.instances.sum()) and s.num_rows == len(t)
     for kind, send, recv in ((TransferKind.NETWORK, plan.network_send_bytes, plan.network_recv_bytes),
                              (TransferKind.INTRA, plan.intra_send_bytes, plan.intra_recv_bytes)):
         want_send = np.zeros(plan.topology.num_ranks, dtype=np.int64)
@@ -161,21 +161,21 @@ def assert_stats_match(plan: Plan) -> None:
     assert s.model_bytes == sum(x.nbytes for x in dst.tensors)
     assert s.dst_bytes == sum(int(np.prod(p.box.lengths)) * dst.tensor(p.tensor).itemsize for p in dst.pieces())
     assert s.gather_broadcast_bytes == brute_force_gather_broadcast_bytes(src, dst)
-    assert s.tensor_classes == plan.classes.num_classes
+    assert s.num_tensor_classes == plan.classes.num_classes
     assert s.num_source_ranks == len(set(src.buffer_rank.tolist()))
     assert s.num_destination_ranks == len(set(dst.buffer_rank.tolist()))
     assert s.num_domains == len({int(domains[r]) for r in src.buffer_rank.tolist() + dst.buffer_rank.tolist()})
     # Messages, rounds and buckets of the peer-to-peer rows.
     peer = ~by_kind[TransferKind.LOCAL]
-    assert s.rounds == len(set(zip(t.phase[peer].tolist(), t.round[peer].tolist(), strict=True)))
+    assert s.num_rounds == len(set(zip(t.phase[peer].tolist(), t.round[peer].tolist(), strict=True)))
     # A copy lives in the bucket where it starts, so a message's buckets run up to its last start.
     messages: dict[int, int] = {}  # message -> start of its last copy
     x = plan.expand(np.flatnonzero(peer))
     for row, start in zip(x.row.tolist(), x.message_offset.tolist(), strict=True):
         messages[int(t.message[row])] = max(messages.get(int(t.message[row]), 0), start)
-    assert s.messages == len(messages)
+    assert s.num_messages == len(messages)
     half = plan.options.max_transfer_bytes
-    assert s.buckets == sum(last // half + 1 for last in messages.values())
+    assert s.num_buckets == sum(last // half + 1 for last in messages.values())
 
 
 def rebuilt(layout: Layout) -> Layout:

@@ -21,7 +21,7 @@ SCRIPT = Path(sys.executable).parent / "elastic-refit"
 
 REQUIRED_KEYS = {
     "model_bytes", "dst_bytes", "lower_bound_bytes", "cross_domain_bytes", "intra_domain_bytes",
-    "gather_broadcast_bytes", "max_send_bytes", "max_recv_bytes", "transfers", "plan_seconds",
+    "gather_broadcast_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers", "plan_seconds",
     "fingerprint",
 }
 CLUSTER_KEYS = {"predicted_seconds", "bound_seconds"}
@@ -67,8 +67,19 @@ def test_spec_json_has_every_promised_key(capsys, spec_file):
     assert figures["model_bytes"] == 10 * 6 * 2 + 7 * 4
     assert figures["dst_bytes"] == 10 * 6 * 2 + 2 * 7 * 4
     assert figures["gather_broadcast_bytes"] > figures["lower_bound_bytes"]
-    assert figures["transfers"] >= 1 and figures["plan_seconds"] >= 0
+    assert figures["num_transfers"] >= 1 and figures["plan_seconds"] >= 0
     assert len(figures["fingerprint"]) == 32
+
+
+def test_json_keys_follow_the_vocabulary(capsys, spec_file):
+    # Counts are num_*, byte figures *_bytes, time figures *_seconds (DESIGN.md, vocabulary).
+    code, out, _ = run_in_process(capsys, "plan", "--spec", str(spec_file), "--json", "--cluster", "h100-dgx")
+    assert code == 0
+    figures = json.loads(out)
+    other = {key for key in figures
+             if not (key.startswith("num_") or key.endswith(("_bytes", "_seconds")))}
+    assert other == {"fingerprint", "cluster"}
+    assert all(isinstance(figures[key], int) for key in figures if key.startswith("num_"))
 
 
 def test_spec_json_with_cluster_adds_prediction(capsys, spec_file):
@@ -103,7 +114,7 @@ def test_model_preset_json(capsys):
     figures = json.loads(out)
     assert figures.keys() >= REQUIRED_KEYS
     assert figures["cross_domain_bytes"] == figures["lower_bound_bytes"] > 0
-    assert figures["source_ranks"] == 8 and figures["destination_ranks"] == 8
+    assert figures["num_source_ranks"] == 8 and figures["num_destination_ranks"] == 8
     # Two full layers, embeddings and head of Llama-3.1-8B in bf16: between 1 and 3 GB.
     assert 1e9 < figures["model_bytes"] < 3e9
     # Two inference replicas each hold the whole model (tp=4 splits, dp=2 replicates).

@@ -397,8 +397,8 @@ def test_large_boxes_are_split_into_buckets():
     })
     plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=4096))
     assert_plan_correct(plan)
-    assert plan.stats.network_transfers == 64 * 64 * 4 // 2048
-    assert plan.stats.buckets >= 8
+    assert plan.stats.num_network_transfers == 64 * 64 * 4 // 2048
+    assert plan.stats.num_buckets >= 8
 
 
 # ---- bad input -------------------------------------------------------------------------
@@ -485,7 +485,7 @@ def test_identically_laid_out_tensors_share_one_class():
     plan = make_plan(src.build(), dst.build(), Topology((0, 1, 2, 2, 3)), PlanOptions(bucket_bytes=32))
     assert plan.classes.num_classes == 2
     assert sorted(np.diff(plan.classes.start).tolist()) == [1, 6]
-    assert plan.stats.rows < plan.stats.transfers
+    assert plan.stats.num_rows < plan.stats.num_transfers
     assert_plan_correct(plan)
 
 
