@@ -37,6 +37,8 @@ __all__ = [
 CATEGORIES = ("torn", "lost", "hung", "leaked", "unsafe", "error")
 # Errors a fault's victim may end with: it was killed (no report), told to leave, or fenced.
 VICTIM_ERRORS = ("Terminated", "MembershipLost")
+# A member that gave up waiting (publish / wait_for_version past their deadline).
+TIMEOUT_ERRORS = ("TimeoutError", "RefitTimeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +230,7 @@ def check_hung(evidence: TrialEvidence) -> list[Violation]:
     for incarnation in evidence.missing:
         out.append(Violation("hung", "reported", f"{incarnation} never reported"))
     for incarnation, report in evidence.reports.items():
-        if report.get("error_type") == "TimeoutError" and incarnation not in evidence.victims:
+        if report.get("error_type") in TIMEOUT_ERRORS and incarnation not in evidence.victims:
             out.append(Violation("hung", "timeout", f"{incarnation}: {str(report.get('error'))[:200]}"))
     return out
 
@@ -238,7 +240,7 @@ def check_members(evidence: TrialEvidence) -> list[Violation]:
     out = []
     for incarnation, report in evidence.reports.items():
         kind = report.get("error_type")
-        if not kind or (kind == "TimeoutError" and incarnation not in evidence.victims):
+        if not kind or (kind in TIMEOUT_ERRORS and incarnation not in evidence.victims):
             continue
         if incarnation in evidence.victims and kind in VICTIM_ERRORS:
             continue

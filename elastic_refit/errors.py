@@ -1,10 +1,69 @@
-"""Typed runtime faults. Bad user input raises ``ValueError`` instead."""
+"""Typed runtime faults: one hierarchy under :class:`RefitError`.
+
+``except RefitError`` catches every runtime fault: the ones defined here and every fault of
+the membership layer (``elastic_refit.membership.errors``: ``EtcdUnavailable``,
+``FencedWrite``, ``StoreTimeout``, ``CommunicatorError``, ... derive from
+``MembershipError``, a ``RefitError``). Bad user input raises ``ValueError`` instead.
+"""
 
 from __future__ import annotations
 
 
 class RefitError(RuntimeError):
     """Base class of runtime faults during a refit."""
+
+
+class MembershipLost(RefitError):
+    """This member's lease expired or its key was replaced: it is no longer a member.
+
+    The runtime must stop writing and may re-join with a new incarnation.
+    """
+
+
+class RefitFailed(RefitError):
+    """``version`` failed ``num_attempts`` consecutive attempts for the same ``cause``
+    (``"Type: first line"`` of the fault) and was given up: it never commits.
+
+    Raised to every member that waits for that version (``publish``, ``wait_for_version``);
+    later versions can still be published and commit.
+    """
+
+    def __init__(self, version: int, cause: str, num_attempts: int, *, epoch: int | None = None) -> None:
+        super().__init__(f"version {version} failed {num_attempts} consecutive attempts: {cause}")
+        self.version = version
+        self.cause = cause
+        self.num_attempts = num_attempts
+        self.epoch = epoch
+
+    def __reduce__(self):  # picklable across processes, keyword included
+        return _rebuild_refit_failed, (self.version, self.cause, self.num_attempts, self.epoch)
+
+
+def _rebuild_refit_failed(version: int, cause: str, num_attempts: int, epoch: int | None) -> RefitFailed:
+    return RefitFailed(version, cause, num_attempts, epoch=epoch)
+
+
+class RefitTimeout(RefitError, TimeoutError):
+    """A ``publish`` / ``wait_for_version`` / ``weights`` deadline passed: ``what`` did not
+    happen within ``timeout_s``; ``last_failure`` is this rank's latest fault, if any."""
+
+    def __init__(self, what: str, timeout_s: float, *, member_id: str | None = None,
+                 last_failure: str | None = None) -> None:
+        who = f"{member_id}: " if member_id else ""
+        detail = f"; last failure: {last_failure}" if last_failure else "; no attempt failed on this rank"
+        super().__init__(f"{who}timed out after {timeout_s} s waiting for {what}{detail}")
+        self.what = what
+        self.timeout_s = timeout_s
+        self.member_id = member_id
+        self.last_failure = last_failure
+
+    def __reduce__(self):
+        return _rebuild_refit_timeout, (self.what, self.timeout_s, self.member_id, self.last_failure)
+
+
+def _rebuild_refit_timeout(what: str, timeout_s: float, member_id: str | None,
+                           last_failure: str | None) -> RefitTimeout:
+    return RefitTimeout(what, timeout_s, member_id=member_id, last_failure=last_failure)
 
 
 class TransportAborted(RefitError):

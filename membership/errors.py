@@ -2,15 +2,24 @@
 
 ``ValueError`` stays reserved for bad user input; everything here is a fault the runtime
 may catch and recover from (re-join, wait for the next epoch, rebuild a communicator).
+Every one is a :class:`~elastic_refit.errors.RefitError`, so ``except RefitError`` catches
+them with the runtime's own faults. :class:`MembershipLost` is the one of
+``elastic_refit.errors`` (re-exported here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from elastic_refit.errors import MembershipLost, RefitError
 
-class MembershipError(RuntimeError):
-    """Base class of every membership fault."""
+__all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "LeadershipLost",
+           "MembershipError", "MembershipLost", "StoreTimeout"]
+
+
+class MembershipError(RefitError):
+    """Base class of the membership layer's faults (``MembershipLost`` is a ``RefitError``
+    defined with the runtime's faults)."""
 
 
 class EtcdUnavailable(MembershipError):
@@ -24,13 +33,6 @@ class EtcdUnavailable(MembershipError):
         super().__init__(
             f"etcd unreachable at {', '.join(self.endpoints)} during {operation}{detail}"
         )
-
-
-class MembershipLost(MembershipError):
-    """This member's lease expired or its key was replaced: it is no longer a member.
-
-    The runtime must stop writing and may re-join with a new incarnation.
-    """
 
 
 class FencedWrite(MembershipError):

@@ -85,13 +85,18 @@ class JobKeys:
     def committed(self, version: int) -> str:
         return f"{self.version(version)}committed"
 
+    def failed(self, version: int) -> str:
+        """``{version, cause, num_attempts, epoch}``: ``version`` was given up after failing
+        that many consecutive attempts for one cause (created once, like ``committed``)."""
+        return f"{self.version(version)}failed"
+
     def attempt(self, epoch: int, seq: int) -> str:
         """The attempt ``seq`` the coordinator of ``epoch`` proposed (purged with the epoch)."""
         return f"{self.store(epoch)}attempts/{seq:08d}"
 
     def parse_version_key(self, key: str) -> tuple[int, str, str | None] | None:
         """``(version, kind, member_id)`` of a key under ``versions/`` (kind ``sources``,
-        ``acks`` or ``committed``; member_id None for ``committed``), else ``None``."""
+        ``acks``, ``committed`` or ``failed``; member_id None for the last two), else ``None``."""
         if not key.startswith(self.versions_prefix):
             return None
         parts = key[len(self.versions_prefix):].split("/")
@@ -99,8 +104,8 @@ class JobKeys:
             return None
         if len(parts) == 3 and parts[1] in ("sources", "acks"):
             return int(parts[0]), parts[1], parts[2]
-        if len(parts) == 2 and parts[1] == "committed":
-            return int(parts[0]), "committed", None
+        if len(parts) == 2 and parts[1] in ("committed", "failed"):
+            return int(parts[0]), parts[1], None
         return None
 
     @property
@@ -133,9 +138,12 @@ class AttemptKeys:
             raise ValueError(f"attempt seq must be >= 0, got {self.seq}")
 
     def plan(self, member_id: str) -> str:
-        """The plan fingerprint ``member_id`` computed (or ``failed: <error type>``)."""
+        """The plan fingerprint ``member_id`` computed (or, when it failed before planning,
+        its ``done`` value: ``failed: <cause>`` or ``aborted: <reason>``)."""
         return f"attempt/{self.seq}/plan/{check_name('member_id', member_id)}"
 
     def done(self, member_id: str) -> str:
-        """``ok`` or ``failed``: ``member_id`` finished the attempt."""
+        """``ok``, ``failed: <cause>`` (a fault of this member's own) or ``aborted: <reason>``
+        (it stopped because a peer failed first, the epoch moved on, or etcd or its lease
+        failed): ``member_id`` finished the attempt."""
         return f"attempt/{self.seq}/done/{check_name('member_id', member_id)}"

@@ -2,12 +2,15 @@
 
 Keys (under ``/elastic-refit/{job}/``):
 
-- ``versions/{v}/sources/{member_id}`` -> ``{incarnation}``: a trainer holds version ``v``
-  in memory and will serve it until ``v`` commits.
+- ``versions/{v}/sources/{member_id}`` -> ``{incarnation}``: a trainer published version
+  ``v`` and serves it (as a source) from its training layout until ``v`` commits.
 - ``versions/{v}/acks/{member_id}`` -> ``{incarnation, epoch, digest}``: an inference rank
-  holds ``v``, verified. Written fenced: a member that lost its lease cannot ack.
+  holds ``v``, verified (a holder). Written fenced: a member that lost its lease cannot ack.
 - ``versions/{v}/committed`` -> ``{version, epoch, digest}``: created once, only while the
   epoch it names is still the current one.
+- ``versions/{v}/failed`` -> ``{version, cause, num_attempts, epoch}``: ``v`` failed that
+  many consecutive attempts for one cause and is given up. Created once, by the coordinator
+  of the current epoch, and never for a committed version (nor a commit for a failed one).
 - ``store/{epoch}/attempts/{seq}`` -> the attempt the epoch's coordinator chose: which
   version moves from which members to which. Epoch-scoped, so it is purged with the epoch.
 """
@@ -38,13 +41,25 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """``version`` was given up: ``num_attempts`` consecutive attempts failed for ``cause``."""
+
+    version: int
+    cause: str
+    num_attempts: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class VersionState:
-    """A consistent snapshot (one etcd read) of every version's sources, acks and commits."""
+    """A consistent snapshot (one etcd read) of every version's sources, acks, commits and
+    failures."""
 
     revision: int
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)
     committed: dict[int, Commit] = field(default_factory=dict)
+    failed: dict[int, Failure] = field(default_factory=dict)
 
     @property
     def latest_committed(self) -> int | None:
@@ -74,6 +89,9 @@ class VersionStore:
             elif kind == "acks":
                 state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
                     str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
+            elif kind == "failed":
+                state.failed[version] = Failure(int(data["version"]), str(data["cause"]),
+                                                int(data["num_attempts"]), int(data["epoch"]))
             else:
                 state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
         return state
@@ -84,12 +102,12 @@ class VersionStore:
 
     # ---- fenced writes ------------------------------------------------------------
     def publish_source(self, membership: Membership, version: int) -> None:
-        """This trainer holds ``version`` (fenced on its own lease)."""
+        """This trainer published ``version`` and serves it as a source (fenced on its own lease)."""
         membership.fenced_put(self.keys.source(version, membership.record.member_id),
                               json.dumps({"incarnation": membership.record.incarnation}).encode())
 
     def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
-        """This inference rank holds ``version``, verified (fenced on its own lease)."""
+        """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""
         record = membership.record
         membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
             {"incarnation": record.incarnation, "epoch": epoch, "digest": digest}).encode())
@@ -124,10 +142,27 @@ class VersionStore:
         return result.succeeded
 
     def commit(self, membership: Membership, version: int, epoch: int, digest: str) -> bool:
-        """Create ``committed`` for ``version`` once; refused for a stale epoch (fencing)."""
+        """Create ``committed`` for ``version`` once; refused for a stale epoch (fencing) and
+        for a version that failed."""
         guard = self._epoch_guard(membership, epoch)
         if not guard:
             return False
         key = self.keys.committed(version)
         value = json.dumps({"version": version, "epoch": epoch, "digest": digest}).encode()
-        return self.client.txn(guard + [Compare(key, "create", "==", 0)], [Put(key, value)]).succeeded
+        return self.client.txn(guard + [Compare(key, "create", "==", 0),
+                                        Compare(self.keys.failed(version), "create", "==", 0)],
+                               [Put(key, value)]).succeeded
+
+    def fail(self, membership: Membership, version: int, epoch: int, cause: str, num_attempts: int) -> bool:
+        """Create ``failed`` for ``version`` once: it failed ``num_attempts`` consecutive
+        attempts for ``cause``. Refused for a stale epoch (fencing) and for a version that
+        committed."""
+        guard = self._epoch_guard(membership, epoch)
+        if not guard:
+            return False
+        key = self.keys.failed(version)
+        value = json.dumps({"version": version, "cause": cause, "num_attempts": num_attempts,
+                            "epoch": epoch}).encode()
+        return self.client.txn(guard + [Compare(key, "create", "==", 0),
+                                        Compare(self.keys.committed(version), "create", "==", 0)],
+                               [Put(key, value)]).succeeded

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mib", type=int, default=64, help="reshard bucket size in MiB (default 64)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each method (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first (default 1)")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl", "nccl4py"), default="auto",
                         help="auto: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--verify", action="store_true",
                         help="also send per-box digests with the reshard data (destinations are always "
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from elastic_refit.cli.plan_cmd import load_case
-    from elastic_refit.testing.processes import run_local_world
+    from elastic_refit.testing.processes import nccl_rank_env, run_local_world
     from elastic_refit.testing.world import BenchOptions, RefitCase
 
     for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib)):
@@ -137,8 +137,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the refit needs at least 2 ranks, the layouts use {world_size}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend if args.backend != "auto" else ("nccl" if gpus >= world_size else "gloo")
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"--backend nccl needs a GPU per rank: {world_size} ranks, {gpus} GPUs")
+    if backend != "gloo" and gpus == 0:
+        raise ValueError(f"--backend {backend} needs a GPU, and this machine has none")
+    # Fewer GPUs than ranks: the ranks share them, each a host of its own to NCCL, and every
+    # byte crosses NCCL's socket transport (as between the nodes of a cluster).
+    rank_env = nccl_rank_env if backend != "gloo" else None
     bucket = args.bucket_mib << 20
     if args.spec:
         case = RefitCase(spec_json=Path(args.spec).read_text(), bucket_bytes=bucket)
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
              f"about {format_bytes(need)} of memory; {args.warmup} warm-up + {args.repeat} timed runs per method")
     # Planning, filling and checking take time of their own; allow for them generously.
     budget = 120 + (args.warmup + args.repeat) * 2 * (args.timeout + 60) + 60
-    results = run_local_world(_rank_entry, world_size, (case, options), timeout_s=budget)
+    results = run_local_world(_rank_entry, world_size, (case, options), timeout_s=budget, rank_env=rank_env)
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed[:4]:

@@ -1,18 +1,25 @@
-"""Pure decisions of the runtime: what moves next, and the plan for it.
+"""Pure decisions of the runtime: what moves next, the plan for it, and when to give up.
 
 Given one epoch's membership view and a snapshot of the version state, ``next_action``
 says whether a version can be committed, which attempt should run, or that there is
 nothing to do. ``plan_attempt`` turns an attempt into a plan over the communicator ranks of
-the epoch: the sources are the live trainers that hold the version plus every inference
-rank that already holds it (so a lost trainer replica is covered wherever the data still
-exists), the destinations are the inference ranks that do not hold it yet.
+the epoch. Two kinds of members serve an attempt's bytes:
+
+- **sources**: the live trainers, serving the version from the training layout;
+- **holders**: the inference ranks that already hold the version, serving it from the
+  inference layout (so a lost trainer replica is covered wherever the data still exists).
+
+The **destinations** are the inference ranks that do not hold the version yet.
+
+``attempt_cause`` and ``count_failure`` decide when a version is given up: after
+``max_attempts`` consecutive attempts that failed for the same cause with the same members.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from elastic_refit.layout import Layout, Topology, combine_layouts
@@ -20,19 +27,30 @@ from elastic_refit.membership.versions import VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 
-REFIT = "refit"  # move a newly published version from the trainers
-CATCH_UP = "catchup"  # bring ranks that joined or restarted to the latest committed version
+REFIT = "refit"  # move a newly published version from its sources (and holders)
+CATCH_UP = "catchup"  # bring ranks that joined or restarted to the latest committed version, from holders
+
+# A participant's ``done`` value (``AttemptKeys(seq).done(member)``) when it finished an attempt.
+DONE_OK = "ok"
+FAILED = "failed: "  # + cause: a fault of this participant's own
+ABORTED = "aborted: "  # + reason: a consequence (a peer failed first, the epoch moved on, etcd, lease)
+_CAUSE_CHARS = 300
 
 
 @dataclass(frozen=True, slots=True)
 class AttemptSpec:
-    """One attempt to bring ``destinations`` to ``version`` (member ids, sorted)."""
+    """One attempt to bring ``destinations`` to ``version`` (member ids, sorted).
+
+    ``sources`` are trainers serving the version from the training layout; ``holders`` are
+    inference ranks that hold the version and serve it from the inference layout;
+    ``destinations`` are inference ranks that receive it.
+    """
 
     version: int
     kind: str
-    sources: tuple[str, ...]  # trainers serving from their training layout
-    holders: tuple[str, ...]  # inference ranks serving from their (complete) destination layout
-    destinations: tuple[str, ...]
+    sources: tuple[str, ...]  # trainers, serving from the training layout
+    holders: tuple[str, ...]  # inference ranks that hold the version, serving from the inference layout
+    destinations: tuple[str, ...]  # inference ranks that receive the version
 
     def __post_init__(self) -> None:
         if self.kind not in (REFIT, CATCH_UP):
@@ -40,7 +58,8 @@ class AttemptSpec:
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
         if set(self.destinations) & (set(self.sources) | set(self.holders)):
-            raise ValueError(f"a member cannot be source and destination: {sorted(self.destinations)}")
+            raise ValueError("a member cannot be a source or holder and a destination: "
+                             f"{sorted(set(self.destinations) & (set(self.sources) | set(self.holders)))}")
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -82,21 +101,24 @@ def next_action(view: MembershipView, state: VersionState,
                 feasible: Callable[[AttemptSpec], bool] | None = None) -> AttemptSpec | CommitAction | None:
     """What the epoch's coordinator does next (pure).
 
-    1. The newest published, uncommitted version newer than every committed one, once
-       every live trainer has published it: commit it if every live inference rank holds
-       it, else an attempt to move it. Older uncommitted versions are superseded.
-    2. Otherwise, inference ranks without the latest committed version catch up from the
-       inference ranks that hold it; the trainers are not involved.
+    1. The newest published version newer than every committed one, once every live
+       trainer has published it: commit it if every live inference rank holds it, else an
+       attempt to move it from its sources (every live trainer) and its holders. Older
+       uncommitted versions are superseded (by a failed one too); a failed version is
+       never proposed nor committed.
+    2. Otherwise, inference ranks without the latest committed version catch up from its
+       holders; the trainers are not involved.
 
     ``feasible(spec)`` (optional) says whether the live members hold every byte an attempt
-    needs; an infeasible attempt is not proposed: the version waits for its holders.
+    needs; an infeasible attempt is not proposed: the version waits for its sources or
+    holders to come back.
     """
     feasible = feasible or (lambda spec: True)
     trainers = view.members_of("trainer")
     inference = view.members_of("inference")
     latest = state.latest_committed
-    pending = [v for v, sources in state.sources.items() if sources and (latest is None or v > latest)]
-    if pending:
+    pending = [v for v, published in state.sources.items() if published and (latest is None or v > latest)]
+    if pending and max(pending) not in state.failed:
         version = max(pending)
         published = state.sources[version]
         if trainers and all(published.get(t.member_id) == t.incarnation for t in trainers):
@@ -130,9 +152,11 @@ def plan_attempt(source: Layout, destination: Layout, view: MembershipView, atte
                  options: PlanOptions | None = None) -> Plan:
     """The plan of ``attempt`` over the epoch's communicator ranks.
 
-    ``source``/``destination`` are the full layouts in layout-rank space; members name
-    their layout rank in their record. Raises ``ValueError`` when no live rank holds some
-    destination region (the version cannot be completed until a holder comes back).
+    ``source``/``destination`` are the full training and inference layouts in layout-rank
+    space; members name their layout rank in their record. The plan's sending side is the
+    attempt's sources (with the training layout) plus its holders (with the inference
+    layout). Raises ``ValueError`` when neither a source nor a holder has some destination
+    region (the version cannot be completed until one comes back).
     """
     def ranks(member_ids: tuple[str, ...]) -> dict[int, int]:
         out = {}
@@ -146,3 +170,58 @@ def plan_attempt(source: Layout, destination: Layout, view: MembershipView, atte
     src = combine_layouts([(source, ranks(attempt.sources)), (destination, ranks(attempt.holders))])
     dst = combine_layouts([(destination, ranks(attempt.destinations))])
     return make_plan(src, dst, topology_of(view), options)
+
+
+# ---- giving up on a version -------------------------------------------------------------
+def fault_cause(exc: BaseException) -> str:
+    """``"Type: first line"`` of ``exc`` (at most 300 characters): a fault's cause as the
+    done keys, the ``failed`` record and ``RefitFailed`` carry it."""
+    lines = str(exc).splitlines()
+    first = lines[0].strip() if lines else ""
+    return (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)[:_CAUSE_CHARS]
+
+
+def attempt_cause(done: Mapping[str, str]) -> str | None:
+    """Why an attempt failed, from its participants' done values (member id -> value; a
+    participant that wrote none is left out), or ``None`` if no participant reported a
+    fault of its own.
+
+    The first own fault in member id order that is not a ``TransportAborted`` wins (a rank
+    that fails mid-transfer aborts the transport, so its peers report ``TransportAborted``
+    as a consequence), else the first ``TransportAborted``. ``aborted`` values never are a
+    cause.
+    """
+    causes = [done[m][len(FAILED):] for m in sorted(done) if done[m].startswith(FAILED)]
+    for cause in causes:
+        if not cause.startswith("TransportAborted"):
+            return cause
+    return causes[0] if causes else None
+
+
+@dataclass(frozen=True, slots=True)
+class FailureTally:
+    """``num_attempts`` consecutive attempts of ``version`` failed for ``cause``, all with
+    the members ``identities`` ((role, member_id, incarnation) of the epoch's view)."""
+
+    version: int
+    cause: str
+    num_attempts: int
+    identities: frozenset[tuple[str, str, str]]
+
+    def __post_init__(self) -> None:
+        if self.num_attempts < 1:
+            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
+
+
+def count_failure(tally: FailureTally | None, view: MembershipView, version: int, cause: str) -> FailureTally:
+    """The tally after an attempt of ``version`` failed for ``cause`` in ``view`` (pure).
+
+    Consecutive failures add up only for the same version, the same cause and the same
+    members: a different cause or any membership change (a member left, joined or
+    restarted) starts over at 1. An epoch with the same members (a communicator rebuilt
+    after a transport fault) keeps counting.
+    """
+    if (tally is not None and tally.version == version and tally.cause == cause
+            and tally.identities == view.identities):
+        return replace(tally, num_attempts=tally.num_attempts + 1)
+    return FailureTally(version, cause, 1, view.identities)

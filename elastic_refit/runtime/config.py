@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_refit.layout import Layout
+from elastic_refit.membership.keys import check_name
+from elastic_refit.transport.protocol import Backend
 
 ROLES = ("trainer", "inference")
 MODES = ("in_place", "staged")
@@ -45,7 +48,9 @@ class RefitConfig:
 
     Timeouts must be ordered ``collective_timeout_s < ttl_s < epoch_deadline_s``: a stuck
     transfer is noticed before the lease of a healthy peer could expire, and a membership
-    change settles before anyone gives up on the epoch.
+    change settles before anyone gives up on the epoch. ``version_timeout_s`` bounds
+    ``publish`` / ``wait_for_version`` / ``weights``; a version that fails ``max_attempts``
+    consecutive attempts for the same cause is given up (``RefitFailed``) long before that.
     """
 
     job: str
@@ -67,26 +72,49 @@ class RefitConfig:
     bucket_bytes: int = 16 << 20
     staging_bytes: int = 64 << 20
     poll_s: float = 0.02
+    max_attempts: int = 5
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.job or not self.member_id:
-            raise ValueError(f"job and member_id must be non-empty, got {self.job!r} and {self.member_id!r}")
-        if self.layout_rank < 0:
-            raise ValueError(f"layout_rank must be >= 0, got {self.layout_rank}")
+        check_name("job", self.job)
+        check_name("member_id", self.member_id)
+        for name in ("domain", "host", "device", "incarnation"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not _is_int(self.layout_rank) or self.layout_rank < 0:
+            raise ValueError(f"layout_rank must be an int >= 0, got {self.layout_rank!r}")
         etcd = (self.etcd,) if isinstance(self.etcd, str) else tuple(self.etcd)
-        if not etcd:
-            raise ValueError("etcd needs at least one endpoint (host:port)")
+        if not etcd or not all(isinstance(e, str) and e for e in etcd):
+            raise ValueError(f"etcd needs at least one endpoint (host:port), got {self.etcd!r}")
         object.__setattr__(self, "etcd", etcd)
+        backend = Backend.parse(self.backend)  # ValueError naming the choices
+        object.__setattr__(self, "backend", backend.value)
+        device_type = self.device.split(":", 1)[0] if isinstance(self.device, str) else None
+        if device_type != backend.device_type:
+            raise ValueError(f"backend {backend.value!r} moves {backend.device_type} tensors, but device is "
+                             f"{self.device!r}; use device={'cpu' if backend is Backend.GLOO else 'cuda:0'!r}")
+        if not _is_int(self.ttl_s) or self.ttl_s < 2:
+            raise ValueError(f"ttl_s must be an int >= 2 (etcd grants no shorter lease), got {self.ttl_s!r}")
+        for name in ("collective_timeout_s", "epoch_deadline_s", "version_timeout_s", "poll_s"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         if not 0 < self.collective_timeout_s < self.ttl_s < self.epoch_deadline_s:
             raise ValueError(
                 "timeouts must be ordered collective < lease TTL < epoch deadline, got "
                 f"{self.collective_timeout_s}, {self.ttl_s}, {self.epoch_deadline_s}")
-        if self.staging_bytes < 4 * self.bucket_bytes:
-            raise ValueError(f"staging_bytes {self.staging_bytes} must hold 4 buckets of {self.bucket_bytes}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be a bool, got {self.verify!r}")
+        if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
+        if not _is_int(self.staging_bytes) or self.staging_bytes < 4 * self.bucket_bytes:
+            raise ValueError(f"staging_bytes {self.staging_bytes!r} must hold 4 buckets of {self.bucket_bytes}")
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> RefitConfig:
@@ -113,3 +141,11 @@ class RefitConfig:
         if missing:
             raise ValueError("missing configuration: " + ", ".join(f"ELASTIC_REFIT_{n.upper()}" for n in missing))
         return cls(**values)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

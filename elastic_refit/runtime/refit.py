@@ -3,13 +3,21 @@
 Each rank runs an agent thread that follows the job's epochs. Per epoch it reconfigures
 the refit communicator (shrink / grow / rebuild, in ``membership``), then works through
 the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes each attempt
-(a version, its sources and its destinations) in etcd, fenced by its lease and the epoch;
+(a version, its sources, holders and destinations) in etcd, fenced by its lease and the epoch;
 participants plan it (pure), agree on the plan's fingerprint, move the bytes, verify them,
 and ack. Once every live inference rank holds a version, the coordinator commits it.
 
 A fault (a dead peer, a timeout, a membership change) fails the attempt everywhere; the
 next attempt of the same or of the next epoch retries the same version with the
-survivors, counting inference ranks that already hold it as sources.
+survivors, with the inference ranks that already hold it serving as holders next to the
+trainers (the sources).
+
+A deterministic fault (bad input, a bug) would fail every retry: each participant writes
+the cause of its own fault into its attempt ``done`` key, the coordinator counts
+consecutive failed attempts of a version with the same cause and the same members, and
+after ``max_attempts`` it records ``versions/{v}/failed``. Every member that observes the
+record raises :class:`~elastic_refit.errors.RefitFailed` (with the cause) to ``publish`` /
+``wait_for_version`` callers of that version; later versions still commit.
 
 Inference safety: in ``in_place`` mode a rank stops serving (``weights()`` blocks) from
 the moment an update starts writing its parameters until a version it holds commits; in
@@ -29,7 +37,13 @@ from typing import Any
 import structlog
 import torch
 
-from elastic_refit.errors import PlanMismatch, RefitError, TransportAborted
+from elastic_refit.errors import (
+    RefitError,
+    RefitFailed,
+    RefitTimeout,
+    TransportAborted,
+)
+from elastic_refit.layout import Layout
 from elastic_refit.membership import (
     CommunicatorError,
     CommunicatorManager,
@@ -38,20 +52,40 @@ from elastic_refit.membership import (
     MemberRecord,
     Membership,
     MembershipConfig,
+    MembershipError,
     MembershipLost,
     MembershipView,
 )
 from elastic_refit.membership.keys import AttemptKeys
-from elastic_refit.membership.versions import Commit, VersionState, VersionStore
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
 from elastic_refit.plan import PlanOptions
-from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
+from elastic_refit.runtime.attempt import (
+    ABORTED,
+    DONE_OK,
+    FAILED,
+    AttemptSpec,
+    CommitAction,
+    FailureTally,
+    attempt_cause,
+    count_failure,
+    fault_cause,
+    next_action,
+    plan_attempt,
+)
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
+from elastic_refit.transport.agreement import agree_on_plan
 from elastic_refit.transport.buffers import byte_view, digest
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.protocol import Transport
 
 EventListener = Callable[[str, dict[str, Any]], None]
+
+
+class _AttemptAborted(RefitError):
+    """This rank stopped an attempt because of something outside it (a peer failed it
+    first, the epoch moved on, the runtime closes): a consequence, never a cause."""
 
 
 class _EventLog:
@@ -112,6 +146,12 @@ class ElasticRefit:
         self._blocked = False  # in-place: parameters are being (or were partly) overwritten
         self._serving: int | None = None  # committed version the parameters hold
         self._committed: dict[int, Commit] = {}
+        self._failed: dict[int, Failure] = {}  # versions given up (versions/{v}/failed)
+        self._last_fault: tuple[float, str] | None = None  # (monotonic time, cause) of this rank's latest fault
+        # Coordinator: consecutive failed attempts per version, and the attempt it proposed
+        # last that has not been counted yet (view, seq, spec).
+        self._tallies: dict[int, FailureTally] = {}
+        self._uncounted: tuple[MembershipView, int, AttemptSpec] | None = None
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,7 +178,7 @@ class ElasticRefit:
         self.versions = VersionStore(self.client, c.job)
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
-                                           transport_timeout_s=c.ttl_s + 1.0)
+                                           transport_timeout_s=c.ttl_s + 1.0, device=c.device)
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
         self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
@@ -164,7 +204,12 @@ class ElasticRefit:
     def publish(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, version: int,
                 timeout_s: float | None = None) -> Commit:
         """Offer ``tensors`` (buffer name -> tensor, or a module's named parameters) as
-        ``version`` and block until it commits. The tensors must not change meanwhile."""
+        ``version`` and block until it commits. The tensors must not change meanwhile.
+
+        Raises :class:`RefitFailed` (with the cause) once ``version`` failed
+        ``max_attempts`` consecutive attempts for the same cause (e.g. a tensor of the wrong
+        shape or a missing buffer on some trainer), and :class:`RefitTimeout` after
+        ``timeout_s`` (default ``version_timeout_s``)."""
         if self.config.role != "trainer":
             raise ValueError(f"publish is for trainers; {self.config.member_id!r} is {self.config.role}")
         if isinstance(tensors, torch.nn.Module):
@@ -172,19 +217,26 @@ class ElasticRefit:
         with self._cond:
             self._published = {v: t for v, t in self._published.items() if v > version}
             self._published[version] = dict(tensors)
-        self.versions.publish_source(self.membership, version)
-        self.log.info("refit.version.published", version=version)
-        commit = self._wait(lambda: self._committed_at_least(version), timeout_s)
-        with self._cond:
-            self._published.pop(version, None)
-        return commit
+        try:
+            self.versions.publish_source(self.membership, version)
+            self.log.info("refit.version.published", version=version)
+
+            def committed() -> Commit | None:
+                self._raise_if_failed(version)
+                return self._committed_at_least(version)
+
+            return self._wait(committed, timeout_s, f"version {version} to commit")
+        finally:
+            with self._cond:
+                self._published.pop(version, None)
 
     # ---- inference API -----------------------------------------------------------------
     @contextlib.contextmanager
     def weights(self, timeout_s: float | None = None) -> Iterator[int]:
         """Hold the parameters still while reading them; yields the committed version they
         hold. Blocks while an update is applied (and, in place, until it commits)."""
-        self._wait(lambda: (self._serving is not None and not self._blocked) or None, timeout_s)
+        self._wait(lambda: (self._serving is not None and not self._blocked) or None, timeout_s,
+                   "a committed version to serve")
         with self._cond:
             self._readers += 1
             version = self._serving
@@ -196,10 +248,21 @@ class ElasticRefit:
                 self._cond.notify_all()
 
     def wait_for_version(self, version: int | None = None, timeout_s: float | None = None) -> int:
-        """Block until this rank serves a committed version >= ``version`` (any, if None)."""
+        """Block until this rank serves a committed version >= ``version`` (any, if None).
+
+        Raises :class:`RefitFailed` if ``version`` failed (and no newer version is served
+        yet), :class:`RefitTimeout` after ``timeout_s`` (default ``version_timeout_s``)."""
         want = -1 if version is None else version
-        return self._wait(lambda: self._serving if (self._serving is not None and self._serving >= want
-                                                     and not self._blocked) else None, timeout_s)
+
+        def serving() -> int | None:
+            if self._serving is not None and self._serving >= want and not self._blocked:
+                return self._serving
+            if version is not None:
+                self._raise_if_failed(version)
+            return None
+
+        what = "any committed version" if version is None else f"version {version} (or newer) to be served"
+        return self._wait(serving, timeout_s, what)
 
     @property
     def serving_version(self) -> int | None:
@@ -241,6 +304,7 @@ class ElasticRefit:
                                                       timeout_s=self.config.epoch_deadline_s)
                     continue
                 if view is None or latest.epoch != view.epoch:
+                    self._count_left_attempt(latest)
                     self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
                     # The manager's watchdog must hold the last reference to the old process
                     # group, so that its destructor never runs (and blocks) on this thread.
@@ -258,7 +322,7 @@ class ElasticRefit:
                     self.stats["reconfigurations"] += 1
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
                                   num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
-                    del result  # the manager and self._transport are the only holders
+                    del result  # the manager and self._transport keep the only references
                 state = self.versions.snapshot()
                 self._observe(state)
                 if view.members[0].member_id == me:
@@ -280,7 +344,9 @@ class ElasticRefit:
                 return
             except Exception as exc:  # a fault of this attempt: back off until something changes
                 self.stats["failed_attempts"] += 1
-                self.log.warning("fault.detected", kind=type(exc).__name__, error=str(exc).splitlines()[0][:300],
+                self._note_fault(fault_cause(exc))
+                self.log.warning("fault.detected", kind=type(exc).__name__,
+                                 error=(str(exc).splitlines() or [""])[0][:300],
                                  epoch=view.epoch if view else None, seq=seq)
                 seq += 1
                 with contextlib.suppress(Exception):
@@ -299,9 +365,14 @@ class ElasticRefit:
         if seq > 0:
             if not self._attempt_finished(view, seq - 1):
                 return
+            pending = self._uncounted
+            if pending is not None and pending[0].epoch == view.epoch and pending[1] == seq - 1:
+                self._uncounted = None
+                self._count_attempt(view, pending[1], pending[2], self.manager.store, view)
             # Acks land before the done keys: a snapshot taken before the previous attempt
             # finished may miss the last ones and propose a redundant catch-up attempt.
             state = self.versions.snapshot()
+        self._prune_tallies(state)
         action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
         if isinstance(action, CommitAction):
             self._hook("commit.before", version=action.version, epoch=view.epoch)
@@ -310,9 +381,85 @@ class ElasticRefit:
                               digest=action.digest)
         elif (isinstance(action, AttemptSpec) and self.versions.attempt(view.epoch, seq) is None
               and self.versions.propose_attempt(self.membership, view.epoch, seq, action.to_json())):
+                self._uncounted = (view, seq, action)
                 self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
                               kind=action.kind, sources=len(action.sources), holders=len(action.holders),
                               destinations=len(action.destinations))
+
+    # ---- giving up on a version (coordinator) ---------------------------------------------
+    def _count_attempt(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,
+                       current: MembershipView) -> None:
+        """Count attempt ``seq`` of ``view``'s epoch from its participants' done values; give
+        ``spec.version`` up once ``max_attempts`` consecutive attempts failed for one cause.
+        ``current`` is the epoch the ``failed`` record is written under (fenced).
+
+        Best effort: a fault while counting (etcd) loses one count, never the agent's place
+        in the epoch's attempts."""
+        try:
+            self._count_attempt_once(view, seq, spec, store, current)
+        except MembershipLost:
+            raise
+        except Exception as exc:
+            self.log.warning("fault.detected", kind=type(exc).__name__, epoch=view.epoch, seq=seq,
+                             error=(str(exc).splitlines() or [""])[0][:300])
+
+    def _count_attempt_once(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,
+                            current: MembershipView) -> None:
+        if store is None or store.epoch != view.epoch:
+            return
+        done = self._read_done(store, seq, spec.participants)
+        if len(done) == len(spec.participants) and all(v == DONE_OK for v in done.values()):
+            self._tallies.pop(spec.version, None)
+            return
+        cause = attempt_cause(done)
+        if cause is None:  # every failure was a consequence (the epoch moved on, etcd, a lease)
+            return
+        tally = count_failure(self._tallies.get(spec.version), view, spec.version, cause)
+        self._tallies[spec.version] = tally
+        if tally.num_attempts < self.config.max_attempts:
+            return
+        if self.versions.fail(self.membership, spec.version, current.epoch, cause, tally.num_attempts):
+            self._tallies.pop(spec.version, None)
+            self.log.error("refit.version.failed", version=spec.version, epoch=current.epoch, seq=seq,
+                           kind=spec.kind, cause=cause, num_attempts=tally.num_attempts)
+
+    def _count_left_attempt(self, latest: MembershipView) -> None:
+        """Entering ``latest``: count the last attempt of the epoch this coordinator leaves,
+        if it failed (a transport fault breaks the communicator, so the attempt that hit it
+        is the epoch's last). Only across an epoch with the same members (a rebuild): when
+        a member left, joined or restarted, the membership change explains the failure."""
+        pending = self._uncounted
+        if pending is None or pending[0].epoch == latest.epoch:
+            return
+        self._uncounted = None
+        old, seq, spec = pending
+        if old.identities != latest.identities or latest.members[0].member_id != self.config.member_id:
+            return
+        store = self.manager.store  # still the old epoch's: the manager has not reconfigured yet
+        if store is None or store.epoch != old.epoch:
+            return
+        # Every participant is alive (same members): each writes its done key once its part
+        # of the attempt failed, within a transfer timeout.
+        keys = [AttemptKeys(seq).done(m) for m in spec.participants]
+        deadline = time.monotonic() + self.config.ttl_s + 1.0
+        with contextlib.suppress(Exception):  # counting is best effort (see _count_attempt)
+            while not store.check(keys) and time.monotonic() < deadline and not self._stop.is_set():
+                time.sleep(self.config.poll_s)
+        self._count_attempt(old, seq, spec, store, latest)
+
+    def _read_done(self, store: EtcdStore, seq: int, participants: tuple[str, ...]) -> dict[str, str]:
+        """Participant -> done value, for those that wrote one."""
+        out = {}
+        for member_id in participants:
+            key = AttemptKeys(seq).done(member_id)
+            if store.check([key]):
+                out[member_id] = store.get(key).decode()
+        return out
+
+    def _prune_tallies(self, state: VersionState) -> None:
+        latest = state.latest_committed
+        for version in [v for v in self._tallies if v in state.failed or (latest is not None and v <= latest)]:
+            del self._tallies[version]
 
     def _feasible(self, view: MembershipView, spec: AttemptSpec) -> bool:
         """Whether live members hold every byte ``spec`` needs (memoised per epoch)."""
@@ -349,6 +496,7 @@ class ElasticRefit:
         log = self.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
         self.stats["attempts"] += 1
         planned = False
+        moving = False  # agreed and not yet through the transfer: the peers depend on this rank
         try:
             self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
             t0 = time.perf_counter()
@@ -358,18 +506,23 @@ class ElasticRefit:
             log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,
                      intra_domain_bytes=s.intra_domain_bytes, gather_broadcast_bytes=s.gather_broadcast_bytes)
-            store.set(AttemptKeys(seq).plan(me), plan.fingerprint)
-            planned = True
-            keys = [AttemptKeys(seq).plan(m) for m in spec.participants]
-            self._wait_keys(store, keys, view.epoch)
-            for member_id, theirs in zip(spec.participants, store.multi_get(keys), strict=True):
-                if theirs.decode() != plan.fingerprint:
-                    raise PlanMismatch(f"{me} planned {plan.fingerprint}, {member_id} planned {theirs.decode()}")
-            log.info("refit.plan.agreed", participants=len(spec.participants))
-            self._hook("plan.agreed", epoch=view.epoch, seq=seq, version=spec.version)
+            # Everything this rank can get wrong on its own (its buffers, its staging budget)
+            # is checked before it agrees: a fault here fails the agreement, peers stop at once
+            # and no byte moves (the communicator stays usable for the retry).
             source, destination = self._buffers(spec)
             executor = Executor(plan, transport, ExecutorOptions(staging_bytes=self.config.staging_bytes,
                                                              verify=self.config.verify))
+            def refused(member_id: str, value: str) -> None:
+                if value.startswith((FAILED, ABORTED)):
+                    raise _AttemptAborted(f"{member_id} failed attempt {seq} of version {spec.version} before "
+                                          f"the plan was agreed ({value})")
+
+            planned = True  # from here on the plan key is written (by the agreement)
+            agree_on_plan(store, plan.fingerprint, me=me, participants=spec.participants, key=AttemptKeys(seq).plan,
+                          wait=lambda keys: self._wait_keys(store, keys, view.epoch), refused=refused)
+            moving = True
+            log.info("refit.plan.agreed", participants=len(spec.participants))
+            self._hook("plan.agreed", epoch=view.epoch, seq=seq, version=spec.version)
             if me in spec.destinations:
                 self._begin_apply()
                 # From here on this rank's buffers are being overwritten: it holds nothing.
@@ -377,24 +530,36 @@ class ElasticRefit:
             self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
                        executor=executor, transport=transport)
             report = executor.run(source, destination)
+            moving = False
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
-                     local_bytes=report.local_bytes, verified_boxes=report.verified_boxes)
+                     local_bytes=report.local_bytes, verified_boxes=report.num_verified_boxes)
             if me in spec.destinations:
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
                 log.info("refit.version.acked", digest=value)
-            store.set(AttemptKeys(seq).done(me), "ok")
+            store.set(AttemptKeys(seq).done(me), DONE_OK)
             return True
         except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
             self.stats["failed_attempts"] += 1
+            # A fault of this rank's own is a cause the coordinator counts; a consequence of
+            # something outside the attempt (a peer failed first, the epoch moved on, etcd or
+            # the lease) is not: retrying with the same members may well succeed.
+            aborted = isinstance(exc, _AttemptAborted | MembershipError | MembershipLost)
+            cause = fault_cause(exc)
+            self._note_fault(str(exc).splitlines()[0][:300] if isinstance(exc, _AttemptAborted) else cause)
             log.warning("refit.attempt.failed", error_type=type(exc).__name__,
-                        error=(str(exc).splitlines() or [""])[0][:300])
+                        error=(str(exc).splitlines() or [""])[0][:300], aborted=aborted)
+            value = (ABORTED if aborted else FAILED) + cause
             with contextlib.suppress(Exception):
+                if moving and not transport.aborted:
+                    # The peers are moving bytes with this rank: abort, so they fail now
+                    # instead of at the transfer timeout (the executor does the same).
+                    transport.abort()
                 if not planned:  # peers waiting for this rank's plan fail now, not at the deadline
-                    store.set(AttemptKeys(seq).plan(me), f"failed: {type(exc).__name__}")
-                store.set(AttemptKeys(seq).done(me), "failed")
+                    store.set(AttemptKeys(seq).plan(me), value)
+                store.set(AttemptKeys(seq).done(me), value)
             if isinstance(exc, MembershipLost):
                 raise
             if isinstance(exc, TransportAborted) or transport.aborted:
@@ -412,8 +577,11 @@ class ElasticRefit:
         while not store.check(keys):
             latest = self.membership.view
             if latest is not None and latest.epoch != epoch:
-                raise RefitError(f"epoch {epoch} was superseded by epoch {latest.epoch} before the plan was agreed")
-            if time.monotonic() > deadline or self._stop.is_set():
+                raise _AttemptAborted(f"epoch {epoch} was superseded by epoch {latest.epoch} "
+                                      "before the plan was agreed")
+            if self._stop.is_set():
+                raise _AttemptAborted("closing before the plan was agreed")
+            if time.monotonic() > deadline:
                 raise RefitError(f"participants did not agree on a plan within {self.config.epoch_deadline_s} s")
             time.sleep(self.config.poll_s)
 
@@ -424,6 +592,8 @@ class ElasticRefit:
                 tensors = self._published.get(spec.version)
             if tensors is None:
                 raise RefitError(f"{me} was listed as a source of version {spec.version} but does not hold it")
+            self._check_buffers(self.layouts.source, tensors,
+                                f"trainer {me!r}, version {spec.version}: published buffer")
             return tensors, {}
         if me in spec.holders:
             return self._incoming, {}
@@ -431,9 +601,10 @@ class ElasticRefit:
 
     # ---- version bookkeeping -------------------------------------------------------------
     def _observe(self, state: VersionState) -> None:
-        """Track commits; serve a committed version once this rank holds it."""
+        """Track commits and failed versions; serve a committed version once this rank holds it."""
         with self._cond:
             self._committed.update(state.committed)
+            self._failed.update(state.failed)
             latest = state.latest_committed
             me = self.config.member_id
             ack = state.acks.get(latest, {}).get(me) if latest is not None else None
@@ -467,7 +638,17 @@ class ElasticRefit:
             value.update(f"{name}:{int(digest(byte_view(self._incoming[name]).reshape(-1)))};".encode())
         return value.hexdigest()
 
-    def _wait(self, ready: Callable[[], Any], timeout_s: float | None) -> Any:
+    def _raise_if_failed(self, version: int) -> None:
+        failure = self._failed.get(version)
+        if failure is not None:
+            raise RefitFailed(failure.version, failure.cause, failure.num_attempts, epoch=failure.epoch)
+
+    def _note_fault(self, cause: str) -> None:
+        self._last_fault = (time.monotonic(), cause)
+
+    def _wait(self, ready: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+        """``ready()`` once it is not None (it may raise, e.g. ``RefitFailed``), else
+        ``RefitTimeout`` naming ``what`` and this rank's latest fault."""
         timeout_s = self.config.version_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -477,9 +658,15 @@ class ElasticRefit:
                 value = ready()
                 if value is not None:
                     return value
+                if self._stop.is_set():
+                    raise RefitError(f"{self.config.member_id}: closed while waiting for {what}")
                 left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    raise TimeoutError(f"{self.config.member_id}: not ready within {timeout_s} s")
+                if left <= 0:
+                    last = None
+                    if self._last_fault is not None:
+                        at, cause = self._last_fault
+                        last = f"{cause} ({time.monotonic() - at:.1f} s ago)"
+                    raise RefitTimeout(what, timeout_s, member_id=self.config.member_id, last_failure=last)
                 self._cond.wait(min(left, 0.1))
 
     def _fail(self, exc: BaseException) -> None:
@@ -491,11 +678,18 @@ class ElasticRefit:
         HOOKS.fire(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
 
     def _check_parameters(self, parameters: Mapping[str, torch.Tensor]) -> None:
-        layout = self.layouts.destination
+        self._check_buffers(self.layouts.destination, parameters,
+                            f"inference rank {self.config.member_id!r}: parameter")
+
+    def _check_buffers(self, layout: Layout, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+        """Every buffer of this rank in ``layout`` is in ``tensors``, contiguous, with the
+        layout's shape and dtype; else ``ValueError`` starting with ``what``."""
         for buffer in layout.buffers(self.config.layout_rank):
-            t = parameters.get(buffer.name)
+            t = tensors.get(buffer.name)
             if t is None:
-                raise ValueError(f"inference rank {self.config.member_id!r}: parameter {buffer.name!r} is missing")
+                raise ValueError(f"{what} {buffer.name!r} is missing")
             if tuple(t.shape) != buffer.shape or str(t.dtype).removeprefix("torch.") != buffer.dtype:
-                raise ValueError(f"parameter {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
+                raise ValueError(f"{what} {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
                                  f"{list(buffer.shape)} {buffer.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(f"{what} {buffer.name!r} must be contiguous")

@@ -22,7 +22,7 @@ def support(nccl=None, shrink=False, grow=False) -> RuntimeSupport:
     return RuntimeSupport(torch_version="x", num_gpus=0, nccl_version=nccl,
                           torch_shrink_group=True, nccl_backend_shrink=shrink,
                           nccl4py_version="1" if grow else None, nccl4py_shrink=grow,
-                          nccl4py_grow=grow)
+                          nccl4py_grow=grow, nccl4py_nccl_version=nccl if grow else None)
 
 
 def test_diff_reports_added_and_removed_members():
@@ -142,6 +142,11 @@ def test_key_layout_matches_the_design():
     assert k.store(3) == "/elastic-refit/job1/store/3/"
     assert k.ack(5, "i0") == "/elastic-refit/job1/versions/5/acks/i0"
     assert k.committed(5) == "/elastic-refit/job1/versions/5/committed"
+    assert k.failed(5) == "/elastic-refit/job1/versions/5/failed"
+    assert k.parse_version_key(k.failed(5)) == (5, "failed", None)
+    assert k.parse_version_key(k.committed(5)) == (5, "committed", None)
+    assert k.parse_version_key(k.ack(5, "i0")) == (5, "acks", "i0")
+    assert k.parse_version_key(k.version(5) + "other") is None
     start, end = k.control_range
     inside = [k.epoch, k.leader, k.member("inference", "i9")]
     outside = [k.store(1) + "x", k.ack(1, "t0"), "/elastic-refit/job1/members"]
@@ -151,3 +156,23 @@ def test_key_layout_matches_the_design():
     assert k.parse_member_key(k.store(1)) is None
     with pytest.raises(ValueError, match="job must match"):
         JobKeys("bad/job")
+
+
+def test_every_membership_fault_is_a_refit_error():
+    from elastic_refit.membership import errors as membership_errors
+
+    from elastic_refit import errors
+
+    assert membership_errors.MembershipLost is errors.MembershipLost
+    faults = [membership_errors.EtcdUnavailable(["a:1"], "get", None), membership_errors.MembershipLost("x"),
+              membership_errors.FencedWrite("x"), membership_errors.LeadershipLost("x"),
+              membership_errors.EpochTimeout("x"), membership_errors.CommunicatorError("x"),
+              membership_errors.StoreTimeout("x"), errors.TransportAborted("x"), errors.PlanMismatch("x"),
+              errors.VerificationFailed("x"), errors.RefitFailed(2, "ValueError: x", 5),
+              errors.RefitTimeout("version 2 to commit", 1.0)]
+    for fault in faults:
+        with pytest.raises(errors.RefitError):
+            raise fault
+    assert isinstance(membership_errors.StoreTimeout("x"), TimeoutError)
+    assert isinstance(errors.RefitTimeout("version 2 to commit", 1.0), TimeoutError)
+    assert not issubclass(errors.RefitError, ValueError)

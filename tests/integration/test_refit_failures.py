@@ -1,0 +1,186 @@
+"""A deterministic fault fails its version everywhere, fast, and later versions still commit.
+
+Real etcd, real gloo communicators; the members run in this process, one thread each (the
+runtime is thread-safe per instance and phase hooks tell members apart by ``member_id``).
+Before ``RefitFailed`` such a fault was retried until a 120 s ``TimeoutError`` that did
+not say why.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
+
+from elastic_refit.errors import RefitFailed
+from elastic_refit.layout import parse_spec
+from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
+from elastic_refit.runtime.phases import HOOKS
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+
+pytestmark = pytest.mark.etcd
+
+# Trainers 0 and 1 are data-parallel replicas; inference ranks 2 and 3 are a 2-way
+# tensor-parallel engine.
+SPEC = parse_spec({
+    "domains": [0, 0, 1, 1],
+    "tensors": [
+        {"name": "w", "shape": [32, 16], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1], "placements": ["R"]},
+         "destination": {"mesh": [2, 3], "placements": ["S(0)"]}},
+        {"name": "norm", "shape": [16], "dtype": "float32",
+         "source": {"mesh": [0, 1], "placements": ["R"]},
+         "destination": {"mesh": [2, 3], "placements": ["R"]}},
+    ],
+})
+LAYOUTS = RefitLayouts(SPEC.source, SPEC.destination)
+MEMBERS = (("trainer", "t0", 0), ("trainer", "t1", 1), ("inference", "i0", 2), ("inference", "i1", 3))
+# Well below the 120 s default, so a regression fails the test instead of hanging it; the
+# RefitFailed must arrive far sooner still.
+VERSION_TIMEOUT_S = 60.0
+
+
+def trainer_tensors(layout_rank: int, version: int) -> dict[str, Any]:
+    tensors = allocate(SPEC.source, layout_rank, fill=0)
+    fill_pieces(SPEC.source, layout_rank, tensors, seed=version)
+    return tensors
+
+
+def run_job(etcd: str, job: str, trainer_steps: Callable[[ElasticRefit, str, int], list[dict]],
+            inference_versions: tuple[int, ...], **config: Any) -> dict[str, dict]:
+    """Run the four members on threads; returns member_id -> report (``steps``, ``error``)."""
+    reports: dict[str, dict] = {m: {"steps": []} for _, m, _ in MEMBERS}
+
+    def run(role: str, member_id: str, layout_rank: int) -> None:
+        report = reports[member_id]
+        try:
+            cfg = RefitConfig(job=job, role=role, member_id=member_id, layout_rank=layout_rank, etcd=(etcd,),
+                              domain=f"d-{role}", version_timeout_s=VERSION_TIMEOUT_S, **config)
+            if role == "trainer":
+                with ElasticRefit(cfg, LAYOUTS) as refit:
+                    report["steps"] = trainer_steps(refit, member_id, layout_rank)
+                return
+            params = allocate(SPEC.destination, layout_rank, fill=0)
+            with ElasticRefit(cfg, LAYOUTS, parameters=params) as refit:
+                for version in inference_versions:
+                    start = time.monotonic()
+                    try:
+                        served = refit.wait_for_version(version)
+                    except RefitFailed as exc:
+                        report["steps"].append({"version": version, "failed": exc,
+                                                "seconds": time.monotonic() - start})
+                        continue
+                    with refit.weights() as serving:
+                        problems = check_pieces(SPEC.destination, layout_rank, params, seed=serving)
+                    report["steps"].append({"version": version, "served": served, "problems": problems})
+        except BaseException as exc:  # reported; the test decides
+            report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+
+    threads = [threading.Thread(target=run, args=m, name=f"member-{m[1]}", daemon=True) for m in MEMBERS]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + VERSION_TIMEOUT_S + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [t.name for t in threads if t.is_alive()]
+    assert not hung, f"members {hung} still running; reports: {reports}"
+    return reports
+
+
+def publish_all(versions: tuple[int, ...], bad: dict[tuple[str, int], Callable[[dict], dict]]):
+    """Trainer steps: publish each version, with ``bad[(member_id, version)]`` applied to
+    that member's tensors; a ``RefitFailed`` is recorded and the trainer moves on."""
+    def steps(refit: ElasticRefit, member_id: str, layout_rank: int) -> list[dict]:
+        out = []
+        for version in versions:
+            tensors = trainer_tensors(layout_rank, version)
+            tensors = bad.get((member_id, version), lambda t: t)(tensors)
+            start = time.monotonic()
+            try:
+                commit = refit.publish(tensors, version)
+                out.append({"version": version, "committed": commit.version, "seconds": time.monotonic() - start})
+            except RefitFailed as exc:
+                out.append({"version": version, "failed": exc, "seconds": time.monotonic() - start})
+        return out
+    return steps
+
+
+def version_records(etcd: str, job: str) -> dict[str, dict[int, dict]]:
+    keys = JobKeys(job)
+    out: dict[str, dict[int, dict]] = {"committed": {}, "failed": {}}
+    with EtcdClient([etcd]) as client:
+        for kv in client.get_prefix(keys.versions_prefix).kvs:
+            parsed = keys.parse_version_key(kv.key)
+            if parsed is not None and parsed[1] in out:
+                out[parsed[1]][parsed[0]] = json.loads(kv.value)
+    return out
+
+
+def assert_no_errors(reports: dict[str, dict]) -> None:
+    errors = {m: r["error"] for m, r in reports.items() if "error" in r}
+    assert not errors, errors
+
+
+def test_a_missing_buffer_fails_the_version_on_every_member_and_the_next_version_commits(etcd_server):
+    """t0 (the coordinator) publishes version 2 without buffer 'w': every attempt fails
+    before any byte moves. After 5 attempts (the default) every member raises RefitFailed
+    with the cause; version 3 then commits bit-exactly."""
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+
+    def drop_w(tensors: dict) -> dict:
+        return {k: v for k, v in tensors.items() if k != "w"}
+
+    reports = run_job(etcd, job, publish_all((1, 2, 3), {("t0", 2): drop_w}), inference_versions=(1, 2, 3))
+    assert_no_errors(reports)
+    for trainer in ("t0", "t1"):
+        one, two, three = reports[trainer]["steps"]
+        assert one["committed"] == 1 and three["committed"] == 3, reports[trainer]
+        failure = two["failed"]
+        assert (failure.version, failure.num_attempts) == (2, 5)
+        assert failure.cause == "ValueError: trainer 't0', version 2: published buffer 'w' is missing"
+        assert "failed 5 consecutive attempts" in str(failure)
+        assert two["seconds"] < 30.0, f"{trainer}: RefitFailed took {two['seconds']:.1f} s"
+    for rank in ("i0", "i1"):
+        one, two, three = reports[rank]["steps"]
+        assert one["served"] == 1 and three["served"] == 3 and not one["problems"] and not three["problems"]
+        assert isinstance(two["failed"], RefitFailed) and two["failed"].cause == reports["t0"]["steps"][1]["failed"].cause
+    records = version_records(etcd, job)
+    assert 2 not in records["committed"] and sorted(records["committed"]) == [1, 3]
+    assert records["failed"][2]["num_attempts"] == 5
+    assert records["failed"][2]["cause"].startswith("ValueError: ")
+
+
+def test_a_fault_after_the_agreement_fails_the_version_across_rebuilt_communicators(etcd_server):
+    """i1 fails every transfer of version 2 (a bug after the plan was agreed): it aborts the
+    transport, its peers see transport faults, the epoch's communicator breaks and is
+    rebuilt with the same members, and the attempts still add up under i1's cause, not the
+    transport's."""
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+
+    def hook(phase: str, context) -> None:
+        if phase == "transfer.before" and context["member_id"] == "i1" and context.get("version") == 2:
+            raise RuntimeError("injected bug in i1's transfer of version 2")
+
+    uninstall = HOOKS.install(hook)
+    try:
+        reports = run_job(etcd, job, publish_all((1, 2, 3), {}), inference_versions=(1, 3), max_attempts=3)
+    finally:
+        uninstall()
+    assert_no_errors(reports)
+    for trainer in ("t0", "t1"):
+        one, two, three = reports[trainer]["steps"]
+        assert one["committed"] == 1 and three["committed"] == 3, reports[trainer]
+        assert (two["failed"].version, two["failed"].num_attempts) == (2, 3)
+        assert two["failed"].cause == "RuntimeError: injected bug in i1's transfer of version 2"
+        assert two["seconds"] < 30.0, f"{trainer}: RefitFailed took {two['seconds']:.1f} s"
+    for rank in ("i0", "i1"):
+        assert [s["served"] for s in reports[rank]["steps"]] == [1, 3]
+        assert not any(s["problems"] for s in reports[rank]["steps"])

@@ -1,0 +1,350 @@
+"""Table-driven tests of the runtime's pure decisions: ``next_action`` (what the coordinator
+does next), ``plan_attempt`` (the plan of one attempt), and when a version is given up
+(``attempt_cause`` / ``count_failure``); plus ``RefitConfig`` validation.
+
+Each table row is one situation: the members of the epoch, the version state in etcd, and
+what must happen. Records are built directly (no etcd, no processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from elastic_refit.membership.versions import Ack, Commit, Failure, VersionState
+from elastic_refit.membership.view import MemberRecord, MembershipView
+
+from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
+from elastic_refit.layout import parse_spec
+from elastic_refit.runtime.attempt import (
+    CATCH_UP,
+    REFIT,
+    AttemptSpec,
+    CommitAction,
+    FailureTally,
+    attempt_cause,
+    count_failure,
+    fault_cause,
+    next_action,
+    plan_attempt,
+    version_digest,
+)
+from elastic_refit.runtime.config import RefitConfig
+
+# ---- helpers ----------------------------------------------------------------------------
+
+LAYOUT_RANKS = {"t0": 0, "t1": 1, "i0": 2, "i1": 3, "i2": 4, "i3": 5}
+
+
+def member(name: str, inc: str = "a") -> MemberRecord:
+    """``t*`` are trainers, ``i*`` inference ranks; ``name@inc`` sets the incarnation."""
+    if "@" in name:
+        name, inc = name.split("@")
+    role = "trainer" if name.startswith("t") else "inference"
+    return MemberRecord(role=role, member_id=name, incarnation=inc, host="h", domain=f"d-{role}",
+                        device="cpu", layout_rank=LAYOUT_RANKS.get(name, -1))
+
+
+def view(*names: str, epoch: int = 1) -> MembershipView:
+    return MembershipView(epoch=epoch, members=tuple(member(n) for n in names))
+
+
+def state(sources: dict[int, list[str]] | None = None, acks: dict[int, list[str]] | None = None,
+          committed: tuple[int, ...] = (), failed: tuple[int, ...] = ()) -> VersionState:
+    """``sources``/``acks``: version -> ``["t0", "t1@old", ...]`` (incarnation ``a`` unless
+    given after ``@``)."""
+    def split(name: str) -> tuple[str, str]:
+        return tuple(name.split("@")) if "@" in name else (name, "a")  # type: ignore[return-value]
+
+    return VersionState(
+        revision=1,
+        sources={v: dict(split(n) for n in names) for v, names in (sources or {}).items()},
+        acks={v: {m: Ack(inc, 1, f"digest-{m}-{v}") for m, inc in map(split, names)}
+              for v, names in (acks or {}).items()},
+        committed={v: Commit(v, 1, "d") for v in committed},
+        failed={v: Failure(v, "ValueError: bad", 5, 1) for v in failed},
+    )
+
+
+def summary(action: AttemptSpec | CommitAction | None):
+    if action is None:
+        return None
+    if isinstance(action, CommitAction):
+        return ("commit", action.version)
+    return (action.kind, action.version, action.sources, action.holders, action.destinations)
+
+
+ALL = ("t0", "t1", "i0", "i1")
+BOTH = ["t0", "t1"]
+
+# ---- next_action ------------------------------------------------------------------------
+
+NEXT_ACTION_ROWS = [
+    # (id, members, state, feasible, expected)
+    ("nothing published", ALL, state(), True, None),
+    ("no trainers in the epoch", ("i0", "i1"), state(sources={1: BOTH}), True, None),
+    ("not all trainers published", ALL, state(sources={1: ["t0"]}), True, None),
+    ("a trainer published in an earlier incarnation", ALL, state(sources={1: ["t0", "t1@old"]}), True, None),
+    ("no inference ranks", ("t0", "t1"), state(sources={1: BOTH}), True, None),
+    ("refit to every inference rank", ALL, state(sources={1: BOTH}), True,
+     (REFIT, 1, ("t0", "t1"), (), ("i0", "i1"))),
+    ("inference ranks that hold it serve as holders", ALL, state(sources={1: BOTH}, acks={1: ["i0"]}), True,
+     (REFIT, 1, ("t0", "t1"), ("i0",), ("i1",))),
+    ("commit once every live inference rank holds it", ALL, state(sources={1: BOTH}, acks={1: ["i0", "i1"]}),
+     True, ("commit", 1)),
+    ("a dead rank's ack does not block the commit", ("t0", "t1", "i0"),
+     state(sources={1: BOTH}, acks={1: ["i0", "i1"]}), True, ("commit", 1)),
+    ("a restarted rank (new incarnation) is not a holder", ("t0", "t1", "i0", "i1@new"),
+     state(sources={1: BOTH}, acks={1: ["i0", "i1"]}), True, (REFIT, 1, ("t0", "t1"), ("i0",), ("i1",))),
+    ("the newest version supersedes older uncommitted ones", ALL, state(sources={1: BOTH, 2: BOTH}), True,
+     (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("a version older than the committed one is ignored", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={2: ["i0", "i1"]}, committed=(2,)), True, None),
+    ("committed and held everywhere: nothing to do", ALL,
+     state(sources={1: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,)), True, None),
+    ("catch up a restarted rank from the holders", ("t0", "t1", "i0", "i1@new"),
+     state(sources={1: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,)), True, (CATCH_UP, 1, (), ("i0",), ("i1",))),
+    ("catch up a joined rank, trainers not involved", ("t0", "t1", "i0", "i1", "i2"),
+     state(acks={1: ["i0", "i1"]}, committed=(1,)), True, (CATCH_UP, 1, (), ("i0", "i1"), ("i2",))),
+    ("no holder left: no catch-up", ("t0", "t1", "i0@new", "i1@new"),
+     state(acks={1: ["i0", "i1"]}, committed=(1,)), True, None),
+    ("a pending version goes before catch-up", ("t0", "t1", "i0", "i1@new"),
+     state(sources={2: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,)), True,
+     (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("an infeasible refit is not proposed", ALL, state(sources={1: BOTH}), False, None),
+    ("an infeasible catch-up is not proposed", ("t0", "t1", "i0", "i1@new"),
+     state(acks={1: ["i0", "i1"]}, committed=(1,)), False, None),
+    ("a failed version is never proposed", ALL, state(sources={1: BOTH}, failed=(1,)), True, None),
+    ("a failed version is never committed", ALL,
+     state(sources={1: BOTH}, acks={1: ["i0", "i1"]}, failed=(1,)), True, None),
+    ("a failed version falls back to catching up the committed one", ("t0", "t1", "i0", "i1@new"),
+     state(sources={2: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,), failed=(2,)), True,
+     (CATCH_UP, 1, (), ("i0",), ("i1",))),
+    ("a newer version after a failed one moves", ALL,
+     state(sources={2: BOTH, 3: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,), failed=(2,)), True,
+     (REFIT, 3, ("t0", "t1"), (), ("i0", "i1"))),
+    ("a failed version still supersedes older ones", ALL,
+     state(sources={1: BOTH, 2: BOTH}, failed=(2,)), True, None),
+]
+
+
+@pytest.mark.parametrize(("members", "version_state", "feasible", "expected"),
+                         [row[1:] for row in NEXT_ACTION_ROWS], ids=[row[0] for row in NEXT_ACTION_ROWS])
+def test_next_action(members, version_state, feasible, expected):
+    v = view(*members)
+    action = next_action(v, version_state, feasible=lambda spec: feasible)
+    assert summary(action) == expected
+    if isinstance(action, CommitAction):
+        assert action.digest == version_digest(version_state, action.version, v.members_of("inference"))
+
+
+def test_next_action_is_pure_and_asks_feasibility_of_what_it_proposes():
+    v, s = view(*ALL), state(sources={1: BOTH})
+    asked: list[AttemptSpec] = []
+    first = next_action(v, s, feasible=lambda spec: asked.append(spec) or True)
+    assert next_action(v, s) == first and asked == [first]
+
+
+def test_the_commit_digest_depends_on_every_holder_digest():
+    v = view(*ALL)
+    a = state(sources={1: BOTH}, acks={1: ["i0", "i1"]})
+    b = state(sources={1: BOTH}, acks={1: ["i0", "i1"]})
+    b.acks[1]["i1"] = Ack("a", 1, "other")
+    inference = v.members_of("inference")
+    assert version_digest(a, 1, inference) != version_digest(b, 1, inference)
+
+
+# ---- plan_attempt -----------------------------------------------------------------------
+
+# Trainers 0 and 1 are data-parallel replicas; inference ranks [2, 3] and [4, 5] are two
+# replicas of a 2-way tensor-parallel engine (2 and 4 hold the same shard, so do 3 and 5).
+SPEC = parse_spec(json.loads(json.dumps({
+    "domains": [0, 0, 1, 1, 2, 2],
+    "tensors": [
+        {"name": "w", "shape": [8, 4], "dtype": "float32",
+         "source": {"mesh": [0, 1], "placements": ["R"]},
+         "destination": {"mesh": [[2, 3], [4, 5]], "placements": ["R", "S(0)"]}},
+        {"name": "norm", "shape": [4], "dtype": "float32",
+         "source": {"mesh": [0, 1], "placements": ["R"]},
+         "destination": {"mesh": [[2, 3], [4, 5]], "placements": ["R", "R"]}},
+    ],
+})))
+
+PLAN_ROWS = [
+    # (id, members, sources, holders, destinations, error)
+    ("refit from the sources", ("t0", "t1", "i0", "i1"), ("t0", "t1"), (), ("i0", "i1"), None),
+    ("one source is enough (replicas)", ("t0", "i0", "i1"), ("t0",), (), ("i0", "i1"), None),
+    ("sources and holders together", ("t0", "t1", "i0", "i1", "i2", "i3"), ("t0", "t1"), ("i0",),
+     ("i1", "i2", "i3"), None),
+    ("catch-up from holders of both shards", ("t0", "i0", "i1", "i2", "i3"), (), ("i0", "i1"), ("i2", "i3"),
+     None),
+    ("catch-up from a holder of the same shard", ("i0", "i2"), (), ("i0",), ("i2",), None),
+    ("catch-up without a holder of the shard is infeasible", ("i0", "i3"), (), ("i0",), ("i3",),
+     "not covered by any source piece"),
+    ("a member without a layout rank", ("t0", "i0", "i9"), ("t0",), (), ("i0", "i9"), "has no layout rank"),
+]
+
+
+@pytest.mark.parametrize(("members", "sources", "holders", "destinations", "error"),
+                         [row[1:] for row in PLAN_ROWS], ids=[row[0] for row in PLAN_ROWS])
+def test_plan_attempt(members, sources, holders, destinations, error):
+    v = view(*members)
+    kind = REFIT if sources else CATCH_UP
+    spec = AttemptSpec(1, kind, sources, holders, destinations)
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            plan_attempt(SPEC.source, SPEC.destination, v, spec)
+        return
+    plan = plan_attempt(SPEC.source, SPEC.destination, v, spec)
+    senders = {v.rank_of(m) for m in sources + holders}
+    assert set(plan.source.ranks) <= senders
+    assert set(plan.destination.ranks) == {v.rank_of(m) for m in destinations}
+    assert plan.stats.cross_domain_bytes == plan.stats.lower_bound_bytes
+    # the same inputs plan the same fingerprint (every rank computes it on its own)
+    assert plan_attempt(SPEC.source, SPEC.destination, v, spec).fingerprint == plan.fingerprint
+
+
+def test_attempt_spec_rejects_a_member_on_both_sides():
+    with pytest.raises(ValueError, match=r"source or holder and a destination: \['i0'\]"):
+        AttemptSpec(1, REFIT, ("t0",), ("i0",), ("i0", "i1"))
+    with pytest.raises(ValueError, match="attempt kind must be"):
+        AttemptSpec(1, "push", ("t0",), (), ("i0",))
+
+
+def test_attempt_spec_round_trips_through_json():
+    spec = AttemptSpec(3, CATCH_UP, (), ("i0",), ("i1", "i2"))
+    assert AttemptSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert spec.participants == ("i0", "i1", "i2")
+
+
+# ---- giving up on a version -------------------------------------------------------------
+
+CAUSE_ROWS = [
+    # (id, done values, expected cause)
+    ("every participant ok", {"t0": "ok", "i0": "ok"}, None),
+    ("only consequences", {"t0": "aborted: _AttemptAborted: epoch 3 was superseded", "i0": "ok"}, None),
+    ("one own fault", {"t0": "failed: ValueError: bad", "i0": "aborted: _AttemptAborted: t0 failed"},
+     "ValueError: bad"),
+    ("a root fault wins over the transport faults it caused",
+     {"i0": "failed: TransportAborted: rank 2: recv from 0 failed", "t0": "failed: ValueError: bad",
+      "i1": "failed: TransportAborted: rank 3: recv from 0 failed"}, "ValueError: bad"),
+    ("transport faults only: the first in member order",
+     {"i1": "failed: TransportAborted: rank 3", "i0": "failed: TransportAborted: rank 2"},
+     "TransportAborted: rank 2"),
+    ("several own faults: the first in member order",
+     {"t1": "failed: KeyError: 'x'", "t0": "failed: PlanMismatch: t0 planned a, i0 planned b"},
+     "PlanMismatch: t0 planned a, i0 planned b"),
+    ("participants that wrote nothing are left out", {"t0": "failed: ValueError: bad"}, "ValueError: bad"),
+    ("nothing written", {}, None),
+]
+
+
+@pytest.mark.parametrize(("done", "expected"), [row[1:] for row in CAUSE_ROWS], ids=[row[0] for row in CAUSE_ROWS])
+def test_attempt_cause(done, expected):
+    assert attempt_cause(done) == expected
+
+
+V1 = view(*ALL)
+V1_REBUILT = view(*ALL, epoch=2)  # same members, a new communicator
+V_SHRUNK = view("t0", "t1", "i0", epoch=3)
+V_RESTARTED = view("t0", "t1", "i0", "i1@new", epoch=4)
+
+# Each row: a sequence of (view, version, cause) failures; the expected tally after the last.
+COUNT_ROWS = [
+    ("first failure", [(V1, 2, "ValueError: bad")], (2, "ValueError: bad", 1)),
+    ("same cause, same members adds up", [(V1, 2, "ValueError: bad")] * 3, (2, "ValueError: bad", 3)),
+    ("a rebuilt communicator with the same members keeps counting",
+     [(V1, 2, "ValueError: bad"), (V1_REBUILT, 2, "ValueError: bad")], (2, "ValueError: bad", 2)),
+    ("a different cause starts over", [(V1, 2, "ValueError: bad"), (V1, 2, "ValueError: bad"),
+                                       (V1, 2, "KeyError: 'w'")], (2, "KeyError: 'w'", 1)),
+    ("a member that left starts over",
+     [(V1, 2, "TransportAborted: rank 2"), (V_SHRUNK, 2, "TransportAborted: rank 2")],
+     (2, "TransportAborted: rank 2", 1)),
+    ("a restarted member starts over",
+     [(V1, 2, "ValueError: bad"), (V_RESTARTED, 2, "ValueError: bad")], (2, "ValueError: bad", 1)),
+    ("another version starts over", [(V1, 2, "ValueError: bad"), (V1, 3, "ValueError: bad")],
+     (3, "ValueError: bad", 1)),
+]
+
+
+@pytest.mark.parametrize(("failures", "expected"), [row[1:] for row in COUNT_ROWS], ids=[row[0] for row in COUNT_ROWS])
+def test_count_failure(failures, expected):
+    tally: FailureTally | None = None
+    for v, version, cause in failures:
+        tally = count_failure(tally, v, version, cause)
+    assert tally is not None
+    assert (tally.version, tally.cause, tally.num_attempts) == expected
+    assert tally.identities == failures[-1][0].identities
+
+
+@pytest.mark.parametrize(("exc", "expected"), [
+    (ValueError("rank 0: source buffer 'w' is missing\nmore detail"), "ValueError: rank 0: source buffer 'w' is missing"),
+    (RefitError(""), "RefitError"),
+    (KeyError("w"), "KeyError: 'w'"),
+    (RuntimeError("x" * 1000), "RuntimeError: " + "x" * 286),
+])
+def test_fault_cause_is_type_and_first_line(exc, expected):
+    assert fault_cause(exc) == expected
+
+
+def test_refit_failed_and_refit_timeout_say_why():
+    failed = RefitFailed(2, "ValueError: trainer 't0', version 2: published buffer 'w' is missing", 5, epoch=3)
+    assert str(failed) == ("version 2 failed 5 consecutive attempts: ValueError: trainer 't0', version 2: "
+                           "published buffer 'w' is missing")
+    assert (failed.version, failed.num_attempts, failed.epoch) == (2, 5, 3)
+    timeout = RefitTimeout("version 2 to commit", 120.0, member_id="t0", last_failure="PlanMismatch: x (3.0 s ago)")
+    assert str(timeout) == "t0: timed out after 120.0 s waiting for version 2 to commit; last failure: PlanMismatch: x (3.0 s ago)"
+    assert "no attempt failed on this rank" in str(RefitTimeout("any committed version", 1.0))
+    assert isinstance(timeout, TimeoutError) and isinstance(timeout, RefitError)
+
+
+# ---- RefitConfig ------------------------------------------------------------------------
+
+def config(**overrides) -> RefitConfig:
+    values = {"job": "job", "role": "trainer", "member_id": "t0", "layout_rank": 0, "etcd": ("127.0.0.1:2379",)}
+    return RefitConfig(**{**values, **overrides})
+
+
+def test_config_defaults_are_valid():
+    c = config(etcd="127.0.0.1:2379")
+    assert c.etcd == ("127.0.0.1:2379",) and c.backend == "gloo" and c.max_attempts == 5
+    assert config(backend="nccl4py", device="cuda:0").backend == "nccl4py"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"backend": "mpi"}, r"backend must be one of gloo, nccl, nccl4py, got 'mpi'"),
+    ({"backend": "nccl4py"}, r"backend 'nccl4py' moves cuda tensors, but device is 'cpu'"),
+    ({"backend": "gloo", "device": "cuda:0"}, r"backend 'gloo' moves cpu tensors, but device is 'cuda:0'"),
+    ({"role": "critic"}, r"role must be one of .* got 'critic'"),
+    ({"mode": "lazy"}, r"mode must be one of .* got 'lazy'"),
+    ({"member_id": "a/b"}, r"member_id must match .* got 'a/b'"),
+    ({"job": ""}, r"job must match .* got ''"),
+    ({"layout_rank": -1}, r"layout_rank must be an int >= 0, got -1"),
+    ({"layout_rank": True}, r"layout_rank must be an int >= 0, got True"),
+    ({"etcd": ()}, r"etcd needs at least one endpoint"),
+    ({"domain": ""}, r"domain must be a non-empty string, got ''"),
+    ({"ttl_s": 1}, r"ttl_s must be an int >= 2 .* got 1"),
+    ({"ttl_s": 2.5}, r"ttl_s must be an int >= 2 .* got 2.5"),
+    ({"collective_timeout_s": 3.0}, r"collective < lease TTL < epoch deadline, got 3.0, 2, 10.0"),
+    ({"epoch_deadline_s": math.inf}, r"epoch_deadline_s must be a finite number of seconds > 0, got inf"),
+    ({"version_timeout_s": 0}, r"version_timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"version_timeout_s": math.nan}, r"version_timeout_s must be a finite number of seconds > 0, got nan"),
+    ({"poll_s": -0.1}, r"poll_s must be a finite number of seconds > 0, got -0.1"),
+    ({"bucket_bytes": 0}, r"bucket_bytes must be an int >= 1, got 0"),
+    ({"staging_bytes": 100, "bucket_bytes": 64}, r"staging_bytes 100 must hold 4 buckets of 64"),
+    ({"max_attempts": 0}, r"max_attempts must be an int >= 1, got 0"),
+    ({"max_attempts": 2.0}, r"max_attempts must be an int >= 1, got 2.0"),
+    ({"verify": "yes"}, r"verify must be a bool, got 'yes'"),
+])
+def test_config_rejects_bad_values_quoting_them(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
+
+
+def test_config_from_env_reads_max_attempts_and_backend():
+    c = RefitConfig.from_env({"ELASTIC_REFIT_JOB": "j", "ELASTIC_REFIT_ROLE": "inference",
+                              "ELASTIC_REFIT_MEMBER_ID": "i0", "ELASTIC_REFIT_LAYOUT_RANK": "2",
+                              "ELASTIC_REFIT_ETCD": "a:1, b:2", "ELASTIC_REFIT_MAX_ATTEMPTS": "3",
+                              "ELASTIC_REFIT_BACKEND": "nccl", "ELASTIC_REFIT_DEVICE": "cuda:1"})
+    assert (c.max_attempts, c.backend, c.device, c.etcd) == (3, "nccl", "cuda:1", ("a:1", "b:2"))
