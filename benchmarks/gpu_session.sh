@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One warm GPU session (device tool), step by step; every step is one device call:
+#   bash benchmarks/gpu_session.sh part K     # K = 0..4: copy .gpu-extras/pK (NCCL 2.32.3, part K)
+#   bash benchmarks/gpu_session.sh setup      # part 5, assemble + check libnccl, install wheels, etcd, project
+#   bash benchmarks/gpu_session.sh tests      # GPU tests (several NCCL ranks on GPU 0)
+#   bash benchmarks/gpu_session.sh bench      # lifecycle, NCCL refit and churn benchmarks
+# Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+env_ready() {
+  [ -f /tmp/nccl/libnccl.so.2 ] && export LD_PRELOAD=/tmp/nccl/libnccl.so.2
+  export ETCD_BIN=/tmp/etcd/usr/bin/etcd
+}
+case "${1:-}" in
+  part)
+    mkdir -p /tmp/nccl && cp ".gpu-extras/p$2" /tmp/nccl/ && ls -la /tmp/nccl ;;
+  setup)
+    mkdir -p /tmp/nccl && cp .gpu-extras/p5 /tmp/nccl/
+    if [ "$(ls /tmp/nccl/p? | wc -l)" = 6 ]; then
+      cat /tmp/nccl/p? > /tmp/nccl/libnccl.so.2
+      [ "$(sha256sum /tmp/nccl/libnccl.so.2 | cut -d' ' -f1)" = "$(cat .gpu-extras/sha256)" ] \
+        && echo "libnccl 2.32.3 assembled" || { echo "sha256 mismatch"; rm -f /tmp/nccl/libnccl.so.2; }
+    else
+      echo "only $(ls /tmp/nccl/p? | wc -l) of 6 parts: NCCL 2.28.9 stays (no grow)"
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile .gpu-extras/whl/*.whl 2>&1 | tail -2
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warn | tail -2
+    dpkg -x .gpu-extras/deb/*.deb /tmp/etcd
+    env_ready
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    python3 -c "import torch, triton, nccl.core as nc; print('torch', torch.__version__, 'torch nccl', torch.cuda.nccl.version(), 'triton', triton.__version__); print(nc.get_version())" 2>&1 | tee -a "$OUT/gpu.txt"
+    python3 -c "from elastic_refit.membership import probe_runtime; import json; print(json.dumps(probe_runtime().to_json()))" | tee -a "$OUT/gpu.txt"
+    "$ETCD_BIN" --version | head -1 ;;
+  tests)
+    env_ready
+    shift
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -x "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+  bench)
+    env_ready
+    timeout 200 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat 10 --backend nccl4py nccl \
+      2>"$OUT/lifecycle.err" | tee "$OUT/lifecycle.txt"; tail -5 "$OUT/lifecycle.err"
+    timeout 200 python3 -m elastic_refit.cli bench --model qwen3-30b-a3b --layers 1 --source tp=2,pp=2 \
+      --destination tp=2,dp=2 --domain-size 1 --backend nccl4py --repeat 3 --bucket-mib 32 \
+      2>"$OUT/bench_nccl.err" | tee "$OUT/bench_nccl.txt"; tail -3 "$OUT/bench_nccl.err"
+    timeout 150 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 12 --kill-at 5 \
+      2>"$OUT/churn.err" | tee "$OUT/churn.txt"; tail -3 "$OUT/churn.err" ;;
+  *) echo "usage: $0 part K | setup | tests [pytest args] | bench" >&2; exit 2 ;;
+esac
