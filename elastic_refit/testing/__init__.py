@@ -15,8 +15,9 @@ Nothing in the library imports this package. It holds:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic_refit._lazy import lazy_exports
 
 _EXPORTS = {
     "EtcdCluster": "elastic_refit.testing.etcd",
@@ -59,10 +60,4 @@ if TYPE_CHECKING:
     from elastic_refit.testing.processes import RankResult, run_local_world
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic_refit.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

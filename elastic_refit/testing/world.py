@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,8 @@ class RefitCase:
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
+    """Options of ``refit_rank``: the transport, the executor and how often to run."""
+
     backend: str = "gloo"
     timeout_s: float = 30.0
     staging_bytes: int = 256 << 20
@@ -73,7 +75,13 @@ class WorkerOptions:
     repeat: int = 1
     warmup: int = 0
     seed: int = 1234
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        Backend.parse(self.backend)
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
 
 def make_transport(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float) -> Transport:
@@ -155,28 +163,20 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
 # ---- side-by-side benchmark: reshard vs gather-and-broadcast ----------------------------
 
 @dataclass(frozen=True, slots=True)
-class BenchOptions:
+class BenchOptions(WorkerOptions):
     """Options of ``bench_rank``. ``verify`` turns on the executor's wire digests; every
     destination byte is checked against the pattern after every run regardless.
     ``p2p_bytes`` is the message size of the raw send/recv measurement."""
 
-    backend: str = "gloo"
     timeout_s: float = 120.0
-    staging_bytes: int = 256 << 20
-    verify: bool = False
-    pack_backend: str = "auto"
     repeat: int = 3
     warmup: int = 1
-    seed: int = 1234
     chunk_bytes: int = 8 << 20
     p2p_bytes: int = 128 << 20
     p2p_repeat: int = 3
 
     def __post_init__(self) -> None:
-        if self.repeat < 1:
-            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        WorkerOptions.__post_init__(self)
         if self.p2p_bytes < 1 or self.p2p_repeat < 1:
             raise ValueError(f"p2p_bytes and p2p_repeat must be >= 1, got {self.p2p_bytes}, {self.p2p_repeat}")
 

@@ -15,12 +15,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_refit.errors import TransportAborted
-from elastic_refit.transport.protocol import Backend, Capabilities, P2POp
+from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
 
 __all__ = ["C10dTransport"]
-
-_VOTE_TAG = 0x7E57  # distinct from bucket tags (bucket indices)
-
 
 class _Works:
     """The handles of one batch of posted operations, waited for as one."""
@@ -38,7 +35,7 @@ class _Works:
         return True
 
 
-class C10dTransport:
+class C10dTransport(TransportBase):
     """A :class:`~elastic_refit.transport.protocol.Transport` over one c10d process group.
 
     ``timeout_s`` bounds every wait and the vote (the collective timeout).
@@ -50,21 +47,12 @@ class C10dTransport:
         backend = Backend.parse(backend)
         if backend is Backend.NCCL4PY:
             raise ValueError("C10dTransport runs gloo or nccl process groups, not nccl4py communicators")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        device = torch.device("cpu") if backend is Backend.GLOO else torch.device("cuda", torch.cuda.current_device())
+        super().__init__(rank, world_size, Capabilities(backend, device, can_shrink=can_shrink), timeout_s)
         self.process_group = process_group
-        self._rank = rank
-        self._world_size = world_size
-        self.timeout_s = float(timeout_s)
         # Keep the store alive as long as the group: a Python store collected while C++
         # still uses it fails every call (DESIGN.md, known pitfalls).
         self._store = store
-        self._aborted = False
-        device = (torch.device("cpu") if backend is Backend.GLOO
-                  else torch.device("cuda", torch.cuda.current_device()))
-        self._capabilities = Capabilities(backend, device, can_shrink=can_shrink, can_grow=False)
         if backend is Backend.GLOO:
             # Gloo applies its context timeout to collectives (the vote) whatever wait() is
             # given, and closes a pair for good when it fires: make it this transport's timeout.
@@ -91,28 +79,8 @@ class C10dTransport:
 
     # ---- the protocol ------------------------------------------------------------------
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._capabilities
-
-    @property
-    def device(self) -> torch.device:
-        return self._capabilities.device
-
-    @property
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
 
     def post(self, ops: Sequence[P2POp]) -> _Works:
         works = []
@@ -127,7 +95,7 @@ class C10dTransport:
                     works.append(self.process_group.recv([op.tensor], op.peer, op.tag))
             except Exception as exc:
                 raise TransportAborted(
-                    f"rank {self.rank}: {op.op} with rank {op.peer} failed: {_first_line(exc)}",
+                    f"rank {self.rank}: {op.op} with rank {op.peer} failed: {first_line(exc)}",
                     rank=self.rank, peer=op.peer, phase=op.op,
                 ) from exc
         return _Works(works)
@@ -139,35 +107,12 @@ class C10dTransport:
             raise
         except Exception as exc:  # c10d raises RuntimeError/DistBackendError subclasses
             raise TransportAborted(
-                f"rank {self.rank}: {what} with rank {peer} failed: {_first_line(exc)}",
+                f"rank {self.rank}: {what} with rank {peer} failed: {first_line(exc)}",
                 rank=self.rank, peer=peer, phase=what,
             ) from exc
 
-    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
-        """With ``participants`` (a subset of the world) the vote runs point-to-point through
-        the lowest participant, so ranks outside the refit are not involved."""
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
-        try:
-            if participants is None or len(set(participants)) == self.world_size:
-                self._wait_raw(self.process_group.allreduce([flag]))
-            else:
-                members = sorted(set(participants))
-                root = members[0]
-                if self.rank == root:
-                    others = [torch.zeros_like(flag) for _ in members[1:]]
-                    for peer, buf in zip(members[1:], others, strict=True):
-                        self._wait_raw(self.process_group.recv([buf], peer, _VOTE_TAG))
-                    flag += sum(int(b.item()) for b in others)
-                    for peer in members[1:]:
-                        self._wait_raw(self.process_group.send([flag], peer, _VOTE_TAG))
-                else:
-                    self._wait_raw(self.process_group.send([flag], root, _VOTE_TAG))
-                    self._wait_raw(self.process_group.recv([flag], root, _VOTE_TAG))
-        except Exception as exc:
-            raise TransportAborted(
-                f"rank {self.rank}: completion vote failed: {_first_line(exc)}", rank=self.rank, phase="vote"
-            ) from exc
-        return int(flag.item()) == 0
+    def _allreduce_flag(self, flag: torch.Tensor) -> None:
+        self._wait_raw(self.process_group.allreduce([flag]))
 
     def _wait_raw(self, work) -> None:
         if not work.wait(self.timeout):
@@ -188,8 +133,3 @@ class C10dTransport:
         self._aborted = True
         self.process_group = None  # type: ignore[assignment]
         self._store = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from elastic_refit.errors import TransportAborted
-from elastic_refit.transport.protocol import Backend, Capabilities, P2POp
+from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
 
 __all__ = ["NcclTransport", "nccl_call", "settle"]
 
 _POLL_S = 0.0005
-_VOTE_TAG = 0x7E57
 
 
 def _nccl():
@@ -92,7 +91,7 @@ class _Posted:
         return self.event.query()
 
 
-class NcclTransport:
+class NcclTransport(TransportBase):
     """A :class:`~elastic_refit.transport.protocol.Transport` over one nccl4py communicator.
 
     ``comm`` must be initialised (and settled); ``timeout_s`` bounds every wait and vote.
@@ -102,18 +101,11 @@ class NcclTransport:
 
     def __init__(self, comm: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
                  device: torch.device | None = None, can_shrink: bool = False, can_grow: bool = False) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        self.comm = comm
-        self._rank = rank
-        self._world_size = world_size
-        self.timeout_s = float(timeout_s)
         device = device or torch.device("cuda", torch.cuda.current_device())
-        self._capabilities = Capabilities(Backend.NCCL4PY, device, can_shrink=can_shrink, can_grow=can_grow)
+        super().__init__(rank, world_size, Capabilities(Backend.NCCL4PY, device, can_shrink=can_shrink,
+                                                        can_grow=can_grow), timeout_s)
+        self.comm = comm
         self.stream = torch.cuda.Stream(device=device)
-        self._aborted = False
 
     @classmethod
     def create(cls, store: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
@@ -132,26 +124,6 @@ class NcclTransport:
         return cls(comm, rank, world_size, timeout_s=timeout_s)
 
     # ---- the protocol ------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._capabilities
-
-    @property
-    def device(self) -> torch.device:
-        return self._capabilities.device
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
     def post(self, ops: Sequence[P2POp]) -> _Posted:
         if self._aborted:
             raise TransportAborted(f"rank {self.rank}: post on an aborted transport", rank=self.rank)
@@ -172,7 +144,7 @@ class NcclTransport:
             raise
         except Exception as exc:
             peers = sorted({op.peer for op in ops})
-            raise TransportAborted(f"rank {self.rank}: posting to ranks {peers} failed: {_first_line(exc)}",
+            raise TransportAborted(f"rank {self.rank}: posting to ranks {peers} failed: {first_line(exc)}",
                                    rank=self.rank, peer=peers[0] if peers else None, phase="post") from exc
         event = torch.cuda.Event()
         event.record(self.stream)
@@ -198,35 +170,13 @@ class NcclTransport:
         # Later work on the caller's stream (unpacking) sees the received bytes.
         torch.cuda.current_stream(self.device).wait_event(work.event)
 
-    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
-        try:
-            if participants is None or len(set(participants)) == self.world_size:
-                nccl = _nccl()
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                nccl_call(lambda: self.comm.allreduce(flag, flag, nccl.SUM, stream=self.stream))
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.wait(_Posted(event, [flag]), -1, "completion vote")
-            else:
-                members = sorted(set(participants))
-                root = members[0]
-                if self.rank == root:
-                    others = [torch.zeros_like(flag) for _ in members[1:]]
-                    self.wait(self.post([P2POp("recv", b, p, _VOTE_TAG) for p, b in
-                                         zip(members[1:], others, strict=True)]), -1, "completion vote")
-                    flag += torch.stack(others).sum(dim=0) if others else 0
-                    self.wait(self.post([P2POp("send", flag, p, _VOTE_TAG) for p in members[1:]]), -1,
-                              "completion vote")
-                else:
-                    self.wait(self.post([P2POp("send", flag, root, _VOTE_TAG)]), root, "completion vote")
-                    self.wait(self.post([P2POp("recv", flag, root, _VOTE_TAG)]), root, "completion vote")
-        except TransportAborted:
-            raise
-        except Exception as exc:
-            raise TransportAborted(f"rank {self.rank}: completion vote failed: {_first_line(exc)}",
-                                   rank=self.rank, phase="vote") from exc
-        return int(flag.item()) == 0
+    def _allreduce_flag(self, flag: torch.Tensor) -> None:
+        nccl = _nccl()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        nccl_call(lambda: self.comm.allreduce(flag, flag, nccl.SUM, stream=self.stream))
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.wait(_Posted(event, [flag]), -1, "completion vote")
 
     def abort(self) -> None:
         """Mark the transport aborted; the communicator itself is aborted by its owner
@@ -240,8 +190,3 @@ class NcclTransport:
     def close(self) -> None:
         self._aborted = True
         self.comm = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

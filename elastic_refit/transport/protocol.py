@@ -20,7 +20,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Backend", "Capabilities", "P2POp", "Transport", "Work"]
+from elastic_refit.errors import TransportAborted
+
+__all__ = ["Backend", "Capabilities", "P2POp", "Transport", "TransportBase", "Work", "post_recv", "post_send"]
 
 
 class Backend(enum.StrEnum):
@@ -123,6 +125,83 @@ class Transport(Protocol):
     def close(self) -> None:
         """Stop using the transport and drop its references to the communicator."""
         ...
+
+
+VOTE_TAG = 0x7E57  # distinct from bucket tags (bucket indices)
+
+
+class TransportBase:
+    """What the implementations share: identity, capabilities, the aborted flag, and the
+    vote. Subclasses implement ``post``, ``wait``, ``abort``, ``close`` and
+    ``_allreduce_flag`` (the whole-world vote)."""
+
+    def __init__(self, rank: int, world_size: int, capabilities: Capabilities, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self._rank = rank
+        self._world_size = world_size
+        self._capabilities = capabilities
+        self.timeout_s = float(timeout_s)
+        self._aborted = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def device(self) -> torch.device:
+        return self._capabilities.device
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
+        """With ``participants`` (a subset of the world) the vote runs point-to-point through
+        the lowest participant, so ranks outside the refit are not involved."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
+        what = "completion vote"
+        try:
+            if participants is None or len(set(participants)) == self.world_size:
+                self._allreduce_flag(flag)
+            else:
+                members = sorted(set(participants))
+                root = members[0]
+                if self.rank == root:
+                    others = [torch.zeros_like(flag) for _ in members[1:]]
+                    for peer, buf in zip(members[1:], others, strict=True):
+                        self.wait(post_recv(self, buf, peer, VOTE_TAG), peer, what)  # type: ignore[arg-type]
+                    flag += sum(int(b.item()) for b in others)
+                    for peer in members[1:]:
+                        self.wait(post_send(self, flag, peer, VOTE_TAG), peer, what)  # type: ignore[arg-type]
+                else:
+                    self.wait(post_send(self, flag, root, VOTE_TAG), root, what)  # type: ignore[arg-type]
+                    self.wait(post_recv(self, flag, root, VOTE_TAG), root, what)  # type: ignore[arg-type]
+        except TransportAborted:
+            raise
+        except Exception as exc:
+            raise TransportAborted(f"rank {self.rank}: {what} failed: {first_line(exc)}", rank=self.rank,
+                                   phase="vote") from exc
+        return int(flag.item()) == 0
+
+    def _allreduce_flag(self, flag: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (C++ errors carry whole backtraces)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def post_send(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:

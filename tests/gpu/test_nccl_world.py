@@ -12,10 +12,9 @@ import importlib.util
 
 import pytest
 
-from elastic_refit.plan import TransferKind
 from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
-from tests.integration.test_executor import CASES, TINY_DENSE
+from tests.integration.test_executor import CASES, TINY_DENSE, assert_bit_exact_with_planned_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -34,17 +33,7 @@ def test_nccl_refit_is_bit_exact_and_moves_the_planned_bytes(name, backend):
     plan = case.plan()
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(backend=backend, timeout_s=60)),
                               timeout_s=240, rank_env=nccl_rank_env)
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
-        assert r.value["problems"] == [], r.value["problems"]
-        report = r.value["report"]
-        assert report["network_send_bytes"] == plan.network_send_bytes[r.rank]
-        assert report["network_recv_bytes"] == plan.network_recv_bytes[r.rank]
-        assert report["intra_send_bytes"] == plan.intra_send_bytes[r.rank]
-        assert report["intra_recv_bytes"] == plan.intra_recv_bytes[r.rank]
-    t = plan.transfers
-    local = t.kind == int(TransferKind.LOCAL)
-    assert sum(r.value["report"]["local_bytes"] for r in results) == int((t.nbytes * t.instances)[local].sum())
+    assert_bit_exact_with_planned_bytes(results, plan)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -64,6 +64,11 @@ def test_refit_is_bit_exact_and_moves_the_planned_bytes(name):
     case = CASES[name]
     plan = case.plan()
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(timeout_s=30)), timeout_s=180)
+    assert_bit_exact_with_planned_bytes(results, plan)
+
+
+def assert_bit_exact_with_planned_bytes(results, plan) -> None:
+    """Every rank verified its destination bytes and moved exactly its share of the plan."""
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
         assert r.value["problems"] == [], r.value["problems"]
