@@ -36,10 +36,11 @@ case "${1:-}" in
   tests)
     env_ready
     shift
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -x "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --timeout 150 -rfE "${@:-tests/gpu}" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -60 ;;
   bench)
     env_ready
-    timeout 200 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat 10 --backend nccl4py nccl \
+    timeout 200 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat "${REPEAT:-10}" --backend nccl4py nccl \
       2>"$OUT/lifecycle.err" | tee "$OUT/lifecycle.txt"; tail -5 "$OUT/lifecycle.err"
     timeout 200 python3 -m elastic_refit.cli bench --model qwen3-30b-a3b --layers 1 --source tp=2,pp=2 \
       --destination tp=2,dp=2 --domain-size 1 --backend nccl4py --repeat 3 --bucket-mib 32 \
