@@ -14,6 +14,8 @@ import types
 
 import torch
 
+__all__ = ["HAVE_TRITON", "launch"]
+
 try:
     import triton  # noqa: F401
 

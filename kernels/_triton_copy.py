@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+__all__ = ["DESC_WORDS", "box_copy_kernel"]
+
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
 else:
@@ -41,10 +43,35 @@ DESC_WORDS = 12
 
 
 @_jit
+def _row_bytes(t_base, row, n1, n2, s0, s1, s2):
+    """Byte offset from ``buf_ptr`` of the start of ``row`` (of the region's n0 x n1 x n2
+    rows); divides in the type of ``row``, ``n1`` and ``n2`` (int32, or uint32 per lane)."""
+    q = row // n2
+    i = q // n1
+    return (
+        t_base
+        + i.to(tl.int64) * s0
+        + (q - i * n1).to(tl.int64) * s1
+        + (row - q * n2).to(tl.int64) * s2
+    )
+
+
+@_jit
+def _move(base, t_units, p_units, e, mask, PACK: tl.constexpr):
+    """One access per lane: units ``t_units + e`` of the tensor side and ``p_units + e`` of
+    the packed side, tensor to packed when ``PACK``; ``mask`` (None: all) picks the lanes."""
+    t_ptrs = base + (t_units[:, None] + e[None, :])
+    p_ptrs = base + (p_units[:, None] + e[None, :])
+    if PACK:
+        tl.store(p_ptrs, tl.load(t_ptrs, mask=mask, eviction_policy="evict_first"), mask=mask)
+    else:
+        tl.store(t_ptrs, tl.load(p_ptrs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+@_jit
 def _copy_tile(
     buf_ptr,
-    delta,
-    t_off,
+    t_base,
     p_off,
     row_bytes,
     n1,
@@ -55,13 +82,22 @@ def _copy_tile(
     total,
     start,
     PACK: tl.constexpr,
-    UNIT: tl.constexpr,
-    VEC: tl.constexpr,
+    WLOG: tl.constexpr,
     NV: tl.constexpr,
-    ITERS: tl.constexpr,
 ):
-    """Copy bytes [start, start + ITERS*NV*UNIT*VEC) of one region, VEC units per access."""
-    W = UNIT * VEC  # constexpr: a product of constexprs
+    """Copy bytes [start, start + NV*16) of one region with accesses of W = 2**WLOG bytes.
+
+    ``t_base`` is the byte offset of the box's first element from ``buf_ptr``; the other
+    runtime arguments are descriptor words (module docstring).
+
+    An access is VEC units of UNIT bytes (UNIT = min(W, 4)); ITERS iterations of NV accesses
+    each cover the tile: (WLOG, UNIT, VEC, ITERS) = (4, 4, 4, 1), (3, 4, 2, 2), (2, 4, 1, 4),
+    (1, 2, 1, 8), (0, 1, 1, 16).
+    """
+    W: tl.constexpr = 1 << WLOG
+    UNIT: tl.constexpr = 4 if WLOG >= 2 else W
+    VEC: tl.constexpr = W // UNIT
+    ITERS: tl.constexpr = 16 // W
     if UNIT == 4:
         base = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     elif UNIT == 2:
@@ -75,31 +111,18 @@ def _copy_tile(
     v_start = (start // W).to(tl.int32)
     row0 = v_start // rv
     col0 = v_start - row0 * rv
-    t_base = t_off + delta
     p_base = p_off // UNIT
     lane = tl.arange(0, NV)
     e = tl.arange(0, VEC)
     if col0 + ITERS * NV <= rv:
         # Fast path: the tile lies inside one row (long rows, single-row regions), so the
         # row is located once per program and no lane needs a mask or a division.
-        fq = row0 // n2
-        fi = fq // n1
-        frow = (
-            t_base
-            + fi.to(tl.int64) * s0
-            + (fq - fi * n1).to(tl.int64) * s1
-            + (row0 - fq * n2).to(tl.int64) * s2
-        )
+        frow = _row_bytes(t_base, row0, n1, n2, s0, s1, s2)
         for fit in tl.range(ITERS):
             ft = tl.multiple_of((frow + (col0 + fit * NV + lane).to(tl.int64) * W) // UNIT, VEC)
             fv = v_start + fit * NV + lane
             fp = tl.multiple_of(p_base + fv.to(tl.int64) * VEC, VEC)
-            ftp = base + (ft[:, None] + e[None, :])
-            fpp = base + (fp[:, None] + e[None, :])
-            if PACK:
-                tl.store(fpp, tl.load(ftp, eviction_policy="evict_first"))
-            else:
-                tl.store(ftp, tl.load(fpp, eviction_policy="evict_first"))
+            _move(base, ft, fp, e, None, PACK)
     else:
         # General path: rows shorter than a tile, or a tile that crosses rows; each lane
         # finds its row (unsigned int32 divisions: ~3 per access, well under the issue
@@ -112,25 +135,11 @@ def _copy_tile(
             dr = c // rvu
             col = c - dr * rvu
             row = row0.to(tl.uint32) + dr
-            q = row // n2u
-            i0 = q // n1u
-            t_bytes = (
-                t_base
-                + i0.to(tl.int64) * s0
-                + (q - i0 * n1u).to(tl.int64) * s1
-                + (row - q * n2u).to(tl.int64) * s2
-                + col.to(tl.int64) * W
-            )
+            t_bytes = _row_bytes(t_base, row, n1u, n2u, s0, s1, s2) + col.to(tl.int64) * W
             t_units = tl.multiple_of(t_bytes // UNIT, VEC)
             v = v_start + it * NV + lane
             p_units = tl.multiple_of(p_base + v.to(tl.int64) * VEC, VEC)
-            m = (v < tv)[:, None]
-            t_ptrs = base + (t_units[:, None] + e[None, :])
-            p_ptrs = base + (p_units[:, None] + e[None, :])
-            if PACK:
-                tl.store(p_ptrs, tl.load(t_ptrs, mask=m, eviction_policy="evict_first"), mask=m)
-            else:
-                tl.store(t_ptrs, tl.load(p_ptrs, mask=m, eviction_policy="evict_first"), mask=m)
+            _move(base, t_units, p_units, e, (v < tv)[:, None], PACK)
 
 
 @_jit
@@ -163,104 +172,16 @@ def box_copy_kernel(
     tile0 = tl.load(d + 10)
     total = tl.load(d + 11)
     start = (pid - tile0) * TILE_BYTES
+    t_base = t_off + delta  # tensor_ptr - buf_ptr + the box's first byte
+    NV: tl.constexpr = TILE_BYTES // 16
     # Widest access first; the narrower branches only run for misaligned boxes.
     if wlog == 4:
-        _copy_tile(
-            buf_ptr,
-            delta,
-            t_off,
-            p_off,
-            row_bytes,
-            n1,
-            n2,
-            s0,
-            s1,
-            s2,
-            total,
-            start,
-            PACK,
-            4,
-            4,
-            TILE_BYTES // 16,
-            1,
-        )
+        _copy_tile(buf_ptr, t_base, p_off, row_bytes, n1, n2, s0, s1, s2, total, start, PACK, 4, NV)
     elif wlog == 3:
-        _copy_tile(
-            buf_ptr,
-            delta,
-            t_off,
-            p_off,
-            row_bytes,
-            n1,
-            n2,
-            s0,
-            s1,
-            s2,
-            total,
-            start,
-            PACK,
-            4,
-            2,
-            TILE_BYTES // 16,
-            2,
-        )
+        _copy_tile(buf_ptr, t_base, p_off, row_bytes, n1, n2, s0, s1, s2, total, start, PACK, 3, NV)
     elif wlog == 2:
-        _copy_tile(
-            buf_ptr,
-            delta,
-            t_off,
-            p_off,
-            row_bytes,
-            n1,
-            n2,
-            s0,
-            s1,
-            s2,
-            total,
-            start,
-            PACK,
-            4,
-            1,
-            TILE_BYTES // 16,
-            4,
-        )
+        _copy_tile(buf_ptr, t_base, p_off, row_bytes, n1, n2, s0, s1, s2, total, start, PACK, 2, NV)
     elif wlog == 1:
-        _copy_tile(
-            buf_ptr,
-            delta,
-            t_off,
-            p_off,
-            row_bytes,
-            n1,
-            n2,
-            s0,
-            s1,
-            s2,
-            total,
-            start,
-            PACK,
-            2,
-            1,
-            TILE_BYTES // 16,
-            8,
-        )
+        _copy_tile(buf_ptr, t_base, p_off, row_bytes, n1, n2, s0, s1, s2, total, start, PACK, 1, NV)
     else:
-        _copy_tile(
-            buf_ptr,
-            delta,
-            t_off,
-            p_off,
-            row_bytes,
-            n1,
-            n2,
-            s0,
-            s1,
-            s2,
-            total,
-            start,
-            PACK,
-            1,
-            1,
-            TILE_BYTES // 16,
-            16,
-        )
+        _copy_tile(buf_ptr, t_base, p_off, row_bytes, n1, n2, s0, s1, s2, total, start, PACK, 0, NV)

@@ -6,6 +6,17 @@ import itertools
 import math
 from dataclasses import dataclass
 
+__all__ = [
+    "MAX_ENTRY_BYTES",
+    "MAX_STRIDED_DIMS",
+    "BoxRegion",
+    "Entry",
+    "collapse",
+    "entries_for",
+    "first_box_overlap",
+    "region_overlap",
+]
+
 # One descriptor entry never exceeds this many bytes, so that every index inside an entry fits
 # int32 in the kernel (only final byte offsets are int64). Bigger regions are split.
 MAX_ENTRY_BYTES = 1 << 30

@@ -13,7 +13,16 @@ import torch
 
 from . import _triton_backend
 from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
-from .reference import pack_reference, unpack_reference
+from .reference import copy_reference
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_NUM_WARPS",
+    "DEFAULT_TILE_BYTES",
+    "PackBinding",
+    "PackProgram",
+    "packed_nbytes",
+]
 
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_TILE_BYTES = 8192
@@ -291,20 +300,28 @@ class PackProgram:
             self._descs.popitem(last=False)
         return desc
 
-    def _launch(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, pack: bool) -> None:
+    def _launch(self, buf: torch.Tensor, desc: torch.Tensor, pack: bool) -> None:
+        """One Triton launch over ``buf`` with resolved descriptors ``desc``."""
         plan = self._plan
         assert plan is not None
-        if plan.num_tiles == 0:
-            return
         _triton_backend.launch(
             buf=buf,
-            desc=self._resolved(tensors, buf),
+            desc=desc,
             tile_region=plan.tile_region,
             num_tiles=plan.num_tiles,
             pack=pack,
             tile_bytes=self.tile_bytes,
             num_warps=self.num_warps,
         )
+
+    def _copy(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, pack: bool) -> None:
+        """Check the arguments, then pack ``tensors`` into ``buf`` (``pack``) or unpack."""
+        self._check_tensors(tensors)
+        self._check_buffer(buf, "out" if pack else "packed")
+        if self._plan is None:
+            copy_reference(self.regions, tensors, buf, pack=pack)
+        elif self._plan.num_tiles:
+            self._launch(buf, self._resolved(tensors, buf), pack)
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -317,24 +334,14 @@ class PackProgram:
 
         Bytes of ``out`` outside the regions are left as they were.
         """
-        self._check_tensors(tensors)
-        self._check_buffer(out, "out")
-        if self.backend == "torch":
-            pack_reference(self.regions, tensors, out)
-        else:
-            self._launch(tensors, out, pack=True)
+        self._copy(tensors, out, pack=True)
         return out
 
     def unpack(self, packed: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy each region's bytes from ``packed`` into its box; nothing else is written."""
         if self._unpack_conflict is not None:
             raise ValueError(f"cannot unpack: {self._unpack_conflict}")
-        self._check_tensors(tensors)
-        self._check_buffer(packed, "packed")
-        if self.backend == "torch":
-            unpack_reference(self.regions, packed, tensors)
-        else:
-            self._launch(tensors, packed, pack=False)
+        self._copy(tensors, packed, pack=False)
 
     def bind(
         self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, *, cuda_graph: bool = False
@@ -385,11 +392,7 @@ class PackBinding:
 
     def pack(self) -> torch.Tensor:
         """Pack the bound tensors into the bound buffer; returns the buffer."""
-        p = self.program
-        if p._plan is None:
-            pack_reference(p.regions, self.tensors, self.buf)
-        elif p._plan.num_tiles:
-            self._run(pack=True)
+        self._copy(pack=True)
         return self.buf
 
     def unpack(self) -> None:
@@ -397,24 +400,18 @@ class PackBinding:
         p = self.program
         if p._unpack_conflict is not None:
             raise ValueError(f"cannot unpack: {p._unpack_conflict}")
+        self._copy(pack=False)
+
+    def _copy(self, pack: bool) -> None:
+        p = self.program
         if p._plan is None:
-            unpack_reference(p.regions, self.buf, self.tensors)
+            copy_reference(p.regions, self.tensors, self.buf, pack=pack)
         elif p._plan.num_tiles:
-            self._run(pack=False)
+            self._run(pack)
 
     def _launch(self, pack: bool) -> None:
-        p = self.program
-        plan = p._plan
-        assert plan is not None and self._desc is not None
-        _triton_backend.launch(
-            buf=self.buf,
-            desc=self._desc,
-            tile_region=plan.tile_region,
-            num_tiles=plan.num_tiles,
-            pack=pack,
-            tile_bytes=p.tile_bytes,
-            num_warps=p.num_warps,
-        )
+        assert self._desc is not None
+        self.program._launch(self.buf, self._desc, pack)
 
     def _run(self, pack: bool) -> None:
         if not self.cuda_graph:

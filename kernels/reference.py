@@ -13,6 +13,8 @@ import torch
 
 from .boxes import BoxRegion
 
+__all__ = ["copy_reference", "pack_reference", "unpack_reference"]
+
 
 def _byte_box(tensor: torch.Tensor, region: BoxRegion) -> torch.Tensor:
     """The region's box of ``tensor`` as a (strided) uint8 view, last dim scaled to bytes."""
@@ -27,29 +29,37 @@ def _byte_box(tensor: torch.Tensor, region: BoxRegion) -> torch.Tensor:
     return tb[index]
 
 
-def pack_reference(
-    regions: Sequence[BoxRegion], tensors: Sequence[torch.Tensor], out: torch.Tensor
+def copy_reference(
+    regions: Sequence[BoxRegion],
+    tensors: Sequence[torch.Tensor],
+    packed: torch.Tensor,
+    *,
+    pack: bool,
 ) -> None:
-    """Copy each region's box of ``tensors[region.tensor_index]`` into ``out`` (uint8)."""
+    """Copy every region between its box of ``tensors[region.tensor_index]`` and its bytes of
+    ``packed`` (uint8): into ``packed`` when ``pack``, back into the tensors otherwise."""
     for region in regions:
         t = tensors[region.tensor_index]
         n = region.nbytes(t.element_size())
         if n == 0:
             continue
         box = _byte_box(t, region)
-        out[region.packed_offset_bytes : region.packed_offset_bytes + n].view(box.shape).copy_(box)
+        flat = packed[region.packed_offset_bytes : region.packed_offset_bytes + n].view(box.shape)
+        if pack:
+            flat.copy_(box)
+        else:
+            box.copy_(flat)
+
+
+def pack_reference(
+    regions: Sequence[BoxRegion], tensors: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
+    """Copy each region's box of ``tensors[region.tensor_index]`` into ``out`` (uint8)."""
+    copy_reference(regions, tensors, out, pack=True)
 
 
 def unpack_reference(
     regions: Sequence[BoxRegion], packed: torch.Tensor, tensors: Sequence[torch.Tensor]
 ) -> None:
     """Copy each region's packed bytes back into its box of ``tensors[region.tensor_index]``."""
-    for region in regions:
-        t = tensors[region.tensor_index]
-        n = region.nbytes(t.element_size())
-        if n == 0:
-            continue
-        box = _byte_box(t, region)
-        box.copy_(
-            packed[region.packed_offset_bytes : region.packed_offset_bytes + n].view(box.shape)
-        )
+    copy_reference(regions, tensors, packed, pack=False)

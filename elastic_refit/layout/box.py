@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from elastic_refit.layout._validate import is_integer
+
+__all__ = ["DTYPES", "DTYPE_ITEMSIZE", "Box", "canonical_dtype"]
+
 # Canonical dtype names (torch's, without the `torch.` prefix) and their sizes in bytes.
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float64": 8,
@@ -40,16 +44,10 @@ def _as_int_tuple(values: object, what: str) -> tuple[int, ...]:
         raise ValueError(f"{what} must be a sequence of integers, got {values!r}") from None
     out = []
     for v in items:
-        if isinstance(v, bool) or not isinstance(v, int | _np_integer()):
+        if not is_integer(v, numpy=True):
             raise ValueError(f"{what} must be integers, got {values!r}")
         out.append(int(v))
     return tuple(out)
-
-
-def _np_integer():  # numpy is optional at this level; imported lazily
-    import numpy as np
-
-    return np.integer
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,16 @@ import numpy as np
 from elastic_refit.layout.box import DTYPE_ITEMSIZE, DTYPES, Box, canonical_dtype
 from elastic_refit.layout.digest import dtype_for_range, update_int_arrays
 
+__all__ = [
+    "Buffer",
+    "Layout",
+    "LayoutBuilder",
+    "LogicalTensor",
+    "Piece",
+    "Topology",
+    "combine_layouts",
+]
+
 _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
 _ITEMSIZE_BY_INDEX = np.array([DTYPE_ITEMSIZE[d] for d in DTYPES], dtype=np.int64)
 

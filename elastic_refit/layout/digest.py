@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+__all__ = ["dtype_for_range", "narrowest_dtype", "update_int_arrays"]
+
 _UNSIGNED = tuple(np.dtype(f"<u{n}") for n in (1, 2, 4, 8))
 _SIGNED = tuple(np.dtype(f"<i{n}") for n in (1, 2, 4, 8))
 

@@ -13,7 +13,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic_refit.layout._validate import is_integer
 from elastic_refit.layout.core import LayoutBuilder
+
+__all__ = [
+    "Placement",
+    "Replicate",
+    "Shard",
+    "add_sharded_tensor",
+    "from_dtensors",
+    "parse_placement",
+    "shard_boxes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +34,7 @@ class Shard:
     dim: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+        if not is_integer(self.dim) or self.dim < 0:
             raise ValueError(f"Shard dim must be an integer >= 0, got {self.dim!r}")
 
     def __str__(self) -> str:

@@ -20,8 +20,18 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from elastic_refit.layout._validate import is_integer
 from elastic_refit.layout.box import canonical_dtype
 from elastic_refit.layout.core import LogicalTensor
+
+__all__ = [
+    "MODELS",
+    "ModelConfig",
+    "config_from_hf",
+    "get_model",
+    "logical_tensors",
+    "parameter_count",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +76,12 @@ class ModelConfig:
                         "qk_rope_head_dim", "v_head_dim")
         for field_name in positive + non_negative:
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_integer(value):
                 raise ValueError(f"model {self.name!r}: {field_name} must be an integer, got {value!r}")
             if value < (1 if field_name in positive else 0):
                 bound = ">= 1" if field_name in positive else ">= 0"
                 raise ValueError(f"model {self.name!r}: {field_name} must be {bound}, got {value}")
-        if self.q_lora_rank is not None and (
-            isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1
-        ):
+        if self.q_lora_rank is not None and (not is_integer(self.q_lora_rank) or self.q_lora_rank < 1):
             raise ValueError(f"model {self.name!r}: q_lora_rank must be None or >= 1, got {self.q_lora_rank!r}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.num_heads % self.num_kv_heads:
@@ -138,7 +146,7 @@ class ModelConfig:
         """The same model cut to its first ``num_layers`` layers (``None``: unchanged)."""
         if num_layers is None:
             return self
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= self.num_layers:
+        if not is_integer(num_layers) or not 1 <= num_layers <= self.num_layers:
             raise ValueError(
                 f"model {self.name!r}: num_layers must be in 1..{self.num_layers}, got {num_layers!r}"
             )

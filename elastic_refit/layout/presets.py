@@ -56,18 +56,34 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic_refit.layout._validate import is_integer
 from elastic_refit.layout.core import Layout, LayoutBuilder
 from elastic_refit.layout.models import ModelConfig, get_model
+
+__all__ = [
+    "MEGATRON_VOCAB_DIVISOR",
+    "VLLM_VOCAB_PADDING",
+    "InferenceParallelism",
+    "TrainingParallelism",
+    "megatron_layout",
+    "parse_parallelism",
+    "stage_layers",
+    "vllm_layout",
+]
 
 MEGATRON_VOCAB_DIVISOR = 128  # Megatron's default make_vocab_size_divisible_by
 VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
 # ---- parallelism specs ---------------------------------------------------------------------
-def _check_sizes(kind: str, **sizes: int) -> None:
+def _check_sizes(kind: str, why: str = "", **sizes: int) -> None:
+    """Every size a positive integer, and ``ep`` dividing ``tp * dp`` (``why`` ends that error)."""
     for key, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        if not is_integer(value, numpy=True) or value < 1:
             raise ValueError(f"{kind}: {key} must be a positive integer, got {value!r}")
+    tp, dp, ep = sizes["tp"], sizes["dp"], sizes["ep"]
+    if (tp * dp) % ep:
+        raise ValueError(f"{kind}: ep={ep} must divide tp*dp={tp * dp}{why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +96,14 @@ class TrainingParallelism:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        _check_sizes("training parallelism", tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
-        if (self.tp * self.dp) % self.ep:
-            raise ValueError(
-                f"training parallelism: ep={self.ep} must divide tp*dp={self.tp * self.dp} "
-                f"(experts re-factor a stage's tp x dp ranks as ep x edp)"
-            )
+        _check_sizes(
+            "training parallelism",
+            " (experts re-factor a stage's tp x dp ranks as ep x edp)",
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            ep=self.ep,
+        )
 
     @property
     def world_size(self) -> int:
@@ -105,10 +123,6 @@ class InferenceParallelism:
 
     def __post_init__(self) -> None:
         _check_sizes("inference parallelism", tp=self.tp, dp=self.dp, ep=self.ep)
-        if (self.tp * self.dp) % self.ep:
-            raise ValueError(
-                f"inference parallelism: ep={self.ep} must divide tp*dp={self.tp * self.dp}"
-            )
 
     @property
     def world_size(self) -> int:
@@ -183,7 +197,7 @@ def _as_inference(par: TrainingParallelism | InferenceParallelism | str) -> Infe
 
 
 def _check_first_rank(first_rank: int) -> int:
-    if isinstance(first_rank, bool) or not isinstance(first_rank, int | np.integer) or first_rank < 0:
+    if not is_integer(first_rank, numpy=True) or first_rank < 0:
         raise ValueError(f"first_rank must be an integer >= 0, got {first_rank!r}")
     return int(first_rank)
 

@@ -7,6 +7,8 @@ from elastic_refit.layout.models import ModelConfig
 from elastic_refit.layout.presets import megatron_layout, parse_parallelism, vllm_layout
 from elastic_refit.layout.spec import RefitSpec
 
+__all__ = ["model_refit_spec"]
+
 
 def model_refit_spec(
     model: str | ModelConfig,

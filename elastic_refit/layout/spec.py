@@ -22,6 +22,8 @@ import numpy as np
 from elastic_refit.layout.core import Layout, LayoutBuilder, Topology
 from elastic_refit.layout.dtensor import add_sharded_tensor
 
+__all__ = ["RefitSpec", "load_spec", "parse_spec"]
+
 
 @dataclass(frozen=True, slots=True)
 class RefitSpec:

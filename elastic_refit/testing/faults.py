@@ -57,7 +57,7 @@ class _KeptWork:
 
     __slots__ = ("keep", "work")
 
-    def __init__(self, work: Work, keep: torch.Tensor) -> None:
+    def __init__(self, work: Work, keep: list[torch.Tensor]) -> None:
         self.work = work
         self.keep = keep
 
@@ -132,8 +132,9 @@ class FaultyTransport:
     def aborted(self) -> bool:
         return self.inner.aborted
 
-    def post(self, ops: Sequence[P2POp]) -> Work:
-        works: list[Work] = []
+    def post(self, ops: Sequence[P2POp]) -> tuple[Work, ...]:
+        batch: list[P2POp] = []
+        kept: list[torch.Tensor] = []
         for op in ops:
             self._before(op.op)
             if self._delay_s:
@@ -142,17 +143,15 @@ class FaultyTransport:
                 self._corrupt_sends -= 1
                 wire = op.tensor.detach().clone().reshape(-1).view(torch.uint8)
                 wire[0] ^= 0xFF
-                works.append(_KeptWork(self.inner.post((P2POp("send", wire, op.peer, op.tag),)), wire))
-            else:
-                works.append(self.inner.post((op,)))
+                kept.append(wire)
+                op = P2POp("send", wire, op.peer, op.tag)
+            batch.append(op)
             self.posted[op.op] += 1
-        return works[0] if len(works) == 1 else _Many(works)
+        # One batch stays one batch: a backend that groups a batch (NCCL) must see it whole.
+        works = self.inner.post(batch)
+        return tuple(_KeptWork(w, kept) for w in works) if kept else works
 
     def wait(self, work: Work, peer: int, what: str) -> None:
-        if isinstance(work, _Many):
-            for w in work.works:
-                self.inner.wait(w, peer, what)
-            return
         self.inner.wait(work.work if isinstance(work, _KeptWork) else work, peer, what)
 
     def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
@@ -179,16 +178,6 @@ class FaultyTransport:
                     trigger.seen += 1
         for trigger in due:
             trigger.action()
-
-
-class _Many:
-    __slots__ = ("works",)
-
-    def __init__(self, works: list[Work]) -> None:
-        self.works = works
-
-    def wait(self, *args, **kwargs):
-        return all(w.wait(*args, **kwargs) is not False for w in self.works)
 
 
 @contextlib.contextmanager

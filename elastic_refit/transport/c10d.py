@@ -82,7 +82,7 @@ class C10dTransport(TransportBase):
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def post(self, ops: Sequence[P2POp]) -> _Works:
+    def post(self, ops: Sequence[P2POp]) -> tuple[_Works, ...]:
         works = []
         for op in ops:
             if self._aborted:
@@ -98,7 +98,7 @@ class C10dTransport(TransportBase):
                     f"rank {self.rank}: {op.op} with rank {op.peer} failed: {first_line(exc)}",
                     rank=self.rank, peer=op.peer, phase=op.op,
                 ) from exc
-        return _Works(works)
+        return tuple(_Works([w]) for w in works)
 
     def wait(self, work, peer: int, what: str) -> None:
         try:

@@ -25,7 +25,7 @@ from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.plan import Plan, SourceSide
 from elastic_refit.transport.buffers import byte_view, digest
-from elastic_refit.transport.protocol import Transport, post_recv, post_send
+from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import (
     BoxCopy,
     Bucket,
@@ -283,6 +283,10 @@ class Executor:
         recv_target: list = [None, None]
         for i in range(max(n_send, n_recv) + 1):
             slot = i % 2
+            # Bucket i's send and receive are posted as one group: a rank of a shift round
+            # sends to one peer and receives from another, and a backend that connects pairs
+            # lazily inside a group (NCCL) would otherwise wait in a cycle of such ranks.
+            ops: list[P2POp] = []
             if i < n_send:
                 io = self._io[id(send.buckets[i])]  # type: ignore[union-attr]
                 if send_work[slot] is not None:  # the staging slot is free once its send is done
@@ -293,14 +297,20 @@ class Executor:
                 else:
                     payload = self._staging[slot][: io.wire_bytes]
                     io.pack(tensors, payload, verify)
-                send_work[slot] = post_send(transport, payload, send.peer, tag=i)  # type: ignore[union-attr]
+                ops.append(P2POp("send", payload, send.peer, i))  # type: ignore[union-attr]
                 counts["num_buckets"] += 1
             if i < n_recv:
                 io = self._io[id(recv.buckets[i])]  # type: ignore[union-attr]
                 target = io.direct_view(tensors) if io.direct is not None else self._staging[2 + slot][: io.wire_bytes]
-                recv_work[slot] = post_recv(transport, target, recv.peer, tag=i)  # type: ignore[union-attr]
+                ops.append(P2POp("recv", target, recv.peer, i))  # type: ignore[union-attr]
                 recv_target[slot] = (io, target)
                 counts["num_buckets"] += 1
+            if ops:
+                works = transport.post(ops)
+                if i < n_send:
+                    send_work[slot] = works[0]
+                if i < n_recv:
+                    recv_work[slot] = works[-1]
             prev = (i - 1) % 2
             if i >= 1 and i - 1 < n_recv:
                 transport.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]

@@ -124,7 +124,7 @@ class NcclTransport(TransportBase):
         return cls(comm, rank, world_size, timeout_s=timeout_s)
 
     # ---- the protocol ------------------------------------------------------------------
-    def post(self, ops: Sequence[P2POp]) -> _Posted:
+    def post(self, ops: Sequence[P2POp]) -> tuple[_Posted, ...]:
         if self._aborted:
             raise TransportAborted(f"rank {self.rank}: post on an aborted transport", rank=self.rank)
         nccl = _nccl()
@@ -140,6 +140,9 @@ class NcclTransport(TransportBase):
                         nccl_call(lambda op=op: self.comm.recv(op.tensor, op.peer, stream=self.stream))
             finally:
                 nccl_call(nccl.group_end)
+            # A non-blocking communicator may still be enqueueing the group: nothing is on
+            # the stream (and no other call is allowed) until its state is ncclSuccess.
+            settle(self.comm, self.timeout_s, f"rank {self.rank}: posting a group")
         except TransportAborted:
             raise
         except Exception as exc:
@@ -150,7 +153,8 @@ class NcclTransport(TransportBase):
         event.record(self.stream)
         for op in ops:  # the caching allocator must not reuse these before NCCL is done
             op.tensor.record_stream(self.stream)
-        return _Posted(event, [op.tensor for op in ops])
+        posted = _Posted(event, [op.tensor for op in ops])
+        return (posted,) * len(ops)  # NCCL completes a group as a whole
 
     def wait(self, work: _Posted, peer: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -174,6 +178,7 @@ class NcclTransport(TransportBase):
         nccl = _nccl()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         nccl_call(lambda: self.comm.allreduce(flag, flag, nccl.SUM, stream=self.stream))
+        settle(self.comm, self.timeout_s, f"rank {self.rank}: posting the vote")
         event = torch.cuda.Event()
         event.record(self.stream)
         self.wait(_Posted(event, [flag]), -1, "completion vote")

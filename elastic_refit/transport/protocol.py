@@ -100,8 +100,9 @@ class Transport(Protocol):
         """Whether the transport was aborted or closed (it cannot be used again)."""
         ...
 
-    def post(self, ops: Sequence[P2POp]) -> Work:
-        """Post ``ops`` together (one group where the backend batches) and return one handle.
+    def post(self, ops: Sequence[P2POp]) -> tuple[Work, ...]:
+        """Post ``ops`` together (one group where the backend batches) and return a handle
+        per operation (the handles of one group may complete together).
         A send sees every write the caller queued on its current CUDA stream before the call
         (no synchronisation needed); raises ``TransportAborted`` on an aborted transport or
         a failed post."""
@@ -206,9 +207,9 @@ def first_line(exc: BaseException) -> str:
 
 def post_send(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
     """Post one send."""
-    return transport.post((P2POp("send", tensor, peer, tag),))
+    return transport.post((P2POp("send", tensor, peer, tag),))[0]
 
 
 def post_recv(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
     """Post one receive."""
-    return transport.post((P2POp("recv", tensor, peer, tag),))
+    return transport.post((P2POp("recv", tensor, peer, tag),))[0]

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from elastic_refit.chaos.faults import TTL_S, Fault, FaultPlan, build_matrix
 from elastic_refit.chaos.oracle import TrialEvidence, Violation, check_all
+
 from elastic_refit.testing.logs import parse_log_lines
 
 T0 = 1_800_000_000.0

@@ -10,19 +10,17 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from elastic_refit.layout import Layout
-from elastic_refit.layout.models import (
+from elastic_refit.layout import (
     MODELS,
+    InferenceParallelism,
+    Layout,
     ModelConfig,
+    TrainingParallelism,
     config_from_hf,
     get_model,
     logical_tensors,
-    parameter_count,
-)
-from elastic_refit.layout.presets import (
-    InferenceParallelism,
-    TrainingParallelism,
     megatron_layout,
+    parameter_count,
     parse_parallelism,
     stage_layers,
     vllm_layout,
@@ -100,6 +98,13 @@ def materialize(layout: Layout) -> dict[tuple[int, str], np.ndarray]:
     for key, count in writes.items():
         assert count.max(initial=0) <= 1, f"overlapping pieces in buffer {key}"
     return buffers
+
+
+def materialize_with(layout: Layout, prefix: str, names) -> tuple[dict, dict, list[np.ndarray]]:
+    """``materialize(layout)``, ``tensor_values(layout)`` and the values of the
+    ``{prefix}.{name}_proj.weight`` tensors, in ``names`` order."""
+    values = tensor_values(layout)
+    return materialize(layout), values, [values[f"{prefix}.{n}_proj.weight"] for n in names]
 
 
 TINY = ModelConfig(name="tiny", hidden_size=3, num_layers=2, vocab_size=10, num_heads=4, num_kv_heads=2,
@@ -274,9 +279,7 @@ def test_layouts_refuse_unsupported_splits() -> None:
 
 def test_megatron_qkv_interleave_tp2() -> None:
     layout = megatron_layout(TINY, TrainingParallelism(tp=2, pp=1, dp=1))
-    bufs = materialize(layout)
-    v = tensor_values(layout)
-    q, k, vv = (v[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    bufs, _, (q, k, vv) = materialize_with(layout, "model.layers.1.self_attn", "qkv")
     # 4 q heads in 2 groups of 2, head_dim 2: tp rank t holds group t = [q heads 2t, 2t+1; k_t; v_t].
     for t in range(2):
         expected = np.concatenate([q[4 * t:4 * t + 4], k[2 * t:2 * t + 2], vv[2 * t:2 * t + 2]])
@@ -284,19 +287,14 @@ def test_megatron_qkv_interleave_tp2() -> None:
 
 
 def test_megatron_qkv_interleave_tp1_two_groups() -> None:
-    layout = megatron_layout(TINY, "tp=1,pp=1")
-    buf = materialize(layout)[0, "decoder.layers.0.self_attention.linear_qkv.weight"]
-    v = tensor_values(layout)
-    q, k, vv = (v[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    bufs, _, (q, k, vv) = materialize_with(megatron_layout(TINY, "tp=1,pp=1"), "model.layers.0.self_attn", "qkv")
+    buf = bufs[0, "decoder.layers.0.self_attention.linear_qkv.weight"]
     expected = np.concatenate([q[0:4], k[0:2], vv[0:2], q[4:8], k[2:4], vv[2:4]])
     np.testing.assert_array_equal(buf, expected)
 
 
 def test_vllm_qkv_replicates_kv_heads_when_tp_exceeds_them() -> None:
-    layout = vllm_layout(TINY, "tp=4")
-    bufs = materialize(layout)
-    v = tensor_values(layout)
-    q, k, vv = (v[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    bufs, _, (q, k, vv) = materialize_with(vllm_layout(TINY, "tp=4"), "model.layers.0.self_attn", "qkv")
     for t in range(4):
         g = t // 2  # 2 kv heads over 4 ranks: each replicated twice
         expected = np.concatenate([q[2 * t:2 * t + 2], k[2 * g:2 * g + 2], vv[2 * g:2 * g + 2]])
@@ -333,9 +331,7 @@ def test_vocab_padding_rows_are_uncovered() -> None:
 
 def test_megatron_experts_and_mla() -> None:
     layout = megatron_layout(TINY_MOE_MLA, "tp=2,pp=1,dp=2,ep=2")
-    bufs = materialize(layout)
-    v = tensor_values(layout)
-    gate, up, down = (v[f"model.layers.1.mlp.experts.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    bufs, v, (gate, up, down) = materialize_with(layout, "model.layers.1.mlp.experts", ("gate", "up", "down"))
     for rank in range(4):
         e = rank % 2  # ep is the fastest factor of the stage's tp x dp ranks
         fc1 = bufs[rank, "decoder.layers.1.mlp.experts.linear_fc1.weight"]
@@ -354,9 +350,7 @@ def test_megatron_experts_and_mla() -> None:
 
 def test_vllm_experts_and_mla() -> None:
     layout = vllm_layout(TINY_MOE_MLA, "tp=2,dp=1")
-    bufs = materialize(layout)
-    v = tensor_values(layout)
-    gate, up, down = (v[f"model.layers.2.mlp.experts.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    bufs, v, (gate, up, down) = materialize_with(layout, "model.layers.2.mlp.experts", ("gate", "up", "down"))
     for t in range(2):
         np.testing.assert_array_equal(bufs[t, "model.layers.2.mlp.experts.w13_weight"],
                                       np.concatenate([gate[:, t:t + 1], up[:, t:t + 1]], axis=1))
