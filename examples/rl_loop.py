@@ -51,9 +51,9 @@ def env_batch(n: int, generator):
 def member(role: str, member_id: str, rank: int, etcd: str, job: str, versions: int, events) -> None:
     import torch
 
+    from elastic_refit import ElasticRefit, RefitConfig, RefitLayouts
     from elastic_refit.layout import parse_spec
     from elastic_refit.log import configure_logging
-    from elastic_refit import ElasticRefit, RefitConfig, RefitLayouts
 
     torch.set_num_threads(1)
     configure_logging(json=True, stream=open(os.devnull, "w"))  # noqa: SIM115 - events are not the point here
