@@ -533,7 +533,7 @@ class ElasticRefit:
             moving = False
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
-                     local_bytes=report.local_bytes, verified_boxes=report.num_verified_boxes)
+                     local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
             if me in spec.destinations:
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()

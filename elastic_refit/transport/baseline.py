@@ -358,7 +358,7 @@ class GatherBroadcast:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
-            log.warning("refit.baseline.failed", rank=self.rank,
+            log.warning("transport.baseline.failed", rank=self.rank,
                         error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.transport.abort()
             raise
@@ -372,9 +372,8 @@ class GatherBroadcast:
             local_bytes=g["local"], num_tensors=len(self.ops), num_messages=num_messages,
             staging_bytes=self.staging_allocated,
         )
-        log.info("refit.baseline.done", rank=self.rank, seconds=report.seconds, sent_bytes=report.send_bytes,
-                 recv_bytes=report.recv_bytes, tensors=report.num_tensors,  # field names: docs/LOGS.md
-                 messages=report.num_messages)
+        log.info("transport.baseline.done", rank=self.rank, seconds=report.seconds, sent_bytes=report.send_bytes,
+                 recv_bytes=report.recv_bytes, num_tensors=report.num_tensors, num_messages=report.num_messages)
         return report
 
     # ---- internals ---------------------------------------------------------------------

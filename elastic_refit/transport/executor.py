@@ -221,7 +221,7 @@ class Executor:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
-            log.warning("refit.transfer.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning("transport.executor.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.transport.abort()
             raise
         if not self.transport.vote(True, self.participants):
@@ -240,9 +240,9 @@ class Executor:
             staging_bytes=self.staging_allocated,
             num_verified_boxes=counts["num_verified_boxes"],
         )
-        log.info("refit.transfer.done", rank=self.rank, seconds=report.seconds,
+        log.info("transport.executor.done", rank=self.rank, seconds=report.seconds,
                  sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,
-                 local_bytes=report.local_bytes, buckets=report.num_buckets)  # field names: docs/LOGS.md
+                 local_bytes=report.local_bytes, num_buckets=report.num_buckets)
         return report
 
     # ---- internals ---------------------------------------------------------------------
