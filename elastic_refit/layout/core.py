@@ -29,6 +29,7 @@ __all__ = [
     "Piece",
     "Topology",
     "combine_layouts",
+    "readonly_column",
 ]
 
 _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
@@ -129,7 +130,8 @@ class Topology:
         return hashlib.blake2b(repr(self.domains).encode(), digest_size=16).hexdigest()
 
 
-def _readonly(array: np.ndarray) -> np.ndarray:
+def readonly_column(array: np.ndarray) -> np.ndarray:
+    """``array`` contiguous and frozen (the columns of frozen layouts and plans)."""
     array = np.ascontiguousarray(array)
     array.setflags(write=False)
     return array
@@ -168,16 +170,16 @@ class Layout:
         for name in ("buffer_rank", "buffer_name", "buffer_shape", "buffer_ndim", "buffer_dtype",
                      "piece_tensor", "piece_buffer", "piece_offsets", "piece_lengths",
                      "piece_local_offsets", "piece_local_lengths"):
-            object.__setattr__(self, name, _readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+            object.__setattr__(self, name, readonly_column(np.asarray(getattr(self, name), dtype=np.int64)))
         shapes = np.ones((len(self.tensors), ndim), dtype=np.int64)
         for i, t in enumerate(self.tensors):
             shapes[i, : len(t.shape)] = t.shape
-        object.__setattr__(self, "tensor_shape", _readonly(shapes))
+        object.__setattr__(self, "tensor_shape", readonly_column(shapes))
         object.__setattr__(
             self, "tensor_itemsize",
-            _readonly(np.array([t.itemsize for t in self.tensors], dtype=np.int64)),
+            readonly_column(np.array([t.itemsize for t in self.tensors], dtype=np.int64)),
         )
-        object.__setattr__(self, "piece_rank", _readonly(self.buffer_rank[self.piece_buffer]))
+        object.__setattr__(self, "piece_rank", readonly_column(self.buffer_rank[self.piece_buffer]))
         object.__setattr__(self, "_tensor_index", {t.name: i for i, t in enumerate(self.tensors)})
 
     # ---- sizes ---------------------------------------------------------------------------
@@ -271,7 +273,7 @@ class Layout:
         """
         cached = self.__dict__.get("_layout_ids")
         if cached is None:
-            cached = _readonly(_tensor_layout_ids(self, self.__dict__.get("_layout_ids_hint")))
+            cached = readonly_column(_tensor_layout_ids(self, self.__dict__.get("_layout_ids_hint")))
             object.__setattr__(self, "_layout_ids", cached)
         return cached
 

@@ -8,6 +8,7 @@ from enum import IntEnum
 import numpy as np
 
 from elastic_refit.layout import Layout, Topology
+from elastic_refit.layout.core import readonly_column
 
 __all__ = [
     "ExpandedTransfers",
@@ -74,12 +75,6 @@ class PlanOptions:
         return np.divmod(message_offset, self.max_transfer_bytes)
 
 
-def _readonly(array: np.ndarray) -> np.ndarray:
-    array = np.ascontiguousarray(array)
-    array.setflags(write=False)
-    return array
-
-
 @dataclass(frozen=True, eq=False)
 class TransferTable:
     """One row per box copy, column-wise, in the planner's (deterministic) generation order.
@@ -116,7 +111,7 @@ class TransferTable:
     def __post_init__(self) -> None:
         num_rows = self.kind.shape[0]
         for name in self.__dataclass_fields__:
-            array = _readonly(getattr(self, name))
+            array = readonly_column(getattr(self, name))
             if array.shape[0] != num_rows:
                 raise ValueError(f"transfer column {name!r} has {array.shape[0]} rows, expected {num_rows}")
             object.__setattr__(self, name, array)
@@ -142,7 +137,7 @@ class TensorClasses:
 
     def __post_init__(self) -> None:
         for name in ("representative", "start", "members", "class_of"):
-            object.__setattr__(self, name, _readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+            object.__setattr__(self, name, readonly_column(np.asarray(getattr(self, name), dtype=np.int64)))
 
     @property
     def num_classes(self) -> int:
@@ -217,11 +212,11 @@ class Plan:
     intra_recv_bytes: np.ndarray = field(repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "source_tensor", _readonly(np.asarray(self.source_tensor, dtype=np.int64)))
+        object.__setattr__(self, "source_tensor", readonly_column(np.asarray(self.source_tensor, dtype=np.int64)))
         # First piece of every tensor, per side (layouts sort pieces by tensor first).
         for side, layout in (("_src_piece_start", self.source), ("_dst_piece_start", self.destination)):
             starts = np.searchsorted(layout.piece_tensor, np.arange(len(layout.tensors) + 1))
-            object.__setattr__(self, side, _readonly(starts.astype(np.int64)))
+            object.__setattr__(self, side, readonly_column(starts.astype(np.int64)))
 
     def expand(self, rows: np.ndarray | None = None) -> ExpandedTransfers:
         """Every box copy of ``rows`` (default: all), one per member of the row's class."""
