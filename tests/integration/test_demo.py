@@ -48,7 +48,9 @@ def test_demo_json_summary(tmp_path):
     assert data["errors"] == [] and data["problems"] == [] and data["violations"] == []
     assert data["leaked_pids"] == []
     assert [c["version"] for c in data["committed"]] == [1, 2, 3, 4, 5, 6]
-    assert data["num_checks"] >= 6 * 4  # every version on every live inference rank
+    # Every check an inference rank made was bit-exact, and every live rank reached the last
+    # version (the oracle: no violation); a rank that sees two commits at once checks the newer.
+    assert data["num_checks"] >= 6
     assert data["plan"]["cross_domain_bytes"] == data["plan"]["lower_bound_bytes"]
     assert data["plan"]["gather_broadcast_bytes"] > data["plan"]["cross_domain_bytes"]
     assert "FAULT" in stderr and "caught up" in stderr
