@@ -71,9 +71,9 @@ class LocalJob:
         self.procs: dict[str, mp.Process] = {}
         self.reports: dict[str, dict[str, Any]] = {}
 
-    def start(self, member: MemberSpec, fail_at=None) -> mp.Process:
-        """Start ``member``; ``fail_at`` is a phase hook installed in its process."""
-        p = self.ctx.Process(target=_child, args=(member, fail_at, self.results), daemon=True)
+    def start(self, member: MemberSpec, hook=None) -> mp.Process:
+        """Start ``member``; ``hook`` is a phase hook installed in its process."""
+        p = self.ctx.Process(target=_child, args=(member, hook, self.results), daemon=True)
         p.start()
         self.procs[member.member_id] = p
         return p

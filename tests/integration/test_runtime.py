@@ -136,7 +136,7 @@ def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(et
     for m in (member(etcd, "trainer", "t0", 0, **slow), member(etcd, "trainer", "t1", 1, **slow),
               member(etcd, "inference", "i0", 2, **slow)):
         job.start(m)
-    job.start(member(etcd, "inference", "i1", 3, **slow), fail_at=RaiseOnce("i1", version=2))
+    job.start(member(etcd, "inference", "i1", 3, **slow), hook=RaiseOnce("i1", version=2))
     reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=90)
     for m in ("i0", "i1"):
         assert_all_verified(reports[m])
@@ -150,7 +150,7 @@ def test_inference_rank_killed_mid_transfer(etcd_server, job):
     for m in (member(etcd, "trainer", "t0", 0), member(etcd, "trainer", "t1", 1),
               member(etcd, "inference", "i0", 2)):
         job.start(m)
-    job.start(member(etcd, "inference", "i1", 3), fail_at=KillSelf("i1", version=2))
+    job.start(member(etcd, "inference", "i1", 3), hook=KillSelf("i1", version=2))
     start = time.monotonic()
     reports = job.collect(["t0", "t1", "i0"], timeout_s=120)
     assert job.procs["i1"].exitcode == -signal.SIGKILL
@@ -165,7 +165,7 @@ def test_inference_rank_killed_mid_transfer(etcd_server, job):
 def test_trainer_rank_killed_mid_transfer(etcd_server, job):
     etcd = etcd_server.endpoint
     job.start(member(etcd, "trainer", "t0", 0))
-    job.start(member(etcd, "trainer", "t1", 1), fail_at=KillSelf("t1", version=2))
+    job.start(member(etcd, "trainer", "t1", 1), hook=KillSelf("t1", version=2))
     for m in (member(etcd, "inference", "i0", 2), member(etcd, "inference", "i1", 3)):
         job.start(m)
     reports = job.collect(["t0", "i0", "i1"], timeout_s=120)
@@ -219,7 +219,7 @@ def test_rank_arriving_without_trainers_catches_up_from_its_peers(etcd_server, j
         assert job.procs[newcomer].exitcode == -signal.SIGKILL
     acked = tmp_path / "acked.jsonl"
     job.start(member(etcd, "inference", newcomer, rank, incarnation="second", **patient),
-              fail_at=RecordAckedAttempts(newcomer, etcd, str(acked)))
+              hook=RecordAckedAttempts(newcomer, etcd, str(acked)))
 
     def caught_up() -> bool:
         ack = version_state(etcd).acks.get(1, {}).get(newcomer)
@@ -265,7 +265,7 @@ def test_staged_mode_swaps_committed_versions(etcd_server, job):
     # killed mid-transfer the served weights are never torn.
     etcd = etcd_server.endpoint
     job.start(member(etcd, "trainer", "t0", 0))
-    job.start(member(etcd, "trainer", "t1", 1), fail_at=KillSelf("t1", version=2))
+    job.start(member(etcd, "trainer", "t1", 1), hook=KillSelf("t1", version=2))
     for m in (member(etcd, "inference", "i0", 2, mode="staged"), member(etcd, "inference", "i1", 3, mode="staged")):
         job.start(m)
     reports = job.collect(["t0", "i0", "i1"], timeout_s=120)
