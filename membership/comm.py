@@ -436,31 +436,16 @@ class CommunicatorManager:
             pg.eager_connect_single_device(self.device)
         return pg
 
-    def _nccl4py_config(self):
-        import nccl.core as nccl_core
-
-        # Non-blocking: init, shrink and grow return at once and are settled by polling,
-        # so a peer that dies mid-way ends in a timeout or an error, never a hang.
-        return nccl_core.NCCLConfig(blocking=False)
-
     def _settle(self, comm, what: str) -> None:
         from elastic_refit.transport.nccl import settle
 
         settle(comm, self.config.epoch_deadline_s, what)
 
     def _build_nccl4py(self, store: EtcdStore, rank: int, size: int):
-        import nccl.core as nccl_core
-
-        from elastic_refit.transport.nccl import nccl_call
+        from elastic_refit.transport.nccl import init_communicator
 
         torch.cuda.set_device(self.device)
-        if rank == 0:
-            store.set("unique_id", nccl_core.get_unique_id().as_bytes)
-        uid = nccl_core.UniqueId.from_bytes(store.get("unique_id"))
-        comm = nccl_core.Communicator()
-        nccl_call(lambda: comm.initialize(size, rank, uid, self._nccl4py_config()))
-        self._settle(comm, "nccl4py init")
-        return comm
+        return init_communicator(store, rank, size, self.config.epoch_deadline_s)
 
     def _shrink(self, old: MembershipView, new: MembershipView, *, abort: bool) -> tuple[float, float]:
         parent = self.current
@@ -473,7 +458,7 @@ class CommunicatorManager:
         else:
             import nccl.core as nccl_core
 
-            from elastic_refit.transport.nccl import nccl_call
+            from elastic_refit.transport.nccl import nccl_call, nccl_config
 
             if not abort:
                 # Leavers are alive: quiesce whatever this rank still has in flight first.
@@ -481,7 +466,7 @@ class CommunicatorManager:
                     nccl_call(parent.pg.revoke)
                     self._settle(parent.pg, "nccl4py revoke")
             flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
-            child = nccl_call(lambda: parent.pg.shrink(excluded, config=self._nccl4py_config(), flag=flag))
+            child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
             self._settle(child, "nccl4py shrink")
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer.
@@ -496,13 +481,13 @@ class CommunicatorManager:
         the communicator's grow id in the epoch's store, newcomers join with it."""
         import nccl.core as nccl_core
 
-        from elastic_refit.transport.nccl import nccl_call
+        from elastic_refit.transport.nccl import nccl_call, nccl_config
 
         t0 = time.monotonic()
         store = self._store(new, "grow")
         rank = new.rank_of(self.member_id)
         existing = self.current is not None and old is not None and self.member_id in old
-        config = self._nccl4py_config()
+        config = nccl_config()
         if existing and rank == 0:
             uid = self.current.pg.get_unique_id()  # type: ignore[union-attr]
             store.set("grow_unique_id", uid.as_bytes)

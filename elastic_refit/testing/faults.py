@@ -74,7 +74,6 @@ class FaultyTransport:
         self._triggers: list[_Trigger] = []
         self._delay_s = 0.0
         self._corrupt_sends = 0
-        self.posted = {"send": 0, "recv": 0}
 
     # ---- programming ---------------------------------------------------------------
     def inject(self, action: Callable[[], None], *, after: int = 0, op: str | None = None) -> None:
@@ -97,19 +96,6 @@ class FaultyTransport:
     def corrupt_sends(self, count: int = 1) -> None:
         """The next ``count`` sends put a copy with its first byte flipped on the wire."""
         self._corrupt_sends += count
-
-    @property
-    def pending(self) -> int:
-        """Injected actions that have not run yet."""
-        return len(self._triggers)
-
-    def fire_pending(self) -> None:
-        """Run every action that has not run yet (e.g. a transfer ended before the k-th
-        operation: the fault still happens, at the end of the transfer)."""
-        with self._lock:
-            triggers, self._triggers = self._triggers, []
-        for trigger in triggers:
-            trigger.action()
 
     # ---- the protocol ----------------------------------------------------------------
     @property
@@ -146,7 +132,6 @@ class FaultyTransport:
                 kept.append(wire)
                 op = P2POp("send", wire, op.peer, op.tag)
             batch.append(op)
-            self.posted[op.op] += 1
         # One batch stays one batch: a backend that groups a batch (NCCL) must see it whole.
         works = self.inner.post(batch)
         return tuple(_KeptWork(w, kept) for w in works) if kept else works

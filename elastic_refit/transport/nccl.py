@@ -25,7 +25,7 @@ import torch
 from elastic_refit.errors import TransportAborted
 from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
 
-__all__ = ["NcclTransport", "nccl_call", "settle"]
+__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "settle"]
 
 _POLL_S = 0.0005
 
@@ -54,9 +54,9 @@ def nccl_call(fn: Callable[[], Any]) -> Any:
         raise
 
 
-def settle(comm: Any, timeout_s: float, what: str, cancelled: Callable[[], bool] | None = None) -> None:
+def settle(comm: Any, timeout_s: float, what: str) -> None:
     """Wait until ``comm`` (non-blocking) is no longer ``ncclInProgress``; raise
-    ``TransportAborted`` on an error state, on the timeout, or once ``cancelled()``."""
+    ``TransportAborted`` on an error state or on the timeout."""
     in_progress = _in_progress_code()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -67,8 +67,6 @@ def settle(comm: Any, timeout_s: float, what: str, cancelled: Callable[[], bool]
             raise TransportAborted(f"{what}: NCCL reports error {state}: {_error_string(state)}", phase=what)
         if time.monotonic() > deadline:
             raise TransportAborted(f"{what}: not done within {timeout_s} s", phase=what)
-        if cancelled is not None and cancelled():
-            raise TransportAborted(f"{what}: cancelled", phase=what)
         time.sleep(_POLL_S)
 
 
@@ -76,6 +74,27 @@ def _error_string(state: int) -> str:
     with contextlib.suppress(Exception):
         return str(_nccl().get_error_string(state))
     return "unknown"
+
+
+def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
+    """A non-blocking nccl4py communicator of ``world_size`` ranks, settled: rank 0 publishes
+    the unique id in ``store`` (any ``torch.distributed.Store``, e.g. an epoch's etcd store)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    nccl = _nccl()
+    if rank == 0:
+        store.set("nccl4py/unique_id", nccl.get_unique_id().as_bytes)
+    uid = nccl.UniqueId.from_bytes(store.get("nccl4py/unique_id"))
+    comm = nccl.Communicator()
+    nccl_call(lambda: comm.initialize(world_size, rank, uid, nccl_config()))
+    settle(comm, timeout_s, "nccl4py init")
+    return comm
+
+
+def nccl_config() -> Any:
+    """Non-blocking: init, shrink and grow return at once and are settled by polling, so a
+    peer that dies mid-way ends in a timeout or an error, never a hang."""
+    return _nccl().NCCLConfig(blocking=False)
 
 
 class _Posted:
@@ -110,18 +129,10 @@ class NcclTransport(TransportBase):
     @classmethod
     def create(cls, store: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
                init_timeout_s: float = 60.0) -> NcclTransport:
-        """Initialise a communicator over ``store`` (a ``torch.distributed.Store``: rank 0
-        publishes the unique id) on the current CUDA device; every rank calls this."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        nccl = _nccl()
-        if rank == 0:
-            store.set("nccl4py/unique_id", nccl.get_unique_id().as_bytes)
-        uid = nccl.UniqueId.from_bytes(store.get("nccl4py/unique_id"))
-        comm = nccl.Communicator()
-        nccl_call(lambda: comm.initialize(world_size, rank, uid, nccl.NCCLConfig(blocking=False)))
-        settle(comm, init_timeout_s, "nccl4py init")
-        return cls(comm, rank, world_size, timeout_s=timeout_s)
+        """Initialise a communicator over ``store`` on the current CUDA device (see
+        :func:`init_communicator`) and wrap it; every rank calls this."""
+        return cls(init_communicator(store, rank, world_size, init_timeout_s), rank, world_size,
+                   timeout_s=timeout_s)
 
     # ---- the protocol ------------------------------------------------------------------
     def post(self, ops: Sequence[P2POp]) -> tuple[_Posted, ...]:

@@ -14,16 +14,17 @@ import pytest
 
 from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
-from tests.integration.test_executor import CASES, TINY_DENSE, assert_bit_exact_with_planned_bytes
+from tests.integration.test_executor import (
+    CASES,
+    TINY_DENSE,
+    _world_size,
+    assert_bit_exact_with_planned_bytes,
+)
 
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["nccl", pytest.param("nccl4py", marks=pytest.mark.skipif(
     importlib.util.find_spec("nccl") is None, reason="nccl4py is not installed (the [nccl] extra)"))]
-
-
-def _world_size(case: RefitCase) -> int:
-    return case.build().topology.num_ranks
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
