@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,12 +216,8 @@ def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] |
     if config.log_dir is None and summary.verified and not summary.errors:
         shutil.rmtree(root, ignore_errors=True)
     elif config.log_dir is None:
-        summary = DemoSummary(**{**_fields(summary), "errors": (*summary.errors, f"member logs kept in {root}")})
+        summary = replace(summary, errors=(*summary.errors, f"member logs kept in {root}"))
     return summary
-
-
-def _fields(summary: DemoSummary) -> dict[str, Any]:
-    return {name: getattr(summary, name) for name in DemoSummary.__slots__}  # type: ignore[attr-defined]
 
 
 def _summarize(config: DemoConfig, scenario, result, t0: float, wall_s: float, leaked: tuple[int, ...],
