@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_refit._validate import require_at_least
+
 __all__ = [
     "FAULT_KINDS",
     "PHASES",
@@ -201,14 +203,11 @@ class Scenario:
     member_config: Mapping[str, Any] | None = field(default=None, compare=False)  # RefitConfig overrides
 
     def __post_init__(self) -> None:
-        if self.versions < 2:
-            raise ValueError(f"versions must be >= 2 (a fault needs a version after it), got {self.versions}")
-        if self.num_inference < 2:
-            raise ValueError(f"num_inference must be >= 2 (replicas make recovery possible), got {self.num_inference}")
+        require_at_least("versions", self.versions, 2, "a fault needs a version after it")
+        require_at_least("num_inference", self.num_inference, 2, "replicas make recovery possible")
         if self.etcd_nodes not in (1, 3):
             raise ValueError(f"etcd_nodes must be 1 or 3, got {self.etcd_nodes}")
-        if not self.trainer_pause_s >= 0:
-            raise ValueError(f"trainer_pause_s must be >= 0, got {self.trainer_pause_s}")
+        require_at_least("trainer_pause_s", self.trainer_pause_s, 0)
 
 
 TTL_S = 2.0  # the members' lease TTL (RefitConfig default); stop durations are chosen around it
@@ -321,8 +320,8 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
     chunk) comes from ``random.Random(seed)`` and the trial index."""
     if name not in ("quick", "full"):
         raise ValueError(f"matrix must be 'quick' or 'full', got {name!r}")
-    if trials is not None and trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
+    if trials is not None:
+        require_at_least("trials", trials, 1)
     if etcd_nodes not in (1, 3):
         raise ValueError(f"etcd_nodes must be 1 or 3, got {etcd_nodes}")
     rng = random.Random(seed)

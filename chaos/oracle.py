@@ -248,6 +248,14 @@ def check_members(evidence: TrialEvidence) -> list[Violation]:
     return out
 
 
+# What a member may still hold after its close: (report key, check, what it is, how many a
+# violation quotes).
+_MEMBER_LEFTOVERS = (
+    ("leftover_sockets", "sockets", "TCP sockets", 4),
+    ("leftover_threads", "threads", "threads", 6),
+)
+
+
 def check_leaks(evidence: TrialEvidence) -> list[Violation]:
     """No etcd lease, child process, socket or thread outlives its owner."""
     out = []
@@ -256,12 +264,10 @@ def check_leaks(evidence: TrialEvidence) -> list[Violation]:
     if evidence.stray_pids:
         out.append(Violation("leaked", "processes", f"processes {list(evidence.stray_pids)} outlived the trial"))
     for incarnation, report in evidence.reports.items():
-        if report.get("leftover_sockets"):
-            out.append(Violation("leaked", "sockets",
-                                 f"{incarnation} kept TCP sockets after close: {report['leftover_sockets'][:4]}"))
-        if report.get("leftover_threads"):
-            out.append(Violation("leaked", "threads",
-                                 f"{incarnation} kept threads after close: {report['leftover_threads'][:6]}"))
+        for key, check, what, quoted in _MEMBER_LEFTOVERS:
+            if report.get(key):
+                out.append(Violation("leaked", check,
+                                     f"{incarnation} kept {what} after close: {report[key][:quoted]}"))
     return out
 
 

@@ -54,6 +54,16 @@ def _b(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
+def _key_range(key: str, *, prefix: bool = False, end: str | None = None) -> dict[str, bytes]:
+    """The ``key`` and ``range_end`` fields of a range or delete request: ``key`` alone,
+    every key under the prefix ``key``, or the keys in ``[key, end)``."""
+    if prefix:
+        return {"key": _b(key), "range_end": _prefix_end(_b(key))}
+    if end is not None:
+        return {"key": _b(key), "range_end": _b(end)}
+    return {"key": _b(key)}
+
+
 @dataclass(frozen=True, slots=True)
 class EtcdConfig:
     """How to reach etcd. ``endpoints`` are ``host:port`` (``https://`` implies TLS).
@@ -195,10 +205,7 @@ class Get:
     prefix: bool = False
 
     def to_pb(self):
-        req = rpc.RangeRequest(key=_b(self.key))
-        if self.prefix:
-            req.range_end = _prefix_end(_b(self.key))
-        return rpc.RequestOp(request_range=req)
+        return rpc.RequestOp(request_range=rpc.RangeRequest(**_key_range(self.key, prefix=self.prefix)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,10 +214,7 @@ class Delete:
     prefix: bool = False
 
     def to_pb(self):
-        req = rpc.DeleteRangeRequest(key=_b(self.key))
-        if self.prefix:
-            req.range_end = _prefix_end(_b(self.key))
-        return rpc.RequestOp(request_delete_range=req)
+        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(**_key_range(self.key, prefix=self.prefix)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,11 +434,7 @@ class EtcdClient:
     async def arange(self, start: str, end: str | None = None, *, prefix: bool = False,
                      count_only: bool = False) -> RangeResult | int:
         async def fn(c: _Connection):
-            req = rpc.RangeRequest(key=_b(start), count_only=count_only)
-            if prefix:
-                req.range_end = _prefix_end(_b(start))
-            elif end is not None:
-                req.range_end = _b(end)
+            req = rpc.RangeRequest(**_key_range(start, prefix=prefix, end=end), count_only=count_only)
             resp = await c.kvstub.Range(req, **self._md(c))
             if count_only:
                 return int(resp.count)
@@ -453,9 +453,7 @@ class EtcdClient:
 
     async def adelete(self, key: str, *, prefix: bool = False) -> int:
         async def fn(c: _Connection):
-            req = rpc.DeleteRangeRequest(key=_b(key))
-            if prefix:
-                req.range_end = _prefix_end(_b(key))
+            req = rpc.DeleteRangeRequest(**_key_range(key, prefix=prefix))
             resp = await c.kvstub.DeleteRange(req, **self._md(c))
             return int(resp.deleted)
 

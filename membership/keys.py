@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from elastic_refit._validate import require_at_least
+
 ROLES: tuple[str, ...] = ("trainer", "inference")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -63,8 +65,7 @@ class JobKeys:
         return self.prefix + "store/"
 
     def store(self, epoch: int) -> str:
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        require_at_least("epoch", epoch, 0)
         return f"{self.store_root}{epoch}/"
 
     @property
@@ -72,8 +73,7 @@ class JobKeys:
         return self.prefix + "versions/"
 
     def version(self, version: int) -> str:
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
+        require_at_least("version", version, 0)
         return f"{self.versions_prefix}{version}/"
 
     def source(self, version: int, member_id: str) -> str:
@@ -134,8 +134,7 @@ class AttemptKeys:
     seq: int
 
     def __post_init__(self) -> None:
-        if self.seq < 0:
-            raise ValueError(f"attempt seq must be >= 0, got {self.seq}")
+        require_at_least("attempt seq", self.seq, 0)
 
     def plan(self, member_id: str) -> str:
         """The plan fingerprint ``member_id`` computed (or, when it failed before planning,

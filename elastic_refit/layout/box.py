@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from elastic_refit.layout._validate import is_integer
+from elastic_refit._validate import is_integer
 
 __all__ = ["DTYPES", "DTYPE_ITEMSIZE", "Box", "canonical_dtype"]
 

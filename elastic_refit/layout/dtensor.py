@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_refit.layout._validate import is_integer
+from elastic_refit._validate import is_integer
 from elastic_refit.layout.core import LayoutBuilder
 
 __all__ = [

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from elastic_refit.layout._validate import is_integer
+from elastic_refit._validate import is_integer
 from elastic_refit.layout.box import canonical_dtype
 from elastic_refit.layout.core import LogicalTensor
 

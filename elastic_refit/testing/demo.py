@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from elastic_refit._validate import require_at_least
+
 __all__ = ["DemoConfig", "DemoSummary", "FaultRecord", "demo_scenario", "demo_spec", "run_demo"]
 
 TRAINERS = ("t0", "t1")
@@ -78,8 +80,7 @@ class DemoConfig:
     log_dir: str | None = None  # keep member logs there (default: a temp dir, removed)
 
     def __post_init__(self) -> None:
-        if self.num_versions < 2:
-            raise ValueError(f"num_versions must be >= 2, got {self.num_versions}")
+        require_at_least("num_versions", self.num_versions, 2)
         if self.num_inference < 4 or self.num_inference % 2:
             raise ValueError(f"num_inference must be an even number >= 4 (TP=2 replicas; one rank is killed "
                              f"and catches up from its replica), got {self.num_inference}")

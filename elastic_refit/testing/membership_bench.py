@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from elastic_refit._validate import require_at_least
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
@@ -43,12 +44,9 @@ class BenchConfig:
     settle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.members < 2:
-            raise ValueError(f"--members must be >= 2 (one survivor at least), got {self.members}")
-        if self.trials < 1:
-            raise ValueError(f"--trials must be >= 1, got {self.trials}")
-        if self.ttl_s < 2:
-            raise ValueError(f"--ttl must be >= 2 (etcd grants no shorter lease), got {self.ttl_s}")
+        require_at_least("--members", self.members, 2, "one survivor at least")
+        require_at_least("--trials", self.trials, 1)
+        require_at_least("--ttl", self.ttl_s, 2, "etcd grants no shorter lease")
 
 
 @dataclass(frozen=True, slots=True)

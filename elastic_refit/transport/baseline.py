@@ -33,10 +33,11 @@ import structlog
 import torch
 
 from elastic_refit.errors import TransportAborted
-from elastic_refit.layout import DTYPES, Layout
+from elastic_refit.layout import Layout
 from elastic_refit.plan import Plan
-from elastic_refit.transport.buffers import byte_view, split_box
+from elastic_refit.transport.buffers import byte_view, resolve_buffers, split_box
 from elastic_refit.transport.protocol import Transport, post_recv, post_send
+from elastic_refit.transport.schedule import rank_buffers
 
 log = structlog.get_logger("elastic_refit.transport")
 
@@ -181,14 +182,6 @@ def _tag(tensor: int, phase: int, item: int) -> int:
     return ((tensor & 0x3FFF) << 17) | (phase << 16) | item
 
 
-def _buffer_shapes(layout: Layout, rank: int) -> dict[int, tuple[int, ...]]:
-    out = {}
-    for b in np.flatnonzero(layout.buffer_rank == rank).tolist():
-        nd = int(layout.buffer_ndim[b])
-        out[b] = tuple(int(s) for s in layout.buffer_shape[b, :nd])
-    return out
-
-
 def build_baseline_schedule(plan: Plan, rank: int, options: BaselineOptions) -> tuple[_TensorOp, ...]:
     """Rank ``rank``'s part of the gather-and-broadcast refit of ``plan``'s layouts."""
     src, dst = plan.source, plan.destination
@@ -306,11 +299,7 @@ class GatherBroadcast:
         self.rank = transport.rank
         self.device = transport.device
         self.ops = build_baseline_schedule(plan, self.rank, self.options)
-        self._shapes: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
-        for side, layout in ((0, plan.source), (1, plan.destination)):
-            for b, shape in _buffer_shapes(layout, self.rank).items():
-                name = layout.buffer_names[int(layout.buffer_name[b])]
-                self._shapes[(side, name)] = (shape, getattr(torch, DTYPES[int(layout.buffer_dtype[b])]))
+        self.buffers = rank_buffers(plan, self.rank)
         in_chain = [op for op in self.ops if op.chunks or op.own or op.gather_recv or op.copy_out]
         self.staging_needed = max((op.nbytes for op in in_chain), default=0)
         self.chunk_needed = max([it.region.nbytes for op in self.ops for it in (*op.gather_recv, *op.gather_send)
@@ -351,7 +340,9 @@ class GatherBroadcast:
         start = time.perf_counter()
         num_messages = 0
         try:
-            buffers = self._resolve(source or {}, destination or {})
+            given = resolve_buffers(self.buffers, source or {}, destination or {}, rank=self.rank,
+                                    device=self.device)
+            buffers = {ref: byte_view(t) for ref, t in given.items()}
             self._ensure_staging()
             for op in self.ops:
                 num_messages += self._tensor(op, buffers)
@@ -377,22 +368,6 @@ class GatherBroadcast:
         return report
 
     # ---- internals ---------------------------------------------------------------------
-    def _resolve(self, source: Mapping[str, torch.Tensor], destination: Mapping[str, torch.Tensor]):
-        out: dict[tuple[int, str], torch.Tensor] = {}
-        for (side, name), (shape, dtype) in self._shapes.items():
-            given = source if side == 0 else destination
-            what = "source" if side == 0 else "destination"
-            if name not in given:
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is missing")
-            t = given[name]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is {list(t.shape)} {t.dtype}, "
-                                 f"the layout says {list(shape)} {dtype}")
-            if not t.is_contiguous() or t.device.type != self.device.type:
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} must be contiguous on {self.device}")
-            out[(side, name)] = byte_view(t)
-        return out
-
     def _ensure_staging(self) -> None:
         if self._staging is None and self.staging_needed:
             self._staging = torch.empty(self.staging_needed, dtype=torch.uint8, device=self.device)

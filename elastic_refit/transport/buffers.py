@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["byte_view", "digest", "split_box"]
+from elastic_refit.plan import SourceSide
+
+if TYPE_CHECKING:
+    from elastic_refit.layout import Buffer
+    from elastic_refit.transport.schedule import BufferRef
+
+__all__ = ["byte_view", "digest", "resolve_buffers", "split_box"]
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -16,6 +23,29 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() == 0:
         return tensor.reshape(1).view(torch.uint8)
     return tensor.view(torch.uint8)
+
+
+def resolve_buffers(buffers: Mapping[BufferRef, Buffer], source: Mapping[str, torch.Tensor],
+                    destination: Mapping[str, torch.Tensor], *, rank: int,
+                    device: torch.device) -> dict[BufferRef, torch.Tensor]:
+    """The tensor of every buffer in ``buffers``, looked up by name in ``source`` or
+    ``destination`` (by its side); ``ValueError`` for the first one that is missing, not of
+    the layout's shape and dtype, or not contiguous on ``device``'s type."""
+    tensors: dict[BufferRef, torch.Tensor] = {}
+    for ref, buffer in buffers.items():
+        side, name = ref
+        given = source if side == int(SourceSide.SOURCE) else destination
+        what = "source" if side == int(SourceSide.SOURCE) else "destination"
+        if name not in given:
+            raise ValueError(f"rank {rank}: {what} buffer {name!r} is missing")
+        t = given[name]
+        if tuple(t.shape) != buffer.shape or t.dtype != getattr(torch, buffer.dtype):
+            raise ValueError(f"rank {rank}: {what} buffer {name!r} is {list(t.shape)} {t.dtype}, "
+                             f"the layout says {list(buffer.shape)} {buffer.dtype}")
+        if not t.is_contiguous() or t.device.type != device.type:
+            raise ValueError(f"rank {rank}: {what} buffer {name!r} must be contiguous on {device}")
+        tensors[ref] = t
+    return tensors
 
 
 def digest(data: torch.Tensor) -> torch.Tensor:

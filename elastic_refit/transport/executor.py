@@ -23,8 +23,8 @@ import torch
 from elastic_refit.errors import TransportAborted, VerificationFailed
 from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
-from elastic_refit.plan import Plan, SourceSide
-from elastic_refit.transport.buffers import byte_view, digest
+from elastic_refit.plan import Plan
+from elastic_refit.transport.buffers import byte_view, digest, resolve_buffers
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import (
     BoxCopy,
@@ -211,7 +211,8 @@ class Executor:
         """
         start = time.perf_counter()
         try:
-            tensors = self._resolve(source or {}, destination or {})
+            tensors = resolve_buffers(self.schedule.buffers, source or {}, destination or {}, rank=self.rank,
+                                      device=self.device)
             self._ensure_staging()
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             for copy in self.schedule.local_copies:
@@ -246,23 +247,6 @@ class Executor:
         return report
 
     # ---- internals ---------------------------------------------------------------------
-    def _resolve(self, source: Mapping[str, torch.Tensor], destination: Mapping[str, torch.Tensor]):
-        tensors: dict[BufferRef, torch.Tensor] = {}
-        for ref, spec in self.schedule.buffers.items():
-            side, name = ref
-            given = source if side == int(SourceSide.SOURCE) else destination
-            what = "source" if side == int(SourceSide.SOURCE) else "destination"
-            if name not in given:
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is missing")
-            t = given[name]
-            if tuple(t.shape) != spec.shape or t.dtype != getattr(torch, spec.dtype):
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} is {list(t.shape)} {t.dtype}, "
-                                 f"the layout says {list(spec.shape)} {spec.dtype}")
-            if not t.is_contiguous() or t.device.type != self.device.type:
-                raise ValueError(f"rank {self.rank}: {what} buffer {name!r} must be contiguous on {self.device}")
-            tensors[ref] = t
-        return tensors
-
     def _ensure_staging(self) -> None:
         if not self._staging and self.max_wire_bytes:
             # 8-byte aligned so digest trailers can be viewed as int64.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Layout
+from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Buffer, Layout
 from elastic_refit.plan import Phase, Plan, SourceSide, TransferKind
 
 # A local buffer is named by its side and name; a colocated rank has both sides.
@@ -64,12 +64,6 @@ class LocalCopy:
 
 
 @dataclass(frozen=True, slots=True)
-class BufferSpec:
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True, slots=True)
 class RankSchedule:
     """Everything rank ``rank`` does for one plan, in execution order."""
 
@@ -77,7 +71,7 @@ class RankSchedule:
     fingerprint: str
     local_copies: tuple[LocalCopy, ...]
     steps: tuple[Step, ...]
-    buffers: dict[BufferRef, BufferSpec]  # every buffer this rank reads or writes
+    buffers: dict[BufferRef, Buffer]  # every buffer this rank reads or writes
     max_bucket_bytes: int
 
     @property
@@ -99,14 +93,11 @@ class RankSchedule:
         return out
 
 
-def _buffer_specs(layout: Layout, rank: int, side: SourceSide) -> dict[BufferRef, BufferSpec]:
-    out = {}
-    for b in np.flatnonzero(layout.buffer_rank == rank).tolist():
-        nd = int(layout.buffer_ndim[b])
-        out[(int(side), layout.buffer_names[int(layout.buffer_name[b])])] = BufferSpec(
-            tuple(int(s) for s in layout.buffer_shape[b, :nd]), DTYPES[int(layout.buffer_dtype[b])]
-        )
-    return out
+def rank_buffers(plan: Plan, rank: int) -> dict[BufferRef, Buffer]:
+    """Rank ``rank``'s local buffers in ``plan``'s layouts: source side first, then destination
+    (a colocated rank has both)."""
+    sides = ((SourceSide.SOURCE, plan.source), (SourceSide.DESTINATION, plan.destination))
+    return {(int(side), buffer.name): buffer for side, layout in sides for buffer in layout.buffers(rank)}
 
 
 def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
@@ -202,8 +193,7 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
         Step(Phase(phase), rnd, message(entry.get("send")), message(entry.get("recv")))
         for (phase, rnd), entry in sorted(per_step.items())
     )
-    buffers = {**_buffer_specs(plan.source, rank, SourceSide.SOURCE),
-               **_buffer_specs(plan.destination, rank, SourceSide.DESTINATION)}
+    buffers = rank_buffers(plan, rank)
     max_bucket = max((b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets), default=0)
     assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
     return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket)
