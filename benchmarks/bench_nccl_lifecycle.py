@@ -43,16 +43,19 @@ def lifecycle_rank(rank: int, world_size: int, store, endpoint: str, job: str, b
     from elastic_refit.membership import CommunicatorManager, EtcdClient, MembershipConfig
     from elastic_refit.membership.view import MemberRecord, MembershipView
 
-    device = int(os.environ.get("ELASTIC_REFIT_CUDA_DEVICE", "0"))
-    torch.cuda.set_device(device)
+    if backend == "gloo":  # a CPU rehearsal of the same cycle (every path is a rebuild)
+        device = "cpu"
+    else:
+        device = f"cuda:{os.environ.get('ELASTIC_REFIT_CUDA_DEVICE', '0')}"
+        torch.cuda.set_device(device)
     client = EtcdClient([endpoint])
-    manager = CommunicatorManager(client, job, f"m{rank}", backend=backend, device=f"cuda:{device}",
+    manager = CommunicatorManager(client, job, f"m{rank}", backend=backend, device=device,
                                   config=MembershipConfig(ttl_s=5, collective_timeout_s=4.0, epoch_deadline_s=60.0))
     last = world_size - 1
 
     def record(member: int, life: int, reform: int = 0) -> MemberRecord:
         return MemberRecord("trainer", f"m{member}", f"m{member}-L{life}", f"host{member}", f"d{member}",
-                            f"cuda:{device}", reform=reform)
+                            device, reform=reform)
 
     out: dict[str, list] = {"shrink": [], "grow": [], "rebuild": [], "paths": []}
     epoch, life, reform = 1, 0, 0
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--backend", nargs="+", default=["nccl4py"], choices=["nccl", "nccl4py"])
+    parser.add_argument("--backend", nargs="+", default=["nccl4py"], choices=["nccl", "nccl4py", "gloo"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.ranks) or args.repeat < 1:

@@ -179,8 +179,10 @@ class Communicator:
     """One epoch's communicator, owned by the manager. ``pg`` is a torch c10d backend (or
     an nccl4py comm); everything above membership sees it only as a :class:`Transport`.
 
-    ``store`` is kept here on purpose: the process group must never outlive the Python
-    half of its store.
+    ``store`` is the epoch's rendezvous store (``store/{epoch}/``), fresh every epoch so that
+    keys of an earlier epoch (its attempts) are never read as this one's. ``pg_store`` is the
+    store ``pg`` was built with, kept here on purpose: a process group must never outlive
+    the Python half of its store, and a shrunk group lives on in later epochs.
     """
 
     epoch: int
@@ -193,6 +195,7 @@ class Communicator:
     device: torch.device
     path: str
     transport: Transport | None = None
+    pg_store: EtcdStore | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +306,7 @@ class CommunicatorManager:
         try:
             if path == "unchanged":
                 self.current.epoch = new_view.epoch  # type: ignore[union-attr]
+                self.current.store = self._store(new_view, f"comm-{self.backend}")  # type: ignore[union-attr]
             elif path in ("shrink", "shrink_abort"):
                 abort_s, build_s = self._shrink(old_view, new_view, abort=path == "shrink_abort")
             elif path == "grow":
@@ -377,7 +381,7 @@ class CommunicatorManager:
                                  device=self.device, can_shrink=self.support.nccl4py_can_shrink,
                                  can_grow=self.support.nccl_grow)
         return C10dTransport(comm.pg, comm.rank, comm.size, backend=comm.backend,
-                             timeout_s=self.transport_timeout_s, store=comm.store,
+                             timeout_s=self.transport_timeout_s, store=comm.pg_store,
                              can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
 
     def _close_transport(self) -> None:
@@ -423,7 +427,7 @@ class CommunicatorManager:
                 f"building the {self.backend} communicator of epoch {view.epoch} failed on "
                 f"{self.member_id}: {exc}") from exc
         return Communicator(view.epoch, self.backend, rank, view.num_ranks, view.member_ids,
-                            pg, store, self.device, path)
+                            pg, store, self.device, path, pg_store=store)
 
     def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
         opts = dist.ProcessGroupNCCL.Options()
@@ -458,13 +462,15 @@ class CommunicatorManager:
         else:
             import nccl.core as nccl_core
 
-            from elastic_refit.transport.nccl import nccl_call, nccl_config
+            from elastic_refit.transport.nccl import nccl_call, nccl_config, quiesce
 
             if not abort:
                 # Leavers are alive: quiesce whatever this rank still has in flight first.
                 with contextlib.suppress(Exception):
                     nccl_call(parent.pg.revoke)
-                    self._settle(parent.pg, "nccl4py revoke")
+            # No NCCL call may follow one still in progress (a revoke from the transport's
+            # abort, say); an error state is what an abortive shrink is for.
+            quiesce(parent.pg, self.config.abort_timeout_s)
             flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
             child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
             self._settle(child, "nccl4py shrink")
@@ -472,8 +478,8 @@ class CommunicatorManager:
         # The parent is aborted, never destroyed: destroy would wait on the dead peer.
         abort_s = self._abort_current("shrink_parent")
         self.current = Communicator(new.epoch, self.backend, new.rank_of(self.member_id),
-                                    new.num_ranks, new.member_ids, child, parent.store,
-                                    self.device, "shrink_abort" if abort else "shrink")
+                                    new.num_ranks, new.member_ids, child, self._store(new, f"comm-{self.backend}"),
+                                    self.device, "shrink_abort" if abort else "shrink", pg_store=parent.pg_store)
         return abort_s, build_s
 
     def _grow(self, old: MembershipView | None, new: MembershipView) -> float:
@@ -503,5 +509,5 @@ class CommunicatorManager:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")
         self.current = Communicator(new.epoch, self.backend, rank, new.num_ranks,
-                                    new.member_ids, comm, store, self.device, "grow")
+                                    new.member_ids, comm, store, self.device, "grow", pg_store=store)
         return time.monotonic() - t0

@@ -225,3 +225,23 @@ def count_failure(tally: FailureTally | None, view: MembershipView, version: int
             and tally.identities == view.identities):
         return replace(tally, num_attempts=tally.num_attempts + 1)
     return FailureTally(version, cause, 1, view.identities)
+
+
+# A dead member's lease expires within its TTL; the leader then needs a watch event and a
+# publish, well under a second on a healthy etcd.
+REFORM_GRACE_S = 1.0
+
+
+def reform_due(broken_for_s: float, ttl_s: float) -> bool:
+    """Whether a member whose communicator broke ``broken_for_s`` seconds ago (and that has
+    seen no newer epoch since) should ask for a rebuild with the same members (pure).
+
+    Not at once: a broken communicator most often means a dead peer, whose lease expires
+    within ``ttl_s``, and the epoch without it can be a shrink of the old communicator. A
+    reform epoch asked for before that would rebuild with the dead peer in it and wait for
+    it until its lease expired anyway. Only when no such epoch came (the peer is alive: a
+    network fault, a stall) is a rebuild with the same members the way forward.
+    """
+    if broken_for_s < 0 or ttl_s <= 0:
+        raise ValueError(f"broken_for_s must be >= 0 and ttl_s > 0, got {broken_for_s} and {ttl_s}")
+    return broken_for_s >= ttl_s + REFORM_GRACE_S

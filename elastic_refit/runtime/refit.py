@@ -64,6 +64,7 @@ from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
+    REFORM_GRACE_S,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -72,6 +73,7 @@ from elastic_refit.runtime.attempt import (
     fault_cause,
     next_action,
     plan_attempt,
+    reform_due,
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
@@ -287,6 +289,8 @@ class ElasticRefit:
         view: MembershipView | None = None
         seq = 0
         broken_epoch = -1  # an epoch whose communicator could not be formed, or broke
+        broken_at = 0.0  # when it broke (monotonic)
+        reform_asked = True  # whether a rebuild with the same members was asked for it
         while not self._stop.is_set():
             try:
                 latest = self.membership.view
@@ -297,11 +301,17 @@ class ElasticRefit:
                     self._stop.wait(self.config.poll_s)
                     continue
                 if latest.epoch == broken_epoch:
-                    # This epoch's communicator is gone (and its rendezvous keys are spent);
-                    # a reform request is out, so the next epoch comes from the leader.
+                    # This epoch's communicator is unusable: wait for the next epoch (the
+                    # leader's, without a dead peer), asking for a reform once no such epoch
+                    # came in time (see reform_due).
+                    broken_for = time.monotonic() - broken_at
+                    if not reform_asked and reform_due(broken_for, self.config.ttl_s):
+                        reform_asked = True
+                        self._request_reform(broken_epoch)
+                    wait_s = (self.config.epoch_deadline_s if reform_asked
+                              else max(self.config.poll_s, self.config.ttl_s + REFORM_GRACE_S - broken_for))
                     with contextlib.suppress(EpochTimeout):
-                        self.membership.wait_for_view(after_epoch=broken_epoch,
-                                                      timeout_s=self.config.epoch_deadline_s)
+                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=wait_s)
                     continue
                 if view is None or latest.epoch != view.epoch:
                     self._count_left_attempt(latest)
@@ -312,8 +322,9 @@ class ElasticRefit:
                     try:
                         result = self.manager.reconfigure(view, latest)
                     except CommunicatorError:
-                        broken_epoch = latest.epoch
+                        broken_epoch, broken_at, reform_asked = latest.epoch, time.monotonic(), True
                         view = None  # nothing of the old communicator survives a failed rebuild
+                        self.log.warning("refit.communicator.broken", epoch=broken_epoch)
                         self._request_reform(latest.epoch)
                         raise
                     self._transport = HOOKS.wrap_transport(result.transport)
@@ -333,10 +344,11 @@ class ElasticRefit:
                     continue
                 spec = AttemptSpec.from_json(record)
                 if me in spec.participants and not self._run_attempt(view, self._transport, seq, spec):  # type: ignore[arg-type]
-                    # The communicator died with the attempt: this epoch's group cannot be
-                    # used again, and every rank of the epoch must build a new one together.
-                    broken_epoch, view = view.epoch, None
-                    self._request_reform(broken_epoch)
+                    # The transfer broke: this epoch's transport cannot be used again. The
+                    # communicator stays with the manager, so the next epoch can shrink it
+                    # (a dead peer) or rebuild it (a reform, once one is due).
+                    broken_epoch, broken_at, reform_asked = view.epoch, time.monotonic(), False
+                    self.log.warning("refit.communicator.broken", epoch=broken_epoch)
                 seq += 1
             except MembershipLost as exc:
                 self.log.error("fault.detected", kind="membership_lost", error=str(exc))
@@ -357,7 +369,6 @@ class ElasticRefit:
         """Ask for a new epoch with the same members, unless a newer epoch is already out
         (then it brings a new communicator anyway, e.g. without a dead peer)."""
         if not self._superseded(epoch):
-            self.log.warning("refit.communicator.broken", epoch=epoch)
             self.membership.request_reform()
 
     def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:

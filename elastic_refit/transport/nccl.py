@@ -25,7 +25,7 @@ import torch
 from elastic_refit.errors import TransportAborted
 from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
 
-__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "settle"]
+__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle"]
 
 _POLL_S = 0.0005
 
@@ -68,6 +68,19 @@ def settle(comm: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TransportAborted(f"{what}: not done within {timeout_s} s", phase=what)
         time.sleep(_POLL_S)
+
+
+def quiesce(comm: Any, timeout_s: float) -> int:
+    """Wait (at most ``timeout_s``) while ``comm`` is ``ncclInProgress``, e.g. after a
+    revoke; return its state then (0, an error code, or still in progress). Never raises on
+    an error state: the caller decides (an abortive shrink accepts one)."""
+    in_progress = _in_progress_code()
+    deadline = time.monotonic() + timeout_s
+    state = in_progress
+    with contextlib.suppress(Exception):
+        while (state := int(comm.get_async_error())) == in_progress and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    return state
 
 
 def _error_string(state: int) -> str:

@@ -17,20 +17,18 @@ from elastic_refit.membership.view import MemberRecord, MembershipView
 
 from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
 from elastic_refit.layout import parse_spec
+from elastic_refit.runtime import AttemptSpec, CommitAction, RefitConfig, next_action, plan_attempt
 from elastic_refit.runtime.attempt import (
     CATCH_UP,
     REFIT,
-    AttemptSpec,
-    CommitAction,
+    REFORM_GRACE_S,
     FailureTally,
     attempt_cause,
     count_failure,
     fault_cause,
-    next_action,
-    plan_attempt,
+    reform_due,
     version_digest,
 )
-from elastic_refit.runtime.config import RefitConfig
 
 # ---- helpers ----------------------------------------------------------------------------
 
@@ -348,3 +346,23 @@ def test_config_from_env_reads_max_attempts_and_backend():
                               "ELASTIC_REFIT_ETCD": "a:1, b:2", "ELASTIC_REFIT_MAX_ATTEMPTS": "3",
                               "ELASTIC_REFIT_BACKEND": "nccl", "ELASTIC_REFIT_DEVICE": "cuda:1"})
     assert (c.max_attempts, c.backend, c.device, c.etcd) == (3, "nccl", "cuda:1", ("a:1", "b:2"))
+
+
+# ---- reform_due: shrink first, rebuild only when the peer turns out to be alive ---------
+
+@pytest.mark.parametrize(("broken_for_s", "ttl_s", "due"), [
+    (0.0, 2, False),  # just broke: a dead peer's lease has not expired yet
+    (2.0, 2, False),  # its lease just expired: the leader's epoch without it is on its way
+    (2.0 + REFORM_GRACE_S - 0.01, 2, False),
+    (2.0 + REFORM_GRACE_S, 2, True),  # no epoch came: the peer is alive, rebuild with it
+    (30.0, 10, True),
+    (10.5, 10, False),
+])
+def test_reform_is_due_only_after_a_dead_peer_would_have_been_dropped(broken_for_s, ttl_s, due):
+    assert reform_due(broken_for_s, ttl_s) is due
+
+
+@pytest.mark.parametrize(("broken_for_s", "ttl_s"), [(-0.1, 2), (1.0, 0), (1.0, -2)])
+def test_reform_due_rejects_bad_input(broken_for_s, ttl_s):
+    with pytest.raises(ValueError, match="broken_for_s must be >= 0 and ttl_s > 0"):
+        reform_due(broken_for_s, ttl_s)
