@@ -36,16 +36,18 @@ case "${1:-}" in
   tests)
     env_ready
     shift
+    export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_nccl.jsonl"
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --timeout 150 -rfE "${@:-tests/gpu}" 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -60 ;;
+      | tee "$OUT/gpu_tests.log" | grep -E -v "^\s*$|^[0-9-]+ [0-9:]+ \[" | tail -60 ;;
   bench)
     env_ready
-    timeout 200 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat "${REPEAT:-10}" --backend nccl4py nccl \
-      2>"$OUT/lifecycle.err" | tee "$OUT/lifecycle.txt"; tail -5 "$OUT/lifecycle.err"
-    timeout 200 python3 -m elastic_refit.cli bench --model qwen3-30b-a3b --layers 1 --source tp=2,pp=2 \
+    timeout 180 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat "${REPEAT:-10}" --backend nccl4py nccl \
+      --json 2>"$OUT/lifecycle.err" > "$OUT/lifecycle.json"; tail -3 "$OUT/lifecycle.err"
+    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))]" "$OUT/lifecycle.json"
+    timeout 150 python3 -m elastic_refit.cli bench --model qwen3-30b-a3b --layers 1 --source tp=2,pp=2 \
       --destination tp=2,dp=2 --domain-size 1 --backend nccl4py --repeat 3 --bucket-mib 32 \
       2>"$OUT/bench_nccl.err" | tee "$OUT/bench_nccl.txt"; tail -3 "$OUT/bench_nccl.err"
-    timeout 150 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 12 --kill-at 5 \
-      2>"$OUT/churn.err" | tee "$OUT/churn.txt"; tail -3 "$OUT/churn.err" ;;
+    timeout 110 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions "${VERSIONS:-10}" --kill-at 4 \
+      2>"$OUT/churn.err" | tee "$OUT/churn.txt"; grep -E "committed|killed|FAIL" "$OUT/churn.err" | tail -4 ;;
   *) echo "usage: $0 part K | setup | tests [pytest args] | bench" >&2; exit 2 ;;
 esac
