@@ -38,7 +38,7 @@ case "${1:-}" in
     shift
     export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_nccl.jsonl"
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --timeout 150 -rfE "${@:-tests/gpu}" 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E -v "^\s*$|^[0-9-]+ [0-9:]+ \[" | tail -60 ;;
+      | tee "$OUT/${LOG:-gpu_tests}.log" | grep -E -v "^\s*$|^[0-9-]+ [0-9:]+ \[" | tail -60 ;;
   bench)
     env_ready
     timeout 180 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat "${REPEAT:-10}" --backend nccl4py nccl \
@@ -49,5 +49,14 @@ case "${1:-}" in
       2>"$OUT/bench_nccl.err" | tee "$OUT/bench_nccl.txt"; tail -3 "$OUT/bench_nccl.err"
     timeout 110 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions "${VERSIONS:-10}" --kill-at 4 \
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"; grep -E "committed|killed|FAIL" "$OUT/churn.err" | tail -4 ;;
+  final)  # one call after setup: lifecycle, runtime on NCCL, churn, then the data-path table
+    env_ready
+    timeout 100 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat 10 --backend nccl4py --json \
+      2>"$OUT/lifecycle.err" | grep -v -E "^[0-9]{4}-[0-9]{2}-[0-9]{2} |^\s*$" > "$OUT/lifecycle.json"; grep -E "fast_path" "$OUT/lifecycle.err" | head -3
+    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))]" "$OUT/lifecycle.json"
+    LOG=runtime TESTS_TIMEOUT=150 bash "$0" tests tests/gpu/test_runtime_nccl.py -k "killed or restart_inside"
+    timeout 80 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 10 --kill-at 4 \
+      2>"$OUT/churn.err" | tee "$OUT/churn.txt"
+    LOG=world TESTS_TIMEOUT="${WORLD_TIMEOUT:-170}" bash "$0" tests tests/gpu/test_nccl_world.py ;;
   *) echo "usage: $0 part K | setup | tests [pytest args] | bench" >&2; exit 2 ;;
 esac

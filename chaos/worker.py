@@ -112,8 +112,10 @@ def worker_main(conn, gpu: bool = False) -> None:
     ``gpu``, the worker is a host of its own to NCCL (its own ``NCCL_HOSTID``), so several
     workers share one GPU over NCCL's socket transport."""
     if gpu:
+        # NCCL's RAS service is process-wide: its sockets outlive every communicator, and the
+        # oracle would count them as the member's leak.
         os.environ.update({"NCCL_HOSTID": f"elastic-refit-chaos-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo",
-                           "NCCL_NVLS_ENABLE": "0"})
+                           "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"})
     import torch
     from elastic_refit.chaos.inject import reset_state
 

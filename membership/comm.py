@@ -59,12 +59,16 @@ class RuntimeSupport:
     nccl4py_shrink: bool
     nccl4py_grow: bool
     nccl4py_nccl_version: tuple[int, int, int] | None = None  # the libnccl nccl4py loaded
+    # torch's ProcessGroupNCCL.shrink clones the group's store (c10d::Store::clone), which a
+    # store written in Python, like EtcdStore, cannot give: on torch 2.11 it fails with "Tried
+    # to call pure virtual function c10d::Store::clone". Groups built on such a store rebuild.
+    store_clone: bool = False
 
     @property
     def nccl_shrink(self) -> bool:
         """ncclCommShrink reachable through torch's ProcessGroupNCCL."""
         return (self.nccl_version is not None and self.nccl_version >= NCCL_MIN_SHRINK
-                and self.nccl_backend_shrink)
+                and self.nccl_backend_shrink and self.store_clone)
 
     @property
     def nccl4py_can_shrink(self) -> bool:
@@ -91,6 +95,7 @@ class RuntimeSupport:
             "nccl_shrink": self.nccl_shrink,
             "nccl4py_shrink": self.nccl4py_can_shrink,
             "nccl_grow": self.nccl_grow,
+            "store_clone": self.store_clone,
             "gloo_shrink": False,
         }
 
@@ -440,11 +445,6 @@ class CommunicatorManager:
             pg.eager_connect_single_device(self.device)
         return pg
 
-    def _settle(self, comm, what: str) -> None:
-        from elastic_refit.transport.nccl import settle
-
-        settle(comm, self.config.epoch_deadline_s, what)
-
     def _build_nccl4py(self, store: EtcdStore, rank: int, size: int):
         from elastic_refit.transport.nccl import init_communicator
 
@@ -462,7 +462,7 @@ class CommunicatorManager:
         else:
             import nccl.core as nccl_core
 
-            from elastic_refit.transport.nccl import nccl_call, nccl_config, quiesce
+            from elastic_refit.transport.nccl import nccl_call, nccl_config, quiesce, settle_child
 
             if not abort:
                 # Leavers are alive: quiesce whatever this rank still has in flight first.
@@ -473,7 +473,7 @@ class CommunicatorManager:
             quiesce(parent.pg, self.config.abort_timeout_s)
             flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
             child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
-            self._settle(child, "nccl4py shrink")
+            settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink")
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer.
         abort_s = self._abort_current("shrink_parent")
@@ -487,7 +487,7 @@ class CommunicatorManager:
         the communicator's grow id in the epoch's store, newcomers join with it."""
         import nccl.core as nccl_core
 
-        from elastic_refit.transport.nccl import nccl_call, nccl_config
+        from elastic_refit.transport.nccl import nccl_call, nccl_config, settle_child
 
         t0 = time.monotonic()
         store = self._store(new, "grow")
@@ -504,7 +504,8 @@ class CommunicatorManager:
             torch.cuda.set_device(self.device)
             uid = nccl_core.UniqueId.from_bytes(store.get("grow_unique_id"))
             comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
-        self._settle(comm, "nccl4py grow")
+        settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
+                     self.config.epoch_deadline_s, "nccl4py grow")
         if existing:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")

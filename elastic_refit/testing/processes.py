@@ -41,7 +41,8 @@ def nccl_rank_env(rank: int) -> dict[str, str]:
 
     num_gpus = torch.cuda.device_count()
     env = {"ELASTIC_REFIT_CUDA_DEVICE": str(rank % max(1, num_gpus)), "NCCL_SOCKET_IFNAME": "lo",
-           "NCCL_NVLS_ENABLE": "0"}  # never NVLink multicast on shared hosts
+           "NCCL_NVLS_ENABLE": "0",  # never NVLink multicast on shared hosts
+           "NCCL_RAS_ENABLE": "0"}  # its process-wide sockets would outlive every communicator
     if num_gpus <= rank:
         env["NCCL_HOSTID"] = f"elastic-refit-rank{rank}"
     return env

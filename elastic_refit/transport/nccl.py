@@ -25,7 +25,7 @@ import torch
 from elastic_refit.errors import TransportAborted
 from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
 
-__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle"]
+__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle", "settle_child"]
 
 _POLL_S = 0.0005
 
@@ -81,6 +81,23 @@ def quiesce(comm: Any, timeout_s: float) -> int:
         while (state := int(comm.get_async_error())) == in_progress and time.monotonic() < deadline:
             time.sleep(_POLL_S)
     return state
+
+
+def settle_child(parent: Any, child: Any, timeout_s: float, what: str) -> None:
+    """Wait for a communicator that ``parent.shrink`` or ``parent.grow`` returned (``parent``
+    None for a newcomer's grow). On a non-blocking parent NCCL fills the child's handle only
+    when the job completes: until then the child is null and has no state of its own, so
+    this polls for the handle (querying the parent, which completes its group job), then
+    settles the child. Raises ``TransportAborted`` on the timeout or an error state."""
+    deadline = time.monotonic() + timeout_s
+    while not child.is_valid:
+        if parent is not None:
+            with contextlib.suppress(Exception):  # its own state may be an error (a dead peer)
+                parent.get_async_error()
+        if time.monotonic() > deadline:
+            raise TransportAborted(f"{what}: no communicator within {timeout_s} s", phase=what)
+        time.sleep(_POLL_S)
+    settle(child, max(0.0, deadline - time.monotonic()), what)
 
 
 def _error_string(state: int) -> str:

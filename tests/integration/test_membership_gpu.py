@@ -15,7 +15,7 @@ def test_probe_finds_nccl_and_shrink_support():
     s = probe_runtime()
     assert s.num_gpus >= 1
     assert s.nccl_version is not None and s.nccl_version >= (2, 0, 0)
-    assert s.nccl_shrink == (s.nccl_version >= NCCL_MIN_SHRINK and s.nccl_backend_shrink)
+    assert s.nccl_shrink == (s.nccl_version >= NCCL_MIN_SHRINK and s.nccl_backend_shrink and s.store_clone)
 
 
 def test_one_rank_nccl_communicator_through_etcd_store(etcd_server, make_client):

@@ -18,11 +18,12 @@ def view(epoch: int, *members: MemberRecord) -> MembershipView:
     return MembershipView(epoch=epoch, members=members)
 
 
-def support(nccl=None, shrink=False, grow=False) -> RuntimeSupport:
+def support(nccl=None, shrink=False, grow=False, store_clone=True) -> RuntimeSupport:
     return RuntimeSupport(torch_version="x", num_gpus=0, nccl_version=nccl,
                           torch_shrink_group=True, nccl_backend_shrink=shrink,
                           nccl4py_version="1" if grow else None, nccl4py_shrink=grow,
-                          nccl4py_grow=grow, nccl4py_nccl_version=nccl if grow else None)
+                          nccl4py_grow=grow, nccl4py_nccl_version=nccl if grow else None,
+                          store_clone=store_clone)
 
 
 def test_diff_reports_added_and_removed_members():
@@ -176,3 +177,12 @@ def test_every_membership_fault_is_a_refit_error():
     assert isinstance(membership_errors.StoreTimeout("x"), TimeoutError)
     assert isinstance(errors.RefitTimeout("version 2 to commit", 1.0), TimeoutError)
     assert not issubclass(errors.RefitError, ValueError)
+
+
+def test_torch_nccl_rebuilds_when_its_store_cannot_be_cloned():
+    """ProcessGroupNCCL.shrink clones the store; the etcd store (Python) cannot be cloned."""
+    old = view(1, rec("t0"), rec("t1"), rec("t2"))
+    new = view(2, rec("t0"), rec("t2"))
+    assert choose_path(old, new, "nccl", support((2, 28, 9), True, False, store_clone=False)) == "rebuild"
+    assert choose_path(old, new, "nccl", support((2, 28, 9), True, False, store_clone=True)) == "shrink_abort"
+    assert choose_path(old, new, "nccl4py", support((2, 28, 9), True, True, store_clone=False)) == "shrink_abort"
