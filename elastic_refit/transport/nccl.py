@@ -225,13 +225,11 @@ class NcclTransport(TransportBase):
         self.wait(_Posted(event, [flag]), -1, "completion vote")
 
     def abort(self) -> None:
-        """Mark the transport aborted; the communicator itself is aborted by its owner
-        (``membership.comm``), which decides between revoke, shrink and abort."""
-        if self._aborted:
-            return
+        """Mark the transport aborted. The communicator itself is left to its owner
+        (``membership.comm``): an abortive shrink stops its in-flight work (NCCL sets the
+        abort flags and drains the device stream), and a rebuild aborts it. A revoke here
+        would leave it ``ncclInProgress`` at the very moment the next epoch shrinks it."""
         self._aborted = True
-        with contextlib.suppress(Exception):
-            self.comm.revoke()
 
     def close(self) -> None:
         self._aborted = True
