@@ -320,7 +320,8 @@ class ElasticRefit:
                     # group, so that its destructor never runs (and blocks) on this thread.
                     self._release_transport()
                     try:
-                        result = self.manager.reconfigure(view, latest)
+                        result = self.manager.reconfigure(view, latest, broken=view is not None
+                                                          and view.epoch == broken_epoch)
                     except CommunicatorError:
                         broken_epoch, broken_at, reform_asked = latest.epoch, time.monotonic(), True
                         view = None  # nothing of the old communicator survives a failed rebuild

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from elastic_refit.membership.comm import RuntimeSupport, choose_path
+import structlog
+from elastic_refit.membership.comm import (
+    RuntimeSupport,
+    abort_with_watchdog,
+    agree_fast_path,
+    choose_path,
+)
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MemberRecord, MembershipView, diff, next_member_order
@@ -186,3 +195,44 @@ def test_torch_nccl_rebuilds_when_its_store_cannot_be_cloned():
     assert choose_path(old, new, "nccl", support((2, 28, 9), True, False, store_clone=False)) == "rebuild"
     assert choose_path(old, new, "nccl", support((2, 28, 9), True, False, store_clone=True)) == "shrink_abort"
     assert choose_path(old, new, "nccl4py", support((2, 28, 9), True, True, store_clone=False)) == "shrink_abort"
+
+
+@pytest.mark.parametrize(("path", "ready", "expected"), [
+    ("shrink_abort", {"t0": True, "t2": True}, "shrink_abort"),
+    ("shrink_abort", {"t0": True, "t2": False}, "rebuild"),  # t2's communicator is in an error state
+    ("shrink", {"t0": False}, "rebuild"),
+    ("grow", {"t0": True, "t1": True}, "grow"),
+    ("grow", {"t0": True, "t1": False}, "rebuild"),
+    ("rebuild", {"t0": False}, "rebuild"),
+    ("unchanged", {"t0": True}, "unchanged"),
+    ("build", {}, "build"),
+])
+def test_a_fast_path_needs_every_survivor_ready(path, ready, expected):
+    assert agree_fast_path(path, ready) == expected
+
+
+class _SlowAbort:
+    """A communicator double whose abort takes a while (NCCL's takes about 0.5 s)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        time.sleep(self.seconds)
+        self.aborted.set()
+
+
+def test_abort_with_watchdog_waits_bounded_or_reaps_in_the_background():
+    log = structlog.get_logger()
+    waited = _SlowAbort(0.2)
+    assert abort_with_watchdog(waited, 5.0, log) >= 0.2 and waited.aborted.is_set()
+    stuck = _SlowAbort(2.0)
+    assert abort_with_watchdog(stuck, 0.1, log) < 1.0  # gives up waiting, never hangs the caller
+    reaping: list[threading.Thread] = []
+    background = _SlowAbort(0.2)
+    t0 = time.monotonic()
+    assert abort_with_watchdog(background, 5.0, log, reaping=reaping) == 0.0
+    assert time.monotonic() - t0 < 0.15 and not background.aborted.is_set() and len(reaping) == 1
+    reaping[0].join(5.0)
+    assert background.aborted.is_set()
