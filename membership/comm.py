@@ -12,6 +12,12 @@ installed runtime supports:
 - anything else, and always for gloo -> ``rebuild``: abort the old communicator and
   rendezvous a new one under ``store/{epoch}/``.
 
+On NCCL every rank takes the path rank 0 of the epoch picked (``path-{backend}/`` in the
+epoch's store), and rank 0 picks a path that keeps the communicator only when every survivor
+reported it ready (:func:`agree_fast_path`): NCCL will not shrink a communicator whose
+state is an error unless a revoke brings it back, and torch's ``ProcessGroupNCCL.shrink``
+needs a store it can clone, which the etcd store is not.
+
 Every path is timed and logged as ``comm.reconfigured``. Aborts run under a watchdog
 thread so a wedged backend cannot hang the runtime; a communicator whose abort times out
 is parked (never destroyed on the caller's thread) and logged as ``comm.abort.timed_out``.
@@ -328,11 +334,14 @@ class CommunicatorManager:
         if self.current is None:
             old_view = None
         path = choose_path(old_view, new_view, self.backend, self.support, peer_died=peer_died)
-        try:
-            path = self._agree_path(old_view, new_view, path, broken=broken)
-        except StoreTimeout as exc:
-            raise CommunicatorError(f"no reconfiguration path agreed for epoch {new_view.epoch} on "
-                                    f"{self.member_id}: {exc}") from exc
+        # gloo always rebuilds (each rank gets there on its own, and an agreement round would
+        # only widen the window in which a newer epoch strands a rendezvous half done).
+        if self.backend != Backend.GLOO:
+            try:
+                path = self._agree_path(old_view, new_view, path, broken=broken)
+            except StoreTimeout as exc:
+                raise CommunicatorError(f"no reconfiguration path agreed for epoch {new_view.epoch} on "
+                                        f"{self.member_id}: {exc}") from exc
         abort_s = build_s = 0.0
         try:
             if path == "unchanged":

@@ -345,11 +345,17 @@ class ElasticRefit:
                     continue
                 spec = AttemptSpec.from_json(record)
                 if me in spec.participants and not self._run_attempt(view, self._transport, seq, spec):  # type: ignore[arg-type]
-                    # The transfer broke: this epoch's transport cannot be used again. The
-                    # communicator stays with the manager, so the next epoch can shrink it
-                    # (a dead peer) or rebuild it (a reform, once one is due).
-                    broken_epoch, broken_at, reform_asked = view.epoch, time.monotonic(), False
+                    # The transfer broke: this epoch's transport cannot be used again.
+                    broken_epoch, broken_at = view.epoch, time.monotonic()
                     self.log.warning("refit.communicator.broken", epoch=broken_epoch)
+                    if self._transport is not None and self._transport.capabilities.can_shrink:
+                        # The communicator stays with the manager: the next epoch shrinks it
+                        # (a dead peer) or rebuilds it (a reform, once one is due).
+                        reform_asked = False
+                    else:
+                        # Nothing to shrink (gloo): every rank of the epoch rebuilds, now.
+                        view, reform_asked = None, True
+                        self._request_reform(broken_epoch)
                 seq += 1
             except MembershipLost as exc:
                 self.log.error("fault.detected", kind="membership_lost", error=str(exc))
