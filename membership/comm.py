@@ -474,16 +474,40 @@ class CommunicatorManager:
         return abort_with_watchdog(pg, self.config.abort_timeout_s, self.log, what=why,
                                    reaping=None if wait else self._reaping)
 
-    def _store(self, view: MembershipView, namespace: str) -> EtcdStore:
+    def _store(self, view: MembershipView, namespace: str, *, cancellable: bool = True) -> EtcdStore:
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
-        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None else None
+        cancel = ((lambda: self.superseded(view.epoch)) if self.superseded is not None and cancellable
+                  else None)
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
                          timeout=timedelta(seconds=self.config.epoch_deadline_s), cancel=cancel)
 
+    def _enter_rendezvous(self, view: MembershipView) -> None:
+        """All or nothing: every member of ``view`` builds the epoch's communicator, or none.
+
+        Each member marks its arrival, and once all have arrived the first to look writes
+        ``go`` (a create-only etcd write); a member that gives up first (the epoch was
+        superseded, or its deadline passed) writes ``abort``. Whoever wins decides for all.
+        Without it, a rank that left a half-done rendezvous for a newer epoch stranded the
+        peers that had its address inside the backend's connect (gloo retries a vanished
+        peer for its whole timeout: 50 s measured), and every later epoch waited for them.
+        """
+        gate = self._store(view, f"gate-{self.backend}")
+        gate.set(f"arrived/{self.member_id}", "1")
+        try:
+            gate.wait([f"arrived/{m}" for m in view.member_ids])
+            want = "go"
+        except StoreTimeout:
+            want = "abort"
+        if gate.compare_set("decision", "", want) != b"go":
+            raise CommunicatorError(f"the rendezvous of epoch {view.epoch} was abandoned (a member left it "
+                                    "or never came)")
+
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)
-        store = self._store(view, f"comm-{self.backend}")
+        self._enter_rendezvous(view)
+        # Every member is committed now: the rendezvous completes, superseded or not.
+        store = self._store(view, f"comm-{self.backend}", cancellable=False)
         rendezvous = timedelta(seconds=self.config.epoch_deadline_s)
         collective = timedelta(seconds=self.config.collective_timeout_s)
         try:
