@@ -346,7 +346,6 @@ class CommunicatorManager:
         try:
             if path == "unchanged":
                 self.current.epoch = new_view.epoch  # type: ignore[union-attr]
-                self.current.store = self._store(new_view, f"comm-{self.backend}")  # type: ignore[union-attr]
             elif path in ("shrink", "shrink_abort"):
                 abort_s, build_s = self._shrink(old_view, new_view, abort=path == "shrink_abort")
             elif path == "grow":
@@ -482,32 +481,9 @@ class CommunicatorManager:
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
                          timeout=timedelta(seconds=self.config.epoch_deadline_s), cancel=cancel)
 
-    def _enter_rendezvous(self, view: MembershipView) -> None:
-        """All or nothing: every member of ``view`` builds the epoch's communicator, or none.
-
-        Each member marks its arrival, and once all have arrived the first to look writes
-        ``go`` (a create-only etcd write); a member that gives up first (the epoch was
-        superseded, or its deadline passed) writes ``abort``. Whoever wins decides for all.
-        Without it, a rank that left a half-done rendezvous for a newer epoch stranded the
-        peers that had its address inside the backend's connect (gloo retries a vanished
-        peer for its whole timeout: 50 s measured), and every later epoch waited for them.
-        """
-        gate = self._store(view, f"gate-{self.backend}")
-        gate.set(f"arrived/{self.member_id}", "1")
-        try:
-            gate.wait([f"arrived/{m}" for m in view.member_ids])
-            want = "go"
-        except StoreTimeout:
-            want = "abort"
-        if gate.compare_set("decision", "", want) != b"go":
-            raise CommunicatorError(f"the rendezvous of epoch {view.epoch} was abandoned (a member left it "
-                                    "or never came)")
-
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)
-        self._enter_rendezvous(view)
-        # Every member is committed now: the rendezvous completes, superseded or not.
-        store = self._store(view, f"comm-{self.backend}", cancellable=False)
+        store = self._store(view, f"comm-{self.backend}")
         rendezvous = timedelta(seconds=self.config.epoch_deadline_s)
         collective = timedelta(seconds=self.config.collective_timeout_s)
         try:
