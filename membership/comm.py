@@ -473,11 +473,10 @@ class CommunicatorManager:
         return abort_with_watchdog(pg, self.config.abort_timeout_s, self.log, what=why,
                                    reaping=None if wait else self._reaping)
 
-    def _store(self, view: MembershipView, namespace: str, *, cancellable: bool = True) -> EtcdStore:
+    def _store(self, view: MembershipView, namespace: str) -> EtcdStore:
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
-        cancel = ((lambda: self.superseded(view.epoch)) if self.superseded is not None and cancellable
-                  else None)
+        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None else None
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
                          timeout=timedelta(seconds=self.config.epoch_deadline_s), cancel=cancel)
 

@@ -242,6 +242,11 @@ def reform_due(broken_for_s: float, ttl_s: float) -> bool:
     it until its lease expired anyway. Only when no such epoch came (the peer is alive: a
     network fault, a stall) is a rebuild with the same members the way forward.
     """
+    return reform_due_in(broken_for_s, ttl_s) == 0.0
+
+
+def reform_due_in(broken_for_s: float, ttl_s: float) -> float:
+    """Seconds until :func:`reform_due` turns true (0.0 once it is), pure."""
     if broken_for_s < 0 or ttl_s <= 0:
         raise ValueError(f"broken_for_s must be >= 0 and ttl_s > 0, got {broken_for_s} and {ttl_s}")
-    return broken_for_s >= ttl_s + REFORM_GRACE_S
+    return max(0.0, ttl_s + REFORM_GRACE_S - broken_for_s)

@@ -64,7 +64,6 @@ from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
-    REFORM_GRACE_S,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -73,7 +72,7 @@ from elastic_refit.runtime.attempt import (
     fault_cause,
     next_action,
     plan_attempt,
-    reform_due,
+    reform_due_in,
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
@@ -304,12 +303,11 @@ class ElasticRefit:
                     # This epoch's communicator is unusable: wait for the next epoch (the
                     # leader's, without a dead peer), asking for a reform once no such epoch
                     # came in time (see reform_due).
-                    broken_for = time.monotonic() - broken_at
-                    if not reform_asked and reform_due(broken_for, self.config.ttl_s):
+                    due_in = reform_due_in(time.monotonic() - broken_at, self.config.ttl_s)
+                    if not reform_asked and due_in == 0.0:
                         reform_asked = True
                         self._request_reform(broken_epoch)
-                    wait_s = (self.config.epoch_deadline_s if reform_asked
-                              else max(self.config.poll_s, self.config.ttl_s + REFORM_GRACE_S - broken_for))
+                    wait_s = self.config.epoch_deadline_s if reform_asked else max(self.config.poll_s, due_in)
                     with contextlib.suppress(EpochTimeout):
                         self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=wait_s)
                     continue

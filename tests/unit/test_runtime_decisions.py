@@ -27,6 +27,7 @@ from elastic_refit.runtime.attempt import (
     count_failure,
     fault_cause,
     reform_due,
+    reform_due_in,
     version_digest,
 )
 
@@ -366,3 +367,10 @@ def test_reform_is_due_only_after_a_dead_peer_would_have_been_dropped(broken_for
 def test_reform_due_rejects_bad_input(broken_for_s, ttl_s):
     with pytest.raises(ValueError, match="broken_for_s must be >= 0 and ttl_s > 0"):
         reform_due(broken_for_s, ttl_s)
+
+
+@pytest.mark.parametrize(("broken_for_s", "ttl_s", "due_in"), [
+    (0.0, 2, 2 + REFORM_GRACE_S), (1.5, 2, 0.5 + REFORM_GRACE_S), (2 + REFORM_GRACE_S, 2, 0.0), (30.0, 2, 0.0),
+])
+def test_reform_due_in_counts_down_to_zero(broken_for_s, ttl_s, due_in):
+    assert reform_due_in(broken_for_s, ttl_s) == pytest.approx(due_in)
