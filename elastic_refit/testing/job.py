@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.view import MembershipView
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
@@ -32,6 +35,11 @@ class MemberSpec:
     mode: str = "in_place"
     incarnation: str | None = None
     pause_s: float = 0.0  # trainers: time between versions (a training step)
+    # Trainers: publish the first version only once the epoch holds all of these members.
+    # Tests whose fault must hit a rank inside a transfer need it: on a loaded machine a
+    # late-starting rank otherwise joins after the versions are already committed.
+    start_with: tuple[str, ...] = ()
+    start_timeout_s: float = 120.0
     config: dict[str, Any] = field(default_factory=dict)
 
     def layouts(self) -> RefitLayouts:
@@ -51,6 +59,23 @@ class MemberSpec:
                            etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
 
 
+def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], timeout_s: float) -> None:
+    """Until the job's current epoch (its view in etcd) holds every one of ``member_ids``;
+    ``TimeoutError`` naming the missing ones after ``timeout_s``."""
+    keys = JobKeys(config.job)
+    deadline = time.monotonic() + timeout_s
+    missing: list[str] = list(member_ids)
+    with EtcdClient(list(config.etcd)) as client:
+        while time.monotonic() < deadline:
+            kv = client.get(keys.epoch)
+            view = MembershipView.decode(kv.value) if kv is not None else None
+            missing = [m for m in member_ids if view is None or m not in view]
+            if not missing:
+                return
+            time.sleep(0.05)
+    raise TimeoutError(f"members {missing} were not in the epoch of job {config.job!r} after {timeout_s} s")
+
+
 def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None) -> dict[str, Any]:
     """Run one member until its versions are done; returns what it saw. Faults, if any,
     are installed around it (``elastic_refit.testing.faults.install_faults``).
@@ -66,6 +91,8 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
     if member.role == "trainer":
         with ElasticRefit(config, layouts) as refit:
+            if member.start_with:
+                wait_for_epoch_members(config, member.start_with, member.start_timeout_s)
             for version in member.versions:
                 time.sleep(member.pause_s)
                 tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)

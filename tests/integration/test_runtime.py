@@ -44,6 +44,11 @@ SPEC = json.dumps({
 VERSIONS = (1, 2, 3)
 
 
+# The members a test starts with; trainers hold version 1 until all of them are in the
+# epoch, so a fault aimed at version 2 of any one of them lands inside a transfer.
+FIRST_MEMBERS = ("t0", "t1", "i0", "i1")
+
+
 def member(etcd: str, role: str, member_id: str, layout_rank: int, **kw) -> MemberSpec:
     kw.setdefault("versions", VERSIONS)
     return MemberSpec("job", role, member_id, layout_rank, (etcd,), f"d{0 if role == 'trainer' else 1}",
@@ -61,7 +66,8 @@ def job():
 
 def start_members(job: LocalJob, etcd: str, pause_s: float = 0.0) -> None:
     """Trainers t0, t1 (``pause_s`` between versions) and inference ranks i0, i1 (at 2, 3)."""
-    for m in (member(etcd, "trainer", "t0", 0, pause_s=pause_s), member(etcd, "trainer", "t1", 1, pause_s=pause_s),
+    first = {"pause_s": pause_s, "start_with": FIRST_MEMBERS}
+    for m in (member(etcd, "trainer", "t0", 0, **first), member(etcd, "trainer", "t1", 1, **first),
               member(etcd, "inference", "i0", 2), member(etcd, "inference", "i1", 3)):
         job.start(m)
 
@@ -133,7 +139,8 @@ def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(et
     (raised to 30 s here, far above the second or so a retry takes) for its fingerprint."""
     etcd = etcd_server.endpoint
     slow = {"config": {"epoch_deadline_s": 30.0}}
-    for m in (member(etcd, "trainer", "t0", 0, **slow), member(etcd, "trainer", "t1", 1, **slow),
+    for m in (member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS, **slow),
+              member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS, **slow),
               member(etcd, "inference", "i0", 2, **slow)):
         job.start(m)
     job.start(member(etcd, "inference", "i1", 3, **slow), hook=RaiseOnce("i1", version=2))
@@ -147,8 +154,8 @@ def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(et
 
 def test_inference_rank_killed_mid_transfer(etcd_server, job):
     etcd = etcd_server.endpoint
-    for m in (member(etcd, "trainer", "t0", 0), member(etcd, "trainer", "t1", 1),
-              member(etcd, "inference", "i0", 2)):
+    for m in (member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS),
+              member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS), member(etcd, "inference", "i0", 2)):
         job.start(m)
     job.start(member(etcd, "inference", "i1", 3), hook=KillSelf("i1", version=2))
     start = time.monotonic()
@@ -164,8 +171,8 @@ def test_inference_rank_killed_mid_transfer(etcd_server, job):
 
 def test_trainer_rank_killed_mid_transfer(etcd_server, job):
     etcd = etcd_server.endpoint
-    job.start(member(etcd, "trainer", "t0", 0))
-    job.start(member(etcd, "trainer", "t1", 1), hook=KillSelf("t1", version=2))
+    job.start(member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS))
+    job.start(member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS), hook=KillSelf("t1", version=2))
     for m in (member(etcd, "inference", "i0", 2), member(etcd, "inference", "i1", 3)):
         job.start(m)
     reports = job.collect(["t0", "i0", "i1"], timeout_s=120)
@@ -264,8 +271,8 @@ def test_staged_mode_swaps_committed_versions(etcd_server, job):
     # Staged inference receives into spare buffers and swaps on commit; with a trainer
     # killed mid-transfer the served weights are never torn.
     etcd = etcd_server.endpoint
-    job.start(member(etcd, "trainer", "t0", 0))
-    job.start(member(etcd, "trainer", "t1", 1), hook=KillSelf("t1", version=2))
+    job.start(member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS))
+    job.start(member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS), hook=KillSelf("t1", version=2))
     for m in (member(etcd, "inference", "i0", 2, mode="staged"), member(etcd, "inference", "i1", 3, mode="staged")):
         job.start(m)
     reports = job.collect(["t0", "i0", "i1"], timeout_s=120)
