@@ -473,21 +473,46 @@ class CommunicatorManager:
         return abort_with_watchdog(pg, self.config.abort_timeout_s, self.log, what=why,
                                    reaping=None if wait else self._reaping)
 
-    def _store(self, view: MembershipView, namespace: str) -> EtcdStore:
+    def _store(self, view: MembershipView, namespace: str, *, cancellable: bool = True,
+               timeout_s: float | None = None) -> EtcdStore:
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
-        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None else None
+        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None and cancellable else None
+        seconds = self.config.epoch_deadline_s if timeout_s is None else timeout_s
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
-                         timeout=timedelta(seconds=self.config.epoch_deadline_s), cancel=cancel)
+                         timeout=timedelta(seconds=seconds), cancel=cancel)
+
+    def _arrive(self, view: MembershipView, namespace: str) -> None:
+        """Mark this rank's arrival at the epoch's rendezvous and wait until every rank of
+        the epoch is there (up to the epoch deadline; given up at once when a newer epoch
+        supersedes this one). gloo's connect cannot be cancelled: a rank that left it half
+        done (it had written its address, then gave up for a newer epoch) stranded a peer
+        in connect for the whole rendezvous timeout, and every later epoch waited for that
+        peer. Past this barrier every peer is here and connects within moments."""
+        store = self._store(view, namespace)
+        mine = f"arrived/{self.member_id}/{view.member(self.member_id).incarnation}"
+        store.set(mine, "1")
+        try:
+            store.wait([f"arrived/{m.member_id}/{m.incarnation}" for m in view.members])
+        except StoreTimeout:
+            # Peers still waiting must not count this rank as arrived.
+            with contextlib.suppress(Exception):
+                store.delete_key(mine)
+            raise
 
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)
-        store = self._store(view, f"comm-{self.backend}")
-        rendezvous = timedelta(seconds=self.config.epoch_deadline_s)
+        store = pg_store = self._store(view, f"comm-{self.backend}")
         collective = timedelta(seconds=self.config.collective_timeout_s)
         try:
             if self.backend == "gloo":
-                pg = dist.ProcessGroupGloo(store, rank, view.num_ranks, rendezvous)
+                self._arrive(view, f"comm-{self.backend}")
+                # Every peer has arrived: the connect is bounded like one transfer (a peer
+                # that vanishes now fails it in seconds) and is no longer cancelled, since
+                # leaving it half done would strand the peers that already read our address.
+                connect = self.transport_timeout_s
+                pg_store = self._store(view, f"comm-{self.backend}", cancellable=False, timeout_s=connect)
+                pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, timedelta(seconds=connect))
                 pg._set_default_timeout(collective)
             elif self.backend == "nccl":
                 pg = self._build_nccl(store, rank, view.num_ranks, collective)
@@ -501,7 +526,7 @@ class CommunicatorManager:
                 f"building the {self.backend} communicator of epoch {view.epoch} failed on "
                 f"{self.member_id}: {exc}") from exc
         return Communicator(view.epoch, self.backend, rank, view.num_ranks, view.member_ids,
-                            pg, store, self.device, path, pg_store=store)
+                            pg, store, self.device, path, pg_store=pg_store)
 
     def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
         opts = dist.ProcessGroupNCCL.Options()

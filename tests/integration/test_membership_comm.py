@@ -10,7 +10,7 @@ import pytest
 import torch
 from elastic_refit.membership.comm import CommunicatorManager, probe_runtime
 from elastic_refit.membership.config import MembershipConfig
-from elastic_refit.membership.errors import MembershipLost, StoreTimeout
+from elastic_refit.membership.errors import CommunicatorError, MembershipLost, StoreTimeout
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MemberRecord, MembershipView
@@ -68,6 +68,65 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     with pytest.raises(MembershipLost, match="not in epoch 2"):
         mgr.reconfigure(v1, MembershipView(2, (other,)))
     assert mgr.current is None  # its communicator was aborted, not left dangling
+
+
+def test_gloo_connects_only_once_every_rank_arrived(etcd_server, make_client):
+    """Two of an epoch's three ranks wait at the rendezvous for the third: neither writes a
+    gloo address (a rank that left half a connect behind would strand the peers that read
+    it), and once a newer epoch supersedes this one both give up at once and withdraw their
+    arrival. The third rank comes later, to a newer epoch, and all three connect there."""
+    client = make_client(etcd_server.endpoints)
+    records = [MemberRecord("trainer", f"t{i}", "inc1", "h", "d0", "cpu") for i in range(3)]
+    latest = {"epoch": 1}
+    config = MembershipConfig()  # epoch deadline 10 s: giving up must not wait for it
+    managers = [CommunicatorManager(client, "arrive", r.member_id, config=config,
+                                    superseded=lambda epoch: latest["epoch"] > epoch) for r in records]
+    v1, v2 = MembershipView(1, tuple(records)), MembershipView(2, tuple(records))
+    outcome: dict[str, object] = {}
+
+    def reconfigure(i: int, view: MembershipView) -> None:
+        try:
+            outcome[records[i].member_id] = managers[i].reconfigure(None, view)
+        except Exception as exc:  # reported, the test decides
+            outcome[records[i].member_id] = exc
+
+    store_prefix = JobKeys("arrive").store(1)
+    waiting = [threading.Thread(target=reconfigure, args=(i, v1)) for i in (0, 1)]
+    for t in waiting:
+        t.start()
+    arrived = lambda: {kv.key.rsplit("/", 2)[-2] for kv in client.get_prefix(store_prefix).kvs if "/arrived/" in kv.key}
+    deadline = time.monotonic() + 10
+    while arrived() != {"t0", "t1"} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # both are waiting for t2 now
+    keys = [kv.key.removeprefix(store_prefix) for kv in client.get_prefix(store_prefix).kvs]
+    assert keys and all("/arrived/" in k for k in keys), f"keys other than arrivals before t2 came: {keys}"
+    started = time.monotonic()
+    latest["epoch"] = 2
+    for t in waiting:
+        t.join(10)
+    assert time.monotonic() - started < 3.0, "the superseded rendezvous waited for its deadline"
+    for m in ("t0", "t1"):
+        assert isinstance(outcome[m], CommunicatorError) and "superseded" in str(outcome[m]), outcome[m]
+    assert arrived() == set(), "a rank that gave up still counts as arrived"
+    threads = [threading.Thread(target=reconfigure, args=(i, v2)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        for m in ("t0", "t1", "t2"):
+            assert getattr(outcome[m], "num_ranks", None) == 3, outcome[m]
+        checks = [threading.Thread(target=lambda i=i: outcome.__setitem__(
+            f"ok{i}", verify_transport(outcome[f"t{i}"].transport))) for i in range(3)]
+        for t in checks:
+            t.start()
+        for t in checks:
+            t.join(30)
+        assert all(outcome[f"ok{i}"] for i in range(3))
+    finally:
+        for mgr in managers:
+            mgr.close()
 
 
 def test_gloo_rebuild_across_processes_on_kill_and_restart(etcd_server, agents):
