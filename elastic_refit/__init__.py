@@ -9,7 +9,7 @@ etcd nor gRPC):
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
   ``ElasticRefit.publish`` returns);
 - runtime faults, all ``RefitError``: ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
-  ``RefitTimeout``, ``TransportAborted``, ``VerificationFailed``.
+  ``RefitTimeout``, ``SourceChanged``, ``TransportAborted``, ``VerificationFailed``.
 
 The executor and the transports it runs over are in :mod:`elastic_refit.transport`.
 """
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         RefitError,
         RefitFailed,
         RefitTimeout,
+        SourceChanged,
         TransportAborted,
         VerificationFailed,
     )
@@ -64,6 +65,7 @@ __all__ = [
     "RefitTimeout",
     "Replicate",
     "Shard",
+    "SourceChanged",
     "Topology",
     "TransportAborted",
     "VerificationFailed",
@@ -98,6 +100,7 @@ _EXPORTS = {
     "RefitError": "elastic_refit.errors",
     "RefitFailed": "elastic_refit.errors",
     "RefitTimeout": "elastic_refit.errors",
+    "SourceChanged": "elastic_refit.errors",
     "TransportAborted": "elastic_refit.errors",
     "VerificationFailed": "elastic_refit.errors",
 }

@@ -22,14 +22,19 @@ class MembershipLost(RefitError):
 
 class RefitFailed(RefitError):
     """``version`` failed ``num_attempts`` consecutive attempts for the same ``cause``
-    (``"Type: first line"`` of the fault) and was given up: it never commits.
+    (``"Type: first line"`` of the fault) and was given up: it never commits. With
+    ``num_attempts`` 0 a trainer refused it: its input was bad (``publish`` raised
+    ``ValueError`` there) or changed while the version was in flight
+    (:class:`SourceChanged`), so no attempt could ever succeed.
 
     Raised to every member that waits for that version (``publish``, ``wait_for_version``);
     later versions can still be published and commit.
     """
 
     def __init__(self, version: int, cause: str, num_attempts: int, *, epoch: int | None = None) -> None:
-        super().__init__(f"version {version} failed {num_attempts} consecutive attempts: {cause}")
+        # No attempt at all: a trainer refused its own input for the version in publish.
+        how = f"failed {num_attempts} consecutive attempts" if num_attempts else "was refused"
+        super().__init__(f"version {version} {how}: {cause}")
         self.version = version
         self.cause = cause
         self.num_attempts = num_attempts
@@ -79,6 +84,12 @@ class TransportAborted(RefitError):
 
 class PlanMismatch(RefitError):
     """Ranks computed different plans (fingerprints differ) for the same epoch."""
+
+
+class SourceChanged(RefitError):
+    """A trainer's published buffers changed while their version was in flight (their
+    digests after its sends differ from those taken at ``publish``): the version is refused
+    for the job, never committed torn."""
 
 
 class VerificationFailed(RefitError):

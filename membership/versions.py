@@ -57,6 +57,8 @@ class VersionState:
 
     revision: int
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation
+    # v -> member -> digest of the buffers that trainer published as v (taken at publish)
+    source_digests: dict[int, dict[str, str]] = field(default_factory=dict)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)
     committed: dict[int, Commit] = field(default_factory=dict)
     failed: dict[int, Failure] = field(default_factory=dict)
@@ -86,6 +88,8 @@ class VersionStore:
             data = json.loads(kv.value)
             if kind == "sources":
                 state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
+                if data.get("digest"):
+                    state.source_digests.setdefault(version, {})[member_id] = str(data["digest"])  # type: ignore[index]
             elif kind == "acks":
                 state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
                     str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
@@ -101,10 +105,11 @@ class VersionStore:
         return json.loads(kv.value) if kv else None
 
     # ---- fenced writes ------------------------------------------------------------
-    def publish_source(self, membership: Membership, version: int) -> None:
-        """This trainer published ``version`` and serves it as a source (fenced on its own lease)."""
+    def publish_source(self, membership: Membership, version: int, digest: str = "") -> None:
+        """This trainer published ``version`` (its buffers' ``digest``, taken at publish) and
+        serves it as a source (fenced on its own lease)."""
         membership.fenced_put(self.keys.source(version, membership.record.member_id),
-                              json.dumps({"incarnation": membership.record.incarnation}).encode())
+                              json.dumps({"incarnation": membership.record.incarnation, "digest": digest}).encode())
 
     def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
         """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""
@@ -151,6 +156,17 @@ class VersionStore:
         value = json.dumps({"version": version, "epoch": epoch, "digest": digest}).encode()
         return self.client.txn(guard + [Compare(key, "create", "==", 0),
                                         Compare(self.keys.failed(version), "create", "==", 0)],
+                               [Put(key, value)]).succeeded
+
+    def refuse(self, membership: Membership, version: int, cause: str) -> bool:
+        """Create ``failed`` for ``version`` with no attempt: this trainer refused its own
+        input for it, and every live trainer must source a version, so it can never
+        commit; its peers then raise at once instead of waiting for it. Fenced on this
+        member's ownership; refused for a version that committed or already failed."""
+        key = self.keys.failed(version)
+        value = json.dumps({"version": version, "cause": cause, "num_attempts": 0, "epoch": -1}).encode()
+        return self.client.txn([membership.ownership_compare(), Compare(key, "create", "==", 0),
+                                Compare(self.keys.committed(version), "create", "==", 0)],
                                [Put(key, value)]).succeeded
 
     def fail(self, membership: Membership, version: int, epoch: int, cause: str, num_attempts: int) -> bool:

@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from elastic_refit._validate import is_integer
 from elastic_refit.layout import Layout, Topology, combine_layouts
-from elastic_refit.membership.versions import VersionState
+from elastic_refit.membership.versions import Commit, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 
@@ -138,6 +139,38 @@ def next_action(view: MembershipView, state: VersionState,
             spec = AttemptSpec(latest, CATCH_UP, (), holders, behind)
             if feasible(spec):
                 return spec
+    return None
+
+
+def check_publish(version: int, digest: str, member_id: str, state: VersionState,
+                  last_published: tuple[int, str] | None = None) -> Commit | None:
+    """What a trainer's ``publish(version)`` of buffers with ``digest`` means, given the job's
+    versions (pure): the commit to return at once (a repeat of a committed version with the
+    same data), ``None`` (a new version, or a retry of this trainer's pending one), or
+    ``ValueError``. Versions increase strictly per job, and a version never changes its
+    data: anything else would leave a version in etcd that does not say what it holds.
+    ``last_published`` is this trainer's latest ``(version, digest)`` in this process."""
+    if not is_integer(version) or version < 0:
+        raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    committed = state.committed.get(version)
+    if committed is not None:
+        recorded = state.source_digests.get(version, {}).get(member_id)
+        if recorded is not None and recorded != digest:
+            raise ValueError(f"version {version} is already committed, and {member_id} published other data "
+                             f"for it then (digest {recorded}, now {digest}): publish a new version")
+        return committed
+    latest = state.latest_committed
+    if latest is not None and version < latest:
+        raise ValueError(f"version {version} is older than the job's latest committed version {latest}: "
+                         "versions must increase")
+    if last_published is not None:
+        last, last_digest = last_published
+        if version < last:
+            raise ValueError(f"version {version} is older than version {last}, which {member_id} published "
+                             "before: versions must increase")
+        if version == last and digest != last_digest:
+            raise ValueError(f"version {version} was published by {member_id} before with other data "
+                             f"(digest {last_digest}, now {digest}): publish a new version")
     return None
 
 

@@ -119,28 +119,59 @@ class RefitConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> RefitConfig:
         """Fields from ``ELASTIC_REFIT_<FIELD>`` (e.g. ``ELASTIC_REFIT_MEMBER_ID``); ``etcd``
-        is a comma-separated list; explicit keyword arguments win."""
+        is a comma-separated list; explicit keyword arguments win. Every variable is parsed
+        strictly (booleans from a fixed set, numbers finite): ``ValueError`` naming the
+        variable and its value, never a silent default."""
         environ = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
+        origin: dict[str, str] = {}  # field -> "VARIABLE='raw'"
         for f in fields(cls):
-            raw = environ.get(f"ELASTIC_REFIT_{f.name.upper()}")
-            if raw is None:
+            variable = f"ELASTIC_REFIT_{f.name.upper()}"
+            raw = environ.get(variable)
+            if raw is None or f.name in overrides:
                 continue
-            if f.name == "etcd":
-                values[f.name] = tuple(e.strip() for e in raw.split(",") if e.strip())
-            elif f.type in ("int", int):
-                values[f.name] = int(raw)
-            elif f.type in ("float", float):
-                values[f.name] = float(raw)
-            elif f.type in ("bool", bool):
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            else:
-                values[f.name] = raw
+            values[f.name] = _parse_env(variable, f.name, f.type, raw)
+            origin[f.name] = f"{variable}={raw!r}"
         values.update(overrides)
         missing = [n for n in ("job", "role", "member_id", "layout_rank", "etcd") if n not in values]
         if missing:
             raise ValueError("missing configuration: " + ", ".join(f"ELASTIC_REFIT_{n.upper()}" for n in missing))
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            named = [where for name, where in origin.items() if name in str(exc)]
+            raise ValueError(f"{exc} (from {', '.join(named)})" if named else str(exc)) from None
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_env(variable: str, name: str, type_: Any, raw: str) -> Any:
+    """The value of one ``ELASTIC_REFIT_*`` variable for field ``name`` (strict)."""
+    text = raw.strip()
+    if name == "etcd":
+        return tuple(e.strip() for e in raw.split(",") if e.strip())
+    if type_ in ("int", int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not an integer") from None
+    if type_ in ("float", float):
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{variable}={raw!r} is not a finite number")
+        return value
+    if type_ in ("bool", bool):
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{variable}={raw!r} is not a boolean (one of {', '.join(_TRUE + _FALSE)})")
+    return raw
 
 
 def _is_int(value: object) -> bool:

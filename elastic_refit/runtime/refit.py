@@ -28,7 +28,6 @@ they commit, so serving never stops for a transfer.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,10 +36,12 @@ from typing import Any
 import structlog
 import torch
 
+from elastic_refit._validate import check_timeout, is_integer
 from elastic_refit.errors import (
     RefitError,
     RefitFailed,
     RefitTimeout,
+    SourceChanged,
     TransportAborted,
 )
 from elastic_refit.layout import Layout
@@ -68,6 +69,7 @@ from elastic_refit.runtime.attempt import (
     CommitAction,
     FailureTally,
     attempt_cause,
+    check_publish,
     count_failure,
     fault_cause,
     next_action,
@@ -77,7 +79,12 @@ from elastic_refit.runtime.attempt import (
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
 from elastic_refit.transport.agreement import agree_on_plan
-from elastic_refit.transport.buffers import byte_view, digest
+from elastic_refit.transport.buffers import (
+    buffer_digests,
+    buffers_digest,
+    combine_digests,
+    overlapping,
+)
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.protocol import Transport
 
@@ -142,6 +149,8 @@ class ElasticRefit:
         self._incoming = ({k: v.clone() for k, v in self.parameters.items()}
                           if config.mode == "staged" else self.parameters)
         self._published: dict[int, dict[str, torch.Tensor]] = {}
+        self._last_published: tuple[int, str] | None = None  # (version, digest) of this trainer's latest publish
+        self._snapshots: dict[int, dict[str, int]] = {}  # version -> buffer digests taken at publish
         self._cond = threading.Condition()
         self._readers = 0
         self._blocked = False  # in-place: parameters are being (or were partly) overwritten
@@ -211,15 +220,39 @@ class ElasticRefit:
         ``max_attempts`` consecutive attempts for the same cause (e.g. a tensor of the wrong
         shape or a missing buffer on some trainer), and :class:`RefitTimeout` after
         ``timeout_s`` (default ``version_timeout_s``)."""
+        me = self.config.member_id
         if self.config.role != "trainer":
-            raise ValueError(f"publish is for trainers; {self.config.member_id!r} is {self.config.role}")
+            raise ValueError(f"publish is for trainers; {me!r} is {self.config.role}")
+        if not is_integer(version) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        timeout_s = check_timeout("timeout_s", timeout_s)
         if isinstance(tensors, torch.nn.Module):
             tensors = {name: p.detach() for name, p in tensors.named_parameters()}
+        tensors = dict(tensors)
+        state = self.versions.snapshot()
+        # Bad input fails here, in the caller, never as attempts retried until they give up.
+        # The version is failed for the whole job too (every live trainer must source it),
+        # so peers waiting for it raise at once.
+        try:
+            self._check_buffers(self.layouts.source, tensors, f"trainer {me!r}, version {version}: published buffer")
+        except ValueError as exc:
+            if version not in state.committed and self.versions.refuse(self.membership, version, fault_cause(exc)):
+                self.log.error("refit.version.refused", version=version, cause=str(exc))
+            raise
+        # Taken before any byte moves: what the version is, whatever the buffers do later.
+        snapshot = buffer_digests(tensors)
+        data_digest = combine_digests(snapshot)
+        repeat = check_publish(version, data_digest, me, state, self._last_published)
+        if repeat is not None:
+            return repeat
+        self._last_published = (version, data_digest)
         with self._cond:
             self._published = {v: t for v, t in self._published.items() if v > version}
-            self._published[version] = dict(tensors)
+            self._published[version] = tensors
+            self._snapshots = {v: d for v, d in self._snapshots.items() if v > version}
+            self._snapshots[version] = snapshot
         try:
-            self.versions.publish_source(self.membership, version)
+            self.versions.publish_source(self.membership, version, data_digest)
             self.log.info("refit.version.published", version=version)
 
             def committed() -> Commit | None:
@@ -547,10 +580,14 @@ class ElasticRefit:
                        executor=executor, transport=transport)
             report = executor.run(source, destination)
             moving = False
+            if self.config.verify and me in spec.sources:
+                self._check_unchanged(spec.version, source)
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
                      local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
             if me in spec.destinations:
+                if self.config.verify and spec.sources:
+                    self._wait_sources_unchanged(store, seq, spec, view.epoch)
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
@@ -586,20 +623,49 @@ class ElasticRefit:
                 self.membership.wait_for_view(after_epoch=view.epoch, timeout_s=10 * self.config.poll_s)
             return True
 
-    def _wait_keys(self, store, keys: list[str], epoch: int) -> None:
+    def _wait_keys(self, store, keys: list[str], epoch: int, stage: str = "the plan was agreed") -> None:
         """Wait for every participant's key, but give up as soon as a newer epoch exists
         (a participant that moved on will never write its key here)."""
         deadline = time.monotonic() + self.config.epoch_deadline_s
         while not store.check(keys):
             latest = self.membership.view
             if latest is not None and latest.epoch != epoch:
-                raise _AttemptAborted(f"epoch {epoch} was superseded by epoch {latest.epoch} "
-                                      "before the plan was agreed")
+                raise _AttemptAborted(f"epoch {epoch} was superseded by epoch {latest.epoch} before {stage}")
             if self._stop.is_set():
-                raise _AttemptAborted("closing before the plan was agreed")
+                raise _AttemptAborted(f"closing before {stage}")
             if time.monotonic() > deadline:
-                raise RefitError(f"participants did not agree on a plan within {self.config.epoch_deadline_s} s")
+                raise RefitError(f"participants did not agree on a plan within {self.config.epoch_deadline_s} s"
+                                 if stage == "the plan was agreed" else
+                                 f"{stage} did not happen within {self.config.epoch_deadline_s} s")
             time.sleep(self.config.poll_s)
+
+    def _check_unchanged(self, version: int, source: Mapping[str, torch.Tensor]) -> None:
+        """After this trainer's sends: its buffers still hold what was published as
+        ``version``. Else the version is refused for the job (a retry would send the same
+        moving target) and :class:`SourceChanged` names the buffers."""
+        with self._cond:
+            snapshot = self._snapshots.get(version)
+        if snapshot is None:
+            return
+        now = buffer_digests(source)
+        changed = sorted(name for name, d in snapshot.items() if now.get(name) != d)
+        if changed:
+            exc = SourceChanged(f"trainer {self.config.member_id!r}: published buffers {changed} changed while "
+                                f"version {version} was in flight; it is refused, publish a new version once "
+                                "they hold still")
+            self.versions.refuse(self.membership, version, fault_cause(exc))
+            raise exc
+
+    def _wait_sources_unchanged(self, store, seq: int, spec: AttemptSpec, epoch: int) -> None:
+        """A destination acks only once every source said its buffers did not change under
+        its sends: the bytes on the wire checked out, but they may be a torn mix of two
+        states of a buffer."""
+        keys = {m: AttemptKeys(seq).done(m) for m in spec.sources}
+        self._wait_keys(store, list(keys.values()), epoch, stage="the sources confirmed their buffers")
+        for member_id, key in keys.items():
+            value = store.get(key).decode()
+            if value != DONE_OK:
+                raise _AttemptAborted(f"source {member_id} did not confirm version {spec.version} ({value})")
 
     def _buffers(self, spec: AttemptSpec) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
         me = self.config.member_id
@@ -649,10 +715,7 @@ class ElasticRefit:
         return min(done, key=lambda c: c.version) if done else None
 
     def _digest(self) -> str:
-        value = hashlib.blake2b(digest_size=16)
-        for name in sorted(self._incoming):
-            value.update(f"{name}:{int(digest(byte_view(self._incoming[name]).reshape(-1)))};".encode())
-        return value.hexdigest()
+        return buffers_digest(self._incoming)
 
     def _raise_if_failed(self, version: int) -> None:
         failure = self._failed.get(version)
@@ -699,7 +762,9 @@ class ElasticRefit:
 
     def _check_buffers(self, layout: Layout, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         """Every buffer of this rank in ``layout`` is in ``tensors``, contiguous, with the
-        layout's shape and dtype; else ``ValueError`` starting with ``what``."""
+        layout's shape and dtype, on this rank's device type, none unknown to the layout and
+        no two sharing memory; else ``ValueError`` starting with ``what``."""
+        device_type = torch.device(self.config.device).type
         for buffer in layout.buffers(self.config.layout_rank):
             t = tensors.get(buffer.name)
             if t is None:
@@ -709,3 +774,11 @@ class ElasticRefit:
                                  f"{list(buffer.shape)} {buffer.dtype}")
             if not t.is_contiguous():
                 raise ValueError(f"{what} {buffer.name!r} must be contiguous")
+            if t.device.type != device_type:
+                raise ValueError(f"{what} {buffer.name!r} is on {t.device}, this rank refits on {self.config.device}")
+        unknown = sorted(set(tensors) - {b.name for b in layout.buffers(self.config.layout_rank)})
+        if unknown:
+            raise ValueError(f"{what}s {unknown} are not in the layout of rank {self.config.layout_rank}")
+        shared = overlapping(tensors)
+        if shared is not None:
+            raise ValueError(f"{what}s {shared[0]!r} and {shared[1]!r} share memory: each buffer needs its own")

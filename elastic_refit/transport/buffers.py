@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
     from elastic_refit.layout import Buffer
     from elastic_refit.transport.schedule import BufferRef
 
-__all__ = ["byte_view", "digest", "resolve_buffers", "split_box"]
+__all__ = ["buffer_digests", "buffers_digest", "byte_view", "combine_digests", "digest", "overlapping", "resolve_buffers", "split_box"]
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,3 +93,33 @@ def split_box(offsets: list[int], lengths: list[int], max_elements: int) -> Iter
         o, n = list(offsets), list(lengths)
         o[d], n[d] = offsets[d] + start, min(step, lengths[d] - start)
         yield o, n
+
+
+def buffer_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each named buffer's :func:`digest` (computed on its device), by name."""
+    return {name: int(digest(byte_view(t).reshape(-1))) for name, t in tensors.items()}
+
+
+def combine_digests(digests: Mapping[str, int]) -> str:
+    """One hex digest of named buffer digests, keyed by name, in name order."""
+    value = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        value.update(f"{name}:{digests[name]};".encode())
+    return value.hexdigest()
+
+
+def buffers_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One hex digest of named buffers: :func:`combine_digests` of :func:`buffer_digests`."""
+    return combine_digests(buffer_digests(tensors))
+
+
+def overlapping(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The names (in name order) of two tensors whose bytes overlap in memory (the first
+    such pair in address order), or ``None``. A view of another buffer would be overwritten by it."""
+    spans = sorted(((str(t.device), t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(),
+                     t.numel() * t.element_size(), name) for name, t in tensors.items() if t.numel()),
+                   key=lambda span: span[:3])
+    for (device, start, size, name), (next_device, next_start, _, next_name) in itertools.pairwise(spans):
+        if device == next_device and next_start < start + size:
+            return min(name, next_name), max(name, next_name)
+    return None

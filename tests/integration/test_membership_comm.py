@@ -94,7 +94,9 @@ def test_gloo_connects_only_once_every_rank_arrived(etcd_server, make_client):
     waiting = [threading.Thread(target=reconfigure, args=(i, v1)) for i in (0, 1)]
     for t in waiting:
         t.start()
-    arrived = lambda: {kv.key.rsplit("/", 2)[-2] for kv in client.get_prefix(store_prefix).kvs if "/arrived/" in kv.key}
+    def arrived() -> set[str]:
+        return {kv.key.rsplit("/", 2)[-2] for kv in client.get_prefix(store_prefix).kvs if "/arrived/" in kv.key}
+
     deadline = time.monotonic() + 10
     while arrived() != {"t0", "t1"} and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -24,6 +24,7 @@ from elastic_refit.errors import RefitFailed
 from elastic_refit.layout import parse_spec
 from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
+from elastic_refit.testing.faults import FaultyTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
 pytestmark = pytest.mark.etcd
@@ -97,7 +98,8 @@ def run_job(etcd: str, job: str, trainer_steps: Callable[[ElasticRefit, str, int
 
 def publish_all(versions: tuple[int, ...], bad: dict[tuple[str, int], Callable[[dict], dict]]):
     """Trainer steps: publish each version, with ``bad[(member_id, version)]`` applied to
-    that member's tensors; a ``RefitFailed`` is recorded and the trainer moves on."""
+    that member's tensors; a ``RefitFailed`` or a refusal (``ValueError``) is recorded and
+    the trainer moves on."""
     def steps(refit: ElasticRefit, member_id: str, layout_rank: int) -> list[dict]:
         out = []
         for version in versions:
@@ -109,17 +111,21 @@ def publish_all(versions: tuple[int, ...], bad: dict[tuple[str, int], Callable[[
                 out.append({"version": version, "committed": commit.version, "seconds": time.monotonic() - start})
             except RefitFailed as exc:
                 out.append({"version": version, "failed": exc, "seconds": time.monotonic() - start})
+            except ValueError as exc:  # bad input, refused in publish
+                out.append({"version": version, "refused": exc, "seconds": time.monotonic() - start})
         return out
     return steps
 
 
 def version_records(etcd: str, job: str) -> dict[str, dict[int, dict]]:
     keys = JobKeys(job)
-    out: dict[str, dict[int, dict]] = {"committed": {}, "failed": {}}
+    out: dict[str, dict[int, dict]] = {"committed": {}, "failed": {}, "sources": {}}
     with EtcdClient([etcd]) as client:
         for kv in client.get_prefix(keys.versions_prefix).kvs:
             parsed = keys.parse_version_key(kv.key)
-            if parsed is not None and parsed[1] in out:
+            if parsed is not None and parsed[1] == "sources":
+                out["sources"].setdefault(parsed[0], {})[parsed[2]] = json.loads(kv.value)
+            elif parsed is not None and parsed[1] in out:
                 out[parsed[1]][parsed[0]] = json.loads(kv.value)
     return out
 
@@ -129,10 +135,12 @@ def assert_no_errors(reports: dict[str, dict]) -> None:
     assert not errors, errors
 
 
-def test_a_missing_buffer_fails_the_version_on_every_member_and_the_next_version_commits(etcd_server):
-    """t0 (the coordinator) publishes version 2 without buffer 'w': every attempt fails
-    before any byte moves. After 5 attempts (the default) every member raises RefitFailed
-    with the cause; version 3 then commits bit-exactly."""
+def test_a_missing_buffer_is_refused_in_publish_and_fails_the_version_everywhere_at_once(etcd_server):
+    """t0 (the coordinator) publishes version 2 without buffer 'w': its ``publish`` raises
+    the one-line ``ValueError`` at once, before any attempt (bad input is never retried),
+    and fails version 2 for the job (every live trainer must source a version), so t1 and
+    the inference ranks raise ``RefitFailed`` with that cause at once. Version 3 then
+    commits bit-exactly."""
     etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
 
     def drop_w(tensors: dict) -> dict:
@@ -140,22 +148,25 @@ def test_a_missing_buffer_fails_the_version_on_every_member_and_the_next_version
 
     reports = run_job(etcd, job, publish_all((1, 2, 3), {("t0", 2): drop_w}), inference_versions=(1, 2, 3))
     assert_no_errors(reports)
-    for trainer in ("t0", "t1"):
-        one, two, three = reports[trainer]["steps"]
-        assert one["committed"] == 1 and three["committed"] == 3, reports[trainer]
-        failure = two["failed"]
-        assert (failure.version, failure.num_attempts) == (2, 5)
-        assert failure.cause == "ValueError: trainer 't0', version 2: published buffer 'w' is missing"
-        assert "failed 5 consecutive attempts" in str(failure)
-        assert two["seconds"] < 30.0, f"{trainer}: RefitFailed took {two['seconds']:.1f} s"
+    message = "trainer 't0', version 2: published buffer 'w' is missing"
+    one, two, three = reports["t0"]["steps"]
+    assert one["committed"] == 1 and three["committed"] == 3, reports["t0"]
+    assert str(two["refused"]) == message
+    assert two["seconds"] < 2.0, f"the refusal took {two['seconds']:.1f} s"
+    one, two, three = reports["t1"]["steps"]
+    assert one["committed"] == 1 and three["committed"] == 3, reports["t1"]
+    assert (two["failed"].version, two["failed"].num_attempts) == (2, 0)
+    assert two["failed"].cause == f"ValueError: {message}"
+    assert str(two["failed"]) == f"version 2 was refused: ValueError: {message}"
+    assert two["seconds"] < 10.0, f"t1 waited {two['seconds']:.1f} s for the refused version"
     for rank in ("i0", "i1"):
         one, two, three = reports[rank]["steps"]
         assert one["served"] == 1 and three["served"] == 3 and not one["problems"] and not three["problems"]
-        assert isinstance(two["failed"], RefitFailed) and two["failed"].cause == reports["t0"]["steps"][1]["failed"].cause
+        assert isinstance(two["failed"], RefitFailed) and two["failed"].cause == f"ValueError: {message}"
     records = version_records(etcd, job)
-    assert 2 not in records["committed"] and sorted(records["committed"]) == [1, 3]
-    assert records["failed"][2]["num_attempts"] == 5
-    assert records["failed"][2]["cause"].startswith("ValueError: ")
+    assert sorted(records["committed"]) == [1, 3]
+    assert records["failed"][2]["num_attempts"] == 0
+    assert "t0" not in records["sources"][2], "t0's refused version 2 reached etcd as a source"
 
 
 def test_a_fault_after_the_agreement_fails_the_version_across_rebuilt_communicators(etcd_server):
@@ -184,3 +195,52 @@ def test_a_fault_after_the_agreement_fails_the_version_across_rebuilt_communicat
     for rank in ("i0", "i1"):
         assert [s["served"] for s in reports[rank]["steps"]] == [1, 3]
         assert not any(s["problems"] for s in reports[rank]["steps"])
+
+
+def test_a_source_buffer_changed_mid_transfer_is_never_committed(etcd_server):
+    """t0's buffer 'w' changes while version 2 is in flight, as its send is posted (an
+    optimizer step that did not wait for ``publish``): the bytes on the wire check out, but
+    they need not be what was published. t0 finds its buffers changed against the digests
+    taken at publish, version 2 is refused for the job and never committed, no inference
+    rank acks it, and every member raises ``RefitFailed`` naming t0 and 'w'. Version 3
+    then commits, verified."""
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+    held: dict[tuple[str, int], dict] = {}
+
+    def steps(refit: ElasticRefit, member_id: str, layout_rank: int) -> list[dict]:
+        out = []
+        for version in (1, 2, 3):
+            tensors = held[(member_id, version)] = trainer_tensors(layout_rank, version)
+            start = time.monotonic()
+            try:
+                commit = refit.publish(tensors, version)
+                out.append({"version": version, "committed": commit.version})
+            except RefitFailed as exc:
+                out.append({"version": version, "failed": exc, "seconds": time.monotonic() - start})
+        return out
+
+    def hook(phase: str, context) -> None:
+        if phase == "transfer.before" and context["member_id"] == "t0" and context.get("version") == 2:
+            context["transport"].inject(lambda: held[("t0", 2)]["w"].add_(1), after=0, op="send")
+
+    uninstall = HOOKS.install(hook, wrap_transport=FaultyTransport)
+    try:
+        reports = run_job(etcd, job, steps, inference_versions=(1, 2, 3))
+    finally:
+        uninstall()
+    assert_no_errors(reports)
+    cause = ("SourceChanged: trainer 't0': published buffers ['w'] changed while version 2 was in flight; "
+             "it is refused, publish a new version once they hold still")
+    for trainer in ("t0", "t1"):
+        one, two, three = reports[trainer]["steps"]
+        assert one["committed"] == 1 and three["committed"] == 3, reports[trainer]
+        assert (two["failed"].version, two["failed"].cause) == (2, cause), two
+    for rank in ("i0", "i1"):
+        one, two, three = reports[rank]["steps"]
+        assert one["served"] == 1 and three["served"] == 3 and not one["problems"] and not three["problems"]
+        assert isinstance(two["failed"], RefitFailed) and two["failed"].cause == cause
+    records = version_records(etcd, job)
+    assert sorted(records["committed"]) == [1, 3] and records["failed"][2]["cause"] == cause
+    with EtcdClient([etcd]) as client:
+        acks = client.get_prefix(JobKeys(job).versions_prefix + "2/acks/").kvs
+    assert not acks, f"inference ranks acked the torn version 2: {[kv.key for kv in acks]}"

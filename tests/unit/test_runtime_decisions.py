@@ -15,6 +15,7 @@ import pytest
 from elastic_refit.membership.versions import Ack, Commit, Failure, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 
+from elastic_refit._validate import check_timeout
 from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
 from elastic_refit.layout import parse_spec
 from elastic_refit.runtime import AttemptSpec, CommitAction, RefitConfig, next_action, plan_attempt
@@ -24,6 +25,7 @@ from elastic_refit.runtime.attempt import (
     REFORM_GRACE_S,
     FailureTally,
     attempt_cause,
+    check_publish,
     count_failure,
     fault_cause,
     reform_due,
@@ -349,6 +351,32 @@ def test_config_from_env_reads_max_attempts_and_backend():
     assert (c.max_attempts, c.backend, c.device, c.etcd) == (3, "nccl", "cuda:1", ("a:1", "b:2"))
 
 
+BASE_ENV = {"ELASTIC_REFIT_JOB": "j", "ELASTIC_REFIT_ROLE": "inference", "ELASTIC_REFIT_MEMBER_ID": "i0",
+            "ELASTIC_REFIT_LAYOUT_RANK": "2", "ELASTIC_REFIT_ETCD": "a:1"}
+
+
+@pytest.mark.parametrize("variable, raw, message", [
+    ("ELASTIC_REFIT_VERIFY", "maybe",
+     "ELASTIC_REFIT_VERIFY='maybe' is not a boolean (one of 1, true, yes, on, 0, false, no, off)"),
+    ("ELASTIC_REFIT_BUCKET_BYTES", "0",
+     "bucket_bytes must be an int >= 1, got 0 (from ELASTIC_REFIT_BUCKET_BYTES='0')"),
+    ("ELASTIC_REFIT_BUCKET_BYTES", "16MiB", "ELASTIC_REFIT_BUCKET_BYTES='16MiB' is not an integer"),
+    ("ELASTIC_REFIT_VERSION_TIMEOUT_S", "nan", "ELASTIC_REFIT_VERSION_TIMEOUT_S='nan' is not a finite number"),
+    ("ELASTIC_REFIT_VERSION_TIMEOUT_S", "soon", "ELASTIC_REFIT_VERSION_TIMEOUT_S='soon' is not a number"),
+    ("ELASTIC_REFIT_LAYOUT_RANK", "-3",
+     "layout_rank must be an int >= 0, got -3 (from ELASTIC_REFIT_LAYOUT_RANK='-3')"),
+])
+def test_config_from_env_is_strict_and_names_the_variable(variable, raw, message):
+    with pytest.raises(ValueError) as info:
+        RefitConfig.from_env({**BASE_ENV, variable: raw})
+    assert str(info.value) == message
+
+
+def test_config_from_env_reads_booleans_from_a_fixed_set():
+    assert RefitConfig.from_env({**BASE_ENV, "ELASTIC_REFIT_VERIFY": " Off "}).verify is False
+    assert RefitConfig.from_env({**BASE_ENV, "ELASTIC_REFIT_VERIFY": "yes"}).verify is True
+
+
 # ---- reform_due: shrink first, rebuild only when the peer turns out to be alive ---------
 
 @pytest.mark.parametrize(("broken_for_s", "ttl_s", "due"), [
@@ -374,3 +402,63 @@ def test_reform_due_rejects_bad_input(broken_for_s, ttl_s):
 ])
 def test_reform_due_in_counts_down_to_zero(broken_for_s, ttl_s, due_in):
     assert reform_due_in(broken_for_s, ttl_s) == pytest.approx(due_in)
+
+
+# ---- check_publish: versions increase strictly, a version never changes its data ---------
+
+def published(committed: dict[int, str] | None = None, digests: dict[int, str] | None = None) -> VersionState:
+    """Versions committed (v -> commit digest) and t0's source digests (v -> digest)."""
+    s = VersionState(revision=1)
+    for v, d in (committed or {}).items():
+        s.committed[v] = Commit(v, 1, d)
+    for v, d in (digests or {}).items():
+        s.source_digests.setdefault(v, {})["t0"] = d
+    return s
+
+
+@pytest.mark.parametrize("version, data, job, last, expected", [
+    # a new version: nothing to return, it moves
+    (1, "a", published(), None, None),
+    (6, "a", published({5: "c"}, {5: "x"}), (5, "x"), None),
+    # a retry of this trainer's pending version with the same data (after a RefitTimeout)
+    (6, "a", published({5: "c"}), (6, "a"), None),
+    # a repeat of a committed version: idempotent with the same data...
+    (5, "x", published({5: "c"}, {5: "x"}), None, Commit(5, 1, "c")),
+    # ...and where this trainer's record of it is gone (its lease expired, a restart)
+    (5, "x", published({5: "c"}), None, Commit(5, 1, "c")),
+    # going backwards
+    (3, "a", published({5: "c"}), None,
+     "version 3 is older than the job's latest committed version 5: versions must increase"),
+    (4, "a", published(), (5, "b"),
+     "version 4 is older than version 5, which t0 published before: versions must increase"),
+    # the same version with other data
+    (5, "y", published({5: "c"}, {5: "x"}), None,
+     "version 5 is already committed, and t0 published other data for it then (digest x, now y): "
+     "publish a new version"),
+    (6, "b", published(), (6, "a"),
+     "version 6 was published by t0 before with other data (digest a, now b): publish a new version"),
+    # not a version
+    (-1, "a", published(), None, "version must be an integer >= 0, got -1"),
+    (2.0, "a", published(), None, "version must be an integer >= 0, got 2.0"),
+    (True, "a", published(), None, "version must be an integer >= 0, got True"),
+])
+def test_check_publish(version, data, job, last, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ValueError) as info:
+            check_publish(version, data, "t0", job, last)
+        assert str(info.value) == expected
+    else:
+        assert check_publish(version, data, "t0", job, last) == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    (math.nan, "nan"), (math.inf, "inf"), (0, "0"), (-1.0, "-1.0"), ("5", "'5'"), (True, "True"),
+])
+def test_check_timeout_rejects_what_would_never_or_always_expire(value, message):
+    with pytest.raises(ValueError) as info:
+        check_timeout("timeout_s", value)
+    assert str(info.value) == f"timeout_s must be a finite number of seconds > 0 (or None), got {message}"
+
+
+def test_check_timeout_passes_none_and_positive_numbers():
+    assert check_timeout("t", None) is None and check_timeout("t", 2) == 2.0 and check_timeout("t", 0.5) == 0.5
