@@ -1,8 +1,9 @@
 """The `elastic-refit` command line: plan, bench, demo, chaos, status.
 
 Each subcommand lives in its own module and registers itself through ``register``;
-user errors (``ValueError``, ``FileNotFoundError``) become one ``error:`` line and exit
-status 2, never a traceback.
+every failure becomes one ``elastic-refit: error: ...`` line on stderr (exit status 2 for
+bad input, 1 for a runtime fault), never a traceback unless ``--debug``. Logs go to stderr
+too: stdout carries only the command's table or JSON.
 """
 
 from __future__ import annotations
@@ -12,17 +13,27 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "describe_failure", "main"]
 
 # Modules that define `register(subparsers)`; each adds one top-level subcommand.
 _COMMAND_MODULES = ("plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one ``elastic-refit: error:`` line too (exit 2); ``--help`` has the
+    usage. Subcommand parsers are of this class as well."""
+
+    def error(self, message: str):  # type: ignore[override]
+        command = self.prog.removeprefix("elastic-refit").strip()
+        self.exit(2, f"elastic-refit: error: {command + ': ' if command else ''}{message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="elastic-refit",
         description="Minimal-bytes weight refit between training and inference layouts.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in _COMMAND_MODULES:
         module = importlib.import_module(f"{__name__}.{module_name}")
@@ -30,19 +41,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def describe_failure(exc: BaseException) -> tuple[int, str]:
+    """The exit status and the one line a failure is reported with (pure): 2 for bad input
+    (a value, a file, input nested too deeply), 1 for a runtime fault (etcd, a peer, a
+    timeout, anything unexpected)."""
+    from elastic_refit.errors import RefitError
+
+    if isinstance(exc, KeyError):
+        return 2, str(exc.args[0] if exc.args else exc)
+    first = (str(exc).splitlines() or [""])[0]
+    if isinstance(exc, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        return 2, f"{exc.filename}: {exc.strerror}" if exc.filename is not None else first
+    if isinstance(exc, RecursionError):
+        return 2, "input nested too deeply to read"
+    if isinstance(exc, ValueError):
+        return 2, first
+    if isinstance(exc, RefitError | ConnectionError | TimeoutError):
+        return 1, first or type(exc).__name__
+    return 1, f"{type(exc).__name__}: {first} (run with --debug for the traceback)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `elastic-refit` console script."""
+    from elastic_refit.log import configure_logging
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    configure_logging(stream=sys.stderr)  # stdout is for the table or the JSON only
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"elastic-refit: error: {message}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("elastic-refit: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        code, message = describe_failure(exc)
+        print(f"elastic-refit: error: {message}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

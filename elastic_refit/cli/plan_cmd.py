@@ -38,6 +38,9 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) -> tuple[RefitSpec, str]:
     """The RefitSpec the arguments describe, and a one-line description of it."""
+    for flag, value in (("--domain-size", args.domain_size), ("--layers", args.layers)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.spec:
         return load_spec(args.spec), f"spec {args.spec}"
     if not args.source or not args.destination:

@@ -99,8 +99,14 @@ def load_spec(path: str | Path) -> RefitSpec:
         text = path.read_text()
     except FileNotFoundError:
         raise FileNotFoundError(f"spec file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"spec file {str(path)!r} is a directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"spec file {str(path)!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         data = json.loads(text)
+        return parse_spec(data, origin=str(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    return parse_spec(data, origin=str(path))
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,5 +55,9 @@ def test_demo_json_summary(tmp_path):
     assert data["plan"]["cross_domain_bytes"] == data["plan"]["lower_bound_bytes"]
     assert data["plan"]["gather_broadcast_bytes"] > data["plan"]["cross_domain_bytes"]
     assert "FAULT" in stderr and "caught up" in stderr
-    # no process the demo started survives it
+    # No process the demo started survives it. A killed process may still be on its way
+    # out for a moment on a loaded machine (the demo's own check above found none alive).
+    deadline = time.monotonic() + 5.0
+    while _session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _session_members(proc.pid) == []

@@ -4,6 +4,7 @@ committed versions, as a table and as JSON."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -80,3 +81,18 @@ def test_status_of_an_unknown_job_is_empty(etcd_server):
 def test_status_rejects_bad_input(etcd_server, capsys):
     assert main(["status", "--etcd", etcd_server.endpoint, "--job", "bad/name"]) == 2
     assert "job must match" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "table"])
+def test_status_of_an_unreachable_etcd_is_one_line_and_exit_1(capsys, json_flag):
+    """A runtime fault (no etcd at the endpoint): one line naming the endpoint, exit 1,
+    nothing on stdout (logs, if any, go to stderr)."""
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", "--etcd", f"127.0.0.1:{port}", "--job", "job", *json_flag]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    errors = [line for line in err.splitlines() if line.startswith("elastic-refit: error: ")]
+    assert len(errors) == 1 and f"etcd unreachable at 127.0.0.1:{port}" in errors[0], err
+    assert "Traceback" not in err

@@ -193,6 +193,15 @@ BAD_INPUTS = {
             SPEC["tensors"][0], dict(SPEC["tensors"][0], source={"mesh": [8], "placements": ["R"]},
                                           destination={"mesh": [7, 9], "placements": ["R"]})])))],
         r"buffer 'w' declared twice on rank 7"),
+    "domain size 0": (lambda tmp: ["--model", "llama-3.1-8b", "--source", "tp=2", "--destination", "tp=2",
+                                   "--domain-size", "0"], r"^elastic-refit: error: --domain-size must be >= 1, got 0$"),
+    "layers 0": (lambda tmp: ["--model", "llama-3.1-8b", "--source", "tp=2", "--destination", "tp=2",
+                              "--layers", "0"], r"^elastic-refit: error: --layers must be >= 1, got 0$"),
+    "spec is a directory": (lambda tmp: ["--spec", str(tmp)], r"spec file '.*' is a directory$"),
+    "deeply nested json": (lambda tmp: ["--spec", _write(tmp, "deep.json", "[" * 100_000 + "]" * 100_000)],
+                           r"deep\.json: JSON nested too deeply to read$"),
+    "usage error": (lambda tmp: ["--spec"], r"^elastic-refit: error: plan: argument --spec: expected one argument "
+                                            r"\(see --help\)$"),
     "bucket size": (lambda tmp: ["--model", "llama-3.1-8b", "--source", "tp=2", "--destination", "tp=2",
                                  "--layers", "1", "--bucket-mib", "0"], r"--bucket-mib must be >= 1, got 0"),
 }
