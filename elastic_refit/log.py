@@ -16,16 +16,31 @@ import structlog
 __all__ = ["configure_logging", "get_logger"]
 
 
+class _CurrentStderr:
+    """The process's ``sys.stderr`` as it is when a line is written, not when logging was
+    configured (tools and test harnesses swap it, and may close the one they replaced)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(json: bool | None = None, *, stream: TextIO | None = None,
                       level: int = logging.INFO) -> None:
-    """Route every structlog event of this process to ``stream`` (default: stderr).
+    """Route every structlog event of this process to ``stream`` (default: the process's
+    stderr at the time of each write).
 
     ``json=True`` renders one JSON object per line (timestamps ISO-8601 UTC); ``json=False``
     renders a human-readable console line; ``None`` picks the console view only when the
     stream is a terminal, so redirected output stays machine-readable. Calling it again
     replaces the previous configuration (a process may switch its stream, e.g. to a file).
     """
-    out = stream if stream is not None else sys.stderr
+    out: Any = stream if stream is not None else _CurrentStderr()
     if json is None:
         isatty = getattr(out, "isatty", None)
         json = not (callable(isatty) and isatty())

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
         return exc.code if isinstance(exc.code, int) else 2
-    configure_logging(stream=sys.stderr)  # stdout is for the table or the JSON only
+    configure_logging()  # to stderr: stdout is for the table or the JSON only
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
