@@ -18,6 +18,7 @@ Keys (under ``/elastic-refit/{job}/``):
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ class VersionState:
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation
     # v -> member -> digest of the buffers that trainer published as v (taken at publish)
     source_digests: dict[int, dict[str, str]] = field(default_factory=dict)
+    # v -> member -> replica region index -> that trainer's digest of the region
+    source_regions: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)
     committed: dict[int, Commit] = field(default_factory=dict)
     failed: dict[int, Failure] = field(default_factory=dict)
@@ -90,6 +93,9 @@ class VersionStore:
                 state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
                 if data.get("digest"):
                     state.source_digests.setdefault(version, {})[member_id] = str(data["digest"])  # type: ignore[index]
+                if data.get("regions"):
+                    state.source_regions.setdefault(version, {})[member_id] = {  # type: ignore[index]
+                        int(k): str(v) for k, v in data["regions"].items()}
             elif kind == "acks":
                 state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
                     str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
@@ -105,11 +111,14 @@ class VersionStore:
         return json.loads(kv.value) if kv else None
 
     # ---- fenced writes ------------------------------------------------------------
-    def publish_source(self, membership: Membership, version: int, digest: str = "") -> None:
-        """This trainer published ``version`` (its buffers' ``digest``, taken at publish) and
-        serves it as a source (fenced on its own lease)."""
-        membership.fenced_put(self.keys.source(version, membership.record.member_id),
-                              json.dumps({"incarnation": membership.record.incarnation, "digest": digest}).encode())
+    def publish_source(self, membership: Membership, version: int, digest: str = "",
+                       regions: Mapping[int, str] | None = None) -> None:
+        """This trainer published ``version`` (its buffers' ``digest`` and its digests of the
+        replica ``regions`` it holds, taken at publish) and serves it as a source (fenced
+        on its own lease)."""
+        record = {"incarnation": membership.record.incarnation, "digest": digest,
+                  "regions": {str(k): v for k, v in (regions or {}).items()}}
+        membership.fenced_put(self.keys.source(version, membership.record.member_id), json.dumps(record).encode())
 
     def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
         """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""

@@ -73,6 +73,8 @@ class RefitConfig:
     staging_bytes: int = 64 << 20
     poll_s: float = 0.02
     max_attempts: int = 5
+    # Refuse a version whose source replicas differ where they hold the same region.
+    check_replicas: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -107,8 +109,9 @@ class RefitConfig:
             raise ValueError(
                 "timeouts must be ordered collective < lease TTL < epoch deadline, got "
                 f"{self.collective_timeout_s}, {self.ttl_s}, {self.epoch_deadline_s}")
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"verify must be a bool, got {self.verify!r}")
+        for name in ("verify", "check_replicas"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
         if not _is_int(self.staging_bytes) or self.staging_bytes < 4 * self.bucket_bytes:

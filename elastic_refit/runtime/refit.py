@@ -65,6 +65,7 @@ from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
+    REFIT,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -78,6 +79,12 @@ from elastic_refit.runtime.attempt import (
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.phases import HOOKS
+from elastic_refit.runtime.replicas import (
+    ReplicaRegion,
+    region_digests,
+    replica_disagreement,
+    replica_regions,
+)
 from elastic_refit.transport.agreement import agree_on_plan
 from elastic_refit.transport.buffers import (
     buffer_digests,
@@ -151,6 +158,7 @@ class ElasticRefit:
         self._published: dict[int, dict[str, torch.Tensor]] = {}
         self._last_published: tuple[int, str] | None = None  # (version, digest) of this trainer's latest publish
         self._snapshots: dict[int, dict[str, int]] = {}  # version -> buffer digests taken at publish
+        self._regions: tuple[ReplicaRegion, ...] | None = None  # the source layout's replica regions
         self._cond = threading.Condition()
         self._readers = 0
         self._blocked = False  # in-place: parameters are being (or were partly) overwritten
@@ -246,13 +254,15 @@ class ElasticRefit:
         if repeat is not None:
             return repeat
         self._last_published = (version, data_digest)
+        regions = (region_digests(self.layouts.source, self.config.layout_rank, tensors, self._replica_regions())
+                   if self.config.check_replicas else {})
         with self._cond:
             self._published = {v: t for v, t in self._published.items() if v > version}
             self._published[version] = tensors
             self._snapshots = {v: d for v, d in self._snapshots.items() if v > version}
             self._snapshots[version] = snapshot
         try:
-            self.versions.publish_source(self.membership, version, data_digest)
+            self.versions.publish_source(self.membership, version, data_digest, regions)
             self.log.info("refit.version.published", version=version)
 
             def committed() -> Commit | None:
@@ -423,6 +433,14 @@ class ElasticRefit:
             state = self.versions.snapshot()
         self._prune_tallies(state)
         action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
+        if isinstance(action, AttemptSpec) and action.kind == REFIT and self.config.check_replicas:
+            disagreement = self._replica_disagreement(view, state, action)
+            if disagreement is not None:
+                # Nothing has moved: the version is refused before any attempt.
+                cause = f"ValueError: {disagreement}"
+                if self.versions.fail(self.membership, action.version, view.epoch, cause, 0):
+                    self.log.error("refit.version.refused", version=action.version, cause=disagreement)
+                return
         if isinstance(action, CommitAction):
             self._hook("commit.before", version=action.version, epoch=view.epoch)
             if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
@@ -434,6 +452,21 @@ class ElasticRefit:
                 self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
                               kind=action.kind, sources=len(action.sources), holders=len(action.holders),
                               destinations=len(action.destinations))
+
+    def _replica_regions(self) -> tuple[ReplicaRegion, ...]:
+        if self._regions is None:
+            self._regions = replica_regions(self.layouts.source)
+        return self._regions
+
+    def _replica_disagreement(self, view: MembershipView, state: VersionState, spec: AttemptSpec) -> str | None:
+        """Where the attempt's sources, as published, differ on a region they share."""
+        regions = self._replica_regions()
+        if not regions:
+            return None
+        published = state.source_regions.get(spec.version, {})
+        ranks = {view.member(m).layout_rank: m for m in spec.sources}
+        digests = {rank: published[m] for rank, m in ranks.items() if m in published}
+        return replica_disagreement(regions, digests, ranks)
 
     # ---- giving up on a version (coordinator) ---------------------------------------------
     def _count_attempt(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,

@@ -244,3 +244,31 @@ def test_a_source_buffer_changed_mid_transfer_is_never_committed(etcd_server):
     with EtcdClient([etcd]) as client:
         acks = client.get_prefix(JobKeys(job).versions_prefix + "2/acks/").kvs
     assert not acks, f"inference ranks acked the torn version 2: {[kv.key for kv in acks]}"
+
+
+def test_diverged_replicas_are_refused_naming_the_tensor_region_and_ranks(etcd_server):
+    """t0 and t1 are data-parallel replicas; for version 2 t1 holds other values in one
+    element of 'w' (a gradient left unreduced). The coordinator compares the replicas'
+    digests of every shared region before anything moves and refuses version 2, naming the
+    tensor, the region and both ranks; version 3 commits, verified."""
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+
+    def diverge(tensors: dict) -> dict:
+        w = tensors["w"].clone()
+        w[3, 5] = -w[3, 5] if float(w[3, 5]) != 0 else 1.0
+        return {**tensors, "w": w}
+
+    reports = run_job(etcd, job, publish_all((1, 2, 3), {("t1", 2): diverge}), inference_versions=(1, 2, 3))
+    assert_no_errors(reports)
+    cause = ("ValueError: source replicas disagree on tensor 'w' region [0:32, 0:16]: rank 0 (t0) and rank 1 (t1) "
+             "hold different values")
+    for trainer in ("t0", "t1"):
+        one, two, three = reports[trainer]["steps"]
+        assert one["committed"] == 1 and three["committed"] == 3, reports[trainer]
+        assert (two["failed"].version, two["failed"].cause, two["failed"].num_attempts) == (2, cause, 0), two
+    for rank in ("i0", "i1"):
+        one, two, three = reports[rank]["steps"]
+        assert one["served"] == 1 and three["served"] == 3 and not one["problems"] and not three["problems"]
+        assert isinstance(two["failed"], RefitFailed) and two["failed"].cause == cause
+    records = version_records(etcd, job)
+    assert sorted(records["committed"]) == [1, 3] and records["failed"][2]["cause"] == cause
