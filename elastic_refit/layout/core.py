@@ -36,6 +36,10 @@ _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
 _ITEMSIZE_BY_INDEX = np.array([DTYPE_ITEMSIZE[d] for d in DTYPES], dtype=np.int64)
 
 
+MAX_TENSOR_BYTES = 1 << 62  # byte sizes and offsets must fit int64 columns, with room for sums
+MAX_RANKS = 1 << 20  # rank ids of a layout or spec; a topology is allocated per rank
+
+
 @dataclass(frozen=True, slots=True)
 class LogicalTensor:
     """One weight in the canonical (HF) naming, with its global shape and dtype."""
@@ -52,6 +56,10 @@ class LogicalTensor:
             raise ValueError(f"tensor {self.name!r}: shape must be non-empty and >= 0, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        # Byte offsets and sizes live in int64 columns: a larger tensor would wrap.
+        if self.nbytes > MAX_TENSOR_BYTES:
+            raise ValueError(f"tensor {self.name!r}: {list(shape)} {self.dtype} is {self.nbytes} bytes, more than "
+                             f"the {MAX_TENSOR_BYTES} (2**62) a layout can address")
 
     @property
     def itemsize(self) -> int:

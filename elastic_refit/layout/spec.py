@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic_refit.layout.core import Layout, LayoutBuilder, Topology
+from elastic_refit.layout.core import MAX_RANKS, Layout, LayoutBuilder, Topology
 from elastic_refit.layout.dtensor import add_sharded_tensor
 
 __all__ = ["RefitSpec", "load_spec", "parse_spec"]
@@ -69,6 +69,9 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
                 raise ValueError(f"{where} {side}: mesh is ragged: {mesh!r}") from None
             if mesh_arr.dtype == object or (mesh_arr.size and not np.issubdtype(mesh_arr.dtype, np.integer)):
                 raise ValueError(f"{where} {side}: mesh must be nested lists of rank ids, got {mesh!r}")
+            if mesh_arr.size and not 0 <= int(mesh_arr.min()) <= int(mesh_arr.max()) < MAX_RANKS:
+                raise ValueError(f"{where} {side}: rank ids must be in [0, {MAX_RANKS}), got "
+                                 f"{int(mesh_arr.min()) if int(mesh_arr.min()) < 0 else int(mesh_arr.max())}")
             if not isinstance(placements, list):
                 raise ValueError(f"{where} {side}: 'placements' must be a list, got {placements!r}")
             try:

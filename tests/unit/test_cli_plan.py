@@ -202,6 +202,15 @@ BAD_INPUTS = {
                            r"deep\.json: JSON nested too deeply to read$"),
     "usage error": (lambda tmp: ["--spec"], r"^elastic-refit: error: plan: argument --spec: expected one argument "
                                             r"\(see --help\)$"),
+    "element count overflow": (
+        lambda tmp: ["--spec", _write(tmp, "huge.json", json.dumps(dict(SPEC, tensors=[
+            dict(SPEC["tensors"][0], shape=[2**40, 2**40])])))],
+        r"tensor 'w': \[1099511627776, 1099511627776\] bfloat16 is 2417851639229258349412352 bytes, more than "
+        r"the 4611686018427387904 \(2\*\*62\) a layout can address$"),
+    "rank id too large": (
+        lambda tmp: ["--spec", _write(tmp, "rank.json", json.dumps({"tensors": [
+            dict(SPEC["tensors"][0], destination={"mesh": [10**9], "placements": ["R"]})]}))],
+        r"tensor 'w' destination: rank ids must be in \[0, 1048576\), got 1000000000$"),
     "bucket size": (lambda tmp: ["--model", "llama-3.1-8b", "--source", "tp=2", "--destination", "tp=2",
                                  "--layers", "1", "--bucket-mib", "0"], r"--bucket-mib must be >= 1, got 0"),
 }
