@@ -23,6 +23,7 @@ from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import (
     CommunicatorError,
     EpochTimeout,
+    EtcdAccessDenied,
     EtcdUnavailable,
     FencedWrite,
     LeadershipLost,
@@ -41,6 +42,7 @@ __all__ = [
     "CommunicatorError",
     "CommunicatorManager",
     "EpochTimeout",
+    "EtcdAccessDenied",
     "EtcdClient",
     "EtcdConfig",
     "EtcdStore",

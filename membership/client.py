@@ -24,7 +24,7 @@ import aetcd
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
-from elastic_refit.membership.errors import EtcdUnavailable
+from elastic_refit.membership.errors import EtcdAccessDenied, EtcdUnavailable
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -39,6 +39,10 @@ T = TypeVar("T")
 
 # Faults worth another attempt (possibly at another endpoint); anything else is a bug or
 # a server-side refusal and surfaces at once.
+# etcd's messages for a wrong password, a missing user or token, and a key outside the roles.
+_ACCESS_DENIED = ("authentication failed", "permission denied", "user name is empty", "invalid auth token",
+                  "user name not found")
+
 _TRANSIENT = (
     aetcd_exc.ConnectionFailedError,
     aetcd_exc.ConnectionTimeoutError,
@@ -373,13 +377,21 @@ class EtcdClient:
         current: dict[str, _Connection | None] = {"conn": None}
 
         async def attempt() -> T:
-            conn = await self.connection()
-            current["conn"] = conn
             try:
+                conn = await self.connection()  # authenticates, when there are credentials
+                current["conn"] = conn
                 return await fn(conn)
             except rpc.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or any(
+                        s in (exc.details() or "") for s in _ACCESS_DENIED):
+                    raise EtcdAccessDenied(self.config.targets, op, exc.details() or exc.code().name) from exc
                 aetcd_exc._handle_exception(exc)
                 raise  # unreachable: _handle_exception always raises
+            except aetcd_exc.ClientError as exc:
+                if isinstance(exc, aetcd_exc.UnauthenticatedError) or any(
+                        s in str(exc) for s in _ACCESS_DENIED):
+                    raise EtcdAccessDenied(self.config.targets, op, str(exc) or "authentication failed") from exc
+                raise
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():

@@ -35,6 +35,16 @@ class EtcdUnavailable(MembershipError):
         )
 
 
+class EtcdAccessDenied(MembershipError):
+    """etcd refused the request: the credentials are wrong or missing (authentication), or
+    the user's roles do not cover the key (permission). Not retried."""
+
+    def __init__(self, endpoints: Sequence[str], operation: str, detail: str):
+        self.endpoints = tuple(endpoints)
+        self.operation = operation
+        super().__init__(f"etcd at {', '.join(self.endpoints)} refused {operation}: {detail}")
+
+
 class FencedWrite(MembershipError):
     """A write was rejected because the writer's fencing token is stale.
 

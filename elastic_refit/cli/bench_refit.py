@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="also send per-box digests with the reshard data (destinations are always "
                              "checked bit-exactly against the pattern)")
+    parser.add_argument("--snapshot-digests", action="store_true",
+                        help="time the reshard with the runtime's source checks: digests of every source "
+                             "buffer and replica region before, and of every buffer after the sends")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout in seconds")
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="baseline broadcast chunk in MiB (default 8)")
     parser.add_argument("--p2p-mib", type=int, default=128, help="raw send/recv message in MiB (default 128)")
@@ -161,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the benchmark needs about {format_bytes(need)} of memory, {format_bytes(avail)} "
                          f"is available; cut the model (--layers) or use fewer ranks")
     options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket, verify=args.verify,
-                           repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p)
+                           repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p,
+                           snapshot_digests=args.snapshot_digests)
     progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}, "
              f"about {format_bytes(need)} of memory; {args.warmup} warm-up + {args.repeat} timed runs per method")
     # Planning, filling and checking take time of their own; allow for them generously.
@@ -177,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     out = summarize([r.value for r in results], world_size, backend)
     out["case"] = description
+    out["snapshot_digests"] = args.snapshot_digests
     if args.json:
         print_json(out)
         return 0 if out["verified"] else 1
@@ -187,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append((LABELS[m], format_seconds(f["seconds"]), format_seconds(f["seconds_min"]), format_bytes(f["bytes"]),
                      f"{f['GBps']:.2f}", f"{f['GBps'] / p2p_gbps:.0%}" if p2p_gbps else "-",
                      f"{f['seconds'] / out['reshard']['seconds']:.2f}x"))
-    print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median)")
+    checks = ", reshard with snapshot digests" if args.snapshot_digests else ""
+    print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median){checks}")
     print(render_table(("method", "seconds", "min", "bytes moved", "GB/s", "of p2p", "time vs reshard"), rows))
     print(f"raw send/recv: {p2p_gbps:.2f} GB/s one pair ({format_bytes(p2p)} messages), "
           f"{out['p2p_all_pairs_GBps']:.2f} GB/s all {world_size // 2} pairs at once")

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from elastic_refit.cli._etcd import add_etcd_arguments, etcd_config
 from elastic_refit.cli._output import print_json, render_table
+
+if TYPE_CHECKING:
+    from elastic_refit.membership.client import EtcdConfig
 
 __all__ = ["job_status", "register", "render_status", "run"]
 
@@ -17,15 +21,16 @@ __all__ = ["job_status", "register", "render_status", "run"]
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show a job's members, leader, epoch and committed versions",
                                    description="Read a running job's state from etcd (read-only).")
-    parser.add_argument("--etcd", required=True, help="etcd endpoint(s), HOST:PORT[,HOST:PORT...]")
+    add_etcd_arguments(parser)
     parser.add_argument("--job", required=True, help="job name")
     parser.add_argument("--last", type=int, default=5, help="committed versions to list (default 5)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
 
-def job_status(endpoints: list[str], job: str, last: int = 5) -> dict[str, Any]:
-    """The job's state as plain data: members by role, leader, epoch, versions, acks."""
+def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> dict[str, Any]:
+    """The job's state as plain data: members by role, leader, epoch, versions, acks
+    (``endpoints``: etcd's, or an ``EtcdConfig`` with TLS and credentials)."""
     from elastic_refit.membership import EtcdClient, JobKeys, MemberRecord, MembershipView
     from elastic_refit.membership.versions import VersionStore
 
@@ -80,10 +85,7 @@ def job_status(endpoints: list[str], job: str, last: int = 5) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the status table (or JSON)."""
-    endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
-    if not endpoints:
-        raise ValueError(f"--etcd needs HOST:PORT, got {args.etcd!r}")
-    data = job_status(endpoints, args.job, args.last)
+    data = job_status(etcd_config(args), args.job, args.last)
     if args.json:
         print_json(data)
         return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_refit.layout import Layout
+from elastic_refit.membership.client import EtcdConfig
 from elastic_refit.membership.keys import check_name
 from elastic_refit.transport.protocol import Backend
 
@@ -75,6 +76,14 @@ class RefitConfig:
     max_attempts: int = 5
     # Refuse a version whose source replicas differ where they hold the same region.
     check_replicas: bool = True
+    # A secured etcd: TLS (the CA that signed etcd's certificate; a client certificate and
+    # key where etcd asks for one) and a user with a role on this job's prefix.
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
+    etcd_allow_plaintext_password: bool = False  # a password without TLS travels readable
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,7 +118,8 @@ class RefitConfig:
             raise ValueError(
                 "timeouts must be ordered collective < lease TTL < epoch deadline, got "
                 f"{self.collective_timeout_s}, {self.ttl_s}, {self.epoch_deadline_s}")
-        for name in ("verify", "check_replicas"):
+        self.etcd_config()  # every etcd setting checked here, not at the first connection
+        for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
@@ -118,6 +128,25 @@ class RefitConfig:
             raise ValueError(f"staging_bytes {self.staging_bytes!r} must hold 4 buckets of {self.bucket_bytes}")
         if not _is_int(self.max_attempts) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
+
+    def etcd_config(self) -> EtcdConfig:
+        """How this rank reaches etcd; ``ValueError`` for a file that is not there, a user
+        without a password, or a password that would travel without TLS (unless
+        ``etcd_allow_plaintext_password``)."""
+        for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path!r} is not a file")
+        if (self.etcd_user is None) != (self.etcd_password is None):
+            raise ValueError("etcd_user and etcd_password go together (ELASTIC_REFIT_ETCD_USER and "
+                             "ELASTIC_REFIT_ETCD_PASSWORD)")
+        config = EtcdConfig(tuple(self.etcd), username=self.etcd_user, password=self.etcd_password,
+                            ca_cert=self.etcd_ca_file, client_cert=self.etcd_cert_file,
+                            client_key=self.etcd_key_file)
+        if config.password is not None and not config.tls and not self.etcd_allow_plaintext_password:
+            raise ValueError("an etcd password would travel in plain text: give etcd_ca_file (TLS), an "
+                             "https:// endpoint, or set etcd_allow_plaintext_password")
+        return config
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> RefitConfig:

@@ -188,7 +188,7 @@ class ElasticRefit:
         # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch
         # deadline). Lazy connection (TORCH_GLOO_LAZY_INIT) was tried and rejected: a send to a
         # peer that died before its pair connected blocks inside send() for ~50 s of retries.
-        self.client = EtcdClient(list(c.etcd))
+        self.client = EtcdClient(c.etcd_config())
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank)
         self.membership = Membership(self.client, c.job, record, MembershipConfig(

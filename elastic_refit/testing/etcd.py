@@ -75,6 +75,7 @@ class NodeSpec:
     client_port: int
     peer_port: int
     data_dir: str
+    client_scheme: str = "http"  # "https" when clients connect over TLS
 
     def __post_init__(self) -> None:
         for label, port in (("client_port", self.client_port), ("peer_port", self.peer_port)):
@@ -83,7 +84,7 @@ class NodeSpec:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.client_scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -167,19 +168,24 @@ class EtcdCluster:
     """
 
     def __init__(self, size: int = 1, *, name: str = "er", extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 20.0):
+                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None):
         if size < 1 or size % 2 == 0:
             raise ValueError(f"cluster size must be odd and >= 1, got {size}")
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
         self.size = size
+        self.tls = tls
+        if tls is not None:  # clients connect over TLS (the peers stay on loopback http); users
+            # authenticate with a password, not a client certificate (no --trusted-ca-file)
+            extra_args = [*extra_args, "--cert-file", tls.server_cert, "--key-file", tls.server_key]
         self._binary = find_etcd_binary()
         self._startup_timeout_s = startup_timeout_s
         self.root = tempfile.mkdtemp(prefix=f"etcd-{name}-", dir=_shm_root())
         ports = free_ports(2 * size)
         self.specs = [
             NodeSpec(name=f"n{i}", client_port=ports[2 * i], peer_port=ports[2 * i + 1],
-                     data_dir=os.path.join(self.root, f"n{i}.etcd"))
+                     data_dir=os.path.join(self.root, f"n{i}.etcd"),
+                     client_scheme="https" if tls is not None else "http")
             for i in range(size)
         ]
         initial = ",".join(f"{s.name}={s.peer_url}" for s in self.specs)
@@ -212,8 +218,10 @@ class EtcdCluster:
 
     def wait_ready(self, index: int, timeout_s: float | None = None) -> None:
         """Block until node ``index`` answers ``/health`` as healthy."""
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=self.tls.ca) if self.tls is not None else None
         deadline = time.monotonic() + (timeout_s or self._startup_timeout_s)
         node = self.nodes[index]
         url = node.spec.client_url + "/health"
@@ -225,7 +233,7 @@ class EtcdCluster:
                     f"log: {self.log_tail(index)}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                     body = resp.read().decode()
                     if '"health":"true"' in body.replace(" ", ""):
                         return
@@ -260,8 +268,10 @@ class EtcdCluster:
     def leader_index(self, timeout_s: float = 10.0) -> int:
         """Index of the node that is the raft leader (via each node's /v3 status)."""
         import json
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=self.tls.ca) if self.tls is not None else None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             ids = {}
@@ -307,8 +317,8 @@ class EtcdServer(EtcdCluster):
     """A single etcd node: ``with EtcdServer() as etcd: etcd.endpoints``."""
 
     def __init__(self, *, name: str = "er", extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 20.0):
-        super().__init__(1, name=name, extra_args=extra_args, startup_timeout_s=startup_timeout_s)
+                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None):
+        super().__init__(1, name=name, extra_args=extra_args, startup_timeout_s=startup_timeout_s, tls=tls)
 
     @property
     def endpoint(self) -> str:
@@ -323,3 +333,65 @@ class EtcdServer(EtcdCluster):
 
     def restart(self) -> None:
         self.restart_node(0)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of a test PKI: a CA, etcd's certificate for 127.0.0.1 and a client's."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+
+def make_certificates(directory: str) -> TlsFiles:
+    """A fresh CA and certificates signed by it (openssl; valid one day), in ``directory``."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise EtcdServerError("openssl is not installed (apt-get install -y openssl)")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=elastic-refit test CA",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for who in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", f"{who}.key",
+            "-out", f"{who}.csr")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "1", "-extfile", "san.cnf", "-out", f"{who}.pem")
+    return TlsFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"), str(d / "client.pem"),
+                    str(d / "client.key"))
+
+
+def enable_auth(endpoint: str, ca: str, root_password: str, users: dict[str, tuple[str, str]]) -> None:
+    """Turn on etcd's authentication: a ``root`` user, and per entry of ``users``
+    (``name -> (password, key prefix)``) a user whose one role may read and write only that
+    prefix. What an operator does once per job with ``etcdctl user/role``."""
+    import grpc
+    from aetcd import rpc
+
+    from elastic_refit.membership.client import _prefix_end
+
+    with open(ca, "rb") as fh:
+        creds = grpc.ssl_channel_credentials(fh.read())
+    with grpc.secure_channel(endpoint, creds) as channel:
+        auth = rpc.AuthStub(channel)
+        auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=root_password), timeout=5)
+        auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"), timeout=5)
+        auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+        for name, (password, prefix) in users.items():
+            role = f"{name}-rw"
+            auth.RoleAdd(rpc.AuthRoleAddRequest(name=role), timeout=5)
+            key = prefix.encode()
+            auth.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(
+                name=role, perm=rpc.Permission(permType=rpc.Permission.READWRITE, key=key,
+                                               range_end=_prefix_end(key))), timeout=5)
+            auth.UserAdd(rpc.AuthUserAddRequest(name=name, password=password), timeout=5)
+            auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=role), timeout=5)
+        auth.AuthEnable(rpc.AuthEnableRequest(), timeout=5)

@@ -8,6 +8,7 @@ the sentinel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -174,6 +175,9 @@ class BenchOptions(WorkerOptions):
     chunk_bytes: int = 8 << 20
     p2p_bytes: int = 128 << 20
     p2p_repeat: int = 3
+    # Time the reshard as the runtime runs it with verification on: buffer and replica
+    # region digests of the sources first (publish), and their check after the sends.
+    snapshot_digests: bool = False
 
     def __post_init__(self) -> None:
         WorkerOptions.__post_init__(self)
@@ -259,6 +263,27 @@ def _p2p(transport: Transport, pairs: list[tuple[int, int]], nbytes: int, repeat
     return out
 
 
+def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable:
+    """``run`` with the runtime's source checks around it, timed as part of it: digests of
+    every source buffer and replica region before (``publish``), and of every buffer again
+    after the sends (a changed source is refused)."""
+    from elastic_refit.runtime.replicas import region_digests, replica_regions
+    from elastic_refit.transport.buffers import buffer_digests
+
+    regions = replica_regions(source)
+
+    def refit(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
+        t0 = time.perf_counter()
+        before = buffer_digests(src)
+        region_digests(source, rank, src, regions)
+        report = run(src, dst)
+        if buffer_digests(src) != before:
+            raise RuntimeError(f"rank {rank}: a source buffer changed during the refit")
+        return dataclasses.replace(report, seconds=time.perf_counter() - t0)
+
+    return refit
+
+
 def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, options: BenchOptions,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One rank of ``elastic-refit bench``: raw send/recv bandwidth, then the reshard
@@ -290,7 +315,8 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         pattern_pieces(plan.source, rank, src, options.seed, write=True)
         dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
         padded = _padded_buffers(plan.destination, rank, dst)
-        methods = {"reshard": executor.run, "gather_broadcast": baseline.run}
+        reshard = _with_snapshot_digests(executor.run, plan.source, rank) if options.snapshot_digests else executor.run
+        methods = {"reshard": reshard, "gather_broadcast": baseline.run}
         results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
                                               for m in methods}
         last: dict[str, Any] = {}

@@ -169,12 +169,12 @@ def test_bench_cli_json_on_a_tiny_spec(tmp_path):
          "destination": {"mesh": [2, 3], "placements": ["R"]}}]}))
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "elastic-refit"), "bench", "--spec", str(spec), "--repeat", "1", "--json",
-         "--p2p-mib", "1", "--timeout", "20"],
+         "--p2p-mib", "1", "--timeout", "20", "--snapshot-digests"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
-    assert out["verified"] is True
+    assert out["verified"] is True and out["snapshot_digests"] is True
     assert out["num_ranks"] == 4
     for method in ("reshard", "gather_broadcast"):
         assert out[method]["seconds"] > 0

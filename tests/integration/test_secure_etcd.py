@@ -1,0 +1,125 @@
+"""A real etcd with TLS and authentication (certificates made at test time): the runtime
+and ``status`` work with a job's credentials; another job's credentials can neither read
+nor write its keys, so a forged ``committed`` key needs the job's own credentials (the
+documented trust boundary: whoever holds them is trusted as the job)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+from elastic_refit.membership import EtcdAccessDenied, EtcdClient, JobKeys
+from elastic_refit.membership.client import EtcdConfig
+
+from elastic_refit.cli import main
+from elastic_refit.layout import parse_spec
+from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
+from elastic_refit.testing.etcd import EtcdServer, enable_auth, make_certificates
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+
+pytestmark = pytest.mark.etcd
+
+SPEC = parse_spec({"domains": [0, 1], "tensors": [
+    {"name": "w", "shape": [16, 8], "dtype": "float32",
+     "source": {"mesh": [0], "placements": ["R"]}, "destination": {"mesh": [1], "placements": ["R"]}}]})
+LAYOUTS = RefitLayouts(SPEC.source, SPEC.destination)
+USERS = {"alice": ("alice-pw", "/elastic-refit/job-a/"), "bob": ("bob-pw", "/elastic-refit/job-b/")}
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory):
+    tls = make_certificates(str(tmp_path_factory.mktemp("pki")))
+    server = EtcdServer(name="secure", tls=tls).start()
+    try:
+        enable_auth(server.endpoint, tls.ca, "root-" + uuid.uuid4().hex, USERS)
+        yield server, tls
+    finally:
+        server.stop()
+
+
+def config(server, tls, role: str, member_id: str, rank: int, user: str = "alice", job: str = "job-a"):
+    return RefitConfig(job=job, role=role, member_id=member_id, layout_rank=rank, etcd=(server.endpoint,),
+                       domain=f"d{rank}", version_timeout_s=60.0, etcd_ca_file=tls.ca, etcd_user=user,
+                       etcd_password=USERS[user][0])
+
+
+def test_the_runtime_and_status_work_with_the_jobs_credentials(secure_etcd, capsys, monkeypatch):
+    server, tls = secure_etcd
+    report: dict = {}
+
+    def trainer() -> None:
+        try:
+            with ElasticRefit(config(server, tls, "trainer", "t0", 0), LAYOUTS) as refit:
+                for version in (1, 2):
+                    tensors = allocate(SPEC.source, 0, fill=0)
+                    fill_pieces(SPEC.source, 0, tensors, seed=version)
+                    report.setdefault("committed", []).append(refit.publish(tensors, version).version)
+        except BaseException as exc:  # reported, the test decides
+            report["trainer_error"] = repr(exc)
+
+    def inference() -> None:
+        try:
+            params = allocate(SPEC.destination, 1, fill=0)
+            with ElasticRefit(config(server, tls, "inference", "i0", 1), LAYOUTS, parameters=params) as refit:
+                refit.wait_for_version(2)
+                with refit.weights() as serving:
+                    report["problems"] = check_pieces(SPEC.destination, 1, params, seed=serving)
+                    report["served"] = serving
+        except BaseException as exc:
+            report["inference_error"] = repr(exc)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (trainer, inference)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), report
+    assert "trainer_error" not in report and "inference_error" not in report, report
+    assert report["committed"] == [1, 2] and report["served"] == 2 and report["problems"] == []
+
+    capsys.readouterr()  # the members' own log lines
+    monkeypatch.setenv("ELASTIC_REFIT_ETCD_PASSWORD", USERS["alice"][0])
+    assert main(["status", "--etcd", server.endpoint, "--etcd-ca-file", tls.ca, "--etcd-user", "alice",
+                 "--job", "job-a", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["latest_committed"] == 2
+    # Another job's user is refused, in one line naming etcd and the operation.
+    monkeypatch.setenv("ELASTIC_REFIT_ETCD_PASSWORD", USERS["bob"][0])
+    assert main(["status", "--etcd", server.endpoint, "--etcd-ca-file", tls.ca, "--etcd-user", "bob",
+                 "--job", "job-a", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().startswith("elastic-refit: error: etcd at ") and "permission denied" in err
+
+
+def test_another_jobs_credentials_cannot_read_write_or_forge_a_commit(secure_etcd):
+    server, tls = secure_etcd
+    committed = JobKeys("job-a").committed(7)
+    forged = json.dumps({"version": 7, "epoch": 1, "digest": "0" * 32}).encode()
+    with EtcdClient(EtcdConfig((server.endpoint,), username="bob", password=USERS["bob"][0], ca_cert=tls.ca)) as bob:
+        bob.put(JobKeys("job-b").committed(7), forged)  # its own job: allowed
+        with pytest.raises(EtcdAccessDenied, match="permission denied"):
+            bob.put(committed, forged)
+        with pytest.raises(EtcdAccessDenied, match="permission denied"):
+            bob.get_prefix(JobKeys("job-a").prefix)
+    anonymous = EtcdConfig((server.endpoint,), ca_cert=tls.ca)
+    with EtcdClient(anonymous) as client, pytest.raises(EtcdAccessDenied, match="user name is empty"):
+        client.put(committed, forged)
+    guess = EtcdConfig((server.endpoint,), username="alice", password="wrong", ca_cert=tls.ca)
+    with EtcdClient(guess) as client, pytest.raises(EtcdAccessDenied, match="authentication failed"):
+        client.get(committed)
+    with EtcdClient(EtcdConfig((server.endpoint,), username="alice", password=USERS["alice"][0],
+                               ca_cert=tls.ca)) as alice:
+        assert alice.get(committed) is None  # nothing forged reached job A
+
+
+def test_a_password_is_not_sent_without_tls_unless_allowed(secure_etcd):
+    server, _ = secure_etcd
+    plain = {"job": "job-a", "role": "trainer", "member_id": "t0", "layout_rank": 0, "etcd": (server.endpoint,),
+             "etcd_user": "alice", "etcd_password": "alice-pw"}
+    with pytest.raises(ValueError, match="an etcd password would travel in plain text"):
+        RefitConfig(**plain)
+    assert RefitConfig(**plain, etcd_allow_plaintext_password=True).etcd_config().password == "alice-pw"
+    with pytest.raises(ValueError, match=r"etcd_ca_file '/nope\.pem' is not a file"):
+        RefitConfig(**plain, etcd_ca_file="/nope.pem")
+    assert "alice-pw" not in repr(RefitConfig(**plain, etcd_allow_plaintext_password=True))
