@@ -20,6 +20,9 @@ etcd:
 	@command -v etcd >/dev/null 2>&1 || { \
 	  echo "installing etcd-server (needed by the integration tests)"; \
 	  (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null; }
+	@command -v openssl >/dev/null 2>&1 || { \
+	  echo "installing openssl (the secured-etcd tests make their certificates)"; \
+	  (apt-get update -q && apt-get install -y -q openssl) >/dev/null; }
 
 demo: $(STAMP) etcd
 	$(BIN)/elastic-refit demo
