@@ -254,8 +254,8 @@ class ElasticRefit:
         if repeat is not None:
             return repeat
         self._last_published = (version, data_digest)
-        regions = (region_digests(self.layouts.source, self.config.layout_rank, tensors, self._replica_regions())
-                   if self.config.check_replicas else {})
+        regions = (region_digests(self.layouts.source, self.config.layout_rank, tensors, self._replica_regions(),
+                                  known=snapshot) if self.config.check_replicas else {})
         with self._cond:
             self._published = {v: t for v, t in self._published.items() if v > version}
             self._published[version] = tensors

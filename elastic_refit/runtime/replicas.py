@@ -80,9 +80,11 @@ def replica_regions(layout: Layout) -> tuple[ReplicaRegion, ...]:
 
 
 def region_digests(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor],
-                   regions: tuple[ReplicaRegion, ...]) -> dict[int, str]:
+                   regions: tuple[ReplicaRegion, ...], known: Mapping[str, int] | None = None) -> dict[int, str]:
     """This rank's digest (hex) of every region it takes part in, by region index; read
-    from its buffers ``tensors`` (checked against the layout beforehand)."""
+    from its buffers ``tensors`` (checked against the layout beforehand). ``known``: the
+    buffers' whole digests (``buffer_digests``), reused for a region that is a whole
+    buffer (data-parallel replicas), so those bytes are read once."""
     out: dict[int, str] = {}
     mine = [r for r in regions if rank in r.ranks]
     if not mine:
@@ -102,11 +104,17 @@ def region_digests(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor
             off, length = layout.local_regions(np.array([row]), np.array([region.box.offsets + (0,) * pad]),
                                                np.array([region.box.lengths + (1,) * pad]))
             b = int(layout.piece_buffer[row])
-            buffer = tensors[layout.buffer_names[int(layout.buffer_name[b])]]
+            name = layout.buffer_names[int(layout.buffer_name[b])]
+            buffer = tensors[name]
             nd_b = int(layout.buffer_ndim[b])
             local = Box(tuple(int(v) for v in off[0, :nd_b]), tuple(int(v) for v in length[0, :nd_b]))
-            view = buffer[local.slices()] if buffer.dim() else buffer
-            out[region.index] = f"{int(digest(byte_view(view.contiguous()).reshape(-1))) & (2**64 - 1):016x}"
+            whole = local.offsets == (0,) * nd_b and local.lengths == tuple(buffer.shape)
+            if known is not None and name in known and whole:
+                value = known[name]
+            else:
+                view = buffer[local.slices()] if buffer.dim() else buffer
+                value = int(digest(byte_view(view.contiguous()).reshape(-1)))
+            out[region.index] = f"{value & (2**64 - 1):016x}"
             break
     return out
 

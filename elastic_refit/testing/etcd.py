@@ -283,7 +283,7 @@ class EtcdCluster:
                     req = urllib.request.Request(
                         node.spec.client_url + "/v3/maintenance/status", data=b"{}",
                         headers={"Content-Type": "application/json"})
-                    with urllib.request.urlopen(req, timeout=1.0) as resp:
+                    with urllib.request.urlopen(req, timeout=1.0, context=context) as resp:
                         status = json.loads(resp.read())
                 except OSError:
                     continue

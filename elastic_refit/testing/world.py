@@ -275,7 +275,7 @@ def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable
     def refit(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         t0 = time.perf_counter()
         before = buffer_digests(src)
-        region_digests(source, rank, src, regions)
+        region_digests(source, rank, src, regions, known=before)
         report = run(src, dst)
         if buffer_digests(src) != before:
             raise RuntimeError(f"rank {rank}: a source buffer changed during the refit")
