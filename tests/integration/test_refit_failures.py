@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.versions import VersionStore
 
 from elastic_refit.errors import RefitFailed
 from elastic_refit.layout import parse_spec
@@ -242,8 +243,8 @@ def test_a_source_buffer_changed_mid_transfer_is_never_committed(etcd_server):
     records = version_records(etcd, job)
     assert sorted(records["committed"]) == [1, 3] and records["failed"][2]["cause"] == cause
     with EtcdClient([etcd]) as client:
-        acks = client.get_prefix(JobKeys(job).versions_prefix + "2/acks/").kvs
-    assert not acks, f"inference ranks acked the torn version 2: {[kv.key for kv in acks]}"
+        acks = VersionStore(client, job).snapshot().acks.get(2, {})
+    assert not acks, f"inference ranks acked the torn version 2: {sorted(acks)}"
 
 
 def test_diverged_replicas_are_refused_naming_the_tensor_region_and_ranks(etcd_server):

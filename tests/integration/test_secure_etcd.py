@@ -25,7 +25,7 @@ SPEC = parse_spec({"domains": [0, 1], "tensors": [
     {"name": "w", "shape": [16, 8], "dtype": "float32",
      "source": {"mesh": [0], "placements": ["R"]}, "destination": {"mesh": [1], "placements": ["R"]}}]})
 LAYOUTS = RefitLayouts(SPEC.source, SPEC.destination)
-USERS = {"alice": ("alice-pw", "/elastic-refit/job-a/"), "bob": ("bob-pw", "/elastic-refit/job-b/")}
+USERS = {"alice": ("alice-pw", JobKeys("job-a").prefix), "bob": ("bob-pw", JobKeys("job-b").prefix)}
 
 
 @pytest.fixture(scope="module")
