@@ -291,7 +291,7 @@ class CommunicatorManager:
                  config: MembershipConfig | None = None, device: torch.device | str | None = None,
                  support: RuntimeSupport | None = None,
                  superseded: Callable[[int], bool] | None = None,
-                 transport_timeout_s: float | None = None):
+                 transport_timeout_s: float | None = None, bind_interface: str | None = None):
         backend = Backend.parse(backend).value
         self.client = client
         self.job = job
@@ -313,6 +313,7 @@ class CommunicatorManager:
         self._reaping: list[threading.Thread] = []
         # superseded(epoch): a newer epoch exists, so a rendezvous for `epoch` is futile.
         self.superseded = superseded
+        self.bind_interface = bind_interface  # gloo's device binds here (None: the default)
         self.log = get_logger(job=job, member_id=member_id, backend=backend)
         self.log.info("comm.runtime.probed", **self.support.to_json())
 
@@ -512,7 +513,11 @@ class CommunicatorManager:
                 # leaving it half done would strand the peers that already read our address.
                 connect = self.transport_timeout_s
                 pg_store = self._store(view, f"comm-{self.backend}", cancellable=False, timeout_s=connect)
-                pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, timedelta(seconds=connect))
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = timedelta(seconds=connect)
+                options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
+                                    if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
+                pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
                 pg._set_default_timeout(collective)
             elif self.backend == "nccl":
                 pg = self._build_nccl(store, rank, view.num_ranks, collective)

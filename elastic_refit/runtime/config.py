@@ -76,6 +76,9 @@ class RefitConfig:
     max_attempts: int = 5
     # Refuse a version whose source replicas differ where they hold the same region.
     check_replicas: bool = True
+    # The network interface the refit's communicators bind to (gloo's device; NCCL's
+    # NCCL_SOCKET_IFNAME where it is not set already); None: the host's default.
+    bind_interface: str | None = None
     # A secured etcd: TLS (the CA that signed etcd's certificate; a client certificate and
     # key where etcd asks for one) and a user with a role on this job's prefix.
     etcd_ca_file: str | None = None
@@ -119,6 +122,11 @@ class RefitConfig:
                 "timeouts must be ordered collective < lease TTL < epoch deadline, got "
                 f"{self.collective_timeout_s}, {self.ttl_s}, {self.epoch_deadline_s}")
         self.etcd_config()  # every etcd setting checked here, not at the first connection
+        if self.bind_interface is not None:
+            names = [name for _, name in socket.if_nameindex()]
+            if self.bind_interface not in names:
+                raise ValueError(f"bind_interface {self.bind_interface!r} is not an interface of this host "
+                                 f"({', '.join(names)})")
         for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -28,6 +28,7 @@ they commit, so serving never stops for a transfer.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -196,7 +197,10 @@ class ElasticRefit:
         self.versions = VersionStore(self.client, c.job)
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
-                                           transport_timeout_s=c.ttl_s + 1.0, device=c.device)
+                                           transport_timeout_s=c.ttl_s + 1.0, device=c.device,
+                                           bind_interface=c.bind_interface)
+        if c.bind_interface is not None and c.backend != "gloo":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
         self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)

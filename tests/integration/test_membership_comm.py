@@ -163,3 +163,31 @@ def test_probe_reports_what_this_runtime_supports():
     assert info["gloo_shrink"] is False
     if not torch.cuda.is_available():
         assert s.nccl_version is None and not s.nccl_shrink and not s.nccl_grow
+
+
+def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
+    """``bind_interface`` puts gloo's device on that interface (here loopback): both ranks
+    connect and a ring check passes."""
+    client = make_client(etcd_server.endpoints)
+    records = [MemberRecord("trainer", f"t{i}", "inc1", "h", "d0", "cpu") for i in range(2)]
+    view = MembershipView(1, tuple(records))
+    managers = [CommunicatorManager(client, "bind", r.member_id, bind_interface="lo") for r in records]
+    out: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            result = managers[i].reconfigure(None, view)
+            out[i] = verify_transport(result.transport)
+        except Exception as exc:  # reported, the test decides
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert out == {0: True, 1: True}, out
+    finally:
+        for mgr in managers:
+            mgr.close()

@@ -372,6 +372,12 @@ def test_config_from_env_is_strict_and_names_the_variable(variable, raw, message
     assert str(info.value) == message
 
 
+def test_config_bind_interface_must_exist_on_this_host():
+    assert config(bind_interface="lo").bind_interface == "lo"
+    with pytest.raises(ValueError, match=r"bind_interface 'nosuch0' is not an interface of this host \(lo"):
+        config(bind_interface="nosuch0")
+
+
 def test_config_from_env_reads_booleans_from_a_fixed_set():
     assert RefitConfig.from_env({**BASE_ENV, "ELASTIC_REFIT_VERIFY": " Off "}).verify is False
     assert RefitConfig.from_env({**BASE_ENV, "ELASTIC_REFIT_VERIFY": "yes"}).verify is True
