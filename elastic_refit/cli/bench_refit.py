@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0 or args.chunk_mib <= 0 or args.timeout <= 0:
+    if args.warmup < 0 or not 0 < args.chunk_mib < math.inf or not 0 < args.timeout < math.inf:
         raise ValueError(f"--warmup must be >= 0, --chunk-mib and --timeout > 0; got {args.warmup}, "
                          f"{args.chunk_mib}, {args.timeout}")
     spec, description = load_case(args)

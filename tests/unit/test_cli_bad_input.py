@@ -1,0 +1,40 @@
+"""Bad input to the CLI commands other than ``plan`` (whose table is in test_cli_plan.py):
+each is one ``elastic-refit: error:`` line on stderr, exit 2, nothing on stdout, and nothing
+started (every case fails before a process, a world or an etcd exists)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_refit import cli
+
+MODEL = ["--model", "llama-3.1-8b", "--source", "tp=2", "--destination", "tp=2", "--layers", "1"]
+
+CASES = [
+    (["demo", "--versions", "0"], "num_versions must be >= 2, got 0"),
+    (["demo", "--inference", "3"], "num_inference must be an even number >= 4 (TP=2 replicas; one rank is killed "
+                                   "and catches up from its replica), got 3"),
+    (["chaos", "--trials", "0"], "trials must be >= 1, got 0"),
+    (["chaos", "--inference", "1"], "--inference must be >= 2 (a replica makes recovery possible), got 1"),
+    (["bench", *MODEL, "--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["bench", *MODEL, "--timeout", "nan"], "--warmup must be >= 0, --chunk-mib and --timeout > 0; got 1, 8.0, nan"),
+    (["bench", *MODEL, "--chunk-mib", "inf"], "--warmup must be >= 0, --chunk-mib and --timeout > 0; got 1, inf, 120.0"),
+    (["bench", *MODEL, "--domain-size", "0"], "--domain-size must be >= 1, got 0"),
+    (["status", "--etcd", "nohostport", "--job", "j"], "endpoint must look like host:port, got 'nohostport'"),
+    (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--last", "0"], "--last must be >= 1, got 0"),
+    (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--etcd-ca-file", "/nope.pem"],
+     "--etcd-ca-file '/nope.pem' is not a file"),
+    (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--etcd-user", "u"],
+     "--etcd-user 'u' needs its password in $ELASTIC_REFIT_ETCD_PASSWORD"),
+    (["status", "--etcd", "127.0.0.1:1"], "status: the following arguments are required: --job (see --help)"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("ELASTIC_REFIT_ETCD_PASSWORD", raising=False)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.strip().splitlines() == [f"elastic-refit: error: {message}"]
