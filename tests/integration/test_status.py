@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -62,8 +64,12 @@ def test_status_of_a_running_job(etcd_server, capsys):
         assert {a["member_id"] for a in data["latest_acks"]} == {"i0", "i1"}
         assert all(len(a["digest"]) == 32 for a in data["latest_acks"])
 
-        assert main(["status", "--etcd", etcd, "--job", "job", "--json"]) == 0
-        printed = json.loads(capsys.readouterr().out)
+        # As a user runs it: its stdout is the JSON object alone (this process's stdout may
+        # also carry log lines of other threads).
+        proc = subprocess.run([sys.executable, "-m", "elastic_refit.cli", "status", "--etcd", etcd, "--job", "job",
+                               "--json"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        printed = json.loads(proc.stdout)
         assert printed["latest_committed"] == 2 and printed["epoch"] == data["epoch"]
         assert main(["status", "--etcd", etcd, "--job", "job"]) == 0
         table = capsys.readouterr().out
