@@ -741,7 +741,8 @@ class LayoutBuilder:
 
     # ---- build ---------------------------------------------------------------------------
     def build(self) -> Layout:
-        """Validate and freeze; rows are sorted canonically; empty pieces are dropped."""
+        """Validate and freeze; rows are sorted canonically (tensors and buffer names by name, so
+        declaration order does not matter); empty pieces are dropped."""
         k = max(
             [self._ndim or 1]
             + [len(t.shape) for t in self._tensors]
@@ -755,9 +756,21 @@ class LayoutBuilder:
             out[:, : a.shape[1]] = a
             return out
 
+        # Canonical order, whatever the declaration order: tensors and buffer names sorted by
+        # name, so two ranks (or two sides) that declare one layout differently agree on its
+        # rows and fingerprint.
+        tensor_order = sorted(range(len(self._tensors)), key=lambda i: self._tensors[i].name)
+        tensors = tuple(self._tensors[i] for i in tensor_order)
+        tensor_new = np.empty(len(tensor_order), dtype=np.int64)
+        tensor_new[tensor_order] = np.arange(len(tensor_order))
+        name_order = sorted(range(len(self._buffer_names)), key=lambda i: self._buffer_names[i])
+        buffer_names = tuple(self._buffer_names[i] for i in name_order)
+        name_new = np.empty(len(name_order), dtype=np.int64)
+        name_new[name_order] = np.arange(len(name_order))
         if self._buffer_chunks:
             b_rank = np.concatenate([c[0] for c in self._buffer_chunks])
-            b_name = np.concatenate([np.full(c[0].size, c[1], dtype=np.int64) for c in self._buffer_chunks])
+            b_name = np.concatenate([np.full(c[0].size, name_new[c[1]], dtype=np.int64)
+                                     for c in self._buffer_chunks])
             b_shape = np.concatenate([pad(c[2], 1) for c in self._buffer_chunks])
             b_ndim = np.concatenate([np.full(c[0].size, c[3], dtype=np.int64) for c in self._buffer_chunks])
             b_dtype = np.concatenate([np.full(c[0].size, c[4], dtype=np.int64) for c in self._buffer_chunks])
@@ -770,12 +783,13 @@ class LayoutBuilder:
         dup = np.flatnonzero(np.all(sorted_keys[1:] == sorted_keys[:-1], axis=1)) if b_rank.size > 1 else []
         if len(dup):
             r, nm = sorted_keys[dup[0]]
-            raise ValueError(f"buffer {self._buffer_names[int(nm)]!r} declared twice on rank {int(r)}")
+            raise ValueError(f"buffer {buffer_names[int(nm)]!r} declared twice on rank {int(r)}")
         b_new = np.empty_like(b_order)
         b_new[b_order] = np.arange(b_order.size)
 
         if self._piece_chunks:
-            p_tensor = np.concatenate([np.full(c[1].size, c[0], dtype=np.int64) for c in self._piece_chunks])
+            p_tensor = np.concatenate([np.full(c[1].size, tensor_new[c[0]], dtype=np.int64)
+                                       for c in self._piece_chunks])
             p_buffer = np.concatenate([c[1] for c in self._piece_chunks])
             p_off = np.concatenate([pad(c[2], 0) for c in self._piece_chunks])
             p_len = np.concatenate([pad(c[3], 1) for c in self._piece_chunks])
@@ -793,11 +807,11 @@ class LayoutBuilder:
         b_rank, b_name, b_shape = b_rank[b_order], b_name[b_order], b_shape[b_order]
         b_ndim, b_dtype = b_ndim[b_order], b_dtype[b_order]
 
-        t_shape = np.ones((len(self._tensors), k), dtype=np.int64)
-        for i, t in enumerate(self._tensors):
+        t_shape = np.ones((len(tensors), k), dtype=np.int64)
+        for i, t in enumerate(tensors):
             t_shape[i, : len(t.shape)] = t.shape
-        self._validate(p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
-                       b_shape, b_dtype)
+        self._validate(tensors, buffer_names, p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape,
+                       b_rank, b_name, b_shape, b_dtype)
 
         nonempty = np.all(p_len > 0, axis=1)
         p_tensor, p_buffer = p_tensor[nonempty], p_buffer[nonempty]
@@ -810,8 +824,8 @@ class LayoutBuilder:
             + (p_rank, p_tensor)
         )
         return Layout(
-            tensors=tuple(self._tensors),
-            buffer_names=tuple(self._buffer_names),
+            tensors=tensors,
+            buffer_names=buffer_names,
             buffer_rank=b_rank,
             buffer_name=b_name,
             buffer_shape=b_shape,
@@ -825,12 +839,12 @@ class LayoutBuilder:
             piece_local_lengths=p_llen[order],
         )
 
-    def _validate(self, p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
+    @staticmethod
+    def _validate(tensors, names, p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
                   b_shape, b_dtype) -> None:
-        names = self._buffer_names
 
         def where(row: int) -> str:
-            t = self._tensors[int(p_tensor[row])]
+            t = tensors[int(p_tensor[row])]
             b = int(p_buffer[row])
             return f"tensor {t.name!r} on rank {int(b_rank[b])} (buffer {names[int(b_name[b])]!r})"
 
@@ -842,7 +856,7 @@ class LayoutBuilder:
         bad = np.flatnonzero((p_off + p_len > t_shape[p_tensor]).any(axis=1))
         if bad.size:
             i = bad[0]
-            t = self._tensors[int(p_tensor[i])]
+            t = tensors[int(p_tensor[i])]
             nd = len(t.shape)
             raise ValueError(
                 f"{where(i)}: box {Box(tuple(p_off[i, :nd]), tuple(p_len[i, :nd]))} is out of "
@@ -855,12 +869,12 @@ class LayoutBuilder:
                 f"{where(i)}: local box {p_loff[i].tolist()}+{p_llen[i].tolist()} is out of bounds "
                 f"of buffer shape {b_shape[p_buffer[i]].tolist()}"
             )
-        t_dtype = np.array([_DTYPE_INDEX[t.dtype] for t in self._tensors], dtype=np.int64)
+        t_dtype = np.array([_DTYPE_INDEX[t.dtype] for t in tensors], dtype=np.int64)
         bad = np.flatnonzero(t_dtype[p_tensor] != b_dtype[p_buffer])
         if bad.size:
             i = bad[0]
             raise ValueError(
-                f"{where(i)}: tensor dtype {self._tensors[int(p_tensor[i])].dtype} differs from "
+                f"{where(i)}: tensor dtype {tensors[int(p_tensor[i])].dtype} differs from "
                 f"buffer dtype {DTYPES[int(b_dtype[p_buffer[i]])]}"
             )
         differ = np.flatnonzero(~np.all(p_len == p_llen, axis=1))
