@@ -69,6 +69,18 @@ class JobKeys:
         return f"{self.store_root}{epoch}/"
 
     @property
+    def layouts_prefix(self) -> str:
+        return self.prefix + "layouts/"
+
+    def layout(self, fingerprint: str) -> str:
+        """A side's self-described layout, content-addressed: a header naming its chunks."""
+        return self.layouts_prefix + check_name("layout fingerprint", fingerprint)
+
+    def layout_chunk(self, fingerprint: str, index: int) -> str:
+        require_at_least("layout chunk", index, 0)
+        return f"{self.layout(fingerprint)}/{index:06d}"
+
+    @property
     def versions_prefix(self) -> str:
         return self.prefix + "versions/"
 

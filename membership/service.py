@@ -167,9 +167,17 @@ class Membership:
     def request_reform(self) -> None:
         """Ask the leader for a new epoch with the same members (and so a new communicator):
         this rank's communicator of the current epoch broke although nobody left."""
-        self.record = replace(self.record, reform=self.record.reform + 1)
-        self._fenced(Put(self.member_key, self.record.encode(), self.lease_id), "record update")
+        self.update_record(reform=self.record.reform + 1)
         self.log.info("membership.reform.requested", reform=self.record.reform)
+
+    def update_record(self, **changes: object) -> MemberRecord:
+        """Rewrite this member's record (same lease, same incarnation), e.g. a new layout
+        fingerprint; the leader publishes an epoch with it, and peers plan against it."""
+        if {"role", "member_id", "incarnation"} & set(changes):
+            raise ValueError(f"a member's identity cannot change, got {sorted(changes)}")
+        self.record = replace(self.record, **changes)  # type: ignore[arg-type]
+        self._fenced(Put(self.member_key, self.record.encode(), self.lease_id), "record update")
+        return self.record
 
     def _fenced(self, put: Put, what: str) -> TxnResult:
         # Guarded only by our own lease, so a retry through an etcd outage is safe.

@@ -2,10 +2,12 @@
 
 Keys (under ``/elastic-refit/{job}/``):
 
-- ``versions/{v}/sources/{member_id}`` -> ``{incarnation}``: a trainer published version
-  ``v`` and serves it (as a source) from its training layout until ``v`` commits.
-- ``versions/{v}/acks/{member_id}`` -> ``{incarnation, epoch, digest}``: an inference rank
-  holds ``v``, verified (a holder). Written fenced: a member that lost its lease cannot ack.
+- ``versions/{v}/sources/{member_id}`` -> ``{incarnation, digest, layout, regions}``: a
+  trainer published version ``v`` in the layout ``layout`` names and serves it (as a
+  source) until ``v`` commits.
+- ``versions/{v}/acks/{member_id}`` -> ``{incarnation, epoch, digest, layout}``: an inference
+  rank holds ``v``, verified, in its layout ``layout`` (a holder). Written fenced: a member
+  that lost its lease cannot ack.
 - ``versions/{v}/committed`` -> ``{version, epoch, digest}``: created once, only while the
   epoch it names is still the current one.
 - ``versions/{v}/failed`` -> ``{version, cause, num_attempts, epoch}``: ``v`` failed that
@@ -32,6 +34,7 @@ class Ack:
     incarnation: str
     epoch: int
     digest: str
+    layout: str = ""  # the layout the rank held the version in (its record's, when it acked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,8 @@ class VersionState:
     source_digests: dict[int, dict[str, str]] = field(default_factory=dict)
     # v -> member -> replica region index -> that trainer's digest of the region
     source_regions: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
+    # v -> member -> fingerprint of the layout that trainer published v in
+    source_layouts: dict[int, dict[str, str]] = field(default_factory=dict)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)
     committed: dict[int, Commit] = field(default_factory=dict)
     failed: dict[int, Failure] = field(default_factory=dict)
@@ -93,12 +98,14 @@ class VersionStore:
                 state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
                 if data.get("digest"):
                     state.source_digests.setdefault(version, {})[member_id] = str(data["digest"])  # type: ignore[index]
+                if data.get("layout"):
+                    state.source_layouts.setdefault(version, {})[member_id] = str(data["layout"])  # type: ignore[index]
                 if data.get("regions"):
                     state.source_regions.setdefault(version, {})[member_id] = {  # type: ignore[index]
                         int(k): str(v) for k, v in data["regions"].items()}
             elif kind == "acks":
                 state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
-                    str(data["incarnation"]), int(data["epoch"]), str(data["digest"]))
+                    str(data["incarnation"]), int(data["epoch"]), str(data["digest"]), str(data.get("layout", "")))
             elif kind == "failed":
                 state.failed[version] = Failure(int(data["version"]), str(data["cause"]),
                                                 int(data["num_attempts"]), int(data["epoch"]))
@@ -112,11 +119,11 @@ class VersionStore:
 
     # ---- fenced writes ------------------------------------------------------------
     def publish_source(self, membership: Membership, version: int, digest: str = "",
-                       regions: Mapping[int, str] | None = None) -> None:
+                       regions: Mapping[int, str] | None = None, layout: str = "") -> None:
         """This trainer published ``version`` (its buffers' ``digest`` and its digests of the
-        replica ``regions`` it holds, taken at publish) and serves it as a source (fenced
-        on its own lease)."""
-        record = {"incarnation": membership.record.incarnation, "digest": digest,
+        replica ``regions`` it holds, taken at publish, in the layout with fingerprint
+        ``layout``) and serves it as a source (fenced on its own lease)."""
+        record = {"incarnation": membership.record.incarnation, "digest": digest, "layout": layout,
                   "regions": {str(k): v for k, v in (regions or {}).items()}}
         membership.fenced_put(self.keys.source(version, membership.record.member_id), json.dumps(record).encode())
 
@@ -124,7 +131,8 @@ class VersionStore:
         """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""
         record = membership.record
         membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
-            {"incarnation": record.incarnation, "epoch": epoch, "digest": digest}).encode())
+            {"incarnation": record.incarnation, "epoch": epoch, "digest": digest,
+             "layout": record.layout}).encode())
 
     def retract(self, membership: Membership, state: VersionState) -> int:
         """Withdraw this member's acks: its buffers are about to be overwritten, so it must

@@ -30,6 +30,9 @@ class MemberRecord:
     address: str = ""
     state: str = "ready"
     layout_rank: int = -1  # this rank's rank in its side's layout (-1: not part of a layout)
+    # Fingerprint of the layout this rank describes its side with (``layouts/{fingerprint}``;
+    # "" for a member that takes part in no layout).
+    layout: str = ""
     # Bumped to ask for a new epoch with the same members: this rank's communicator broke
     # (gloo closes a pair for good once it times out or its peer resets it).
     reform: int = 0
@@ -49,6 +52,8 @@ class MemberRecord:
             raise ValueError(f"domain must be non-empty, got {self.domain!r}")
         if not self.device:
             raise ValueError(f"device must be non-empty, got {self.device!r}")
+        if not isinstance(self.layout, str):
+            raise ValueError(f"layout must be a fingerprint string, got {self.layout!r}")
         if self.state not in MEMBER_STATES:
             raise ValueError(f"state must be one of {MEMBER_STATES}, got {self.state!r}")
 
@@ -68,6 +73,7 @@ class MemberRecord:
             "address": self.address,
             "state": self.state,
             "layout_rank": self.layout_rank,
+            "layout": self.layout,
             "reform": self.reform,
         }
 
@@ -86,6 +92,7 @@ class MemberRecord:
             address=str(data.get("address", "")),
             state=str(data.get("state", "ready")),
             layout_rank=int(data.get("layout_rank", -1)),
+            layout=str(data.get("layout", "")),
             reform=int(data.get("reform", 0)),
         )
 

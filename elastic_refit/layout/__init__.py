@@ -19,6 +19,7 @@ from elastic_refit.layout.dtensor import (
     parse_placement,
     shard_boxes,
 )
+from elastic_refit.layout.encoding import decode_layout, encode_layout
 from elastic_refit.layout.models import (
     MODELS,
     ModelConfig,
@@ -59,6 +60,8 @@ __all__ = [
     "canonical_dtype",
     "combine_layouts",
     "config_from_hf",
+    "decode_layout",
+    "encode_layout",
     "from_dtensors",
     "get_model",
     "load_spec",

@@ -1,8 +1,8 @@
 """The ElasticRefit runtime: epochs, attempts, commits and recovery."""
 
-from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action, plan_attempt
+from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, by_role, next_action, plan_attempt
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
 
-__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "RefitConfig", "RefitLayouts", "next_action",
+__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "RefitConfig", "RefitLayouts", "by_role", "next_action",
            "plan_attempt"]

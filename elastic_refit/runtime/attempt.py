@@ -11,6 +11,12 @@ the epoch. Two kinds of members serve an attempt's bytes:
 
 The **destinations** are the inference ranks that do not hold the version yet.
 
+Each side describes itself: every member's record names the fingerprint of its side's
+layout, and a trainer's source record the layout it published the version in. An attempt
+carries the fingerprint it plans each participant with, and the plan takes each member's
+own rows from the layout it named, so a side may change its layout between versions (or one
+rank rejoin with another) and the next attempt plans against what each rank holds now.
+
 ``attempt_cause`` and ``count_failure`` decide when a version is given up: after
 ``max_attempts`` consecutive attempts that failed for the same cause with the same members.
 """
@@ -52,6 +58,8 @@ class AttemptSpec:
     sources: tuple[str, ...]  # trainers, serving from the training layout
     holders: tuple[str, ...]  # inference ranks that hold the version, serving from the inference layout
     destinations: tuple[str, ...]  # inference ranks that receive the version
+    # (member_id, layout fingerprint) of every participant, sorted: the layout each is planned with
+    layouts: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in (REFIT, CATCH_UP):
@@ -61,6 +69,14 @@ class AttemptSpec:
         if set(self.destinations) & (set(self.sources) | set(self.holders)):
             raise ValueError("a member cannot be a source or holder and a destination: "
                              f"{sorted(set(self.destinations) & (set(self.sources) | set(self.holders)))}")
+        object.__setattr__(self, "layouts", tuple(sorted((str(m), str(fp)) for m, fp in dict(self.layouts).items())))
+        unnamed = sorted(set(self.participants) - {m for m, _ in self.layouts})
+        if self.layouts and unnamed:
+            raise ValueError(f"attempt names no layout for participants {unnamed}")
+
+    def layout(self, member_id: str) -> str:
+        """The fingerprint of the layout ``member_id`` is planned with ("" if none named)."""
+        return dict(self.layouts).get(member_id, "")
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -68,12 +84,13 @@ class AttemptSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "kind": self.kind, "sources": list(self.sources),
-                "holders": list(self.holders), "destinations": list(self.destinations)}
+                "holders": list(self.holders), "destinations": list(self.destinations),
+                "layouts": dict(self.layouts)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptSpec:
         return cls(int(data["version"]), str(data["kind"]), tuple(data["sources"]), tuple(data["holders"]),
-                   tuple(data["destinations"]))
+                   tuple(data["destinations"]), tuple(dict(data.get("layouts", {})).items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +102,20 @@ class CommitAction:
 
 
 def holds(state: VersionState, version: int, member: MemberRecord) -> bool:
-    """An inference rank holds ``version`` if it acked it in its current incarnation."""
+    """An inference rank holds ``version`` if it acked it in its current incarnation and
+    layout (a rank that changed its layout holds nothing until it receives a version)."""
     ack = state.acks.get(version, {}).get(member.member_id)
-    return ack is not None and ack.incarnation == member.incarnation
+    return ack is not None and ack.incarnation == member.incarnation and ack.layout == member.layout
+
+
+def attempt_layouts(view: MembershipView, state: VersionState, version: int, sources: tuple[str, ...],
+                    others: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Which layout each participant is planned with: a source's is the one it published
+    ``version`` in, a holder's or destination's (``others``) the one its record names."""
+    published = state.source_layouts.get(version, {})
+    out = {m: published.get(m, view.member(m).layout) for m in sources}
+    out.update((m, view.member(m).layout) for m in others)
+    return tuple(sorted(out.items()))
 
 
 def version_digest(state: VersionState, version: int, members: tuple[MemberRecord, ...]) -> str:
@@ -130,13 +158,15 @@ def next_action(view: MembershipView, state: VersionState,
             if not destinations:
                 return CommitAction(version, version_digest(state, version, inference))
             sources = tuple(sorted(t.member_id for t in trainers))
-            spec = AttemptSpec(version, REFIT, sources, holders, destinations)
+            spec = AttemptSpec(version, REFIT, sources, holders, destinations,
+                               attempt_layouts(view, state, version, sources, holders + destinations))
             return spec if feasible(spec) else None
     if latest is not None and inference:
         holders = tuple(sorted(m.member_id for m in inference if holds(state, latest, m)))
         behind = tuple(sorted(m.member_id for m in inference if not holds(state, latest, m)))
         if holders and behind:
-            spec = AttemptSpec(latest, CATCH_UP, (), holders, behind)
+            spec = AttemptSpec(latest, CATCH_UP, (), holders, behind,
+                               attempt_layouts(view, state, latest, (), holders + behind))
             if feasible(spec):
                 return spec
     return None
@@ -181,28 +211,60 @@ def topology_of(view: MembershipView) -> Topology:
     return Topology(tuple(index[m.domain] for m in view.members), tuple(m.host for m in view.members))
 
 
-def plan_attempt(source: Layout, destination: Layout, view: MembershipView, attempt: AttemptSpec,
+LayoutOf = Callable[[MemberRecord, str], Layout]
+"""``layout_of(record, fingerprint)``: the layout a member is planned with (the attempt
+names its fingerprint; "" when it names none)."""
+
+
+def by_role(source: Layout, destination: Layout) -> LayoutOf:
+    """A ``layout_of`` for jobs whose layouts every rank knows whole: trainers plan with
+    ``source``, inference ranks with ``destination`` (whatever the fingerprints say)."""
+    def layout_of(record: MemberRecord, fingerprint: str) -> Layout:
+        return source if record.role == "trainer" else destination
+    return layout_of
+
+
+def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec,
                  options: PlanOptions | None = None) -> Plan:
     """The plan of ``attempt`` over the epoch's communicator ranks.
 
-    ``source``/``destination`` are the full training and inference layouts in layout-rank
-    space; members name their layout rank in their record. The plan's sending side is the
-    attempt's sources (with the training layout) plus its holders (with the inference
-    layout). Raises ``ValueError`` when neither a source nor a holder has some destination
-    region (the version cannot be completed until one comes back).
+    Each participant contributes its own rows (its ``layout_rank`` in its record) of the
+    layout ``layout_of`` gives for it: the sending side is the attempt's sources (training
+    layouts) plus its holders (inference layouts), the receiving side its destinations.
+    Raises ``ValueError`` when neither a source nor a holder has some destination region
+    (the version cannot be completed until one comes back), or when two members claim the
+    same rank of one layout.
     """
-    def ranks(member_ids: tuple[str, ...]) -> dict[int, int]:
-        out = {}
+    def parts(member_ids: tuple[str, ...]) -> list[tuple[Layout, dict[int, int]]]:
+        groups: dict[int, tuple[Layout, dict[int, int], dict[int, str]]] = {}
         for member_id in member_ids:
             record = view.member(member_id)
             if record.layout_rank < 0:
                 raise ValueError(f"member {member_id!r} has no layout rank")
-            out[record.layout_rank] = view.rank_of(member_id)
-        return out
+            layout = layout_of(record, attempt.layout(member_id))
+            _, ranks, owners = groups.setdefault(id(layout), (layout, {}, {}))
+            if record.layout_rank in owners:
+                raise ValueError(f"members {owners[record.layout_rank]!r} and {member_id!r} both hold rank "
+                                 f"{record.layout_rank} of layout {layout.fingerprint}")
+            ranks[record.layout_rank] = view.rank_of(member_id)
+            owners[record.layout_rank] = member_id
+        return [(layout, ranks) for layout, ranks, _ in groups.values()]
 
-    src = combine_layouts([(source, ranks(attempt.sources)), (destination, ranks(attempt.holders))])
-    dst = combine_layouts([(destination, ranks(attempt.destinations))])
+    src = combine_layouts(parts(attempt.sources) + parts(attempt.holders))
+    dst = combine_layouts(parts(attempt.destinations))
     return make_plan(src, dst, topology_of(view), options)
+
+
+def source_layout_disagreement(attempt: AttemptSpec) -> str | None:
+    """Why the sources of a refit cannot be planned together, or ``None``: every trainer
+    describes the whole training side, so all must have published the version in one
+    layout (their replica regions are compared by that layout's indices)."""
+    named = {attempt.layout(m) for m in attempt.sources}
+    if len(named) <= 1:
+        return None
+    listed = ", ".join(f"{m} in {attempt.layout(m) or '(none)'}" for m in attempt.sources)
+    return (f"the trainers published version {attempt.version} in different layouts ({listed}): every trainer "
+            "must describe the same training side")
 
 
 # ---- giving up on a version -------------------------------------------------------------

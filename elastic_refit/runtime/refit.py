@@ -59,6 +59,7 @@ from elastic_refit.membership import (
     MembershipView,
 )
 from elastic_refit.membership.keys import AttemptKeys
+from elastic_refit.membership.layouts import LayoutStore, LayoutUnavailable
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
 from elastic_refit.plan import PlanOptions
@@ -77,8 +78,10 @@ from elastic_refit.runtime.attempt import (
     next_action,
     plan_attempt,
     reform_due_in,
+    source_layout_disagreement,
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.runtime.layouts import LayoutCache
 from elastic_refit.runtime.phases import HOOKS
 from elastic_refit.runtime.replicas import (
     ReplicaRegion,
@@ -135,31 +138,46 @@ class _EventLog:
 class ElasticRefit:
     """Refit that survives failures; use as a context manager on every rank.
 
+    ``layout`` describes this rank's own side (a ``Layout``, e.g. ``from_dtensors(model)``):
+    it is published to etcd and the other side's is read from there, so neither side's
+    configuration names the other's parallelism. A ``RefitLayouts`` of both sides works too.
+
     Trainer: ``publish(tensors, version)`` returns once ``version`` committed on every live
-    inference rank. Inference: pass ``parameters`` (buffer name -> tensor, the inference
-    layout's buffers of this rank); read them inside ``with refit.weights():``.
-    ``on_event(name, fields)`` receives every runtime event (e.g. ``RefitMetrics``).
+    inference rank. Inference: pass ``parameters`` (an ``nn.Module`` whose local shards are
+    written in place, or buffer name -> tensor: the layout's buffers of this rank); read them
+    inside ``with refit.weights():``. ``update_layout`` changes this rank's layout between
+    versions. ``on_event(name, fields)`` receives every runtime event (e.g. ``RefitMetrics``).
     """
 
-    def __init__(self, config: RefitConfig, layouts: RefitLayouts, *,
-                 parameters: Mapping[str, torch.Tensor] | None = None,
+    def __init__(self, config: RefitConfig, layout: Layout | RefitLayouts, *,
+                 parameters: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
                  on_event: EventListener | None = None) -> None:
         self.config = config
-        self.layouts = layouts
+        if isinstance(layout, RefitLayouts):
+            self._layout = layout.source if config.role == "trainer" else layout.destination
+            self._known_layouts: tuple[Layout, ...] = (layout.source, layout.destination)
+        elif isinstance(layout, Layout):
+            self._layout, self._known_layouts = layout, (layout,)
+        else:
+            raise ValueError(f"layout must be a Layout (this side's) or RefitLayouts, got {type(layout).__name__}")
+        self._check_layout_rank(self._layout)
         self.log = _EventLog(structlog.get_logger("elastic_refit.runtime"), on_event).bind(
             job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
         if config.role == "inference":
             if parameters is None:
                 raise ValueError(f"inference member {config.member_id!r} needs its parameters")
-            self._check_parameters(parameters)
+            parameters = tensors_of(parameters)
+            self._check_parameters(self._layout, parameters)
         self.parameters: dict[str, torch.Tensor] = dict(parameters or {})
+        # Attempts and layout changes take turns (a change waits for the attempt in flight).
+        self._attempt_lock = threading.Lock()
         # Staged mode receives into spares and swaps them in on commit.
         self._incoming = ({k: v.clone() for k, v in self.parameters.items()}
                           if config.mode == "staged" else self.parameters)
-        self._published: dict[int, dict[str, torch.Tensor]] = {}
+        self._published: dict[int, tuple[dict[str, torch.Tensor], str]] = {}  # version -> (buffers, layout)
         self._last_published: tuple[int, str] | None = None  # (version, digest) of this trainer's latest publish
         self._snapshots: dict[int, dict[str, int]] = {}  # version -> buffer digests taken at publish
-        self._regions: tuple[ReplicaRegion, ...] | None = None  # the source layout's replica regions
+        self._regions: tuple[str, tuple[ReplicaRegion, ...]] | None = None  # (training layout, its replica regions)
         self._cond = threading.Condition()
         self._readers = 0
         self._blocked = False  # in-place: parameters are being (or were partly) overwritten
@@ -191,9 +209,13 @@ class ElasticRefit:
         # peer that died before its pair connected blocks inside send() for ~50 s of retries.
         self.client = EtcdClient(c.etcd_config())
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
-                              layout_rank=c.layout_rank)
+                              layout_rank=c.layout_rank, layout=self._layout.fingerprint)
         self.membership = Membership(self.client, c.job, record, MembershipConfig(
-            ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s)).start()
+            ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s))
+        self.layout_cache = LayoutCache(LayoutStore(self.client, c.job), self._known_layouts)
+        self.membership.start()
+        # Peers that see the record before this lands find the layout unavailable and wait.
+        self.layout_cache.publish(self.membership, self._layout)
         self.versions = VersionStore(self.client, c.job)
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
@@ -238,15 +260,14 @@ class ElasticRefit:
         if not is_integer(version) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
         timeout_s = check_timeout("timeout_s", timeout_s)
-        if isinstance(tensors, torch.nn.Module):
-            tensors = {name: p.detach() for name, p in tensors.named_parameters()}
-        tensors = dict(tensors)
+        tensors = tensors_of(tensors)
+        layout = self._layout
         state = self.versions.snapshot()
         # Bad input fails here, in the caller, never as attempts retried until they give up.
         # The version is failed for the whole job too (every live trainer must source it),
         # so peers waiting for it raise at once.
         try:
-            self._check_buffers(self.layouts.source, tensors, f"trainer {me!r}, version {version}: published buffer")
+            self._check_buffers(layout, tensors, f"trainer {me!r}, version {version}: published buffer")
         except ValueError as exc:
             if version not in state.committed and self.versions.refuse(self.membership, version, fault_cause(exc)):
                 self.log.error("refit.version.refused", version=version, cause=str(exc))
@@ -258,15 +279,15 @@ class ElasticRefit:
         if repeat is not None:
             return repeat
         self._last_published = (version, data_digest)
-        regions = (region_digests(self.layouts.source, self.config.layout_rank, tensors, self._replica_regions(),
+        regions = (region_digests(layout, self.config.layout_rank, tensors, self._replica_regions(layout),
                                   known=snapshot) if self.config.check_replicas else {})
         with self._cond:
             self._published = {v: t for v, t in self._published.items() if v > version}
-            self._published[version] = tensors
+            self._published[version] = (tensors, layout.fingerprint)
             self._snapshots = {v: d for v, d in self._snapshots.items() if v > version}
             self._snapshots[version] = snapshot
         try:
-            self.versions.publish_source(self.membership, version, data_digest, regions)
+            self.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
             self.log.info("refit.version.published", version=version)
 
             def committed() -> Commit | None:
@@ -277,6 +298,81 @@ class ElasticRefit:
         finally:
             with self._cond:
                 self._published.pop(version, None)
+
+    # ---- layouts ---------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        """This rank's side, as it describes it now."""
+        return self._layout
+
+    def update_layout(self, layout: Layout, parameters: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
+                      timeout_s: float | None = None) -> None:
+        """Describe this rank's side anew between versions (an inference pool re-sharded,
+        experts re-placed, a trainer group re-laid out); the next attempt plans against it.
+
+        Inference ranks pass the ``parameters`` that hold the new layout's buffers (default:
+        the current ones, which must fit it): from now on this rank holds no version until
+        the next one arrives in the new layout, so ``weights()`` blocks until then. A trainer
+        may change its layout only while no ``publish`` is in flight. Waits (at most
+        ``timeout_s``, default the collective timeout times four) for an attempt this rank is
+        in to finish."""
+        if not isinstance(layout, Layout):
+            raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
+        timeout_s = check_timeout("timeout_s", timeout_s)
+        self._check_layout_rank(layout)
+        me = self.config.member_id
+        new_parameters = None
+        if self.config.role == "inference":
+            new_parameters = tensors_of(parameters) if parameters is not None else self.parameters
+            self._check_parameters(layout, new_parameters)
+        elif parameters is not None:
+            raise ValueError(f"trainer {me!r}: parameters are for inference ranks (trainers publish their buffers)")
+        wait_s = 4 * self.config.collective_timeout_s if timeout_s is None else timeout_s
+        if not self._attempt_lock.acquire(timeout=wait_s):
+            raise RefitTimeout("the attempt in flight to finish before the layout change", wait_s, member_id=me)
+        try:
+            with self._cond:
+                if self.config.role == "trainer" and self._published:
+                    raise ValueError(f"trainer {me!r}: version(s) {sorted(self._published)} are being published; "
+                                     "change the layout between publishes")
+            if layout.fingerprint == self._layout.fingerprint and new_parameters is self.parameters:
+                return
+            fingerprint = self.layout_cache.publish(self.membership, layout)
+            if self.config.role == "inference":
+                # The buffers are about to hold the new layout: nothing this rank acked is held.
+                self.versions.retract(self.membership, self.versions.snapshot())
+                with self._cond:
+                    while self._readers:
+                        self._cond.wait(0.05)
+                    self.parameters = dict(new_parameters)  # type: ignore[arg-type]
+                    self._incoming = ({k: v.clone() for k, v in self.parameters.items()}
+                                      if self.config.mode == "staged" else self.parameters)
+                    self._serving = None
+                    self._cond.notify_all()
+            self._layout = layout
+            self.membership.update_record(layout=fingerprint)
+            self.log.info("refit.layout.changed", layout=fingerprint, num_pieces=layout.num_pieces,
+                          num_buffers=len(layout.buffers(self.config.layout_rank)))
+        finally:
+            self._attempt_lock.release()
+
+    def _plan_layout(self, record: MemberRecord, fingerprint: str) -> Layout:
+        """``plan_attempt``'s ``layout_of``: from the cache, or etcd the first time."""
+        return self.layout_cache.layout_of(record, fingerprint)
+
+    def _check_planned_layout(self, spec: AttemptSpec) -> None:
+        """The attempt plans this rank with the layout its buffers hold; else it was proposed
+        before a layout change reached the coordinator, and nothing may move under it."""
+        me = self.config.member_id
+        named = spec.layout(me)
+        if me in spec.sources:
+            with self._cond:
+                published = self._published.get(spec.version)
+            mine = published[1] if published is not None else named
+        else:
+            mine = self._layout.fingerprint
+        if named and named != mine:
+            raise _AttemptAborted(f"attempt plans {me} with layout {named}, but it holds layout {mine} now")
 
     # ---- inference API -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -389,7 +485,7 @@ class ElasticRefit:
                     self._stop.wait(self.config.poll_s)
                     continue
                 spec = AttemptSpec.from_json(record)
-                if me in spec.participants and not self._run_attempt(view, self._transport, seq, spec):  # type: ignore[arg-type]
+                if me in spec.participants and not self._run_attempt_locked(view, self._transport, seq, spec):  # type: ignore[arg-type]
                     # The transfer broke: this epoch's transport cannot be used again.
                     broken_epoch, broken_at = view.epoch, time.monotonic()
                     self.log.warning("refit.communicator.broken", epoch=broken_epoch)
@@ -457,14 +553,20 @@ class ElasticRefit:
                               kind=action.kind, sources=len(action.sources), holders=len(action.holders),
                               destinations=len(action.destinations))
 
-    def _replica_regions(self) -> tuple[ReplicaRegion, ...]:
-        if self._regions is None:
-            self._regions = replica_regions(self.layouts.source)
-        return self._regions
+    def _replica_regions(self, layout: Layout) -> tuple[ReplicaRegion, ...]:
+        """The replica regions of training layout ``layout`` (memoised for the latest one)."""
+        if self._regions is None or self._regions[0] != layout.fingerprint:
+            self._regions = (layout.fingerprint, replica_regions(layout))
+        return self._regions[1]
 
     def _replica_disagreement(self, view: MembershipView, state: VersionState, spec: AttemptSpec) -> str | None:
-        """Where the attempt's sources, as published, differ on a region they share."""
-        regions = self._replica_regions()
+        """Where the attempt's sources, as published, differ on a region they share (or on
+        the layout they published it in)."""
+        disagreement = source_layout_disagreement(spec)
+        if disagreement is not None or not spec.sources:
+            return disagreement
+        first = spec.sources[0]
+        regions = self._replica_regions(self._plan_layout(view.member(first), spec.layout(first)))
         if not regions:
             return None
         published = state.source_regions.get(spec.version, {})
@@ -553,9 +655,12 @@ class ElasticRefit:
         cache = self.__dict__.setdefault("_feasibility", {})
         if key not in cache:
             try:
-                plan_attempt(self.layouts.source, self.layouts.destination, view, spec,
-                             PlanOptions(bucket_bytes=self.config.bucket_bytes))
+                plan_attempt(self._plan_layout, view, spec, PlanOptions(bucket_bytes=self.config.bucket_bytes))
                 cache[key] = True
+            except LayoutUnavailable as exc:  # not published yet, or gone: ask again next time
+                self.log.warning("refit.layout.unavailable", version=spec.version, epoch=view.epoch,
+                                 reason=str(exc).splitlines()[0][:300])
+                return False
             except ValueError as exc:
                 cache[key] = False
                 self.log.warning("refit.version.unavailable", version=spec.version, kind=spec.kind,
@@ -574,6 +679,10 @@ class ElasticRefit:
         keys = [AttemptKeys(seq).done(m) for m in AttemptSpec.from_json(record).participants]
         return store.check(keys)
 
+    def _run_attempt_locked(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec) -> bool:
+        with self._attempt_lock:  # a layout change waits for the attempt (and vice versa)
+            return self._run_attempt(view, transport, seq, spec)
+
     def _run_attempt(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec) -> bool:
         """Run one attempt; False when it broke the epoch's communicator (a transport
         fault: gloo closes a pair for good once it times out or its peer resets it)."""
@@ -586,8 +695,8 @@ class ElasticRefit:
         try:
             self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
             t0 = time.perf_counter()
-            plan = plan_attempt(self.layouts.source, self.layouts.destination, view, spec,
-                                PlanOptions(bucket_bytes=self.config.bucket_bytes))
+            self._check_planned_layout(spec)
+            plan = plan_attempt(self._plan_layout, view, spec, PlanOptions(bucket_bytes=self.config.bucket_bytes))
             s = plan.stats
             log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,
@@ -708,10 +817,10 @@ class ElasticRefit:
         me = self.config.member_id
         if me in spec.sources:
             with self._cond:
-                tensors = self._published.get(spec.version)
-            if tensors is None:
+                published = self._published.get(spec.version)
+            if published is None:
                 raise RefitError(f"{me} was listed as a source of version {spec.version} but does not hold it")
-            return tensors, {}  # checked against the layout in publish
+            return published[0], {}  # checked against the layout in publish
         if me in spec.holders:
             return self._incoming, {}
         return {}, self._incoming
@@ -725,7 +834,8 @@ class ElasticRefit:
             latest = state.latest_committed
             me = self.config.member_id
             ack = state.acks.get(latest, {}).get(me) if latest is not None else None
-            holds_latest = ack is not None and ack.incarnation == self.config.incarnation
+            holds_latest = (ack is not None and ack.incarnation == self.config.incarnation
+                            and ack.layout == self._layout.fingerprint)
             if self.config.role == "inference" and holds_latest and self._serving != latest:
                 if self.config.mode == "staged":
                     while self._readers:  # swap only between reads
@@ -791,19 +901,29 @@ class ElasticRefit:
     def _hook(self, phase: str, **context: Any) -> None:
         HOOKS.fire(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
 
-    def _check_parameters(self, parameters: Mapping[str, torch.Tensor]) -> None:
-        self._check_buffers(self.layouts.destination, parameters,
-                            f"inference rank {self.config.member_id!r}: parameter")
+    def _check_parameters(self, layout: Layout, parameters: Mapping[str, torch.Tensor]) -> None:
+        self._check_buffers(layout, parameters, f"inference rank {self.config.member_id!r}: parameter")
+
+    def _check_layout_rank(self, layout: Layout) -> None:
+        if self.config.layout_rank not in layout.ranks:
+            raise ValueError(f"{self.config.role} {self.config.member_id!r} has layout rank {self.config.layout_rank}, "
+                             f"which holds nothing in its layout (ranks {_describe_ranks(layout.ranks)})")
 
     def _check_buffers(self, layout: Layout, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         """Every buffer of this rank in ``layout`` is in ``tensors``, contiguous, with the
         layout's shape and dtype, on this rank's device type, none unknown to the layout and
         no two sharing memory; else ``ValueError`` starting with ``what``."""
         device_type = torch.device(self.config.device).type
-        for buffer in layout.buffers(self.config.layout_rank):
-            t = tensors.get(buffer.name)
-            if t is None:
-                raise ValueError(f"{what} {buffer.name!r} is missing")
+        expected = layout.buffers(self.config.layout_rank)
+        missing = [b.name for b in expected if b.name not in tensors]
+        unknown = sorted(set(tensors) - {b.name for b in expected})
+        if missing:
+            # Everything that does not match, at once: a module's names vs the layout's.
+            listed = f"{what} {missing[0]!r} is missing" if len(missing) == 1 else f"{what}s {missing} are missing"
+            extra = f"; {unknown} are not in the layout of rank {self.config.layout_rank}" if unknown else ""
+            raise ValueError(listed + extra)
+        for buffer in expected:
+            t = tensors[buffer.name]
             if tuple(t.shape) != buffer.shape or str(t.dtype).removeprefix("torch.") != buffer.dtype:
                 raise ValueError(f"{what} {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
                                  f"{list(buffer.shape)} {buffer.dtype}")
@@ -811,9 +931,35 @@ class ElasticRefit:
                 raise ValueError(f"{what} {buffer.name!r} must be contiguous")
             if t.device.type != device_type:
                 raise ValueError(f"{what} {buffer.name!r} is on {t.device}, this rank refits on {self.config.device}")
-        unknown = sorted(set(tensors) - {b.name for b in layout.buffers(self.config.layout_rank)})
         if unknown:
             raise ValueError(f"{what}s {unknown} are not in the layout of rank {self.config.layout_rank}")
         shared = overlapping(tensors)
         if shared is not None:
             raise ValueError(f"{what}s {shared[0]!r} and {shared[1]!r} share memory: each buffer needs its own")
+
+
+def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Buffer name -> tensor from a module (its named parameters) or a mapping (a state
+    dict); DTensors give their local shards (views: writes land in the parameter)."""
+    if isinstance(tensors, torch.nn.Module):
+        items = list(tensors.named_parameters())
+    elif isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    else:
+        raise ValueError(f"expected an nn.Module or a mapping of buffer name -> tensor, got {type(tensors).__name__}")
+    out: dict[str, torch.Tensor] = {}
+    for name, value in items:
+        local = getattr(value, "_local_tensor", None) if type(value).__name__ == "DTensor" else None
+        value = local if local is not None else value
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name!r} is a {type(value).__name__}, not a tensor")
+        out[name] = value.detach()
+    return out
+
+
+def _describe_ranks(ranks: tuple[int, ...]) -> str:
+    if not ranks:
+        return "none"
+    if len(ranks) == 1:
+        return str(ranks[0])
+    return f"{ranks[0]}..{ranks[-1]}" if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) else str(list(ranks))

@@ -114,6 +114,9 @@ def test_versions_only_go_forward_and_never_change_their_data(trainer):
 
 @pytest.mark.parametrize("name, parameters, message", [
     ("missing", {"w": torch.zeros(8, 4)}, "inference rank 'i0': parameter 'b' is missing"),
+    ("module names that are not the layout's",
+     torch.nn.ParameterDict({"weight": torch.zeros(8, 4), "bias": torch.zeros(4)}),
+     "inference rank 'i0': parameters ['b', 'w'] are missing; ['bias', 'weight'] are not in the layout of rank 1"),
     ("non-contiguous", {"w": torch.zeros(4, 8).t(), "b": torch.zeros(4)},
      "inference rank 'i0': parameter 'w' must be contiguous"),
     ("meta", {"w": torch.zeros(8, 4), "b": torch.empty(4, device="meta")},
@@ -124,4 +127,16 @@ def test_inference_parameters_are_checked_when_the_refit_is_built(name, paramete
     config = RefitConfig(job="bad", role="inference", member_id="i0", layout_rank=1, etcd=("127.0.0.1:1",))
     with pytest.raises(ValueError) as info:
         ElasticRefit(config, LAYOUTS, parameters=parameters)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("name, layout, layout_rank, message", [
+    ("not a layout", {"w": "S(0)"}, 1, "layout must be a Layout (this side's) or RefitLayouts, got dict"),
+    ("a rank the layout does not have", LAYOUTS, 7,
+     "inference 'i0' has layout rank 7, which holds nothing in its layout (ranks 1)"),
+])
+def test_the_layout_and_the_layout_rank_are_checked_when_the_refit_is_built(name, layout, layout_rank, message):
+    config = RefitConfig(job="bad", role="inference", member_id="i0", layout_rank=layout_rank, etcd=("127.0.0.1:1",))
+    with pytest.raises(ValueError) as info:
+        ElasticRefit(config, layout, parameters={})
     assert str(info.value) == message

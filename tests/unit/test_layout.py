@@ -664,3 +664,32 @@ def test_public_api_is_reexported_lazily():
             "from elastic_refit import ElasticRefit, TransportAborted, MembershipLost; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---- encoding (how a side publishes its layout) ---------------------------------------------
+def test_an_encoded_layout_decodes_to_the_same_rows_and_fingerprint():
+    from elastic_refit.layout import decode_layout, encode_layout
+
+    layout = _two_tensor_layout()
+    blob = encode_layout(layout)
+    back = decode_layout(blob, layout.fingerprint)
+    assert back.fingerprint == layout.fingerprint and back.tensors == layout.tensors
+    assert back.buffer_names == layout.buffer_names
+    for f in dataclasses.fields(Layout):
+        if f.init and isinstance(getattr(layout, f.name), np.ndarray):
+            assert np.array_equal(getattr(back, f.name), getattr(layout, f.name)), f.name
+
+
+def test_a_corrupt_or_foreign_encoded_layout_is_refused():
+    from elastic_refit.layout import decode_layout, encode_layout
+
+    layout = _two_tensor_layout()
+    blob = encode_layout(layout)
+    with pytest.raises(ValueError, match=r"^not an encoded layout \(bad magic\)$"):
+        decode_layout(b"JUNK" + blob[4:])
+    with pytest.raises(ValueError, match=r"^corrupt encoded layout: "):
+        decode_layout(blob[:-7])
+    other = _two_tensor_layout(extra_row=1)
+    with pytest.raises(ValueError, match=rf"^encoded layout has fingerprint {layout.fingerprint}, expected "
+                                         rf"{other.fingerprint}$"):
+        decode_layout(blob, other.fingerprint)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from elastic_refit.membership.versions import Ack, Commit, Failure, VersionState
@@ -18,7 +19,7 @@ from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit._validate import check_timeout
 from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
 from elastic_refit.layout import parse_spec
-from elastic_refit.runtime import AttemptSpec, CommitAction, RefitConfig, next_action, plan_attempt
+from elastic_refit.runtime import AttemptSpec, CommitAction, RefitConfig, by_role, next_action, plan_attempt
 from elastic_refit.runtime.attempt import (
     CATCH_UP,
     REFIT,
@@ -195,15 +196,79 @@ def test_plan_attempt(members, sources, holders, destinations, error):
     spec = AttemptSpec(1, kind, sources, holders, destinations)
     if error is not None:
         with pytest.raises(ValueError, match=error):
-            plan_attempt(SPEC.source, SPEC.destination, v, spec)
+            plan_attempt(by_role(SPEC.source, SPEC.destination), v, spec)
         return
-    plan = plan_attempt(SPEC.source, SPEC.destination, v, spec)
+    plan = plan_attempt(by_role(SPEC.source, SPEC.destination), v, spec)
     senders = {v.rank_of(m) for m in sources + holders}
     assert set(plan.source.ranks) <= senders
     assert set(plan.destination.ranks) == {v.rank_of(m) for m in destinations}
     assert plan.stats.cross_domain_bytes == plan.stats.lower_bound_bytes
     # the same inputs plan the same fingerprint (every rank computes it on its own)
-    assert plan_attempt(SPEC.source, SPEC.destination, v, spec).fingerprint == plan.fingerprint
+    assert plan_attempt(by_role(SPEC.source, SPEC.destination), v, spec).fingerprint == plan.fingerprint
+
+
+def _side(placements_by_rank: dict[int, str]):
+    """An inference side of its own (ranks 0..): ``w`` row-sharded in two (``"S0"`` rows 0-3,
+    ``"S1"`` rows 4-7) or whole (``"R"``) on each rank; ``norm`` everywhere."""
+    from elastic_refit.layout import LayoutBuilder
+
+    b = LayoutBuilder()
+    w, norm = b.tensor("w", (8, 4), "float32"), b.tensor("norm", (4,), "float32")
+    for rank, placement in placements_by_rank.items():
+        rows = (0, 8) if placement == "R" else (4 * int(placement[1]), 4)
+        b.pieces(w, b.buffers("w", [rank], (rows[1], 4), "float32"), [[rows[0], 0]], [[rows[1], 4]], [[0, 0]])
+        b.pieces(norm, b.buffers("norm", [rank], (4,), "float32"), [[0]], [[4]], [[0]])
+    return b.build()
+
+
+def test_each_participant_is_planned_with_the_layout_the_attempt_names_for_it():
+    """Self-described sides: i0 keeps its shard, i1 rejoined holding all of w; each
+    contributes its own rows of its own layout (a layout of its side, ranks from 0)."""
+    old, wide = _side({0: "S0", 1: "S1"}), _side({0: "S0", 1: "R"})
+    layouts = {SPEC.source.fingerprint: SPEC.source, old.fingerprint: old, wide.fingerprint: wide}
+    records = [member("t0"), member("t1"),
+               MemberRecord("inference", "i0", "a", "h", "d-i0", "cpu", layout_rank=0, layout=old.fingerprint),
+               MemberRecord("inference", "i1", "a", "h", "d-i1", "cpu", layout_rank=1, layout=wide.fingerprint)]
+    v = MembershipView(epoch=1, members=tuple(records))
+    spec = AttemptSpec(1, REFIT, ("t0", "t1"), (), ("i0", "i1"),
+                       (("t0", SPEC.source.fingerprint), ("t1", SPEC.source.fingerprint),
+                        ("i0", old.fingerprint), ("i1", wide.fingerprint)))
+    plan = plan_attempt(lambda record, fingerprint: layouts[fingerprint], v, spec)
+    received = {r: sorted((p.tensor, p.box.offsets, p.box.lengths) for p in plan.destination.pieces() if p.rank == r)
+                for r in (2, 3)}
+    assert received[2] == [("norm", (0,), (4,)), ("w", (0, 0), (4, 4))]
+    assert received[3] == [("norm", (0,), (4,)), ("w", (0, 0), (8, 4))]
+    assert plan.stats.cross_domain_bytes == plan.stats.lower_bound_bytes == (4 * 4 + 4 + 8 * 4 + 4) * 4
+    # Two members claiming one rank of one layout is an error, never one of them dropped.
+    twin = MemberRecord("inference", "i1", "a", "h", "d-i1", "cpu", layout_rank=0, layout=old.fingerprint)
+    v2 = MembershipView(epoch=1, members=tuple(records[:3]) + (twin,))
+    spec2 = AttemptSpec(1, REFIT, ("t0",), (), ("i0", "i1"), (("t0", SPEC.source.fingerprint),
+                                                            ("i0", old.fingerprint), ("i1", old.fingerprint)))
+    with pytest.raises(ValueError, match=rf"^members 'i0' and 'i1' both hold rank 0 of layout {old.fingerprint}$"):
+        plan_attempt(lambda record, fingerprint: layouts[fingerprint], v2, spec2)
+
+
+def test_a_rank_that_changed_its_layout_holds_nothing_and_sources_must_agree_on_theirs():
+    from elastic_refit.runtime.attempt import holds, source_layout_disagreement
+
+    record = MemberRecord("inference", "i0", "a", "h", "d", "cpu", layout_rank=0, layout="new")
+    acked = VersionState(revision=1, acks={3: {"i0": Ack("a", 1, "d0", layout="old")}})
+    assert not holds(acked, 3, record)
+    assert holds(acked, 3, MemberRecord("inference", "i0", "a", "h", "d", "cpu", layout_rank=0, layout="old"))
+    # next_action plans a source with the layout it published the version in, not its record's
+    v = MembershipView(epoch=1, members=(
+        MemberRecord("trainer", "t0", "a", "h", "d", "cpu", layout_rank=0, layout="now"),
+        MemberRecord("inference", "i0", "a", "h", "d", "cpu", layout_rank=0, layout="L")))
+    published = VersionState(revision=1, sources={4: {"t0": "a"}}, source_layouts={4: {"t0": "then"}})
+    action = next_action(v, published)
+    assert isinstance(action, AttemptSpec) and dict(action.layouts) == {"t0": "then", "i0": "L"}
+    split = AttemptSpec(4, REFIT, ("t0", "t1"), (), ("i0",), (("t0", "A"), ("t1", "B"), ("i0", "L")))
+    assert source_layout_disagreement(split) == (
+        "the trainers published version 4 in different layouts (t0 in A, t1 in B): every trainer must "
+        "describe the same training side")
+    assert source_layout_disagreement(replace(split, layouts=(("t0", "A"), ("t1", "A"), ("i0", "L")))) is None
+    with pytest.raises(ValueError, match=r"^attempt names no layout for participants \['t1'\]$"):
+        AttemptSpec(4, REFIT, ("t0", "t1"), (), ("i0",), (("t0", "A"), ("i0", "L")))
 
 
 def test_attempt_spec_rejects_a_member_on_both_sides():
@@ -214,8 +279,9 @@ def test_attempt_spec_rejects_a_member_on_both_sides():
 
 
 def test_attempt_spec_round_trips_through_json():
-    spec = AttemptSpec(3, CATCH_UP, (), ("i0",), ("i1", "i2"))
+    spec = AttemptSpec(3, CATCH_UP, (), ("i0",), ("i1", "i2"), (("i2", "c"), ("i0", "a"), ("i1", "b")))
     assert AttemptSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert spec.layouts == (("i0", "a"), ("i1", "b"), ("i2", "c")) and spec.layout("i1") == "b"
     assert spec.participants == ("i0", "i1", "i2")
 
 
