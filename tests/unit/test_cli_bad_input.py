@@ -4,6 +4,8 @@ started (every case fails before a process, a world or an etcd exists)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic_refit import cli
@@ -27,12 +29,18 @@ CASES = [
     (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--etcd-user", "u"],
      "--etcd-user 'u' needs its password in $ELASTIC_REFIT_ETCD_PASSWORD"),
     (["status", "--etcd", "127.0.0.1:1"], "status: the following arguments are required: --job (see --help)"),
+    (["worker", "--model", "llama-3.1-8b", "--parallelism", "tp=2", "--versions", "0"],
+     "--versions must be >= 1, got 0"),
+    (["worker", "--model", "llama-3.1-8b", "--parallelism", "tp=2"],
+     "missing configuration: ELASTIC_REFIT_JOB, ELASTIC_REFIT_ROLE, ELASTIC_REFIT_MEMBER_ID, "
+     "ELASTIC_REFIT_LAYOUT_RANK, ELASTIC_REFIT_ETCD"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
-    monkeypatch.delenv("ELASTIC_REFIT_ETCD_PASSWORD", raising=False)
+    for variable in [v for v in os.environ if v.startswith("ELASTIC_REFIT_")]:
+        monkeypatch.delenv(variable)
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2
