@@ -3,8 +3,8 @@
 The public API, re-exported here and imported on first use (so that planning loads neither
 etcd nor gRPC):
 
-- layouts: ``LayoutBuilder``, ``Layout``, ``Topology``, ``Box``, ``Shard``, ``Replicate``,
-  ``add_sharded_tensor``, ``from_dtensors``, ``load_spec``;
+- layouts: ``LayoutBuilder``, ``Layout``, ``Topology``, ``Box``, ``Shard``, ``StridedShard``,
+  ``Replicate``, ``add_sharded_tensor``, ``from_dtensors``, ``local_shards``, ``load_spec``;
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
   ``ElasticRefit.publish`` returns);
@@ -37,10 +37,12 @@ if TYPE_CHECKING:
         LayoutBuilder,
         Replicate,
         Shard,
+        StridedShard,
         Topology,
         add_sharded_tensor,
         from_dtensors,
         load_spec,
+        local_shards,
     )
     from elastic_refit.membership.versions import Commit
     from elastic_refit.plan import Plan, PlanOptions, make_plan
@@ -66,6 +68,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "SourceChanged",
+    "StridedShard",
     "Topology",
     "TransportAborted",
     "VerificationFailed",
@@ -73,6 +76,7 @@ __all__ = [
     "add_sharded_tensor",
     "from_dtensors",
     "load_spec",
+    "local_shards",
     "make_plan",
 ]
 
@@ -84,10 +88,12 @@ _EXPORTS = {
     "LayoutBuilder": "elastic_refit.layout",
     "Replicate": "elastic_refit.layout",
     "Shard": "elastic_refit.layout",
+    "StridedShard": "elastic_refit.layout",
     "Topology": "elastic_refit.layout",
     "add_sharded_tensor": "elastic_refit.layout",
     "from_dtensors": "elastic_refit.layout",
     "load_spec": "elastic_refit.layout",
+    "local_shards": "elastic_refit.layout",
     "Plan": "elastic_refit.plan",
     "PlanOptions": "elastic_refit.plan",
     "make_plan": "elastic_refit.plan",

@@ -14,10 +14,15 @@ from elastic_refit.layout.dtensor import (
     Placement,
     Replicate,
     Shard,
+    ShardPieces,
+    StridedShard,
     add_sharded_tensor,
     from_dtensors,
+    local_shards,
     parse_placement,
     shard_boxes,
+    shard_intervals,
+    shard_pieces,
 )
 from elastic_refit.layout.encoding import decode_layout, encode_layout
 from elastic_refit.layout.models import (
@@ -54,6 +59,8 @@ __all__ = [
     "RefitSpec",
     "Replicate",
     "Shard",
+    "ShardPieces",
+    "StridedShard",
     "Topology",
     "TrainingParallelism",
     "add_sharded_tensor",
@@ -64,6 +71,7 @@ __all__ = [
     "encode_layout",
     "from_dtensors",
     "get_model",
+    "local_shards",
     "load_spec",
     "logical_tensors",
     "megatron_layout",
@@ -72,6 +80,8 @@ __all__ = [
     "parse_placement",
     "parse_spec",
     "shard_boxes",
+    "shard_intervals",
+    "shard_pieces",
     "stage_layers",
     "vllm_layout",
 ]

@@ -940,7 +940,10 @@ class ElasticRefit:
 
 def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
     """Buffer name -> tensor from a module (its named parameters) or a mapping (a state
-    dict); DTensors give their local shards (views: writes land in the parameter)."""
+    dict); DTensors give their local shards (views: writes land in the parameter). The
+    layout checks (shape, contiguity, ...) come after, with the rank's name in the error."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tensors, torch.nn.Module):
         items = list(tensors.named_parameters())
     elif isinstance(tensors, Mapping):
@@ -949,8 +952,9 @@ def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[st
         raise ValueError(f"expected an nn.Module or a mapping of buffer name -> tensor, got {type(tensors).__name__}")
     out: dict[str, torch.Tensor] = {}
     for name, value in items:
-        local = getattr(value, "_local_tensor", None) if type(value).__name__ == "DTensor" else None
-        value = local if local is not None else value
+        if isinstance(value, DTensor):
+            with torch.no_grad():
+                value = value.to_local()
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{name!r} is a {type(value).__name__}, not a tensor")
         out[name] = value.detach()

@@ -175,13 +175,15 @@ def test_from_dtensors_rejects_partial_and_non_dtensors(fake_world):
     with pytest.raises(ValueError, match=re.escape(
             "tensor 'grad_sum': placement P(sum) is not supported (only Shard and Replicate)")):
         from_dtensors([("grad_sum", pending)])
-    # A strided shard is a Shard subclass with a different layout: it must not pass as Shard.
+    # A strided shard (FSDP2 over TP) has its own layout, not Shard's: rows 0, 2 on mesh row 0
+    # (tests/unit/test_dtensor.py checks it against torch on random meshes).
     from torch.distributed.tensor.placement_types import _StridedShard
 
     strided = DTensor.from_local(torch.zeros(2, 3), mesh, [_StridedShard(0, split_factor=2), TR()],
                                  run_check=False, shape=torch.Size([4, 3]), stride=(3, 1))
-    with pytest.raises(ValueError, match=r"tensor 'fsdp_tp': placement .* is not supported"):
-        from_dtensors({"fsdp_tp": strided})
+    layout = from_dtensors({"fsdp_tp": strided}).build()
+    rows = sorted((p.rank, p.box.offsets[0], p.local_box.offsets[0]) for p in layout.pieces("fsdp_tp"))
+    assert rows == [(0, 0, 0), (0, 2, 1), (1, 0, 0), (1, 2, 1), (2, 1, 0), (2, 3, 1), (3, 1, 0), (3, 3, 1)]
     with pytest.raises(ValueError, match=r"'plain' is a Tensor, not a DTensor"):
         from_dtensors({"plain": torch.zeros(2)})
 
