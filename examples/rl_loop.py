@@ -4,9 +4,11 @@ each version; inference ranks act with the committed weights between refits.
     python examples/rl_loop.py [--versions 5] [--inference 2]
 
 Starts its own etcd on loopback; CPU and gloo; finishes in well under a minute. The policy
-is a small MLP (torch modules); the refit layout is written by hand as a spec dict whose
-tensor names are the module's parameter names, so the trainer publishes the module as is
-and each inference rank receives straight into its own module's parameters.
+is a small MLP (torch modules). Each side describes only itself, from its own module: the
+trainer holds every parameter whole (``from_dtensors(policy, plain_ranks=[0])``), the actors
+are replicas (``plain_ranks=range(num_actors)``), and the runtime plans the refit from the two
+layouts in etcd. The trainer publishes the module as is and each actor receives straight
+into its own module's parameters.
 """
 
 from __future__ import annotations
@@ -30,16 +32,6 @@ def make_policy():
     return torch.nn.Sequential(torch.nn.Linear(OBS, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, ACTIONS))
 
 
-def refit_spec(num_inference: int) -> dict:
-    """Trainer rank 0 holds every parameter whole; inference ranks 1.. hold replicas."""
-    policy = make_policy()
-    return {"domains": [0] + [1] * num_inference, "tensors": [
-        {"name": name, "shape": list(p.shape), "dtype": "float32",
-         "source": {"mesh": [0], "placements": ["R"]},
-         "destination": {"mesh": list(range(1, num_inference + 1)), "placements": ["R"]}}
-        for name, p in policy.named_parameters()]}
-
-
 def env_batch(n: int, generator):
     """A contextual bandit: the rewarded action is the argmax of the first ACTIONS features."""
     import torch
@@ -51,23 +43,23 @@ def env_batch(n: int, generator):
 def member(role: str, member_id: str, rank: int, etcd: str, job: str, versions: int, events) -> None:
     import torch
 
-    from elastic_refit import ElasticRefit, RefitConfig, RefitLayouts
-    from elastic_refit.layout import parse_spec
+    from elastic_refit import ElasticRefit, RefitConfig, from_dtensors
     from elastic_refit.log import configure_logging
 
     torch.set_num_threads(1)
     configure_logging(json=True, stream=open(os.devnull, "w"))  # noqa: SIM115 - events are not the point here
-    spec = parse_spec(refit_spec(int(os.environ["RL_NUM_INFERENCE"])))
-    layouts = RefitLayouts(spec.source, spec.destination)
     config = RefitConfig(job=job, role=role, member_id=member_id, layout_rank=rank, etcd=(etcd,),
                          domain="train" if role == "trainer" else "serve")
     policy = make_policy()
+    # This side's layout, from its own module: one trainer, or num_actors replicas.
+    num_ranks = 1 if role == "trainer" else int(os.environ["RL_NUM_INFERENCE"])
+    layout = from_dtensors(policy, plain_ranks=range(num_ranks)).build()
     generator = torch.Generator().manual_seed(rank)
     torch.manual_seed(100 + rank)  # action sampling
     try:
         if role == "trainer":
             opt = torch.optim.Adam(policy.parameters(), lr=0.05)
-            with ElasticRefit(config, layouts) as refit:
+            with ElasticRefit(config, layout) as refit:
                 for version in range(1, versions + 1):
                     for _ in range(10):  # REINFORCE with a mean baseline
                         obs, best = env_batch(256, generator)
@@ -82,8 +74,7 @@ def member(role: str, member_id: str, rank: int, etcd: str, job: str, versions: 
                     events.put({"member": member_id, "type": "published", "version": version,
                                 "epoch": commit.epoch, "train_reward": float(reward.mean())})
             return
-        params = {name: p.detach() for name, p in policy.named_parameters()}
-        with torch.no_grad(), ElasticRefit(config, layouts, parameters=params) as refit:
+        with torch.no_grad(), ElasticRefit(config, layout, parameters=policy) as refit:
             seen = 0
             while seen < versions:
                 refit.wait_for_version(seen + 1, timeout_s=60)
@@ -117,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     result = {"versions": [], "inference": {}, "errors": []}
     try:
-        roles = [("trainer", "trainer", 0)] + [("inference", f"actor{k}", k + 1) for k in range(args.inference)]
+        roles = [("trainer", "trainer", 0)] + [("inference", f"actor{k}", k) for k in range(args.inference)]
         for role, member_id, rank in roles:
             p = ctx.Process(target=member, args=(role, member_id, rank, server.endpoint, "rl-loop", args.versions,
                                                  events), daemon=True)
