@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,12 @@ class RefitConfig:
         """Fields from ``ELASTIC_REFIT_<FIELD>`` (e.g. ``ELASTIC_REFIT_MEMBER_ID``); ``etcd``
         is a comma-separated list; explicit keyword arguments win. Every variable is parsed
         strictly (booleans from a fixed set, numbers finite): ``ValueError`` naming the
-        variable and its value, never a silent default."""
+        variable and its value, never a silent default.
+
+        Under torchrun (``TORCHELASTIC_RUN_ID`` set) the member id, layout rank, domain,
+        incarnation and device default to what torchrun's environment says (see
+        :func:`torchrun_defaults`), so trainers started by torchrun need only the job, the
+        role and etcd."""
         environ = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         origin: dict[str, str] = {}  # field -> "VARIABLE='raw'"
@@ -172,6 +178,11 @@ class RefitConfig:
                 continue
             values[f.name] = _parse_env(variable, f.name, f.type, raw)
             origin[f.name] = f"{variable}={raw!r}"
+        if "role" in values or "role" in overrides:
+            for name, (value, where) in torchrun_defaults(environ, overrides.get("role", values.get("role")),
+                                                          overrides.get("backend", values.get("backend"))).items():
+                if name not in values and name not in overrides:
+                    values[name], origin[name] = value, where
         values.update(overrides)
         missing = [n for n in ("job", "role", "member_id", "layout_rank", "etcd") if n not in values]
         if missing:
@@ -181,6 +192,49 @@ class RefitConfig:
         except ValueError as exc:
             named = [where for name, where in origin.items() if name in str(exc)]
             raise ValueError(f"{exc} (from {', '.join(named)})" if named else str(exc)) from None
+
+
+def torchrun_defaults(environ: Mapping[str, str], role: str, backend: str | None = None) -> dict[str, tuple[Any, str]]:
+    """What a rank started by torchrun (torch.distributed.elastic) is, from its environment
+    (pure): field -> (value, where it came from). Empty when ``TORCHELASTIC_RUN_ID`` is not set.
+
+    - ``member_id``: ``{role}-{RANK}`` (stable across restarts: a restarted group rejoins as
+      the same members), ``layout_rank``: ``RANK`` (its place in the trainers' world);
+    - ``domain``: ``node-{GROUP_RANK}`` (one node, one NVLink domain);
+    - ``incarnation``: ``r{TORCHELASTIC_RESTART_COUNT}-`` + a random id: every torchelastic
+      restart of the group is a new incarnation of each member;
+    - ``device``: ``cuda:{LOCAL_RANK}`` when the backend is NCCL.
+    """
+    if not environ.get("TORCHELASTIC_RUN_ID"):
+        return {}
+
+    def integer(variable: str) -> int | None:
+        raw = environ.get(variable)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"torchrun's {variable}={raw!r} is not an integer") from None
+        if value < 0:
+            raise ValueError(f"torchrun's {variable}={raw!r} is negative")
+        return value
+
+    out: dict[str, tuple[Any, str]] = {}
+    rank = integer("RANK")
+    if rank is not None:
+        out["member_id"] = (f"{role}-{rank}", f"torchrun's RANK={rank}")
+        out["layout_rank"] = (rank, f"torchrun's RANK={rank}")
+    node = integer("GROUP_RANK")
+    if node is not None:
+        out["domain"] = (f"node-{node}", f"torchrun's GROUP_RANK={node}")
+    restarts = integer("TORCHELASTIC_RESTART_COUNT")
+    if restarts is not None:
+        out["incarnation"] = (f"r{restarts}-{uuid.uuid4().hex[:8]}", f"torchrun's TORCHELASTIC_RESTART_COUNT={restarts}")
+    local = integer("LOCAL_RANK")
+    if local is not None and backend is not None and backend != "gloo":
+        out["device"] = (f"cuda:{local}", f"torchrun's LOCAL_RANK={local}")
+    return out
 
 
 _TRUE = ("1", "true", "yes", "on")

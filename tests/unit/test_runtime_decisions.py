@@ -534,3 +534,28 @@ def test_check_timeout_rejects_what_would_never_or_always_expire(value, message)
 
 def test_check_timeout_passes_none_and_positive_numbers():
     assert check_timeout("t", None) is None and check_timeout("t", 2) == 2.0 and check_timeout("t", 0.5) == 0.5
+
+
+# ---- torchrun's environment -------------------------------------------------------------
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2", "ELASTIC_REFIT_JOB": "j",
+            "ELASTIC_REFIT_ROLE": "trainer", "ELASTIC_REFIT_ETCD": "127.0.0.1:2379"}
+
+
+def test_a_rank_started_by_torchrun_needs_only_the_job_the_role_and_etcd():
+    config = RefitConfig.from_env(TORCHRUN)
+    assert (config.member_id, config.layout_rank, config.domain) == ("trainer-3", 3, "node-1")
+    assert config.incarnation.startswith("r2-") and config.device == "cpu"
+    again = RefitConfig.from_env(TORCHRUN)
+    assert again.member_id == config.member_id and again.incarnation != config.incarnation  # a new process
+    nccl = RefitConfig.from_env({**TORCHRUN, "ELASTIC_REFIT_BACKEND": "nccl"})
+    assert nccl.device == "cuda:1"
+    # ELASTIC_REFIT_* and keyword arguments win over torchrun's
+    mine = RefitConfig.from_env({**TORCHRUN, "ELASTIC_REFIT_LAYOUT_RANK": "7"}, member_id="t7")
+    assert (mine.member_id, mine.layout_rank) == ("t7", 7)
+    # without torchrun, nothing is guessed from RANK
+    plain = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"}
+    with pytest.raises(ValueError, match=r"^missing configuration: ELASTIC_REFIT_MEMBER_ID, ELASTIC_REFIT_LAYOUT_RANK$"):
+        RefitConfig.from_env(plain)
+    with pytest.raises(ValueError, match=r"^torchrun's RANK='x' is not an integer$"):
+        RefitConfig.from_env({**TORCHRUN, "RANK": "x"})
