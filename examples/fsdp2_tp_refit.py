@@ -202,6 +202,12 @@ def open_refit(config, model, *, serve: bool):
     return ElasticRefit(config, layout, parameters=model) if serve else ElasticRefit(config, layout)
 
 
+def layout_fingerprint(refit) -> str:
+    """The fingerprint of the layout this rank described its side with (the same on every
+    rank of a side: each computes it from its own DTensors' metadata)."""
+    return refit.layout.fingerprint
+
+
 def publish_step(refit, model, version: int) -> None:
     """Offer the trainer's local shards as ``version``; blocks until it is committed."""
     refit.publish(model, version=version)
@@ -226,6 +232,7 @@ def trainer(rank: int, args: dict, events, proceed) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         batch = train_batch(mesh["dp"].get_local_rank())
         with open_refit(refit_config(args, "trainer", member, rank), model, serve=False) as refit:
+            events.put({"member": member, "type": "layout", "fingerprint": layout_fingerprint(refit)})
             for version in range(1, args["versions"] + 1):
                 if version > 1 and not proceed[version - 2].wait(args["timeout"]):
                     raise TimeoutError(f"the engine did not report version {version - 1} in {args['timeout']} s")
@@ -335,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_logits: dict[int, dict[str, object]] = {}
     publish_seconds: dict[int, float] = {}
     losses: dict[int, float] = {}
+    fingerprints: dict[str, str] = {}  # trainer -> the layout fingerprint it computed
     try:
         if args.etcd is None:
             server = EtcdServer(name="fsdp2-tp")
@@ -379,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 errors.append(f"{e['member']} failed:\n{e['error']}")
             elif e["type"] == "done":
                 done.add(e["member"])
+            elif e["type"] == "layout":
+                fingerprints[e["member"]] = e["fingerprint"]
             elif e["member"].startswith("trainer"):
                 trainer_logits.setdefault(e["version"], {})[e["member"]] = from_bytes(e["logits"])
                 if e["member"] == "trainer0":
@@ -402,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     if killed:
         errors.append(f"killed {', '.join(killed)} (still running)")
 
+    distinct = sorted(set(fingerprints.values()))
+    if len(fingerprints) != NUM_TRAINERS or len(distinct) != 1:
+        errors.append(f"the trainers' layout fingerprints differ or are missing: {fingerprints}")
+    else:
+        print(f"trainer layout fingerprint: {distinct[0]} (the same on all {NUM_TRAINERS} ranks, each from its own "
+              "DTensors)")
     print(f"{'version':>7}  {'dtype':<9} {'loss':>8}  {'max abs diff':>12}  {'equal':<5}  {'publish s':>9}")
     for version in range(1, args.versions + 1):
         trained = trainer_logits.get(version, {})

@@ -52,4 +52,5 @@ def test_engine_logits_equal_trainer_logits(dtype, etcd_server):
     for version, row_dtype, _loss, diff, equal, _seconds in rows:
         assert row_dtype == dtype, out
         assert float(diff) == 0.0 and equal == "yes", f"version {version}: max abs diff {diff}\n{out}"
+    assert re.search(r"^trainer layout fingerprint: [0-9a-f]{32} \(the same on all 4 ranks", out, re.M), out
     assert "OK:" in out, out
