@@ -252,6 +252,10 @@ class RangeWatcher:
                     self.progress_responses += 1
         finally:
             pinger.cancel()
+            # Awaited, so that a client closing its loop right after never destroys the
+            # pinger still pending ("Task was destroyed but it is pending!").
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pinger
             with contextlib.suppress(Exception):
                 await queue.put(None)
             call.cancel()

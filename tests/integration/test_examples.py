@@ -23,3 +23,16 @@ def test_rl_loop_commits_every_version():
     assert sorted(result["inference"]) == ["actor0", "actor1"]
     assert all(seen[-1] == 4 and seen == sorted(seen) for seen in result["inference"].values())
     assert "acting with version 4" in proc.stdout
+
+
+def test_preset_example_checks_every_byte_on_every_engine_rank():
+    """Megatron-style trainers and a vLLM-style engine, each side described by its own preset."""
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "preset_refit.py"), "--versions", "2"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("4 Megatron ranks (tp=2,pp=2) -> 2 vLLM ranks (tp=2)")
+    rows = [line.split() for line in lines[2:-1]]
+    assert sorted((int(v), int(r), int(w)) for v, r, w in rows) == [(1, 0, 0), (1, 1, 0), (2, 0, 0), (2, 1, 0)]
+    assert lines[-1].startswith("OK: every byte of every version checked on every engine rank")
+    assert "Task was destroyed" not in proc.stderr
