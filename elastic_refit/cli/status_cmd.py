@@ -54,7 +54,7 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
         members[record.role].append({
             "member_id": record.member_id, "incarnation": record.incarnation, "host": record.host,
             "domain": record.domain, "device": record.device, "layout_rank": record.layout_rank,
-            "state": record.state, "in_epoch": in_epoch,
+            "layout": record.layout, "state": record.state, "in_epoch": in_epoch,
             "rank": view.rank_of(record.member_id) if in_epoch else None})
     for group in members.values():
         group.sort(key=lambda m: (m["layout_rank"], m["member_id"]))
@@ -100,12 +100,13 @@ def render_status(data: dict[str, Any]) -> str:
            f"leader {leader['member_id'] + ' (token ' + str(leader['token']) + ')' if leader else '-'}  "
            f"latest committed {data['latest_committed'] if data['latest_committed'] is not None else '-'}"]
     for role in ("trainer", "inference"):
-        rows = [[m["member_id"], m["incarnation"], m["host"], m["domain"], m["layout_rank"], m["state"],
-                 "-" if m["rank"] is None else m["rank"]] for m in data["members"][role]]
+        rows = [[m["member_id"], m["incarnation"], m["host"], m["domain"], m["layout_rank"],
+                 m["layout"][:12] or "-", m["state"], "-" if m["rank"] is None else m["rank"]]
+                for m in data["members"][role]]
         out.append("")
         out.append(f"{role} ranks ({len(rows)})")
-        out.append(render_table(["member", "incarnation", "host", "domain", "layout rank", "state", "epoch rank"],
-                                rows) if rows else "  none")
+        out.append(render_table(["member", "incarnation", "host", "domain", "layout rank", "layout", "state",
+                                 "epoch rank"], rows) if rows else "  none")
     out.append("")
     out.append(render_table(["version", "epoch", "digest"],
                             [[f"v{c['version']}", c["epoch"], c["digest"]] for c in data["committed"]])

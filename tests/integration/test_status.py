@@ -58,6 +58,7 @@ def test_status_of_a_running_job(etcd_server, capsys):
         i1 = data["members"]["inference"][0]
         assert (i1["incarnation"], i1["layout_rank"], i1["domain"], i1["state"], i1["rank"]) == ("i1-a", 3, "d1",
                                                                                                  "ready", 0)
+        assert len(i1["layout"]) == 32  # the fingerprint of the layout i1 described its side with
         assert data["leader"]["member_id"] == "i1" and data["leader"]["token"] > 0
         assert [c["version"] for c in data["committed"]] == [2, 1]
         assert data["committed"][0]["epoch"] >= data["committed"][1]["epoch"]
@@ -74,6 +75,7 @@ def test_status_of_a_running_job(etcd_server, capsys):
         assert main(["status", "--etcd", etcd, "--job", "job"]) == 0
         table = capsys.readouterr().out
         assert "inference ranks (1)" in table and "i1-a" in table and "v2" in table and "acks of v2" in table
+        assert i1["layout"][:12] in table
     finally:
         job.stop()
 
