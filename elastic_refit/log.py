@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["configure_logging", "ensure_configured", "get_logger"]
 
 
 class _CurrentStderr:
@@ -62,5 +62,17 @@ def configure_logging(json: bool | None = None, *, stream: TextIO | None = None,
 
 
 def get_logger(name: str = "elastic_refit", **context: Any) -> Any:
-    """A structlog logger with ``context`` bound once (job, role, member_id, epoch, ...)."""
+    """A structlog logger with ``context`` bound once (job, role, member_id, epoch, ...).
+
+    If nobody configured structlog yet, this configures it as :func:`configure_logging`
+    does (JSON lines on stderr): structlog's own default prints to stdout, where a
+    program's output (a table, JSON, a worker's report) must not get log lines mixed in. A
+    program that configures structlog itself, before or after, keeps its configuration."""
+    ensure_configured()
     return structlog.get_logger(name).bind(**context)
+
+
+def ensure_configured() -> None:
+    """:func:`configure_logging` unless structlog is configured already (by anyone)."""
+    if not structlog.is_configured():
+        configure_logging()

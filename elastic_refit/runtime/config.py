@@ -6,8 +6,8 @@ import math
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import structlog
 import torch
 
 from elastic_refit._validate import check_timeout, is_integer
@@ -46,6 +45,7 @@ from elastic_refit.errors import (
     TransportAborted,
 )
 from elastic_refit.layout import Layout
+from elastic_refit.log import get_logger
 from elastic_refit.membership import (
     CommunicatorError,
     CommunicatorManager,
@@ -161,7 +161,7 @@ class ElasticRefit:
         else:
             raise ValueError(f"layout must be a Layout (this side's) or RefitLayouts, got {type(layout).__name__}")
         self._check_layout_rank(self._layout)
-        self.log = _EventLog(structlog.get_logger("elastic_refit.runtime"), on_event).bind(
+        self.log = _EventLog(get_logger("elastic_refit.runtime"), on_event).bind(
             job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
         if config.role == "inference":
             if parameters is None:

@@ -34,12 +34,13 @@ import torch
 
 from elastic_refit.errors import TransportAborted
 from elastic_refit.layout import Layout
+from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view, resolve_buffers, split_box
 from elastic_refit.transport.protocol import Transport, post_recv, post_send
 from elastic_refit.transport.schedule import rank_buffers
 
-log = structlog.get_logger("elastic_refit.transport")
+log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever configuration is current
 
 MiB = 1 << 20
 _GATHER, _BROADCAST = 0, 1
@@ -293,6 +294,7 @@ class GatherBroadcast:
     """Runs rank ``transport.rank``'s part of the classic refit of ``plan``'s layouts."""
 
     def __init__(self, plan: Plan, transport: Transport, options: BaselineOptions | None = None) -> None:
+        ensure_configured()  # structlog's default would print to stdout
         self.plan = plan
         self.transport = transport
         self.options = options or BaselineOptions()

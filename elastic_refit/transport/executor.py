@@ -23,6 +23,7 @@ import torch
 from elastic_refit.errors import TransportAborted, VerificationFailed
 from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
+from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view, digest, resolve_buffers
 from elastic_refit.transport.protocol import P2POp, Transport
@@ -35,7 +36,7 @@ from elastic_refit.transport.schedule import (
     build_rank_schedule,
 )
 
-log = structlog.get_logger("elastic_refit.transport")
+log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever configuration is current
 
 MiB = 1 << 20
 DIGEST_BYTES = 8
@@ -172,6 +173,7 @@ class Executor:
     """Runs rank ``rank``'s share of ``plan`` over ``transport``; build once per epoch."""
 
     def __init__(self, plan: Plan, transport: Transport, options: ExecutorOptions | None = None) -> None:
+        ensure_configured()  # structlog's default would print to stdout
         self.plan = plan
         self.transport = transport
         self.options = options or ExecutorOptions()

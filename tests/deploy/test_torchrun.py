@@ -83,7 +83,7 @@ def test_torchrun_trainers_refit_and_survive_a_torchelastic_restart(tmp_path):
                 env=_env(ELASTIC_REFIT_JOB=job, ELASTIC_REFIT_ROLE="inference", ELASTIC_REFIT_MEMBER_ID=f"i{rank}",
                          ELASTIC_REFIT_LAYOUT_RANK=str(rank), ELASTIC_REFIT_ETCD=server.endpoint,
                          ELASTIC_REFIT_DOMAIN=f"serve-{rank}"),
-                stdout=subprocess.PIPE, stderr=open(tmp_path / f"i{rank}.err", "w"), text=True,
+                stdout=subprocess.PIPE, stderr=open(tmp_path / f"i{rank}.err", "w"), text=True,  # noqa: SIM115 - the child holds it
                 start_new_session=True)
             procs.append(proc)
             inference.append(Lines(proc))
@@ -93,7 +93,8 @@ def test_torchrun_trainers_refit_and_survive_a_torchelastic_restart(tmp_path):
              "--versions", str(VERSIONS), "--pause-s", "0.5"],
             env=_env(ELASTIC_REFIT_JOB=job, ELASTIC_REFIT_ROLE="trainer", ELASTIC_REFIT_ETCD=server.endpoint,
                      OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE, stderr=open(tmp_path / "torchrun.err", "w"), text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=open(tmp_path / "torchrun.err", "w"),  # noqa: SIM115 - the child holds it
+            text=True, start_new_session=True)
         procs.append(torchrun)
         trainers = Lines(torchrun)
         first = trainers.wait_for(lambda i: i["event"] == "committed" and i["version"] == 2, 90)

@@ -19,7 +19,14 @@ from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit._validate import check_timeout
 from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
 from elastic_refit.layout import parse_spec
-from elastic_refit.runtime import AttemptSpec, CommitAction, RefitConfig, by_role, next_action, plan_attempt
+from elastic_refit.runtime import (
+    AttemptSpec,
+    CommitAction,
+    RefitConfig,
+    by_role,
+    next_action,
+    plan_attempt,
+)
 from elastic_refit.runtime.attempt import (
     CATCH_UP,
     REFIT,
