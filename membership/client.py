@@ -289,6 +289,25 @@ class _Connection(aetcd.Client):
         self._connected.set()
 
 
+    async def reauthenticate(self) -> None:
+        """A new token for this channel: etcd drops a simple token after 5 idle minutes
+        (keepalives do not count) and a JWT one when it expires."""
+        stub = rpc.AuthStub(self.channel)
+        resp = await stub.Authenticate(rpc.AuthenticateRequest(name=self._config.username,
+                                                               password=self._config.password),
+                                       timeout=self._timeout)
+        self.metadata = (("token", resp.token),)
+
+
+# etcd's answers to a request with an expired token: worth one new token, not an error.
+_TOKEN_EXPIRED = ("invalid auth token", "revision of auth store is old")
+
+
+def _token_expired(exc: BaseException) -> bool:
+    text = exc.details() if isinstance(exc, rpc.AioRpcError) else str(exc)
+    return any(s in (text or "") for s in _TOKEN_EXPIRED)
+
+
 class EtcdClient:
     """Synchronous etcd v3 client for one process (thread-safe).
 
@@ -380,7 +399,16 @@ class EtcdClient:
             try:
                 conn = await self.connection()  # authenticates, when there are credentials
                 current["conn"] = conn
-                return await fn(conn)
+                try:
+                    return await fn(conn)
+                except (rpc.AioRpcError, aetcd_exc.ClientError) as exc:
+                    if self.config.username is None or not _token_expired(exc):
+                        raise
+                    # The request was refused before it was applied (auth comes first), so
+                    # even a transaction is safe to send again with a new token.
+                    await conn.reauthenticate()
+                    self._log.info("membership.etcd.reauthenticated", op=op, endpoint=self.endpoint)
+                    return await fn(conn)
             except rpc.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or any(
                         s in (exc.details() or "") for s in _ACCESS_DENIED):

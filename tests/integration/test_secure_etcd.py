@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 
 import pytest
 from elastic_refit.membership import EtcdAccessDenied, EtcdClient, JobKeys
-from elastic_refit.membership.client import EtcdConfig
+from elastic_refit.membership.client import EtcdConfig, Put
 
 from elastic_refit.cli import main
 from elastic_refit.layout import parse_spec
@@ -26,12 +27,14 @@ SPEC = parse_spec({"domains": [0, 1], "tensors": [
      "source": {"mesh": [0], "placements": ["R"]}, "destination": {"mesh": [1], "placements": ["R"]}}]})
 LAYOUTS = RefitLayouts(SPEC.source, SPEC.destination)
 USERS = {"alice": ("alice-pw", JobKeys("job-a").prefix), "bob": ("bob-pw", JobKeys("job-b").prefix)}
+TOKEN_TTL_S = 2
 
 
 @pytest.fixture(scope="module")
 def secure_etcd(tmp_path_factory):
     tls = make_certificates(str(tmp_path_factory.mktemp("pki")))
-    server = EtcdServer(name="secure", tls=tls).start()
+    # Tokens expire after TOKEN_TTL_S idle seconds (etcd's default is 300): clients must renew them.
+    server = EtcdServer(name="secure", tls=tls, extra_args=["--auth-token-ttl", str(TOKEN_TTL_S)]).start()
     try:
         enable_auth(server.endpoint, tls.ca, "root-" + uuid.uuid4().hex, USERS)
         yield server, tls
@@ -111,6 +114,21 @@ def test_another_jobs_credentials_cannot_read_write_or_forge_a_commit(secure_etc
     with EtcdClient(EtcdConfig((server.endpoint,), username="alice", password=USERS["alice"][0],
                                ca_cert=tls.ca)) as alice:
         assert alice.get(committed) is None  # nothing forged reached job A
+
+
+def test_an_expired_token_is_renewed_not_a_fatal_error(secure_etcd):
+    """etcd drops a token after its TTL without a key-value request (lease keepalives do not
+    count): a member idle for longer (a long RL step) must keep working, transactions too."""
+    server, tls = secure_etcd
+    key = JobKeys("job-a").prefix + "idle"
+    with EtcdClient(EtcdConfig((server.endpoint,), username="alice", password=USERS["alice"][0],
+                               ca_cert=tls.ca)) as alice:
+        alice.put(key, b"1")
+        time.sleep(TOKEN_TTL_S + 2)
+        assert alice.get(key).value == b"1"
+        time.sleep(TOKEN_TTL_S + 2)
+        assert alice.txn([], [Put(key, b"2")]).succeeded
+        assert alice.get(key).value == b"2"
 
 
 def test_a_password_is_not_sent_without_tls_unless_allowed(secure_etcd):
