@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -39,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def side_layout(role: str, model: str, parallelism: str, layers: int | None):
     """This member's side, described by itself: Megatron-style training or vLLM-style inference."""
     from elastic_refit.layout import megatron_layout, parse_parallelism, vllm_layout
@@ -59,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     check_timeout("--pause-s", args.pause_s or None)
     config = RefitConfig.from_env()
+    # A launcher stops a member with SIGTERM (Kubernetes, Slurm, torchelastic): leave the job
+    # cleanly (the lease revoked, peers re-plan at once) instead of dying mid-way.
+    signal.signal(signal.SIGTERM, _interrupt)
     layout = side_layout(config.role, args.model, args.parallelism, args.layers)
     started = time.monotonic()
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
@@ -169,8 +171,18 @@ class RefitConfig:
         :func:`torchrun_defaults`), so trainers started by torchrun need only the job, the
         role and etcd."""
         environ = dict(os.environ if environ is None else environ)
+        _check_variables(environ, [f.name for f in fields(cls)])
         values: dict[str, Any] = {}
         origin: dict[str, str] = {}  # field -> "VARIABLE='raw'"
+        password_file = environ.get("ELASTIC_REFIT_ETCD_PASSWORD_FILE")
+        if password_file is not None and "etcd_password" not in overrides:
+            if "ELASTIC_REFIT_ETCD_PASSWORD" in environ:
+                raise ValueError("give ELASTIC_REFIT_ETCD_PASSWORD or ELASTIC_REFIT_ETCD_PASSWORD_FILE, not both")
+            try:
+                values["etcd_password"] = Path(password_file).read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise ValueError(f"ELASTIC_REFIT_ETCD_PASSWORD_FILE={password_file!r}: {exc.strerror}") from None
+            origin["etcd_password"] = f"ELASTIC_REFIT_ETCD_PASSWORD_FILE={password_file!r}"
         for f in fields(cls):
             variable = f"ELASTIC_REFIT_{f.name.upper()}"
             raw = environ.get(variable)
@@ -192,6 +204,29 @@ class RefitConfig:
         except ValueError as exc:
             named = [where for name, where in origin.items() if name in str(exc)]
             raise ValueError(f"{exc} (from {', '.join(named)})" if named else str(exc)) from None
+
+
+# Variables a Kubernetes service link defines for a Service whose name starts with
+# "elastic-refit" (ELASTIC_REFIT_ETCD_SERVICE_HOST, ..._PORT_2379_TCP_ADDR): not ours.
+_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)$")
+_EXTRA_VARIABLES = ("ELASTIC_REFIT_ETCD_PASSWORD_FILE",
+                    # the test harness's own (elastic_refit.testing, benchmarks), not configuration
+                    "ELASTIC_REFIT_CUDA_DEVICE", "ELASTIC_REFIT_CHAOS_RESULTS")
+
+
+def _check_variables(environ: Mapping[str, str], field_names: list[str]) -> None:
+    """``ValueError`` for an ``ELASTIC_REFIT_*`` variable that configures nothing (a typo
+    such as ``ELASTIC_REFIT_TTL`` would otherwise be ignored silently)."""
+    known = {f"ELASTIC_REFIT_{name.upper()}" for name in field_names} | set(_EXTRA_VARIABLES)
+    for variable in sorted(environ):
+        if not variable.startswith("ELASTIC_REFIT_") or variable in known:
+            continue
+        if _SERVICE_LINK.search(variable):
+            continue
+        close = difflib.get_close_matches(variable, sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"unknown variable {variable}={environ[variable]!r}{hint}: no RefitConfig field "
+                         "of that name")
 
 
 def torchrun_defaults(environ: Mapping[str, str], role: str, backend: str | None = None) -> dict[str, tuple[Any, str]]:

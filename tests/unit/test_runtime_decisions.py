@@ -566,3 +566,22 @@ def test_a_rank_started_by_torchrun_needs_only_the_job_the_role_and_etcd():
         RefitConfig.from_env(plain)
     with pytest.raises(ValueError, match=r"^torchrun's RANK='x' is not an integer$"):
         RefitConfig.from_env({**TORCHRUN, "RANK": "x"})
+
+
+def test_unknown_variables_and_the_password_file(tmp_path):
+    base = {"ELASTIC_REFIT_JOB": "j", "ELASTIC_REFIT_ROLE": "trainer", "ELASTIC_REFIT_MEMBER_ID": "t0",
+            "ELASTIC_REFIT_LAYOUT_RANK": "0", "ELASTIC_REFIT_ETCD": "127.0.0.1:2379"}
+    with pytest.raises(ValueError, match=r"^unknown variable ELASTIC_REFIT_TTL='5' \(did you mean "
+                                         r"ELASTIC_REFIT_TTL_S\?\): no RefitConfig field of that name$"):
+        RefitConfig.from_env({**base, "ELASTIC_REFIT_TTL": "5"})
+    # what a Kubernetes service link named elastic-refit-etcd adds is not ours: ignored
+    links = {"ELASTIC_REFIT_ETCD_SERVICE_HOST": "10.0.0.1", "ELASTIC_REFIT_ETCD_SERVICE_PORT": "2379",
+             "ELASTIC_REFIT_ETCD_PORT": "tcp://10.0.0.1:2379", "ELASTIC_REFIT_ETCD_PORT_2379_TCP_ADDR": "10.0.0.1"}
+    assert RefitConfig.from_env({**base, **links}).ttl_s == 2
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    config = RefitConfig.from_env({**base, "ELASTIC_REFIT_ETCD_USER": "u", "ELASTIC_REFIT_ETCD_PASSWORD_FILE": str(secret),
+                                   "ELASTIC_REFIT_ETCD_ALLOW_PLAINTEXT_PASSWORD": "1"})
+    assert (config.etcd_user, config.etcd_password) == ("u", "s3cret")
+    with pytest.raises(ValueError, match=r"^ELASTIC_REFIT_ETCD_PASSWORD_FILE='/nope': No such file or directory$"):
+        RefitConfig.from_env({**base, "ELASTIC_REFIT_ETCD_PASSWORD_FILE": "/nope"})
