@@ -28,7 +28,7 @@ demo: $(STAMP) etcd
 	$(BIN)/elastic-refit demo
 
 test: $(STAMP) etcd
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
