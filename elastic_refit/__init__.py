@@ -4,7 +4,8 @@ The public API, re-exported here and imported on first use (so that planning loa
 etcd nor gRPC):
 
 - layouts: ``LayoutBuilder``, ``Layout``, ``Topology``, ``Box``, ``Shard``, ``StridedShard``,
-  ``Replicate``, ``add_sharded_tensor``, ``from_dtensors``, ``local_shards``, ``load_spec``;
+  ``Replicate``, ``add_sharded_tensor``, ``from_dtensors``, ``local_shards``, ``load_spec``,
+  ``load_side`` (one side's layout file);
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
   ``ElasticRefit.publish`` returns);
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         Topology,
         add_sharded_tensor,
         from_dtensors,
+        load_side,
         load_spec,
         local_shards,
     )
@@ -75,6 +77,7 @@ __all__ = [
     "__version__",
     "add_sharded_tensor",
     "from_dtensors",
+    "load_side",
     "load_spec",
     "local_shards",
     "make_plan",
@@ -92,6 +95,7 @@ _EXPORTS = {
     "Topology": "elastic_refit.layout",
     "add_sharded_tensor": "elastic_refit.layout",
     "from_dtensors": "elastic_refit.layout",
+    "load_side": "elastic_refit.layout",
     "load_spec": "elastic_refit.layout",
     "local_shards": "elastic_refit.layout",
     "Plan": "elastic_refit.plan",

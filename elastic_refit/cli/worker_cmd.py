@@ -3,7 +3,7 @@
 Started by a launcher (srun, a Kubernetes pod, a Ray actor, torchrun) with its identity in
 the ``ELASTIC_REFIT_*`` environment (``RefitConfig.from_env``), it describes its own side
 from a model preset (Megatron-style for trainers, vLLM-style for inference ranks, in its
-side's rank space) and runs the job: trainers publish versions ``1..N`` of deterministic
+side's rank space) or a side file (``--layout``, see ``load_side``) and runs the job: trainers publish versions ``1..N`` of deterministic
 pattern data (the same bytes on every replica, and after a restart), inference ranks check
 every byte of every version they serve. One line per version on stdout (``--json``: one JSON
 object per line); exit status 0 once the last version is done, 1 if a byte was wrong.
@@ -30,9 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "worker", help="run a synthetic trainer or inference member (deployment smoke test)",
         description="A member of a refit job configured from ELASTIC_REFIT_* variables: trainers publish "
                     "pattern versions, inference ranks verify every byte.")
-    parser.add_argument("--model", required=True, help="model preset name or a path to a HF config.json")
-    parser.add_argument("--parallelism", required=True,
+    parser.add_argument("--model", help="model preset name or a path to a HF config.json")
+    parser.add_argument("--parallelism",
                         help="this side's parallelism: trainers e.g. tp=2,pp=2,ep=2; inference e.g. tp=2,dp=2")
+    parser.add_argument("--layout", help="this side's layout file instead of a preset (see load_side)")
     parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")
     parser.add_argument("--versions", type=int, default=3, help="versions to refit (default 3)")
     parser.add_argument("--pause-s", type=float, default=0.0, help="trainers: seconds between versions")
@@ -44,10 +45,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def side_layout(role: str, model: str, parallelism: str, layers: int | None):
-    """This member's side, described by itself: Megatron-style training or vLLM-style inference."""
-    from elastic_refit.layout import megatron_layout, parse_parallelism, vllm_layout
+def side_layout(role: str, model: str | None, parallelism: str | None, layers: int | None,
+                layout_file: str | None = None):
+    """This member's side, described by itself: a side file, or a Megatron-style training or
+    vLLM-style inference preset."""
+    from elastic_refit.layout import load_side, megatron_layout, parse_parallelism, vllm_layout
 
+    if layout_file is not None:
+        return load_side(layout_file)
     if role == "trainer":
         return megatron_layout(model, parse_parallelism(parallelism, side="training"), num_layers=layers)
     return vllm_layout(model, parse_parallelism(parallelism, side="inference"), num_layers=layers)
@@ -63,11 +68,15 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     check_timeout("--pause-s", args.pause_s or None)
+    if args.layout is not None and (args.model is not None or args.parallelism is not None):
+        raise ValueError("give --layout, or --model with --parallelism, not both")
+    if args.layout is None and (args.model is None or args.parallelism is None):
+        raise ValueError("give --model and --parallelism (a preset of this side), or --layout FILE")
     config = RefitConfig.from_env()
     # A launcher stops a member with SIGTERM (Kubernetes, Slurm, torchelastic): leave the job
     # cleanly (the lease revoked, peers re-plan at once) instead of dying mid-way.
     signal.signal(signal.SIGTERM, _interrupt)
-    layout = side_layout(config.role, args.model, args.parallelism, args.layers)
+    layout = side_layout(config.role, args.model, args.parallelism, args.layers, args.layout)
     started = time.monotonic()
 
     def report(**fields: Any) -> None:

@@ -41,7 +41,7 @@ from elastic_refit.layout.presets import (
     stage_layers,
     vllm_layout,
 )
-from elastic_refit.layout.spec import RefitSpec, load_spec, parse_spec
+from elastic_refit.layout.spec import RefitSpec, load_side, load_spec, parse_side, parse_spec
 
 __all__ = [
     "DTYPES",
@@ -71,6 +71,7 @@ __all__ = [
     "encode_layout",
     "from_dtensors",
     "get_model",
+    "load_side",
     "load_spec",
     "local_shards",
     "logical_tensors",
@@ -78,6 +79,7 @@ __all__ = [
     "parameter_count",
     "parse_parallelism",
     "parse_placement",
+    "parse_side",
     "parse_spec",
     "shard_boxes",
     "shard_intervals",

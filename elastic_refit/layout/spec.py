@@ -6,8 +6,10 @@
    "source":      {"mesh": [[0, 1], [2, 3]], "placements": ["R", "S(0)"]},
    "destination": {"mesh": [4, 5, 6, 7],     "placements": ["S(1)"]}}]}
 ```
-Placements are ``"R"`` or ``"S(d)"``, one per mesh axis, with DTensor semantics. A rank
-may appear in both meshes (colocated training and inference).
+Placements are ``"R"``, ``"S(d)"`` or ``"_S(d, k)"`` (a strided shard), one per mesh axis,
+with DTensor semantics. A rank may appear in both meshes (colocated training and inference).
+A side file (``load_side``) describes one side only: each tensor has its own ``mesh`` and
+``placements``, in that side's ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from elastic_refit.layout.core import MAX_RANKS, Layout, LayoutBuilder, Topology
 from elastic_refit.layout.dtensor import add_sharded_tensor
 
-__all__ = ["RefitSpec", "load_spec", "parse_spec"]
+__all__ = ["RefitSpec", "load_side", "load_spec", "parse_side", "parse_spec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,54 @@ def _require(obj: dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
+def _tensor_entry(entry: Any, where: str, origin: str) -> tuple[str, list[int], str, str]:
+    name = _require(entry, "name", where)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: 'name' must be a non-empty string")
+    where = f"{origin}: tensor {name!r}"
+    shape = _require(entry, "shape", where)
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r}")
+    return name, shape, entry.get("dtype", "float32"), where
+
+
+def _add_placed(builder: LayoutBuilder, name: str, shape: list[int], dtype: str, placed: Any, where: str) -> int:
+    """Add one tensor laid out by ``{"mesh", "placements"}``; returns its highest rank (-1: none)."""
+    mesh = _require(placed, "mesh", where)
+    placements = _require(placed, "placements", where)
+    try:
+        mesh_arr = np.asarray(mesh)
+    except ValueError:
+        raise ValueError(f"{where}: mesh is ragged: {mesh!r}") from None
+    if mesh_arr.dtype == object or (mesh_arr.size and not np.issubdtype(mesh_arr.dtype, np.integer)):
+        raise ValueError(f"{where}: mesh must be nested lists of rank ids, got {mesh!r}")
+    if mesh_arr.size and not 0 <= int(mesh_arr.min()) <= int(mesh_arr.max()) < MAX_RANKS:
+        raise ValueError(f"{where}: rank ids must be in [0, {MAX_RANKS}), got "
+                         f"{int(mesh_arr.min()) if int(mesh_arr.min()) < 0 else int(mesh_arr.max())}")
+    if not isinstance(placements, list):
+        raise ValueError(f"{where}: 'placements' must be a list, got {placements!r}")
+    try:
+        add_sharded_tensor(builder, name, shape, dtype, mesh_arr, placements)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return int(mesh_arr.max()) if mesh_arr.size else -1
+
+
+def parse_side(data: Any, origin: str = "layout") -> Layout:
+    """One side's layout from the decoded JSON of a side file: like a spec file, but each
+    tensor has its own ``mesh`` and ``placements`` (ranks of this side, from 0) instead of a
+    ``source`` and a ``destination``: ``{"tensors": [{"name": "w", "shape": [1024, 4096],
+    "dtype": "bfloat16", "mesh": [0, 1, 2, 3], "placements": ["S(1)"]}]}``."""
+    tensors = _require(data, "tensors", origin)
+    if not isinstance(tensors, list) or not tensors:
+        raise ValueError(f"{origin}: 'tensors' must be a non-empty list")
+    builder = LayoutBuilder()
+    for i, entry in enumerate(tensors):
+        name, shape, dtype, where = _tensor_entry(entry, f"{origin}: tensors[{i}]", origin)
+        _add_placed(builder, name, shape, dtype, entry, where)
+    return builder.build()
+
+
 def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
     """Build a ``RefitSpec`` from the decoded JSON of a spec file."""
     tensors = _require(data, "tensors", origin)
@@ -50,36 +100,10 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
     source, destination = LayoutBuilder(), LayoutBuilder()
     max_rank = -1
     for i, entry in enumerate(tensors):
-        where = f"{origin}: tensors[{i}]"
-        name = _require(entry, "name", where)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}: 'name' must be a non-empty string")
-        where = f"{origin}: tensor {name!r}"
-        shape = _require(entry, "shape", where)
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r}")
-        dtype = entry.get("dtype", "float32")
+        name, shape, dtype, where = _tensor_entry(entry, f"{origin}: tensors[{i}]", origin)
         for side, builder in (("source", source), ("destination", destination)):
             side_spec = _require(entry, side, where)
-            mesh = _require(side_spec, "mesh", f"{where} {side}")
-            placements = _require(side_spec, "placements", f"{where} {side}")
-            try:
-                mesh_arr = np.asarray(mesh)
-            except ValueError:
-                raise ValueError(f"{where} {side}: mesh is ragged: {mesh!r}") from None
-            if mesh_arr.dtype == object or (mesh_arr.size and not np.issubdtype(mesh_arr.dtype, np.integer)):
-                raise ValueError(f"{where} {side}: mesh must be nested lists of rank ids, got {mesh!r}")
-            if mesh_arr.size and not 0 <= int(mesh_arr.min()) <= int(mesh_arr.max()) < MAX_RANKS:
-                raise ValueError(f"{where} {side}: rank ids must be in [0, {MAX_RANKS}), got "
-                                 f"{int(mesh_arr.min()) if int(mesh_arr.min()) < 0 else int(mesh_arr.max())}")
-            if not isinstance(placements, list):
-                raise ValueError(f"{where} {side}: 'placements' must be a list, got {placements!r}")
-            try:
-                add_sharded_tensor(builder, name, shape, dtype, mesh_arr, placements)
-            except ValueError as exc:
-                raise ValueError(f"{where} {side}: {exc}") from None
-            if mesh_arr.size:
-                max_rank = max(max_rank, int(mesh_arr.max()))
+            max_rank = max(max_rank, _add_placed(builder, name, shape, dtype, side_spec, f"{where} {side}"))
     if "domains" in data:
         domains = data["domains"]
         if not isinstance(domains, list) or not all(isinstance(d, int) and d >= 0 for d in domains):
@@ -97,18 +121,26 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
 
 def load_spec(path: str | Path) -> RefitSpec:
     """Read a spec file; every problem is one ``ValueError`` naming the file and the tensor."""
+    return parse_spec(_read_json(path, "spec file"), origin=str(path))
+
+
+def load_side(path: str | Path) -> Layout:
+    """Read one side's layout file (:func:`parse_side`); errors as :func:`load_spec`'s."""
+    return parse_side(_read_json(path, "layout file"), origin=str(path))
+
+
+def _read_json(path: str | Path, what: str) -> Any:
     path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise FileNotFoundError(f"spec file {str(path)!r} does not exist") from None
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist") from None
     except IsADirectoryError:
-        raise ValueError(f"spec file {str(path)!r} is a directory") from None
+        raise ValueError(f"{what} {str(path)!r} is a directory") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"spec file {str(path)!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        data = json.loads(text)
-        return parse_spec(data, origin=str(path))
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:

@@ -34,6 +34,7 @@ CASES = [
     (["worker", "--model", "llama-3.1-8b", "--parallelism", "tp=2"],
      "missing configuration: ELASTIC_REFIT_JOB, ELASTIC_REFIT_ROLE, ELASTIC_REFIT_MEMBER_ID, "
      "ELASTIC_REFIT_LAYOUT_RANK, ELASTIC_REFIT_ETCD"),
+    (["worker", "--model", "llama-3.1-8b"], "give --model and --parallelism (a preset of this side), or --layout FILE"),
 ]
 
 

@@ -695,3 +695,29 @@ def test_a_corrupt_or_foreign_encoded_layout_is_refused():
     with pytest.raises(ValueError, match=rf"^encoded layout has fingerprint {layout.fingerprint}, expected "
                                          rf"{other.fingerprint}$"):
         decode_layout(blob, other.fingerprint)
+
+
+# ---- side files (one side described by itself) ----------------------------------------------
+def test_a_side_file_describes_one_side_as_a_spec_file_would(tmp_path):
+    from elastic_refit.layout import load_side, parse_side
+
+    spec = parse_spec({"domain_size": 4, "tensors": [
+        {"name": "w", "shape": [10, 6], "dtype": "bfloat16",
+         "source": {"mesh": [[0, 1], [2, 3]], "placements": ["R", "S(0)"]},
+         "destination": {"mesh": [4, 5], "placements": ["S(1)"]}},
+        {"name": "up", "shape": [8, 3], "dtype": "float32",
+         "source": {"mesh": [[0, 1], [2, 3]], "placements": ["_S(0, 2)", "S(0)"]},
+         "destination": {"mesh": [4, 5], "placements": ["R"]}}]})
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"tensors": [
+        {"name": "up", "shape": [8, 3], "dtype": "float32", "mesh": [[0, 1], [2, 3]], "placements": ["_S(0, 2)", "S(0)"]},
+        {"name": "w", "shape": [10, 6], "dtype": "bfloat16", "mesh": [[0, 1], [2, 3]], "placements": ["R", "S(0)"]}]}))
+    assert load_side(path).fingerprint == spec.source.fingerprint  # declared in another order, too
+    serve = parse_side({"tensors": [{"name": "w", "shape": [10, 6], "dtype": "bfloat16", "mesh": [0, 1],
+                                     "placements": ["S(1)"]},
+                                    {"name": "up", "shape": [8, 3], "mesh": [0, 1], "placements": ["R"]}]})
+    assert serve.ranks == (0, 1)  # its own side's ranks, from 0
+    with pytest.raises(ValueError, match=r"^f.json: tensor 'w': missing key 'placements'$"):
+        parse_side({"tensors": [{"name": "w", "shape": [8, 4], "mesh": [0, 1]}]}, "f.json")
+    with pytest.raises(ValueError, match=r"is a directory$"):
+        load_side(tmp_path)
