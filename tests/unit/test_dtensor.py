@@ -260,6 +260,44 @@ def test_sub_meshes_are_lifted_to_the_same_layout_on_every_rank():
     assert fingerprints == {want.fingerprint}
 
 
+@st.composite
+def sub_mesh_cases(draw):
+    """A root mesh of 2-3 named axes (sizes 1-3), a sub-mesh on a non-empty subset of them
+    (root order), placements on the sub-mesh (strided too) and a tensor shape."""
+    names = ("a", "b", "c")[: draw(st.integers(2, 3))]
+    root_shape = tuple(draw(st.integers(1, 3)) for _ in names)
+    chosen = tuple(n for n in names if draw(st.booleans())) or (draw(st.sampled_from(names)),)
+    ndim = draw(st.integers(1, 2))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    dims = st.integers(0, ndim - 1)
+    placements = [draw(st.one_of(st.just(Replicate()), dims.map(Shard),
+                                 st.builds(StridedShard, dims, st.integers(1, 3)))) for _ in chosen]
+    return names, root_shape, chosen, shape, placements
+
+
+@settings(max_examples=30, deadline=None)
+@given(sub_mesh_cases())
+def test_sub_mesh_lifting_matches_torch_on_random_meshes(case):
+    """Every rank of the root sees only its own copy of the sub-mesh, yet builds the same
+    layout (fingerprint), and that layout reproduces torch's local shard on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    names, root_shape, chosen, shape, placements = case
+    world = int(np.prod(root_shape))
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    fingerprints = set()
+    for rank in range(world):
+        with fake_rank(rank, world):
+            root = init_device_mesh("cpu", root_shape, mesh_dim_names=names)
+            sub = root[chosen] if len(chosen) > 1 else root[chosen[0]]
+            dt = distribute_tensor(full, sub, [_torch_placement(p) for p in placements], src_data_rank=None)
+            layout = from_dtensors({"w": dt}).build()
+            fingerprints.add(layout.fingerprint)
+            _check_pieces_cover(layout, rank, "w", dt.to_local().numpy(), full.numpy())
+    assert len(fingerprints) == 1, fingerprints
+
+
 # ---- plain tensors, rank renaming, names, Partial ---------------------------------------------
 
 
