@@ -37,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")
     parser.add_argument("--versions", type=int, default=3, help="versions to refit (default 3)")
     parser.add_argument("--pause-s", type=float, default=0.0, help="trainers: seconds between versions")
+    parser.add_argument("--metrics", metavar="HOST:PORT",
+                        help="serve Prometheus metrics on this address (e.g. 0.0.0.0:9464; off by default)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.set_defaults(handler=run)
 
@@ -73,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.layout is None and (args.model is None or args.parallelism is None):
         raise ValueError("give --model and --parallelism (a preset of this side), or --layout FILE")
     config = RefitConfig.from_env()
+    on_event = None
+    if args.metrics is not None:
+        from elastic_refit.runtime.metrics import RefitMetrics
+
+        on_event = RefitMetrics()
+        host, port = on_event.serve(args.metrics)
+        print(f"elastic-refit: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
     # A launcher stops a member with SIGTERM (Kubernetes, Slurm, torchelastic): leave the job
     # cleanly (the lease revoked, peers re-plan at once) instead of dying mid-way.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
     if config.role == "trainer":
-        with ElasticRefit(config, layout) as refit:
+        with ElasticRefit(config, layout, on_event=on_event) as refit:
             for version in range(1, args.versions + 1):
                 time.sleep(args.pause_s)
                 tensors = allocate(layout, config.layout_rank, fill=0, device=config.device)
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     params = allocate(layout, config.layout_rank, fill=0, device=config.device)
     failures = 0
-    with ElasticRefit(config, layout, parameters=params) as refit:
+    with ElasticRefit(config, layout, parameters=params, on_event=on_event) as refit:
         seen = 0
         while seen < args.versions:
             refit.wait_for_version(seen + 1)

@@ -13,13 +13,14 @@ from typing import Any
 
 class RefitMetrics:
     """Counters and histograms of one process; register them on ``registry`` (default: the
-    client's global one) and serve them with ``prometheus_client.start_http_server``."""
+    client's global one) and serve them with :meth:`serve` on the address you choose."""
 
     def __init__(self, registry: Any | None = None) -> None:
         try:
             import prometheus_client as prom
         except ImportError:
             raise RuntimeError("metrics need the prometheus_client package (pip install prometheus_client)") from None
+        self.registry = registry if registry is not None else prom.REGISTRY
         kw = {"registry": registry} if registry is not None else {}
         self.transfer_seconds = prom.Histogram("refit_transfer_seconds", "Wall time of one rank's transfer",
                                                ["role"], **kw)
@@ -55,3 +56,19 @@ class RefitMetrics:
             self.epoch.set(int(fields["epoch"]))
         elif event == "refit.version.serving":
             self.serving_version.set(int(fields["version"]))
+
+    def serve(self, address: str = "127.0.0.1:9464") -> tuple[str, int]:
+        """Serve the metrics over HTTP on ``address`` (``host:port``; port 0 picks a free one),
+        in a daemon thread; returns the bound ``(host, port)``. The default binds to loopback
+        only: expose the endpoint (``0.0.0.0:9464``, or the pod's address) deliberately."""
+        import prometheus_client as prom
+
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+            raise ValueError(f"metrics address must look like host:port, got {address!r}")
+        try:
+            server, _ = prom.start_http_server(int(port_text), addr=host.strip("[]"), registry=self.registry)
+        except OSError as exc:
+            raise ValueError(f"metrics address {address!r} cannot be bound: {exc.strerror or exc}") from None
+        bound_host, bound_port = server.server_address[:2]
+        return str(bound_host), int(bound_port)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 prom = pytest.importorskip("prometheus_client")
@@ -28,3 +30,19 @@ def test_events_become_metrics():
     assert value("refit_serving_version") == 3
     text = prom.generate_latest(registry).decode()
     assert "i0" not in text and "member_id" not in text  # no member ids as labels
+
+
+def test_metrics_are_served_on_the_address_given_and_loopback_by_default():
+    import urllib.request
+
+    metrics = RefitMetrics(registry=prom.CollectorRegistry())
+    metrics("refit.version.committed", {"role": "trainer"})
+    host, port = metrics.serve("127.0.0.1:0")
+    assert host == "127.0.0.1" and port > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert 'refit_versions_committed_total{role="trainer"} 1.0' in reply.read().decode()
+    assert inspect.signature(RefitMetrics.serve).parameters["address"].default.startswith("127.0.0.1:")
+    with pytest.raises(ValueError, match=r"^metrics address must look like host:port, got '9464'$"):
+        metrics.serve("9464")
+    with pytest.raises(ValueError, match=r"^metrics address '127.0.0.1:" + str(port) + "' cannot be bound: "):
+        metrics.serve(f"127.0.0.1:{port}")  # taken
