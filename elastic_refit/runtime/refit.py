@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -942,7 +943,9 @@ def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[st
     """Buffer name -> tensor from a module (its named parameters) or a mapping (a state
     dict); DTensors give their local shards (views: writes land in the parameter). The
     layout checks (shape, contiguity, ...) come after, with the rank's name in the error."""
-    from torch.distributed.tensor import DTensor
+    # No DTensor exists unless its module was imported: importing it here would cost a
+    # second (a restarted rank would rejoin that much later).
+    DTensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
     if isinstance(tensors, torch.nn.Module):
         items = list(tensors.named_parameters())
@@ -952,7 +955,7 @@ def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[st
         raise ValueError(f"expected an nn.Module or a mapping of buffer name -> tensor, got {type(tensors).__name__}")
     out: dict[str, torch.Tensor] = {}
     for name, value in items:
-        if isinstance(value, DTensor):
+        if DTensor is not None and isinstance(value, DTensor):
             with torch.no_grad():
                 value = value.to_local()
         if not isinstance(value, torch.Tensor):
