@@ -6,7 +6,8 @@ from a model preset (Megatron-style for trainers, vLLM-style for inference ranks
 side's rank space) or a side file (``--layout``, see ``load_side``) and runs the job: trainers publish versions ``1..N`` of deterministic
 pattern data (the same bytes on every replica, and after a restart), inference ranks check
 every byte of every version they serve. One line per version on stdout (``--json``: one JSON
-object per line); exit status 0 once the last version is done, 1 if a byte was wrong.
+object per line); exit status 0 once the last version is done, 3 if a byte was wrong (1: a
+runtime fault, 2: bad input).
 
 Restarts are safe: a trainer that comes back re-publishes versions the job already
 committed with the same data (idempotent) and goes on from there; an inference rank picks
@@ -22,7 +23,11 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["WRONG_BYTES", "register", "run"]
+
+# Exit status of an inference rank that served a wrong byte (1 is a runtime fault, 2 bad input):
+# a launcher may restart a member after a fault, never after wrong bytes.
+WRONG_BYTES = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
 
     def report(**fields: Any) -> None:
-        fields = {"member_id": config.member_id, "role": config.role, **fields,
+        fields = {"member_id": config.member_id, "role": config.role, "incarnation": config.incarnation, **fields,
                   "seconds": round(time.monotonic() - started, 3)}
         if args.json:
             print(json.dumps(fields), flush=True)
@@ -118,4 +123,4 @@ def run(args: argparse.Namespace) -> int:
             if problems:
                 print(f"elastic-refit: error: version {version}: {problems[0]}", file=sys.stderr, flush=True)
             seen = version
-    return 1 if failures else 0
+    return WRONG_BYTES if failures else 0
