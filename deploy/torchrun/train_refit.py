@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--versions", type=int, default=5)
     parser.add_argument("--pause-s", type=float, default=0.5, help="seconds of 'training' per step")
+    parser.add_argument("--no-trainer-group", action="store_true",
+                        help="skip the trainers' own process group and its all-reduce per step")
     args = parser.parse_args(argv)
 
     import torch
@@ -43,25 +45,31 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_refit.testing.pattern import allocate, fill_pieces
 
     configure_logging()  # JSON lines on stderr
-    dist.init_process_group("gloo")  # torchrun's rendezvous: the trainers' own group
     config = RefitConfig.from_env()
-    layout = megatron_layout(args.model, parse_parallelism(args.parallelism, side="training"),
-                             num_layers=args.layers)
 
     def report(**fields) -> None:
         print(json.dumps({"member_id": config.member_id, "pid": os.getpid(), **fields}), flush=True)
 
     report(event="started", incarnation=config.incarnation, restart=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    own_group = not args.no_trainer_group
+    if own_group:
+        dist.init_process_group("gloo")  # torchrun's rendezvous: the trainers' own group
+    layout = megatron_layout(args.model, parse_parallelism(args.parallelism, side="training"),
+                             num_layers=args.layers)
     with ElasticRefit(config, layout) as refit:
         for version in range(1, args.versions + 1):
             grad = torch.ones(4)
-            dist.all_reduce(grad)  # a training step's collective, in the trainers' own group
+            if own_group:
+                dist.all_reduce(grad)  # a training step's collective, in the trainers' own group
+            else:
+                grad *= int(os.environ["WORLD_SIZE"])
             time.sleep(args.pause_s)
             tensors = allocate(layout, config.layout_rank, fill=0)
             fill_pieces(layout, config.layout_rank, tensors, seed=version)
             commit = refit.publish(tensors, version)
             report(event="committed", version=commit.version, epoch=commit.epoch, world=int(grad[0]))
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
     return 0
 
 

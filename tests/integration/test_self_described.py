@@ -192,7 +192,9 @@ def test_experts_replaced_between_versions_commit_bit_exact_at_the_new_lower_bou
     bound = 2 * (16 * 16 * 2 + 2 * expert_bytes + 16 * 4)
     plans = job.plans(2)
     assert plans, "no plan of version 2 was built"
-    assert all(p["cross_domain_bytes"] == p["lower_bound_bytes"] == bound for p in plans), plans
+    assert all(p["cross_domain_bytes"] == p["lower_bound_bytes"] for p in plans), plans
+    # The first attempt sends to both ranks; a retry after a fault may send to one only.
+    assert max(p["lower_bound_bytes"] for p in plans) == bound, plans
 
 
 def test_an_inference_rank_rejoins_with_a_different_layout(etcd_server):
