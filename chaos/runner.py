@@ -34,6 +34,7 @@ from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, 
 from elastic_refit.chaos.worker import worker_main
 
 from elastic_refit.testing.logs import read_logs
+from elastic_refit.testing.processes import pid_alive
 
 __all__ = ["ChaosRun", "TrialResult", "run_matrix", "spec_json", "summarize"]
 
@@ -150,15 +151,7 @@ class WorkerPool:
         for w in list(self.workers):
             w.proc.join(3)
             self.drop(w)
-        return [p for p in self.started_pids if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        return [p for p in self.started_pids if pid_alive(p)]
 
 
 def _children_of(pids: set[int]) -> list[int]:
@@ -268,7 +261,7 @@ class ChaosRun:
             e.stop()
         if not self.keep_logs:
             shutil.rmtree(self.root, ignore_errors=True)
-        return left + [p for p in pids if _alive(p)]
+        return left + [p for p in pids if pid_alive(p)]
 
     # ---- a trial -------------------------------------------------------------------------
     def run_trial(self, scenario: Scenario, index: int = 0,

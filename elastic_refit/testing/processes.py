@@ -115,3 +115,12 @@ def run_local_world(fn: Callable[..., Any], world_size: int, args: tuple = (), *
                            exitcode=p.exitcode)
         out.append(r)
     return out
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not count: it is gone once reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

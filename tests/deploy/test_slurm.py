@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from elastic_refit.testing.etcd import EtcdServerError, find_etcd_binary, free_ports
+from elastic_refit.testing.processes import pid_alive
 
 pytestmark = [pytest.mark.slurm, pytest.mark.etcd]
 
@@ -150,14 +151,6 @@ def _environ_has(pid: int, needle: bytes) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @dataclass
 class SlurmCluster:
     root: Path
@@ -199,7 +192,7 @@ class SlurmCluster:
         needle = f"SLURM_CONF={self.conf}".encode()
         mine = os.getpid()
         return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != mine
-                and _alive(int(p)) and _environ_has(int(p), needle)]
+                and pid_alive(int(p)) and _environ_has(int(p), needle)]
 
 
 def _wait(predicate, timeout_s: float, what: str, cluster: SlurmCluster, poll_s: float = 0.25):
