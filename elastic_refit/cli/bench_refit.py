@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="destination ranks start at 0 and share devices with the source")
     parser.add_argument("--bucket-mib", type=int, default=64, help="reshard bucket size in MiB (default 64)")
+    parser.add_argument("--concurrent-rounds", type=int, default=1,
+                        help="rounds of a phase in flight at once in the reshard (default 1); staging "
+                             "grows to 4 buckets per round")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each method (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first (default 1)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl", "nccl4py"), default="auto",
@@ -129,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from elastic_refit.testing.processes import nccl_rank_env, run_local_world
     from elastic_refit.testing.world import BenchOptions, RefitCase
 
-    for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib)):
+    for flag, value in (("--repeat", args.repeat), ("--bucket-mib", args.bucket_mib), ("--p2p-mib", args.p2p_mib),
+                        ("--concurrent-rounds", args.concurrent_rounds)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.warmup < 0 or not 0 < args.chunk_mib < math.inf or not 0 < args.timeout < math.inf:
@@ -148,10 +152,12 @@ def run(args: argparse.Namespace) -> int:
     rank_env = nccl_rank_env if backend != "gloo" else None
     bucket = args.bucket_mib << 20
     if args.spec:
-        case = RefitCase(spec_json=Path(args.spec).read_text(), bucket_bytes=bucket)
+        case = RefitCase(spec_json=Path(args.spec).read_text(), bucket_bytes=bucket,
+                         concurrent_rounds=args.concurrent_rounds)
     else:
         case = RefitCase(model=args.model, source=args.source, destination=args.destination, num_layers=args.layers,
-                         domain_size=args.domain_size or 8, colocate=args.colocate, bucket_bytes=bucket)
+                         domain_size=args.domain_size or 8, colocate=args.colocate, bucket_bytes=bucket,
+                         concurrent_rounds=args.concurrent_rounds)
     chunk = max(1, int(args.chunk_mib * (1 << 20)))
     p2p = args.p2p_mib << 20
     # Buffers of every rank, the baseline's staging (one tensor per rank), the reshard's
@@ -160,11 +166,12 @@ def run(args: argparse.Namespace) -> int:
     # (Only chain members stage a whole tensor: the destination ranks and the roots.)
     chain = len(spec.destination.ranks) + 1
     need = (spec.source.nbytes + spec.destination.nbytes + chain * largest
-            + world_size * (4 * bucket + (300 << 20)))
+            + world_size * (4 * bucket * args.concurrent_rounds + (300 << 20)))
     if backend == "gloo" and (avail := _mem_available()) is not None and need > avail:
         raise ValueError(f"the benchmark needs about {format_bytes(need)} of memory, {format_bytes(avail)} "
                          f"is available; cut the model (--layers) or use fewer ranks")
-    options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket, verify=args.verify,
+    options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket * args.concurrent_rounds,
+                           verify=args.verify,
                            repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p,
                            snapshot_digests=args.snapshot_digests)
     progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}, "
@@ -183,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     out = summarize([r.value for r in results], world_size, backend)
     out["case"] = description
     out["snapshot_digests"] = args.snapshot_digests
+    out["concurrent_rounds"] = args.concurrent_rounds
     if args.json:
         print_json(out)
         return 0 if out["verified"] else 1
@@ -194,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                      f"{f['GBps']:.2f}", f"{f['GBps'] / p2p_gbps:.0%}" if p2p_gbps else "-",
                      f"{f['seconds'] / out['reshard']['seconds']:.2f}x"))
     checks = ", reshard with snapshot digests" if args.snapshot_digests else ""
-    print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median){checks}")
+    rounds = f", {args.concurrent_rounds} rounds at once" if args.concurrent_rounds > 1 else ""
+    print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median){checks}{rounds}")
     print(render_table(("method", "seconds", "min", "bytes moved", "GB/s", "of p2p", "time vs reshard"), rows))
     print(f"raw send/recv: {p2p_gbps:.2f} GB/s one pair ({format_bytes(p2p)} messages), "
           f"{out['p2p_all_pairs_GBps']:.2f} GB/s all {world_size // 2} pairs at once")

@@ -943,6 +943,8 @@ def _fingerprint(source: Layout, destination: Layout, topology: Topology, option
                  classes: TensorClasses, table: TransferTable) -> str:
     digest = hashlib.sha256()  # about twice blake2b's speed here, for tens of MB of columns
     digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes};direct={options.direct_min_bytes}".encode())
+    if options.concurrent_rounds != 1:  # one round at a time keeps the fingerprints plans had before
+        digest.update(f";concurrent_rounds={options.concurrent_rounds}".encode())
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())
     digest.update(topology.fingerprint().encode())

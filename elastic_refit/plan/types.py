@@ -52,6 +52,14 @@ class PlanOptions:
 
     ``bucket_bytes`` bounds one packed buffer; a transfer larger than half of it is split
     so that every bucket holds whole boxes and stays within the bound.
+
+    ``concurrent_rounds`` is how many rounds of a phase run at once: in a window of that
+    many rounds a rank has every message of the window in flight, one bucket of each at a
+    time (one NCCL group per bucket index). One round at a time is the least staging (four
+    buckets); more rounds keep several peer links busy at once, which a network whose pairs
+    are slower than a rank's NIC (sockets, one queue pair per peer) needs. Every rank must
+    use the same windows (a rank waiting in a window its peer has not opened would hang),
+    so the count is part of the plan and of its fingerprint.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -59,12 +67,16 @@ class PlanOptions:
     # source buffer into the destination buffer, without packing (part of the plan, so
     # both ends of a message agree).
     direct_min_bytes: int = 256 * 1024
+    concurrent_rounds: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 2:
             raise ValueError(f"bucket_bytes must be an integer >= 2, got {self.bucket_bytes!r}")
         if not isinstance(self.direct_min_bytes, int) or self.direct_min_bytes < 1:
             raise ValueError(f"direct_min_bytes must be an integer >= 1, got {self.direct_min_bytes!r}")
+        if not isinstance(self.concurrent_rounds, int) or isinstance(self.concurrent_rounds, bool) \
+                or self.concurrent_rounds < 1:
+            raise ValueError(f"concurrent_rounds must be an integer >= 1, got {self.concurrent_rounds!r}")
 
     @property
     def max_transfer_bytes(self) -> int:

@@ -75,6 +75,10 @@ class RefitConfig:
     verify: bool = True
     bucket_bytes: int = 16 << 20
     staging_bytes: int = 64 << 20
+    # Rounds of a phase in flight at once (PlanOptions.concurrent_rounds): more keeps more
+    # peer links busy and needs up to 4 buckets of staging per round. Same on every member
+    # (it is part of the plan: members that differ disagree on the plan, never hang).
+    concurrent_rounds: int = 1
     poll_s: float = 0.02
     max_attempts: int = 5
     # Refuse a version whose source replicas differ where they hold the same region.
@@ -135,8 +139,11 @@ class RefitConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
-        if not _is_int(self.staging_bytes) or self.staging_bytes < 4 * self.bucket_bytes:
-            raise ValueError(f"staging_bytes {self.staging_bytes!r} must hold 4 buckets of {self.bucket_bytes}")
+        if not _is_int(self.concurrent_rounds) or self.concurrent_rounds < 1:
+            raise ValueError(f"concurrent_rounds must be an int >= 1, got {self.concurrent_rounds!r}")
+        if not _is_int(self.staging_bytes) or self.staging_bytes < 4 * self.bucket_bytes * self.concurrent_rounds:
+            raise ValueError(f"staging_bytes {self.staging_bytes!r} must hold 4 buckets of {self.bucket_bytes} "
+                             f"per concurrent round ({self.concurrent_rounds})")
         if not _is_int(self.max_attempts) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
 

@@ -229,6 +229,9 @@ class ElasticRefit:
         self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
         return self
 
+    def _plan_options(self) -> PlanOptions:
+        return PlanOptions(bucket_bytes=self.config.bucket_bytes, concurrent_rounds=self.config.concurrent_rounds)
+
     def _superseded(self, epoch: int) -> bool:
         latest = self.membership.view
         return latest is not None and latest.epoch > epoch
@@ -656,7 +659,7 @@ class ElasticRefit:
         cache = self.__dict__.setdefault("_feasibility", {})
         if key not in cache:
             try:
-                plan_attempt(self._plan_layout, view, spec, PlanOptions(bucket_bytes=self.config.bucket_bytes))
+                plan_attempt(self._plan_layout, view, spec, self._plan_options())
                 cache[key] = True
             except LayoutUnavailable as exc:  # not published yet, or gone: ask again next time
                 self.log.warning("refit.layout.unavailable", version=spec.version, epoch=view.epoch,
@@ -697,7 +700,7 @@ class ElasticRefit:
             self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
             t0 = time.perf_counter()
             self._check_planned_layout(spec)
-            plan = plan_attempt(self._plan_layout, view, spec, PlanOptions(bucket_bytes=self.config.bucket_bytes))
+            plan = plan_attempt(self._plan_layout, view, spec, self._plan_options())
             s = plan.stats
             log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,

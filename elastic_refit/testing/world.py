@@ -47,6 +47,7 @@ class RefitCase:
     colocate: bool = False
     bucket_bytes: int = 64 << 20
     direct_min_bytes: int = 256 << 10
+    concurrent_rounds: int = 1
 
     def build(self) -> RefitSpec:
         if self.spec_json is not None:
@@ -61,7 +62,8 @@ class RefitCase:
     def plan(self) -> Plan:
         spec = self.build()
         return make_plan(spec.source, spec.destination, spec.topology,
-                         PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes))
+                         PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes,
+                                     concurrent_rounds=self.concurrent_rounds))
 
 
 @dataclass(frozen=True, slots=True)

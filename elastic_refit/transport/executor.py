@@ -1,10 +1,13 @@
 """The executor: move one rank's share of a plan over a ``Transport``.
 
-Per step a rank sends at most one message and receives at most one. A message travels as
-buckets; each bucket is packed with one kernel launch into a staging buffer (or sent
-straight from the parameter when it is one contiguous box), and two staging buffers per
-direction overlap packing, transfer and unpacking. Staging never exceeds four buckets
-(plus digest trailers), which ``staging_bytes`` bounds.
+Per step (a round of a phase) a rank sends at most one message and receives at most one.
+The plan's ``concurrent_rounds`` consecutive rounds of a phase form a window, and a window's
+messages are in flight together: for each bucket index, one batch posts that bucket of every
+message of the window (one NCCL group). A bucket is packed with one kernel launch into a
+staging buffer, or sent straight from the parameter when it is one contiguous box; each
+message that packs has two staging buffers, which overlap packing, transfer and unpacking.
+Staging is at most four buckets per round of the window (plus digest trailers), and the
+executor refuses a plan whose windows need more than ``staging_bytes``.
 
 Any failure aborts the transport so peers fail fast, and every rank ends with a vote, so a
 rank whose own transfers all succeeded still learns that the refit did not.
@@ -33,6 +36,7 @@ from elastic_refit.transport.schedule import (
     BufferRef,
     Message,
     RankSchedule,
+    Step,
     build_rank_schedule,
 )
 
@@ -186,13 +190,20 @@ class Executor:
                 if msg is not None:
                     for bucket in msg.buckets:
                         self._io[id(bucket)] = _BucketIO(bucket, self.schedule, self.options, self.device)
-        self.max_wire_bytes = max((io.wire_bytes for io in self._io.values()), default=0)
-        needed = 4 * self.max_wire_bytes
+        self.windows = _windows(self.schedule.steps, plan.options.concurrent_rounds)
+        staged = [io.wire_bytes for io in self._io.values() if io.direct is None]
+        self.max_wire_bytes = max(staged, default=0)
+        # Each message that packs holds two staging buffers for as long as its window runs.
+        self.num_staging_slots = max((2 * sum(self._packs(m) for s in w for m in (s.send, s.recv))
+                                      for w in self.windows), default=0)
+        needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
         if needed > self.options.staging_bytes:
+            rounds = plan.options.concurrent_rounds
             raise ValueError(
-                f"rank {self.rank}: buckets of up to {self.max_wire_bytes} bytes need {needed} bytes of "
-                f"staging (2 send + 2 receive), above the budget of {self.options.staging_bytes}; plan "
-                f"with PlanOptions(bucket_bytes <= {self.options.staging_bytes // 4})"
+                f"rank {self.rank}: buckets of up to {self.max_wire_bytes} bytes in windows of {rounds} "
+                f"round(s) need {needed} bytes of staging ({self.num_staging_slots} buffers), above the "
+                f"budget of {self.options.staging_bytes}; plan with PlanOptions(bucket_bytes <= "
+                f"{self.options.staging_bytes // (4 * rounds)}) or fewer concurrent_rounds, or give more staging"
             )
         self._staging: list[torch.Tensor] = []
         # Only the ranks with pieces in the plan take part (a catch-up refit may leave the
@@ -219,8 +230,8 @@ class Executor:
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
-            for step in self.schedule.steps:
-                self._exchange(step.send, step.recv, tensors, counts, f"phase {step.phase.name} round {step.round}")
+            for window in self.windows:
+                self._exchange(window, tensors, counts)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
@@ -250,62 +261,98 @@ class Executor:
 
     # ---- internals ---------------------------------------------------------------------
     def _ensure_staging(self) -> None:
-        if not self._staging and self.max_wire_bytes:
+        if not self._staging and self.num_staging_slots:
             # 8-byte aligned so digest trailers can be viewed as int64.
-            size = math.ceil(self.max_wire_bytes / 8) * 8
-            self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(4)]
+            size = _aligned(self.max_wire_bytes)
+            self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                             for _ in range(self.num_staging_slots)]
+
+    def _packs(self, message: Message | None) -> bool:
+        """Whether a message needs staging (some bucket of it is packed, not sent in place)."""
+        return message is not None and any(self._io[id(b)].direct is None for b in message.buckets)
 
     def _local_copy(self, copy, tensors) -> None:
         src = tensors[copy.src.buffer][tuple(slice(o, o + n) for o, n in zip(copy.src.offsets, copy.src.lengths, strict=True))]
         dst = tensors[copy.dst.buffer][tuple(slice(o, o + n) for o, n in zip(copy.dst.offsets, copy.dst.lengths, strict=True))]
         dst.copy_(src.reshape(dst.shape))
 
-    def _exchange(self, send: Message | None, recv: Message | None, tensors, counts, where: str) -> None:
+    def _exchange(self, window: tuple[Step, ...], tensors, counts) -> None:
+        """Move every message of one window: bucket ``i`` of all of them in one batch, while
+        bucket ``i - 1`` of each is unpacked."""
         transport, verify = self.transport, self.options.verify
-        n_send = len(send.buckets) if send else 0
-        n_recv = len(recv.buckets) if recv else 0
-        send_work: list = [None, None]
-        recv_work: list = [None, None]
-        recv_target: list = [None, None]
-        for i in range(max(n_send, n_recv) + 1):
+        where = {id(s): f"phase {s.phase.name} round {s.round}" for s in window}
+        sends = [(s.send, where[id(s)]) for s in window if s.send is not None]
+        recvs = [(s.recv, where[id(s)]) for s in window if s.recv is not None]
+        # Staging buffers of this window: two per message that packs, sends first.
+        slots: dict[int, int] = {}
+        for msg, _ in sends + recvs:
+            if self._packs(msg):
+                slots[id(msg)] = 2 * len(slots)
+        send_work: list[list] = [[None, None] for _ in sends]
+        recv_work: list[list] = [[None, None] for _ in recvs]
+        recv_target: list[list] = [[None, None] for _ in recvs]
+        num_steps = max(len(m.buckets) for m, _ in sends + recvs)
+        for i in range(num_steps + 1):
             slot = i % 2
-            # Bucket i's send and receive are posted as one group: a rank of a shift round
-            # sends to one peer and receives from another, and a backend that connects pairs
-            # lazily inside a group (NCCL) would otherwise wait in a cycle of such ranks.
+            # Bucket i of every message goes in one batch: a rank sends to one peer and
+            # receives from another, and a backend that connects pairs lazily inside a group
+            # (NCCL) would otherwise wait in a cycle of such ranks.
             ops: list[P2POp] = []
-            if i < n_send:
-                io = self._io[id(send.buckets[i])]  # type: ignore[union-attr]
-                if send_work[slot] is not None:  # the staging slot is free once its send is done
-                    transport.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
+            posted: list[tuple[list, int]] = []  # (work list, slot) per op, in op order
+            for j, (msg, place) in enumerate(sends):
+                if i >= len(msg.buckets):
+                    continue
+                io = self._io[id(msg.buckets[i])]
+                if send_work[j][slot] is not None:  # the staging slot is free once its send is done
+                    transport.wait(send_work[j][slot], msg.peer, f"send ({place})")
+                    send_work[j][slot] = None
                 if io.direct is not None:
                     payload = io.direct_view(tensors)
                     counts["num_zero_copy_buckets"] += 1
                 else:
-                    payload = self._staging[slot][: io.wire_bytes]
+                    payload = self._staging[slots[id(msg)] + slot][: io.wire_bytes]
                     io.pack(tensors, payload, verify)
-                ops.append(P2POp("send", payload, send.peer, i))  # type: ignore[union-attr]
+                ops.append(P2POp("send", payload, msg.peer, i))
+                posted.append((send_work[j], slot))
                 counts["num_buckets"] += 1
-            if i < n_recv:
-                io = self._io[id(recv.buckets[i])]  # type: ignore[union-attr]
-                target = io.direct_view(tensors) if io.direct is not None else self._staging[2 + slot][: io.wire_bytes]
-                ops.append(P2POp("recv", target, recv.peer, i))  # type: ignore[union-attr]
-                recv_target[slot] = (io, target)
+            for j, (msg, _) in enumerate(recvs):
+                if i >= len(msg.buckets):
+                    continue
+                io = self._io[id(msg.buckets[i])]
+                target = (io.direct_view(tensors) if io.direct is not None
+                          else self._staging[slots[id(msg)] + slot][: io.wire_bytes])
+                ops.append(P2POp("recv", target, msg.peer, i))
+                posted.append((recv_work[j], slot))
+                recv_target[j][slot] = (io, target)
                 counts["num_buckets"] += 1
             if ops:
-                works = transport.post(ops)
-                if i < n_send:
-                    send_work[slot] = works[0]
-                if i < n_recv:
-                    recv_work[slot] = works[-1]
+                for (work_list, k), work in zip(posted, transport.post(ops), strict=True):
+                    work_list[k] = work
             prev = (i - 1) % 2
-            if i >= 1 and i - 1 < n_recv:
-                transport.wait(recv_work[prev], recv.peer, f"receive ({where})")  # type: ignore[union-attr]
-                io, target = recv_target[prev]
+            for j, (msg, place) in enumerate(recvs):
+                if i < 1 or i - 1 >= len(msg.buckets):
+                    continue
+                transport.wait(recv_work[j][prev], msg.peer, f"receive ({place})")
+                io, target = recv_target[j][prev]
                 if io.direct is None:
-                    counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {where}")
+                    counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {place}")
                 else:
                     counts["num_zero_copy_buckets"] += 1
-                recv_work[prev] = None
-        for slot in (0, 1):
-            if send_work[slot] is not None:
-                transport.wait(send_work[slot], send.peer, f"send ({where})")  # type: ignore[union-attr]
+                recv_work[j][prev] = None
+        for j, (msg, place) in enumerate(sends):
+            for slot in (0, 1):
+                if send_work[j][slot] is not None:
+                    transport.wait(send_work[j][slot], msg.peer, f"send ({place})")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _windows(steps: tuple[Step, ...], concurrent_rounds: int) -> tuple[tuple[Step, ...], ...]:
+    """This rank's steps cut into the plan's windows: ``concurrent_rounds`` consecutive rounds
+    of one phase (numbered alike on every rank, so every rank opens the same windows)."""
+    windows: dict[tuple[int, int], list[Step]] = {}
+    for step in steps:
+        windows.setdefault((int(step.phase), step.round // concurrent_rounds), []).append(step)
+    return tuple(tuple(w) for _, w in sorted(windows.items()))

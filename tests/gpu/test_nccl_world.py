@@ -15,7 +15,7 @@ import pytest
 from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 from tests.integration.test_executor import (
-    CASES,
+    ALL_CASES,
     TINY_DENSE,
     _world_size,
     assert_bit_exact_with_planned_bytes,
@@ -28,9 +28,9 @@ BACKENDS = ["nccl", pytest.param("nccl4py", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_nccl_refit_is_bit_exact_and_moves_the_planned_bytes(name, backend):
-    case = CASES[name]
+    case = ALL_CASES[name]
     plan = case.plan()
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(backend=backend, timeout_s=60)),
                               timeout_s=240, rank_env=nccl_rank_env)

@@ -53,15 +53,24 @@ CASES = {
     # uneven torch.chunk shards, colocated ranks, odd domain map, int8
     "spec-uneven-colocated": RefitCase(spec_json=UNEVEN_COLOCATED, bucket_bytes=64),
 }
+# The same layouts with several rounds of a phase in flight at once (PlanOptions.concurrent_rounds).
+CONCURRENT_CASES = {
+    # every round of a phase in flight at once (windows of rounds), with packing and fan-out
+    "dense-all-rounds-at-once": RefitCase(model=TINY_DENSE, source="tp=2,pp=2", destination="tp=2,dp=2",
+                                          domain_size=4, bucket_bytes=8192, concurrent_rounds=8),
+    # windows of two rounds, uneven shards, colocated ranks, tiny buckets
+    "spec-uneven-two-rounds-at-once": RefitCase(spec_json=UNEVEN_COLOCATED, bucket_bytes=64, concurrent_rounds=2),
+}
+ALL_CASES = {**CASES, **CONCURRENT_CASES}
 
 
 def _world_size(case: RefitCase) -> int:
     return case.build().topology.num_ranks
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_refit_is_bit_exact_and_moves_the_planned_bytes(name):
-    case = CASES[name]
+    case = ALL_CASES[name]
     plan = case.plan()
     results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(timeout_s=30)), timeout_s=180)
     assert_bit_exact_with_planned_bytes(results, plan)
@@ -101,7 +110,8 @@ def test_staging_stays_within_budget():
     for r in results:
         assert r.ok, r.error
         assert not r.value["problems"]
-        assert 0 < r.value["report"]["staging_bytes"] <= budget or r.value["report"]["num_buckets"] == 0
+        assert r.value["report"]["staging_bytes"] <= budget
+    assert any(r.value["report"]["staging_bytes"] > 0 for r in results)  # some rank packed
     assert sum(r.value["report"]["num_buckets"] for r in results) > 50  # the budget forced many buckets
 
 
