@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One warm GPU session (device tool), step by step; every step is one device call:
-#   bash benchmarks/gpu_session.sh part K     # K = 0..4: copy .gpu-extras/pK (NCCL 2.32.3, part K)
-#   bash benchmarks/gpu_session.sh setup      # part 5, assemble + check libnccl, install wheels, etcd, project
+#   bash benchmarks/gpu_session.sh setup      # NCCL 2.32.3 from .gpu-extras/nccl-sm90.xz (one call; made by
+#                                             # benchmarks/slim_nccl.py) or from parts p0..p5, wheels, etcd, project
+#   bash benchmarks/gpu_session.sh part K     # K = 0..4: copy .gpu-extras/pK (only without the .xz)
+#   bash benchmarks/gpu_session.sh check      # after setup in the same call: tests and runtime tests side by side
+#   bash benchmarks/gpu_session.sh measure    # lifecycle, NCCL refit (1 and 4 rounds at once), churn nccl4py + gloo
 #   bash benchmarks/gpu_session.sh tests      # GPU tests (several NCCL ranks on GPU 0)
 #   bash benchmarks/gpu_session.sh bench      # lifecycle, NCCL refit and churn benchmarks
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
@@ -17,8 +20,12 @@ case "${1:-}" in
   part)
     mkdir -p /tmp/nccl && cp ".gpu-extras/p$2" /tmp/nccl/ && ls -la /tmp/nccl ;;
   setup)
-    mkdir -p /tmp/nccl && cp .gpu-extras/p5 /tmp/nccl/
-    if [ "$(ls /tmp/nccl/p? | wc -l)" = 6 ]; then
+    mkdir -p /tmp/nccl
+    if [ -f .gpu-extras/nccl-sm90.xz ]; then
+      got=$(python3 benchmarks/slim_nccl.py --restore .gpu-extras/nccl-sm90.xz -o /tmp/nccl/libnccl.so.2)
+      [ "$got" = "$(cat .gpu-extras/nccl-sm90.xz.sha256)" ] && echo "libnccl 2.32.3 (sm_90 only) restored" \
+        || { echo "sha256 mismatch"; rm -f /tmp/nccl/libnccl.so.2; }
+    elif cp .gpu-extras/p5 /tmp/nccl/ && [ "$(ls /tmp/nccl/p? | wc -l)" = 6 ]; then
       cat /tmp/nccl/p? > /tmp/nccl/libnccl.so.2
       [ "$(sha256sum /tmp/nccl/libnccl.so.2 | cut -d' ' -f1)" = "$(cat .gpu-extras/sha256)" ] \
         && echo "libnccl 2.32.3 assembled" || { echo "sha256 mismatch"; rm -f /tmp/nccl/libnccl.so.2; }
@@ -32,7 +39,37 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     python3 -c "import torch, triton, nccl.core as nc; print('torch', torch.__version__, 'torch nccl', torch.cuda.nccl.version(), 'triton', triton.__version__); print(nc.get_version())" 2>&1 | tee -a "$OUT/gpu.txt"
     python3 -c "from elastic_refit.membership import probe_runtime; import json; print(json.dumps(probe_runtime().to_json()))" | tee -a "$OUT/gpu.txt"
-    "$ETCD_BIN" --version | head -1 ;;
+    "$ETCD_BIN" --version | head -1
+    # The slim library must run NCCL's kernels: one shrink/grow cycle on 4 ranks, else 2.28.9 stays.
+    if [ -f /tmp/nccl/libnccl.so.2 ] && ! timeout 90 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 --repeat 1 \
+        --backend nccl4py --json > "$OUT/smoke.json" 2> "$OUT/smoke.err"; then
+      echo "NCCL 2.32.3 smoke failed; NCCL 2.28.9 stays:"; tail -5 "$OUT/smoke.err"; rm -f /tmp/nccl/libnccl.so.2
+    fi ;;
+  check)  # correctness, two pytest runs side by side (timings here are not measurements)
+    env_ready
+    export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_nccl.jsonl"
+    timeout "${CHECK_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE \
+      tests/gpu/test_runtime_nccl.py > "$OUT/runtime.log" 2>&1 &
+    timeout "${CHECK_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider --timeout 200 -rfE \
+      tests/gpu/test_nccl_world.py tests/gpu/test_kernels_gpu.py tests/gpu/test_transport_gpu.py \
+      tests/integration/test_membership_gpu.py > "$OUT/world.log" 2>&1
+    wait
+    for f in world runtime; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$f.log" | tail -12; done ;;
+  measure)  # one benchmark at a time
+    env_ready
+    timeout 150 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat 10 --backend nccl4py --json \
+      2>"$OUT/lifecycle.err" | grep -v -E "^[0-9]{4}-[0-9]{2}-[0-9]{2} |^\s*$" > "$OUT/lifecycle.json"
+    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))]" "$OUT/lifecycle.json"
+    for rounds in 1 4; do
+      timeout 170 python3 -m elastic_refit.cli bench --model qwen3-30b-a3b --layers 1 --source tp=2,pp=2 \
+        --destination tp=2,dp=2 --domain-size 1 --backend nccl4py --repeat 3 --bucket-mib 32 \
+        --concurrent-rounds $rounds 2>/dev/null | tee -a "$OUT/bench_nccl.txt"
+    done
+    for b in nccl4py gloo; do
+      timeout 100 python3 benchmarks/bench_nccl_churn.py --backend $b --versions 10 --kill-at 4 --json \
+        2>/dev/null > "$OUT/churn_$b.json"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d.get(k) for k in ('shrink','grow','rebuild','recovery_s','passed','epochs')})" "$OUT/churn_$b.json" $b
+    done ;;
   tests)
     env_ready
     shift
@@ -58,5 +95,5 @@ case "${1:-}" in
     timeout 80 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 10 --kill-at 4 \
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"
     LOG=world TESTS_TIMEOUT="${WORLD_TIMEOUT:-170}" bash "$0" tests tests/gpu/test_nccl_world.py ;;
-  *) echo "usage: $0 part K | setup | tests [pytest args] | bench" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | final" >&2; exit 2 ;;
 esac
