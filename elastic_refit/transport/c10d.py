@@ -73,6 +73,10 @@ class C10dTransport(TransportBase):
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options)
+            # The whole group's communicator now, on every rank: batched point-to-point runs
+            # on it (see post), and a rank with nothing to move must not leave it half made.
+            if hasattr(pg, "eager_connect_single_device"):
+                pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         else:
             raise ValueError("C10dTransport runs gloo or nccl process groups, not nccl4py communicators")
         return cls(pg, rank, world_size, backend=backend, timeout_s=timeout_s, store=store)
@@ -83,6 +87,25 @@ class C10dTransport(TransportBase):
         return datetime.timedelta(seconds=self.timeout_s)
 
     def post(self, ops: Sequence[P2POp]) -> tuple[_Works, ...]:
+        if self.capabilities.backend is Backend.NCCL:
+            return self._post_batch(ops)
+        return tuple(_Works([w]) for w in self._post_each(ops))
+
+    def _post_batch(self, ops: Sequence[P2POp]) -> tuple[_Works, ...]:
+        """NCCL: one group (coalesced) per batch, on the whole group's communicator. Posted
+        one by one, ProcessGroupNCCL gives each peer pair a communicator of its own, made
+        lazily at the pair's first operation, which blocks until the peer makes it too; in a
+        round where ranks send to one peer and receive from another, that waits in a cycle.
+        Every operation of the batch gets the batch's handle."""
+        pg, device = self.process_group, self.device
+        pg._start_coalescing(device)
+        try:
+            self._post_each(ops)
+        finally:
+            work = pg._end_coalescing(device)
+        return tuple(_Works([work]) for _ in ops)
+
+    def _post_each(self, ops: Sequence[P2POp]) -> list:
         works = []
         for op in ops:
             if self._aborted:
@@ -98,7 +121,7 @@ class C10dTransport(TransportBase):
                     f"rank {self.rank}: {op.op} with rank {op.peer} failed: {first_line(exc)}",
                     rank=self.rank, peer=op.peer, phase=op.op,
                 ) from exc
-        return tuple(_Works([w]) for w in works)
+        return works
 
     def wait(self, work, peer: int, what: str) -> None:
         try:
