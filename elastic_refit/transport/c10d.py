@@ -97,12 +97,12 @@ class C10dTransport(TransportBase):
         lazily at the pair's first operation, which blocks until the peer makes it too; in a
         round where ranks send to one peer and receive from another, that waits in a cycle.
         Every operation of the batch gets the batch's handle."""
-        pg, device = self.process_group, self.device
-        pg._start_coalescing(device)
+        pg = self.process_group
+        pg._start_coalescing()  # a Backend's binding takes no device (the group's is bound)
         try:
             self._post_each(ops)
         finally:
-            work = pg._end_coalescing(device)
+            work = pg._end_coalescing()
         return tuple(_Works([work]) for _ in ops)
 
     def _post_each(self, ops: Sequence[P2POp]) -> list:
