@@ -572,7 +572,8 @@ class CommunicatorManager:
             quiesce(parent.pg, self.config.abort_timeout_s)
             flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
             child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
-            settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink")
+            with self._aborted_on_failure(child, "shrink_child"):
+                settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink")
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer. The
         # child shares nothing with it (no shrink_share), so the abort (about 0.5 s on NCCL
@@ -582,6 +583,18 @@ class CommunicatorManager:
                                     new.num_ranks, new.member_ids, child, self._store(new, f"comm-{self.backend}"),
                                     self.device, "shrink_abort" if abort else "shrink", pg_store=parent.pg_store)
         return abort_s, build_s
+
+    @contextlib.contextmanager
+    def _aborted_on_failure(self, child: Any, what: str):
+        """A shrunk or grown child that never settled (a peer died meanwhile) still holds
+        NCCL's bootstrap sockets and proxy thread: abort it (bounded) before the error goes
+        on to the fallback, which otherwise leaks them for the life of the process."""
+        try:
+            yield
+        except BaseException:
+            if getattr(child, "is_valid", False):
+                abort_with_watchdog(child, self.config.abort_timeout_s, self.log, what)
+            raise
 
     def _grow(self, old: MembershipView | None, new: MembershipView) -> float:
         """Existing ranks keep their numbers; the grow root (rank 0, a survivor) publishes
@@ -605,8 +618,9 @@ class CommunicatorManager:
             torch.cuda.set_device(self.device)
             uid = nccl_core.UniqueId.from_bytes(store.get("grow_unique_id"))
             comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
-        settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
-                     self.config.epoch_deadline_s, "nccl4py grow")
+        with self._aborted_on_failure(comm, "grow_child"):
+            settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
+                         self.config.epoch_deadline_s, "nccl4py grow")
         if existing:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")

@@ -16,6 +16,7 @@ timeout ends in ``TransportAborted`` instead of a hang. nccl4py is optional (the
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,8 +118,27 @@ def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float) 
     uid = nccl.UniqueId.from_bytes(store.get("nccl4py/unique_id"))
     comm = nccl.Communicator()
     nccl_call(lambda: comm.initialize(world_size, rank, uid, nccl_config()))
-    settle(comm, timeout_s, "nccl4py init")
+    try:
+        settle(comm, timeout_s, "nccl4py init")
+    except BaseException:
+        _abort_bounded(comm, timeout_s)  # else its bootstrap sockets outlive the failed init
+        raise
     return comm
+
+
+def _abort_bounded(comm: Any, timeout_s: float) -> None:
+    """Abort ``comm`` on a helper thread, waiting at most ``timeout_s`` (an abort may wait
+    on a peer that is gone); the helper holds the last reference."""
+    box = [comm]
+    del comm
+
+    def _run() -> None:
+        with contextlib.suppress(Exception):
+            box.pop().abort()
+
+    helper = threading.Thread(target=_run, name="nccl4py-init-abort", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
 
 
 def nccl_config() -> Any:
