@@ -1,9 +1,13 @@
 """Run one function on N local processes that share a rendezvous store.
 
 Used by the multi-process tests and the benchmarks: the parent holds a ``TCPStore`` on a
-free loopback port, spawns the ranks (spawn, not fork: gRPC and gloo threads do not
-survive fork), collects each rank's return value or exception, and kills by pid whatever
-outlives the deadline.
+free loopback port, starts the ranks, collects each rank's return value or exception, and
+kills by pid whatever outlives the deadline.
+
+Ranks are forked from a fork server that imported torch once (not forked from the caller:
+gRPC and gloo threads do not survive fork; the server has none). A spawned rank would import
+torch itself, seconds of CPU per rank, which on a small machine was most of a short
+multi-process test. Each rank gets the caller's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -48,9 +52,31 @@ def nccl_rank_env(rank: int) -> dict[str, str]:
     return env
 
 
+# What the fork server imports once, before it forks any rank; nothing here starts a thread
+# or touches CUDA (a rank initialises CUDA itself, after its environment is set).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "elastic_refit.testing.world"]
+
+
+def fork_server_context() -> mp.context.BaseContext:
+    """The multiprocessing context the harness starts local processes with: forked from a
+    server that imported torch once. The server's environment is the caller's at first use:
+    pass ``dict(os.environ)`` to a process and apply it (:func:`apply_environ`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
+
+
+def apply_environ(environ: dict[str, str] | None) -> None:
+    """Make this process's environment ``environ`` (a fork server's is the one it started with)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
-           rank_env: Callable[[int], dict[str, str]] | None = None) -> None:
+           rank_env: Callable[[int], dict[str, str]] | None = None, environ: dict[str, str] | None = None) -> None:
     start = time.perf_counter()
+    apply_environ(environ)
     if rank_env is not None:
         os.environ.update(rank_env(rank))  # before CUDA or NCCL initialise
     try:
@@ -72,14 +98,14 @@ def run_local_world(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     Returns one ``RankResult`` per rank, in rank order; a rank that died without reporting
     has ``ok=False`` and its exit code. Never leaves a child running.
     """
-    ctx = mp.get_context("spawn")
+    ctx = fork_server_context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
         extra = per_rank_args[rank] if per_rank_args else ()
-        p = ctx.Process(target=_entry, args=(fn, rank, world_size, store.port, args + extra, results, rank_env),
-                        daemon=True)
+        p = ctx.Process(target=_entry, args=(fn, rank, world_size, store.port, args + extra, results, rank_env,
+                                             dict(os.environ)), daemon=True)
         p.start()
         procs.append(p)
     collected: dict[int, RankResult] = {}

@@ -15,9 +15,11 @@ from typing import Any
 
 from elastic_refit.testing.faults import install_faults, kill_self
 from elastic_refit.testing.job import MemberSpec, run_member
+from elastic_refit.testing.processes import apply_environ, fork_server_context
 
 
-def _child(member: MemberSpec, hook, results) -> None:
+def _child(member: MemberSpec, hook, results, environ: dict[str, str]) -> None:
+    apply_environ(environ)
     try:
         with install_faults(hook) if hook is not None else contextlib.nullcontext():
             results.put(run_member(member))
@@ -63,17 +65,18 @@ class RaiseOnce:
 
 
 class LocalJob:
-    """Start members as spawned processes; collect what each one reports."""
+    """Start members as processes (forked from the harness's fork server); collect what
+    each one reports."""
 
     def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
+        self.ctx = fork_server_context()
         self.results = self.ctx.Queue()
         self.procs: dict[str, mp.Process] = {}
         self.reports: dict[str, dict[str, Any]] = {}
 
     def start(self, member: MemberSpec, hook=None) -> mp.Process:
         """Start ``member``; ``hook`` is a phase hook installed in its process."""
-        p = self.ctx.Process(target=_child, args=(member, hook, self.results), daemon=True)
+        p = self.ctx.Process(target=_child, args=(member, hook, self.results, dict(os.environ)), daemon=True)
         p.start()
         self.procs[member.member_id] = p
         return p
