@@ -499,11 +499,12 @@ class _Narrator:
 
 
 def _is_mp_helper(pid: int) -> bool:
-    """multiprocessing's resource tracker (started by spawn), identified by its pid."""
+    """multiprocessing's resource tracker (started by spawn) or fork server (started by the
+    harness's local worlds, elastic_refit.testing.processes), identified by their pids."""
     with contextlib.suppress(Exception):
-        from multiprocessing import resource_tracker
+        from multiprocessing import forkserver, resource_tracker
 
-        return pid == resource_tracker._resource_tracker._pid
+        return pid in (resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid)
     return False
 
 

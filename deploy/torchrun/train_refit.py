@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             tensors = allocate(layout, config.layout_rank, fill=0)
             fill_pieces(layout, config.layout_rank, tensors, seed=version)
             commit = refit.publish(tensors, version)
-            report(event="committed", version=commit.version, epoch=commit.epoch, world=int(grad[0]))
+            # commit.version can be newer than version: a version overtaken by a newer one
+            # before it moved is not sent on its own (inference wants the latest).
+            report(event="committed", version=commit.version, published=version, epoch=commit.epoch,
+                   world=int(grad[0]))
     if own_group:
         dist.destroy_process_group()
     return 0

@@ -15,7 +15,6 @@ rank whose own transfers all succeeded still learns that the refit did not.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
