@@ -43,7 +43,7 @@ from elastic_refit.membership.view import MembershipView, diff
 
 from elastic_refit.log import get_logger
 from elastic_refit.transport.c10d import C10dTransport
-from elastic_refit.transport.protocol import Backend, Transport
+from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
 
 BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
@@ -237,46 +237,6 @@ class ReconfigureResult:
     transport: Transport
     rank: int
     num_ranks: int
-
-
-def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort",
-                        reaping: list[threading.Thread] | None = None) -> float:
-    """Abort ``pg`` on a helper thread; stop waiting for it after ``timeout_s``. With
-    ``reaping`` (a list the caller joins later) do not wait at all: the thread is appended
-    there and the abort runs beside whatever the caller does next.
-
-    The helper holds the last reference, so the backend's destructor, which may join
-    threads stuck on a dead peer, runs on the helper once the abort returns: never on the
-    caller's thread, and never kept alive for good (that would leak its sockets).
-    """
-    box = [pg]
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def _run() -> None:
-        try:
-            obj = box.pop()
-            fn = getattr(obj, "abort", None)
-            if fn is not None:
-                fn()
-            del obj
-        except BaseException as exc:  # reported, never raised into the runtime
-            errors.append(exc)
-        finally:
-            done.set()
-
-    t0 = time.monotonic()
-    thread = threading.Thread(target=_run, name=f"comm-{what}", daemon=True)
-    thread.start()
-    del pg  # from here on only the helper owns it
-    if reaping is not None:
-        reaping.append(thread)
-        return 0.0
-    if not done.wait(timeout_s):
-        log.error("comm.abort.timed_out", what=what, timeout_s=timeout_s)
-    elif errors:
-        log.warning("comm.abort.failed", what=what, error=repr(errors[0])[:300])
-    return time.monotonic() - t0
 
 
 class CommunicatorManager:

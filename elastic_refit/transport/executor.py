@@ -33,7 +33,6 @@ from elastic_refit.transport.schedule import (
     BoxCopy,
     Bucket,
     BufferRef,
-    Message,
     RankSchedule,
     Step,
     build_rank_schedule,
@@ -192,9 +191,14 @@ class Executor:
         self.windows = _windows(self.schedule.steps, plan.options.concurrent_rounds)
         staged = [io.wire_bytes for io in self._io.values() if io.direct is None]
         self.max_wire_bytes = max(staged, default=0)
-        # Each message that packs holds two staging buffers for as long as its window runs.
-        self.num_staging_slots = max((2 * sum(self._packs(m) for s in w for m in (s.send, s.recv))
-                                      for w in self.windows), default=0)
+        # Each message that packs holds two staging buffers for as long as its window runs:
+        # message id -> its first buffer, per window (sends first), fixed for the epoch.
+        self._slots: list[dict[int, int]] = []
+        for window in self.windows:
+            messages = [s.send for s in window if s.send] + [s.recv for s in window if s.recv]
+            packing = [m for m in messages if any(self._io[id(b)].direct is None for b in m.buckets)]
+            self._slots.append({id(m): 2 * k for k, m in enumerate(packing)})
+        self.num_staging_slots = max((2 * len(slots) for slots in self._slots), default=0)
         needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
         if needed > self.options.staging_bytes:
             rounds = plan.options.concurrent_rounds
@@ -229,8 +233,8 @@ class Executor:
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
-            for window in self.windows:
-                self._exchange(window, tensors, counts)
+            for window, slots in zip(self.windows, self._slots, strict=True):
+                self._exchange(window, slots, tensors, counts)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
@@ -266,27 +270,18 @@ class Executor:
             self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(self.num_staging_slots)]
 
-    def _packs(self, message: Message | None) -> bool:
-        """Whether a message needs staging (some bucket of it is packed, not sent in place)."""
-        return message is not None and any(self._io[id(b)].direct is None for b in message.buckets)
-
     def _local_copy(self, copy, tensors) -> None:
         src = tensors[copy.src.buffer][tuple(slice(o, o + n) for o, n in zip(copy.src.offsets, copy.src.lengths, strict=True))]
         dst = tensors[copy.dst.buffer][tuple(slice(o, o + n) for o, n in zip(copy.dst.offsets, copy.dst.lengths, strict=True))]
         dst.copy_(src.reshape(dst.shape))
 
-    def _exchange(self, window: tuple[Step, ...], tensors, counts) -> None:
+    def _exchange(self, window: tuple[Step, ...], slots: dict[int, int], tensors, counts) -> None:
         """Move every message of one window: bucket ``i`` of all of them in one batch, while
-        bucket ``i - 1`` of each is unpacked."""
+        bucket ``i - 1`` of each is unpacked. ``slots``: each packing message's first staging
+        buffer."""
         transport, verify = self.transport, self.options.verify
-        where = {id(s): f"phase {s.phase.name} round {s.round}" for s in window}
-        sends = [(s.send, where[id(s)]) for s in window if s.send is not None]
-        recvs = [(s.recv, where[id(s)]) for s in window if s.recv is not None]
-        # Staging buffers of this window: two per message that packs, sends first.
-        slots: dict[int, int] = {}
-        for msg, _ in sends + recvs:
-            if self._packs(msg):
-                slots[id(msg)] = 2 * len(slots)
+        sends = [(s.send, f"phase {s.phase.name} round {s.round}") for s in window if s.send is not None]
+        recvs = [(s.recv, f"phase {s.phase.name} round {s.round}") for s in window if s.recv is not None]
         send_work: list[list] = [[None, None] for _ in sends]
         recv_work: list[list] = [[None, None] for _ in recvs]
         recv_target: list[list] = [[None, None] for _ in recvs]

@@ -16,19 +16,29 @@ timeout ends in ``TransportAborted`` instead of a hang. nccl4py is optional (the
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
 import torch
 
 from elastic_refit.errors import TransportAborted
-from elastic_refit.transport.protocol import Backend, Capabilities, P2POp, TransportBase, first_line
+from elastic_refit.transport.protocol import (
+    Backend,
+    Capabilities,
+    P2POp,
+    TransportBase,
+    abort_with_watchdog,
+    first_line,
+)
 
 __all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle", "settle_child"]
 
 _POLL_S = 0.0005
+
+
+log = structlog.get_logger("elastic_refit.transport")  # lazy: follows the current configuration
 
 
 def _nccl():
@@ -121,24 +131,9 @@ def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float) 
     try:
         settle(comm, timeout_s, "nccl4py init")
     except BaseException:
-        _abort_bounded(comm, timeout_s)  # else its bootstrap sockets outlive the failed init
+        abort_with_watchdog(comm, timeout_s, log, "init")  # else its bootstrap sockets outlive the failed init
         raise
     return comm
-
-
-def _abort_bounded(comm: Any, timeout_s: float) -> None:
-    """Abort ``comm`` on a helper thread, waiting at most ``timeout_s`` (an abort may wait
-    on a peer that is gone); the helper holds the last reference."""
-    box = [comm]
-    del comm
-
-    def _run() -> None:
-        with contextlib.suppress(Exception):
-            box.pop().abort()
-
-    helper = threading.Thread(target=_run, name="nccl4py-init-abort", daemon=True)
-    helper.start()
-    helper.join(timeout_s)
 
 
 def nccl_config() -> Any:

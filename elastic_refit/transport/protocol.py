@@ -14,9 +14,11 @@ ProcessGroupNCCL). The test toolkit wraps any transport to inject faults
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -213,3 +215,43 @@ def post_send(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 
 def post_recv(transport: Transport, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
     """Post one receive."""
     return transport.post((P2POp("recv", tensor, peer, tag),))[0]
+
+
+def abort_with_watchdog(pg: Any, timeout_s: float, log, what: str = "abort",
+                        reaping: list[threading.Thread] | None = None) -> float:
+    """Abort ``pg`` on a helper thread; stop waiting for it after ``timeout_s``. With
+    ``reaping`` (a list the caller joins later) do not wait at all: the thread is appended
+    there and the abort runs beside whatever the caller does next.
+
+    The helper holds the last reference, so the backend's destructor, which may join
+    threads stuck on a dead peer, runs on the helper once the abort returns: never on the
+    caller's thread, and never kept alive for good (that would leak its sockets).
+    """
+    box = [pg]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def _run() -> None:
+        try:
+            obj = box.pop()
+            fn = getattr(obj, "abort", None)
+            if fn is not None:
+                fn()
+            del obj
+        except BaseException as exc:  # reported, never raised into the runtime
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=_run, name=f"comm-{what}", daemon=True)
+    thread.start()
+    del pg  # from here on only the helper owns it
+    if reaping is not None:
+        reaping.append(thread)
+        return 0.0
+    if not done.wait(timeout_s):
+        log.error("comm.abort.timed_out", what=what, timeout_s=timeout_s)
+    elif errors:
+        log.warning("comm.abort.failed", what=what, error=repr(errors[0])[:300])
+    return time.monotonic() - t0
