@@ -3,14 +3,18 @@ grow, each against the steady-state refit of the same layout, in the same run.
 
 A real job (etcd, 2 trainer replicas, 4 inference ranks as 2 x TP=2, every member on the
 GPU as a host of its own to NCCL) publishes ``--versions`` versions of a transformer-shaped
-model. During one refit an inference rank is SIGKILLed (the survivors shrink the
-communicator and retry), and once its lease expired it comes back as a new incarnation
-(the communicator grows, the rank catches up from its peers). Each inference rank's
+model. At version ``--kill-at`` an inference rank is SIGKILLed: by default between refits
+(``--kill-phase ack.before``: its bytes arrived, no transfer in flight), so the survivors
+shrink the communicator; with ``--kill-phase transfer`` during a transfer, which leaves the
+survivors' NCCL communicators in an error state, so the epoch is a rebuild. Once its lease
+expired the rank comes back as a new incarnation (the communicator grows, the rank catches
+up from its peers). ``--no-connect-ahead`` turns off connecting the plan's pairs on entering
+an epoch (``RefitConfig.connect_ahead``), to see what the first refit pays without it. Each inference rank's
 transfer seconds come from its ``refit.transfer.done`` events; each epoch's communicator
 path from ``comm.reconfigured``. NeMo RL's shrink demo for comparison: 2.1 s before, 3.7 s
 right after a shrink.
 
-    python benchmarks/bench_nccl_churn.py --backend nccl4py --versions 12 [--json]
+    python benchmarks/bench_nccl_churn.py --backend nccl4py --versions 14 [--no-connect-ahead] [--json]
 """
 
 from __future__ import annotations
@@ -24,18 +28,20 @@ from typing import Any
 import numpy as np
 
 
-def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int, vocab: int):
+def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int, vocab: int, *,
+                   kill_phase: str = "ack.before", connect_ahead: bool = True):
     from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario
 
     from elastic_refit.testing.demo import demo_spec
 
-    plan = FaultPlan().kill(role="inference", rank=1, at="transfer", version=kill_at, chunk=1, restart=True,
-                            restart_delay_s=TTL_S + 1.5)
+    chunk = {"chunk": 1} if kill_phase == "transfer" else {}
+    plan = FaultPlan().kill(role="inference", rank=1, at=kill_phase, version=kill_at, restart=True,
+                            restart_delay_s=TTL_S + 1.5, **chunk)
     spec = demo_spec(4, hidden=hidden, num_layers=num_layers, vocab=vocab)
-    return Scenario(name="churn", victim="inference", fault="kill+rejoin", phase="transfer", plan=plan, seed=0,
+    return Scenario(name="churn", victim="inference", fault="kill+rejoin", phase=kill_phase, plan=plan, seed=0,
                     versions=num_versions, num_inference=4, spec_json=json.dumps(spec), trainer_pause_s=0.2,
                     member_config={"bucket_bytes": 16 << 20, "staging_bytes": 64 << 20,
-                                   "version_timeout_s": 120.0})
+                                   "version_timeout_s": 120.0, "connect_ahead": connect_ahead})
 
 
 def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -43,15 +49,18 @@ def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     every version refit in it (a refit ends when its slowest rank's bytes arrived)."""
     paths: dict[int, set[str]] = defaultdict(set)
     seconds: dict[tuple[int, int], float] = {}
+    connect: dict[int, float] = {}  # epoch -> slowest rank's connect-ahead seconds
     for events in logs.values():
         for e in events:
             if e.get("event") == "comm.reconfigured":
                 paths[int(e["epoch"])].add(str(e["path"]))
+            if e.get("event") == "refit.connect.done" and "epoch" in e:
+                connect[int(e["epoch"])] = max(connect.get(int(e["epoch"]), 0.0), float(e["seconds"]))
             if (e.get("event") == "refit.transfer.done" and e.get("role") == "inference" and "epoch" in e
                     and e.get("kind") == "refit"):
                 key = (int(e["epoch"]), int(e["version"]))
                 seconds[key] = max(seconds.get(key, 0.0), float(e["seconds"]))
-    return {"paths": {k: sorted(v) for k, v in paths.items()}, "seconds": seconds}
+    return {"paths": {k: sorted(v) for k, v in paths.items()}, "seconds": seconds, "connect": connect}
 
 
 def summarize(times: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +72,8 @@ def summarize(times: dict[str, Any]) -> dict[str, Any]:
     for (epoch, _version), s in sorted(seconds.items()):
         by_epoch[epoch].append(s)
     out: dict[str, Any] = {"epochs": {str(k): v for k, v in sorted(paths.items())},
-                           "refits": {str(k): v for k, v in sorted(by_epoch.items())}}
+                           "refits": {str(k): v for k, v in sorted(by_epoch.items())},
+                           "connect_ahead_s": {str(k): v for k, v in sorted(times.get("connect", {}).items())}}
     for label, wanted in (("shrink", {"shrink", "shrink_abort"}), ("grow", {"grow"}), ("rebuild", {"rebuild"})):
         epochs = [e for e in sorted(paths) if set(paths[e]) & wanted and len(by_epoch.get(e, ())) >= 2]
         if epochs:
@@ -82,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--kill-phase", default="ack.before", choices=["ack.before", "transfer"])
+    parser.add_argument("--no-connect-ahead", dest="connect_ahead", action="store_false")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= args.kill_at < args.versions - 2:
@@ -92,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
 
     run = ChaosRun(deadline_s=300.0, backend=args.backend, keep_logs=False)
     try:
-        print(f"churn on {args.backend}: {args.versions} versions, inference rank i1 killed during v{args.kill_at} "
-              "and back after its lease ...", file=sys.stderr)
-        result = run.run_trial(churn_scenario(args.versions, args.kill_at, args.hidden, args.layers, args.vocab),
-                               narrate=lambda m: print(m, file=sys.stderr))
+        print(f"churn on {args.backend}: {args.versions} versions, inference rank i1 killed at {args.kill_phase} "
+              f"of v{args.kill_at} and back after its lease, connect ahead {args.connect_ahead} ...", file=sys.stderr)
+        scenario = churn_scenario(args.versions, args.kill_at, args.hidden, args.layers, args.vocab,
+                                  kill_phase=args.kill_phase, connect_ahead=args.connect_ahead)
+        result = run.run_trial(scenario, narrate=lambda m: print(m, file=sys.stderr))
     finally:
         leaked = run.close()
     out = summarize(refit_times(result.evidence.logs))
-    out.update(backend=args.backend, passed=result.verdict.passed, leaked_pids=leaked,
+    out.update(backend=args.backend, kill_phase=args.kill_phase, connect_ahead=args.connect_ahead,
+               passed=result.verdict.passed, leaked_pids=leaked,
                violations=[f"{v.category}: {v.detail}" for v in result.verdict.violations],
                recovery_s=list(result.verdict.recovery_s))
     if args.json:

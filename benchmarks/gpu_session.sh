@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh measure    # lifecycle, NCCL refit (1 and 4 rounds at once), churn nccl4py + gloo
 #   bash benchmarks/gpu_session.sh tests      # GPU tests (several NCCL ranks on GPU 0)
 #   bash benchmarks/gpu_session.sh bench      # lifecycle, NCCL refit and churn benchmarks
+#   bash benchmarks/gpu_session.sh churn      # churn with and without connecting ahead (nccl4py)
+#   bash benchmarks/gpu_session.sh digest     # digest GB/s against a plain copy on the GPU
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -86,6 +88,18 @@ case "${1:-}" in
       2>"$OUT/bench_nccl.err" | tee "$OUT/bench_nccl.txt"; tail -3 "$OUT/bench_nccl.err"
     timeout 110 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions "${VERSIONS:-10}" --kill-at 4 \
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"; grep -E "committed|killed|FAIL" "$OUT/churn.err" | tail -4 ;;
+  churn)  # first refit after a shrink and after a grow against steady state, with and without connecting ahead
+    env_ready
+    for variant in on off; do
+      flag=$([ $variant = off ] && echo --no-connect-ahead)
+      timeout "${CHURN_TIMEOUT:-150}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions "${VERSIONS:-14}" \
+        --kill-at 4 $flag --json 2>"/tmp/churn_$variant.err" > "$OUT/churn_$variant.json"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('connect ahead', sys.argv[2], {k: d.get(k) for k in ('shrink','grow','rebuild','recovery_s','passed','epochs','connect_ahead_s','refits')})" "$OUT/churn_$variant.json" $variant \
+        || tail -5 "/tmp/churn_$variant.err"
+    done ;;
+  digest)  # what the source checks cost on the GPU: digest against a plain copy
+    env_ready
+    for mib in 256 1024; do python3 benchmarks/bench_digest.py --device cuda --mib $mib --repeat 10; done ;;
   final)  # one call after setup: lifecycle, runtime on NCCL, churn, then the data-path table
     env_ready
     timeout 100 python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 --repeat 10 --backend nccl4py --json \
@@ -95,5 +109,5 @@ case "${1:-}" in
     timeout 80 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 10 --kill-at 4 \
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"
     LOG=world TESTS_TIMEOUT="${WORLD_TIMEOUT:-170}" bash "$0" tests tests/gpu/test_nccl_world.py ;;
-  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | final" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final" >&2; exit 2 ;;
 esac

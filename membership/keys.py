@@ -158,3 +158,9 @@ class AttemptKeys:
         (it stopped because a peer failed first, the epoch moved on, or etcd or its lease
         failed): ``member_id`` finished the attempt."""
         return f"attempt/{self.seq}/done/{check_name('member_id', member_id)}"
+
+
+def connect_key(member_id: str) -> str:
+    """The fingerprint of the plan whose pairs ``member_id`` connects on entering the epoch
+    (or ``skip: <cause>``), inside the epoch's rendezvous store."""
+    return f"connect/{check_name('member_id', member_id)}"

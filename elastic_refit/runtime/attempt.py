@@ -172,6 +172,19 @@ def next_action(view: MembershipView, state: VersionState,
     return None
 
 
+def steady_refit(view: MembershipView) -> AttemptSpec | None:
+    """The attempt a new version gets in ``view`` once every trainer published it and no
+    inference rank holds it yet (the usual refit): every trainer sends, every inference
+    rank receives, each planned with its record's layout. ``None`` without trainers or
+    without inference ranks. Its version (0) is a placeholder: plans do not depend on it."""
+    trainers = tuple(sorted(m.member_id for m in view.members_of("trainer")))
+    inference = tuple(sorted(m.member_id for m in view.members_of("inference")))
+    if not trainers or not inference:
+        return None
+    layouts = tuple((m, view.member(m).layout) for m in trainers + inference)
+    return AttemptSpec(0, REFIT, trainers, (), inference, layouts)
+
+
 def check_publish(version: int, digest: str, member_id: str, state: VersionState,
                   last_published: tuple[int, str] | None = None) -> Commit | None:
     """What a trainer's ``publish(version)`` of buffers with ``digest`` means, given the job's

@@ -81,6 +81,9 @@ class RefitConfig:
     concurrent_rounds: int = 1
     poll_s: float = 0.02
     max_attempts: int = 5
+    # On entering an epoch, connect the pairs of the epoch's refit plan (a byte each way),
+    # so the first refit after a reconfiguration does not pay NCCL's lazy connection setup.
+    connect_ahead: bool = True
     # Refuse a version whose source replicas differ where they hold the same region.
     check_replicas: bool = True
     # The network interface the refit's communicators bind to (gloo's device; NCCL's
@@ -134,7 +137,7 @@ class RefitConfig:
             if self.bind_interface not in names:
                 raise ValueError(f"bind_interface {self.bind_interface!r} is not an interface of this host "
                                  f"({', '.join(names)})")
-        for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
+        for name in ("verify", "connect_ahead", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:

@@ -59,11 +59,11 @@ from elastic_refit.membership import (
     MembershipLost,
     MembershipView,
 )
-from elastic_refit.membership.keys import AttemptKeys
+from elastic_refit.membership.keys import AttemptKeys, connect_key
 from elastic_refit.membership.layouts import LayoutStore, LayoutUnavailable
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
-from elastic_refit.plan import PlanOptions
+from elastic_refit.plan import Plan, PlanOptions
 from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
@@ -80,6 +80,7 @@ from elastic_refit.runtime.attempt import (
     plan_attempt,
     reform_due_in,
     source_layout_disagreement,
+    steady_refit,
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.layouts import LayoutCache
@@ -97,6 +98,7 @@ from elastic_refit.transport.buffers import (
     combine_digests,
     overlapping,
 )
+from elastic_refit.transport.connect import connect_ahead, plan_peers
 from elastic_refit.transport.executor import Executor, ExecutorOptions
 from elastic_refit.transport.protocol import Transport
 
@@ -194,7 +196,12 @@ class ElasticRefit:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._transport: Transport | None = None  # the current epoch's, used by the agent thread
-        self.stats: dict[str, Any] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0}
+        # The latest plans (see _plan): a plan depends on the epoch, the participants and
+        # their layouts, never on the version.
+        self._plans: dict[tuple, Plan] = {}
+        self._plans_lock = threading.Lock()
+        self.stats: dict[str, Any] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0,
+                                      "connected_ahead": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> ElasticRefit:
@@ -480,6 +487,9 @@ class ElasticRefit:
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
                                   num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
                     del result  # the manager and self._transport keep the only references
+                    if not self._connect_ahead(view, self._transport):  # type: ignore[arg-type]
+                        broken_epoch, broken_at, view, reform_asked = self._broke(view)
+                        continue
                 state = self.versions.snapshot()
                 self._observe(state)
                 if view.members[0].member_id == me:
@@ -490,17 +500,7 @@ class ElasticRefit:
                     continue
                 spec = AttemptSpec.from_json(record)
                 if me in spec.participants and not self._run_attempt_locked(view, self._transport, seq, spec):  # type: ignore[arg-type]
-                    # The transfer broke: this epoch's transport cannot be used again.
-                    broken_epoch, broken_at = view.epoch, time.monotonic()
-                    self.log.warning("refit.communicator.broken", epoch=broken_epoch)
-                    if self._transport is not None and self._transport.capabilities.can_shrink:
-                        # The communicator stays with the manager: the next epoch shrinks it
-                        # (a dead peer) or rebuilds it (a reform, once one is due).
-                        reform_asked = False
-                    else:
-                        # Nothing to shrink (gloo): every rank of the epoch rebuilds, now.
-                        view, reform_asked = None, True
-                        self._request_reform(broken_epoch)
+                    broken_epoch, broken_at, view, reform_asked = self._broke(view)
                 seq += 1
             except MembershipLost as exc:
                 self.log.error("fault.detected", kind="membership_lost", error=str(exc))
@@ -516,6 +516,76 @@ class ElasticRefit:
                 with contextlib.suppress(Exception):
                     self.membership.wait_for_view(after_epoch=view.epoch if view else 0,
                                                   timeout_s=self.config.collective_timeout_s)
+
+    def _broke(self, view: MembershipView) -> tuple[int, float, MembershipView | None, bool]:
+        """An operation broke this epoch's transport: it cannot be used again. Returns the
+        agent's (broken epoch, when, view, whether a reform was asked)."""
+        self.log.warning("refit.communicator.broken", epoch=view.epoch)
+        if self._transport is not None and self._transport.capabilities.can_shrink:
+            # The communicator stays with the manager: the next epoch shrinks it (a dead
+            # peer) or rebuilds it (a reform, once one is due).
+            return view.epoch, time.monotonic(), view, False
+        # Nothing to shrink (gloo): every rank of the epoch rebuilds, now.
+        self._request_reform(view.epoch)
+        return view.epoch, time.monotonic(), None, True
+
+    def _plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
+        """``plan_attempt`` of ``spec`` in ``view``, memoised: every refit of an epoch with the
+        same participants (and the coordinator's feasibility check, and connecting ahead)
+        plans once. Plans of earlier epochs are dropped."""
+        key = (view.epoch, spec.sources, spec.holders, spec.destinations, spec.layouts)
+        with self._plans_lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_attempt(self._plan_layout, view, spec, self._plan_options())
+            with self._plans_lock:
+                for stale in [k for k in self._plans if k[0] != view.epoch]:
+                    del self._plans[stale]
+                while len(self._plans) >= 4:  # plans of big models are big
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
+        return plan
+
+    def _connect_ahead(self, view: MembershipView, transport: Transport) -> bool:
+        """On entering an epoch: connect the pairs the epoch's refit plan uses (one byte
+        along each direction, then its vote), so the first refit after a reconfiguration
+        does not pay NCCL's lazy connection setup (see ``transport.connect``). Every member
+        publishes the fingerprint of the plan it would connect, and all connect only when
+        all agree; otherwise (a layout not published yet, no refit possible) nobody does.
+        Returns False when the transport broke."""
+        spec = steady_refit(view)
+        if not self.config.connect_ahead or spec is None:
+            return True
+        me = self.config.member_id
+        store = self.manager.store
+        log = self.log.bind(epoch=view.epoch)
+        t0 = time.perf_counter()
+        plan: Plan | None = None
+        try:
+            plan = self._plan(view, spec)
+            mine = plan.fingerprint
+        except (LayoutUnavailable, ValueError) as exc:
+            mine = f"skip: {fault_cause(exc)}"
+        keys = [connect_key(m) for m in spec.participants]
+        try:
+            store.set(connect_key(me), mine)
+            self._wait_keys(store, keys, view.epoch, stage="connecting ahead")
+            agreed = all(v.decode() == mine for v in store.multi_get(keys))
+        except Exception as exc:  # superseded, closing, etcd: the first refit connects instead
+            log.info("refit.connect.skipped", reason=(str(exc).splitlines() or [""])[0][:300])
+            return True
+        if plan is None or not agreed:
+            log.info("refit.connect.skipped", reason=mine if plan is None else "members planned differently")
+            return True
+        try:
+            num_directions = connect_ahead(transport, plan_peers(plan, view.rank_of(me)))
+        except TransportAborted as exc:
+            log.warning("refit.connect.failed", error=(str(exc).splitlines() or [""])[0][:300])
+            return False
+        self.stats["connected_ahead"] += 1
+        log.info("refit.connect.done", seconds=time.perf_counter() - t0, num_directions=num_directions,
+                 fingerprint=plan.fingerprint)
+        return True
 
     def _request_reform(self, epoch: int) -> None:
         """Ask for a new epoch with the same members, unless a newer epoch is already out
@@ -659,7 +729,7 @@ class ElasticRefit:
         cache = self.__dict__.setdefault("_feasibility", {})
         if key not in cache:
             try:
-                plan_attempt(self._plan_layout, view, spec, self._plan_options())
+                self._plan(view, spec)
                 cache[key] = True
             except LayoutUnavailable as exc:  # not published yet, or gone: ask again next time
                 self.log.warning("refit.layout.unavailable", version=spec.version, epoch=view.epoch,
@@ -700,7 +770,7 @@ class ElasticRefit:
             self._hook("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
             t0 = time.perf_counter()
             self._check_planned_layout(spec)
-            plan = plan_attempt(self._plan_layout, view, spec, self._plan_options())
+            plan = self._plan(view, spec)
             s = plan.stats
             log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
                      cross_domain_bytes=s.cross_domain_bytes, lower_bound_bytes=s.lower_bound_bytes,

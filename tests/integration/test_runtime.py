@@ -131,6 +131,9 @@ def test_versions_commit_bit_exact(etcd_server, job):
     for m in ("t0", "t1"):
         assert [c["version"] for c in reports[m]["committed"]] == list(VERSIONS)
     assert sorted(version_state(etcd).committed) == list(VERSIONS)
+    # every member connected its plan's pairs on entering the epoch of all four
+    assert all(reports[m]["stats"]["connected_ahead"] >= 1 for m in reports), \
+        {m: r["stats"] for m, r in reports.items()}
 
 
 def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(etcd_server, job):

@@ -585,3 +585,41 @@ def test_unknown_variables_and_the_password_file(tmp_path):
     assert (config.etcd_user, config.etcd_password) == ("u", "s3cret")
     with pytest.raises(ValueError, match=r"^ELASTIC_REFIT_ETCD_PASSWORD_FILE='/nope': No such file or directory$"):
         RefitConfig.from_env({**base, "ELASTIC_REFIT_ETCD_PASSWORD_FILE": "/nope"})
+
+
+# ---- connecting ahead ------------------------------------------------------------------
+
+def test_steady_refit_is_every_trainer_to_every_inference_rank_and_plans_as_the_usual_refit():
+    from elastic_refit.runtime.attempt import steady_refit
+
+    v = view("t0", "t1", "i0", "i1")
+    spec = steady_refit(v)
+    assert (spec.kind, spec.sources, spec.holders, spec.destinations) == (REFIT, ("t0", "t1"), (), ("i0", "i1"))
+    # the attempt next_action proposes once both trainers published a new version
+    state = VersionState(revision=1, sources={7: {"t0": "a", "t1": "a"}})
+    usual = next_action(v, state)
+    assert isinstance(usual, AttemptSpec)
+    layout_of = by_role(SPEC.source, SPEC.destination)
+    assert plan_attempt(layout_of, v, usual).fingerprint == plan_attempt(layout_of, v, spec).fingerprint
+    assert steady_refit(view("t0", "t1")) is None and steady_refit(view("i0", "i1")) is None
+
+
+@pytest.mark.parametrize("members", [("t0", "t1", "i0", "i1"), ("t0", "i0", "i1", "i2", "i3"),
+                                     ("t0", "t1", "i0", "i1", "i2", "i3")])
+def test_plan_peers_match_between_the_two_ends_of_every_pair_and_cover_every_message(members):
+    from elastic_refit.runtime.attempt import steady_refit
+    from elastic_refit.transport.connect import plan_peers
+
+    v = view(*members)
+    plan = plan_attempt(by_role(SPEC.source, SPEC.destination), v, steady_refit(v))
+    ranks = range(v.num_ranks)
+    peers = {r: plan_peers(plan, r) for r in ranks}
+    sent = {(r, p) for r in ranks for p in peers[r].send_to}
+    received = {(p, r) for r in ranks for p in peers[r].recv_from}
+    assert sent == received  # every connect send has its receive on the other end
+    t = plan.transfers
+    messages = {(int(a), int(b)) for a, b in zip(t.src_rank, t.dst_rank, strict=True) if a != b}
+    assert sent == messages and messages
+    assert all(r not in peers[r].send_to + peers[r].recv_from for r in ranks)
+    assert all(peers[r].participants == tuple(sorted(set(plan.source.ranks) | set(plan.destination.ranks)))
+               for r in ranks)
