@@ -50,7 +50,8 @@ def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     paths: dict[int, set[str]] = defaultdict(set)
     seconds: dict[tuple[int, int], float] = {}
     connect: dict[int, float] = {}  # epoch -> slowest rank's connect-ahead seconds
-    for events in logs.values():
+    by_member: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    for incarnation, events in logs.items():
         for e in events:
             if e.get("event") == "comm.reconfigured":
                 paths[int(e["epoch"])].add(str(e["path"]))
@@ -60,7 +61,9 @@ def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                     and e.get("kind") == "refit"):
                 key = (int(e["epoch"]), int(e["version"]))
                 seconds[key] = max(seconds.get(key, 0.0), float(e["seconds"]))
-    return {"paths": {k: sorted(v) for k, v in paths.items()}, "seconds": seconds, "connect": connect}
+                by_member[key][incarnation] = round(float(e["seconds"]), 3)
+    return {"paths": {k: sorted(v) for k, v in paths.items()}, "seconds": seconds, "connect": connect,
+            "by_member": by_member}
 
 
 def summarize(times: dict[str, Any]) -> dict[str, Any]:
@@ -79,8 +82,10 @@ def summarize(times: dict[str, Any]) -> dict[str, Any]:
         if epochs:
             first, *rest = by_epoch[epochs[0]]
             steady = float(np.median(rest))
+            first_version = min(v for e, v in seconds if e == epochs[0])
             out[label] = {"epoch": epochs[0], "first_s": first, "steady_p50_s": steady, "num_steady": len(rest),
-                          "ratio": first / steady if steady else None}
+                          "ratio": first / steady if steady else None,
+                          "first_by_member": dict(times.get("by_member", {}).get((epochs[0], first_version), {}))}
     return out
 
 

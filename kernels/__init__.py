@@ -16,6 +16,8 @@ Public names
     runs the same kernel in Triton's interpreter (tests), ``"torch"`` the reference.
 ``packed_nbytes(regions, itemsizes)``
     Bytes a packed buffer needs for some regions.
+``warm_up(device)``
+    Compile and run both kernel variants once (a process's first refit then does not).
 ``pack_reference`` / ``unpack_reference``
     The torch reference (one slice copy per region), also the test oracle.
 
@@ -39,7 +41,7 @@ Speed: aligning packed offsets, box starts and row lengths to 16 bytes lets the 
 """
 
 from .boxes import BoxRegion
-from .program import BACKENDS, PackBinding, PackProgram, packed_nbytes
+from .program import BACKENDS, PackBinding, PackProgram, packed_nbytes, warm_up
 from .reference import pack_reference, unpack_reference
 
 __all__ = [
@@ -50,4 +52,5 @@ __all__ = [
     "pack_reference",
     "packed_nbytes",
     "unpack_reference",
+    "warm_up",
 ]

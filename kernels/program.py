@@ -22,6 +22,7 @@ __all__ = [
     "PackBinding",
     "PackProgram",
     "packed_nbytes",
+    "warm_up",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -451,3 +452,19 @@ def _check_shape(i: int, shape: Sequence[int]) -> tuple[int, ...]:
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s):
         raise ValueError(f"shapes[{i}] must hold ints >= 0, got {s!r}")
     return s
+
+
+def warm_up(device: torch.device | str, backend: str = "auto") -> None:
+    """Compile (or load from Triton's cache) the pack and unpack kernels on ``device`` and
+    run each once, so that a process's first refit does not pay for it: a rank that joins a
+    running job would otherwise pay it in its first transfer. The kernel has two variants
+    (pack, unpack) for every box, dtype and alignment, so one tiny box warms them all."""
+    device = _canonical_device(torch.device(device))
+    t = torch.zeros(4, 64, dtype=torch.bfloat16, device=device)
+    program = PackProgram([t.shape], [t.dtype], [BoxRegion(0, (0, 0), (4, 32), 0)], device=device,
+                          backend=backend)
+    buf = torch.empty(program.nbytes, dtype=torch.uint8, device=device)
+    program.pack([t], buf)
+    program.unpack(buf, [t])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -480,9 +480,14 @@ class CommunicatorManager:
                 pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
                 pg._set_default_timeout(collective)
             elif self.backend == "nccl":
+                self._arrive(view, f"comm-{self.backend}")
                 pg = self._build_nccl(store, rank, view.num_ranks, collective)
             else:
-                pg = self._build_nccl4py(store, rank, view.num_ranks)
+                # Only once every rank is here: a rank that dies before it arrives (killed as
+                # it rejoins) must not leave NCCL's bootstrap (the unique id's root thread,
+                # each rank's listening sockets) waiting for it for good.
+                self._arrive(view, f"comm-{self.backend}")
+                pg = self._build_nccl4py(store, rank, view.num_ranks, view.epoch)
         except StoreTimeout as exc:
             raise CommunicatorError(
                 f"rendezvous of epoch {view.epoch} timed out on {self.member_id}: {exc}") from exc
@@ -504,11 +509,15 @@ class CommunicatorManager:
             pg.eager_connect_single_device(self.device)
         return pg
 
-    def _build_nccl4py(self, store: EtcdStore, rank: int, size: int):
+    def _build_nccl4py(self, store: EtcdStore, rank: int, size: int, epoch: int):
         from elastic_refit.transport.nccl import init_communicator
 
         torch.cuda.set_device(self.device)
-        return init_communicator(store, rank, size, self.config.epoch_deadline_s)
+        return init_communicator(store, rank, size, self.config.epoch_deadline_s, self._futile(epoch))
+
+    def _futile(self, epoch: int) -> Callable[[], bool] | None:
+        """``cancel`` for waits of ``epoch``'s rendezvous: true once a newer epoch exists."""
+        return (lambda: self.superseded(epoch)) if self.superseded is not None else None
 
     def _shrink(self, old: MembershipView, new: MembershipView, *, abort: bool) -> tuple[float, float]:
         parent = self.current
@@ -533,7 +542,7 @@ class CommunicatorManager:
             flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
             child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
             with self._aborted_on_failure(child, "shrink_child"):
-                settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink")
+                settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink", self._futile(new.epoch))
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer. The
         # child shares nothing with it (no shrink_share), so the abort (about 0.5 s on NCCL
@@ -580,7 +589,7 @@ class CommunicatorManager:
             comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
         with self._aborted_on_failure(comm, "grow_child"):
             settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
-                         self.config.epoch_deadline_s, "nccl4py grow")
+                         self.config.epoch_deadline_s, "nccl4py grow", self._futile(new.epoch))
         if existing:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")

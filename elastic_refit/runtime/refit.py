@@ -45,6 +45,7 @@ from elastic_refit.errors import (
     SourceChanged,
     TransportAborted,
 )
+from elastic_refit.kernels import warm_up
 from elastic_refit.layout import Layout
 from elastic_refit.log import get_logger
 from elastic_refit.membership import (
@@ -221,6 +222,11 @@ class ElasticRefit:
         self.membership = Membership(self.client, c.job, record, MembershipConfig(
             ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s))
         self.layout_cache = LayoutCache(LayoutStore(self.client, c.job), self._known_layouts)
+        if torch.device(c.device).type == "cuda":
+            # Before joining: a newcomer's first refit must not compile the pack kernels.
+            t0 = time.perf_counter()
+            warm_up(c.device)
+            self.log.info("refit.kernels.warmed", seconds=time.perf_counter() - t0)
         self.membership.start()
         # Peers that see the record before this lands find the layout unavailable and wait.
         self.layout_cache.publish(self.membership, self._layout)

@@ -36,6 +36,7 @@ from elastic_refit.transport.protocol import (
 __all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle", "settle_child"]
 
 _POLL_S = 0.0005
+_CANCEL_CHECK_S = 0.02  # cancel() may read shared state; the poll itself stays tight
 
 
 log = structlog.get_logger("elastic_refit.transport")  # lazy: follows the current configuration
@@ -65,19 +66,26 @@ def nccl_call(fn: Callable[[], Any]) -> Any:
         raise
 
 
-def settle(comm: Any, timeout_s: float, what: str) -> None:
+def settle(comm: Any, timeout_s: float, what: str, cancel: Callable[[], bool] | None = None) -> None:
     """Wait until ``comm`` (non-blocking) is no longer ``ncclInProgress``; raise
-    ``TransportAborted`` on an error state or on the timeout."""
+    ``TransportAborted`` on an error state, on the timeout, or as soon as ``cancel()`` says
+    the wait is futile (a newer epoch exists: a peer that never arrives will not)."""
     in_progress = _in_progress_code()
     deadline = time.monotonic() + timeout_s
+    checked = time.monotonic()
     while True:
         state = int(comm.get_async_error())
         if state == 0:
             return
         if state != in_progress:
             raise TransportAborted(f"{what}: NCCL reports error {state}: {_error_string(state)}", phase=what)
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransportAborted(f"{what}: not done within {timeout_s} s", phase=what)
+        if cancel is not None and now - checked > _CANCEL_CHECK_S:
+            checked = now
+            if cancel():
+                raise TransportAborted(f"{what}: given up, superseded", phase=what)
         time.sleep(_POLL_S)
 
 
@@ -94,21 +102,29 @@ def quiesce(comm: Any, timeout_s: float) -> int:
     return state
 
 
-def settle_child(parent: Any, child: Any, timeout_s: float, what: str) -> None:
+def settle_child(parent: Any, child: Any, timeout_s: float, what: str,
+                 cancel: Callable[[], bool] | None = None) -> None:
     """Wait for a communicator that ``parent.shrink`` or ``parent.grow`` returned (``parent``
     None for a newcomer's grow). On a non-blocking parent NCCL fills the child's handle only
     when the job completes: until then the child is null and has no state of its own, so
     this polls for the handle (querying the parent, which completes its group job), then
-    settles the child. Raises ``TransportAborted`` on the timeout or an error state."""
+    settles the child. Raises ``TransportAborted`` on the timeout, an error state, or once
+    ``cancel()`` is true (see :func:`settle`)."""
     deadline = time.monotonic() + timeout_s
+    checked = time.monotonic()
     while not child.is_valid:
         if parent is not None:
             with contextlib.suppress(Exception):  # its own state may be an error (a dead peer)
                 parent.get_async_error()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransportAborted(f"{what}: no communicator within {timeout_s} s", phase=what)
+        if cancel is not None and now - checked > _CANCEL_CHECK_S:
+            checked = now
+            if cancel():
+                raise TransportAborted(f"{what}: given up, superseded", phase=what)
         time.sleep(_POLL_S)
-    settle(child, max(0.0, deadline - time.monotonic()), what)
+    settle(child, max(0.0, deadline - time.monotonic()), what, cancel)
 
 
 def _error_string(state: int) -> str:
@@ -117,9 +133,11 @@ def _error_string(state: int) -> str:
     return "unknown"
 
 
-def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
+def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float,
+                      cancel: Callable[[], bool] | None = None) -> Any:
     """A non-blocking nccl4py communicator of ``world_size`` ranks, settled: rank 0 publishes
-    the unique id in ``store`` (any ``torch.distributed.Store``, e.g. an epoch's etcd store)."""
+    the unique id in ``store`` (any ``torch.distributed.Store``, e.g. an epoch's etcd store).
+    ``cancel`` (see :func:`settle`) gives up early; a half-made communicator is aborted."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     nccl = _nccl()
@@ -129,7 +147,7 @@ def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float) 
     comm = nccl.Communicator()
     nccl_call(lambda: comm.initialize(world_size, rank, uid, nccl_config()))
     try:
-        settle(comm, timeout_s, "nccl4py init")
+        settle(comm, timeout_s, "nccl4py init", cancel)
     except BaseException:
         abort_with_watchdog(comm, timeout_s, log, "init")  # else its bootstrap sockets outlive the failed init
         raise

@@ -468,3 +468,11 @@ def test_triton_pointer_table_follows_new_tensors():
         out = torch.zeros(12, dtype=torch.uint8)
         prog.pack([t], out)
         assert out.view(torch.int16).tolist() == list(range(1 + 100 * k, 7 + 100 * k))
+
+
+def test_warm_up_refuses_an_unknown_backend_and_runs_on_the_cpu():
+    from elastic_refit.kernels import warm_up
+
+    warm_up("cpu")  # the torch backend here; on a GPU it compiles both Triton variants
+    with pytest.raises(ValueError, match="backend must be one of"):
+        warm_up("cpu", backend="cuda-graphs")
