@@ -41,7 +41,8 @@ def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int
     return Scenario(name="churn", victim="inference", fault="kill+rejoin", phase=kill_phase, plan=plan, seed=0,
                     versions=num_versions, num_inference=4, spec_json=json.dumps(spec), trainer_pause_s=0.2,
                     member_config={"bucket_bytes": 16 << 20, "staging_bytes": 64 << 20,
-                                   "version_timeout_s": 120.0, "connect_ahead": connect_ahead})
+                                   "version_timeout_s": 120.0,
+                                   "connect_ahead": "on" if connect_ahead else "off"})
 
 
 def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from elastic_refit.transport.protocol import Backend
 
 ROLES = ("trainer", "inference")
 MODES = ("in_place", "staged")
+CONNECT_AHEAD = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +83,10 @@ class RefitConfig:
     poll_s: float = 0.02
     max_attempts: int = 5
     # On entering an epoch, connect the pairs of the epoch's refit plan (a byte each way),
-    # so the first refit after a reconfiguration does not pay NCCL's lazy connection setup.
-    connect_ahead: bool = True
+    # so the first refit after a reconfiguration does not pay NCCL's lazy connection setup:
+    # "auto" does on NCCL backends (gloo connects every pair when its group is built),
+    # "on" everywhere, "off" nowhere.
+    connect_ahead: str = "auto"
     # Refuse a version whose source replicas differ where they hold the same region.
     check_replicas: bool = True
     # The network interface the refit's communicators bind to (gloo's device; NCCL's
@@ -137,7 +140,9 @@ class RefitConfig:
             if self.bind_interface not in names:
                 raise ValueError(f"bind_interface {self.bind_interface!r} is not an interface of this host "
                                  f"({', '.join(names)})")
-        for name in ("verify", "connect_ahead", "check_replicas", "etcd_allow_plaintext_password"):
+        if self.connect_ahead not in CONNECT_AHEAD:
+            raise ValueError(f"connect_ahead must be one of {', '.join(CONNECT_AHEAD)}, got {self.connect_ahead!r}")
+        for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
@@ -149,6 +154,11 @@ class RefitConfig:
                              f"per concurrent round ({self.concurrent_rounds})")
         if not _is_int(self.max_attempts) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
+
+    @property
+    def connects_ahead(self) -> bool:
+        """Whether entering an epoch connects the plan's pairs (``connect_ahead``)."""
+        return self.connect_ahead == "on" or (self.connect_ahead == "auto" and self.backend != Backend.GLOO)
 
     def etcd_config(self) -> EtcdConfig:
         """How this rank reaches etcd; ``ValueError`` for a file that is not there, a user

@@ -560,7 +560,7 @@ class ElasticRefit:
         all agree; otherwise (a layout not published yet, no refit possible) nobody does.
         Returns False when the transport broke."""
         spec = steady_refit(view)
-        if not self.config.connect_ahead or spec is None:
+        if not self.config.connects_ahead or spec is None:
             return True
         me = self.config.member_id
         store = self.manager.store

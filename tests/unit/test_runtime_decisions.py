@@ -410,6 +410,7 @@ def test_config_defaults_are_valid():
     ({"max_attempts": 0}, r"max_attempts must be an int >= 1, got 0"),
     ({"max_attempts": 2.0}, r"max_attempts must be an int >= 1, got 2.0"),
     ({"verify": "yes"}, r"verify must be a bool, got 'yes'"),
+    ({"connect_ahead": True}, r"connect_ahead must be one of auto, on, off, got True"),
 ])
 def test_config_rejects_bad_values_quoting_them(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -623,3 +624,12 @@ def test_plan_peers_match_between_the_two_ends_of_every_pair_and_cover_every_mes
     assert all(r not in peers[r].send_to + peers[r].recv_from for r in ranks)
     assert all(peers[r].participants == tuple(sorted(set(plan.source.ranks) | set(plan.destination.ranks)))
                for r in ranks)
+
+
+@pytest.mark.parametrize(("backend", "device", "connect_ahead", "connects"), [
+    ("gloo", "cpu", "auto", False),  # gloo's group connected every pair when it was built
+    ("nccl4py", "cuda:0", "auto", True), ("nccl", "cuda:0", "auto", True),
+    ("gloo", "cpu", "on", True), ("nccl4py", "cuda:0", "off", False),
+])
+def test_connect_ahead_auto_means_nccl_backends(backend, device, connect_ahead, connects):
+    assert config(backend=backend, device=device, connect_ahead=connect_ahead).connects_ahead is connects
