@@ -315,6 +315,7 @@ class ChaosRun:
                 narrator.restarted(member_id, incarnation)
 
         narrator = _Narrator(narrate, etcd.endpoints, job, trial_dir) if narrate is not None else None
+        commits = _CommitRecorder(etcd.endpoints, job)
         for _, member_id, _ in members:
             start(member_id, 0)
         timed_out = False
@@ -423,9 +424,11 @@ class ChaosRun:
             from elastic_refit.membership import JobKeys
             from elastic_refit.membership.versions import VersionStore
 
-            committed = {v: asdict(c) for v, c in VersionStore(client, job).snapshot().committed.items()}
+            committed = commits.committed()  # as they happened: old versions' keys are pruned
+            committed.update({v: asdict(c) for v, c in VersionStore(client, job).snapshot().committed.items()})
             client.delete_prefix(JobKeys(job).prefix)  # keep the shared etcd small
         finally:
+            commits.close()
             client.close()
         worker_pids = {w.pid for w in self.pool.workers}
         stray = [p for p in _children_of(worker_pids)]
@@ -442,6 +445,44 @@ class ChaosRun:
         if not keep:
             shutil.rmtree(trial_dir, ignore_errors=True)
         return TrialResult(scenario, verdict, wall, job, str(trial_dir) if keep else None, evidence)
+
+
+class _CommitRecorder:
+    """Every commit of a trial as it lands, from a watch on the job's versions: after each
+    commit the coordinator prunes older versions (``VersionStore.prune``), so the final etcd
+    state no longer lists every committed version. The watch resumes across etcd restarts
+    from the last revision it saw (trials are far shorter than etcd's compaction period)."""
+
+    def __init__(self, endpoints: tuple[str, ...], job: str) -> None:
+        from elastic_refit.membership import EtcdClient, JobKeys
+        from elastic_refit.membership.watch import RangeWatcher
+
+        self.keys = JobKeys(job)
+        self.client = EtcdClient(list(endpoints))
+        self._committed: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        prefix = self.keys.versions_prefix
+        self.watcher = RangeWatcher(self.client, prefix, prefix[:-1] + "0", name="chaos-commits")  # '0' follows '/'
+        self.watcher.add_listener(self._on_change)
+        self.watcher.start()
+
+    def _on_change(self, reset: bool, events: list, snapshot: Any) -> None:
+        kvs = list(snapshot.items.values()) if reset else [e.kv for e in events if e.kind == "put"]
+        for kv in kvs:
+            parsed = self.keys.parse_version_key(kv.key)
+            if parsed is not None and parsed[1] == "committed":
+                data = json.loads(kv.value)
+                with self._lock:
+                    self._committed[parsed[0]] = {"version": int(data["version"]), "epoch": int(data["epoch"]),
+                                                  "digest": str(data["digest"])}
+
+    def committed(self) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            return dict(self._committed)
+
+    def close(self) -> None:
+        self.watcher.stop()
+        self.client.close()
 
 
 class _Narrator:

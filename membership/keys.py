@@ -88,11 +88,19 @@ class JobKeys:
         require_at_least("version", version, 0)
         return f"{self.versions_prefix}{version}/"
 
+    def sources(self, version: int) -> str:
+        """Prefix of every trainer's source key of ``version``."""
+        return f"{self.version(version)}sources/"
+
+    def acks(self, version: int) -> str:
+        """Prefix of every inference rank's ack of ``version``."""
+        return f"{self.version(version)}acks/"
+
     def source(self, version: int, member_id: str) -> str:
-        return f"{self.version(version)}sources/{check_name('member_id', member_id)}"
+        return f"{self.sources(version)}{check_name('member_id', member_id)}"
 
     def ack(self, version: int, member_id: str) -> str:
-        return f"{self.version(version)}acks/{check_name('member_id', member_id)}"
+        return f"{self.acks(version)}{check_name('member_id', member_id)}"
 
     def committed(self, version: int) -> str:
         return f"{self.version(version)}committed"

@@ -15,6 +15,11 @@ Keys (under ``/elastic-refit/{job}/``):
   of the current epoch, and never for a committed version (nor a commit for a failed one).
 - ``store/{epoch}/attempts/{seq}`` -> the attempt the epoch's coordinator chose: which
   version moves from which members to which. Epoch-scoped, so it is purged with the epoch.
+
+Bounded: after each commit the coordinator deletes (fenced) the sources and acks of every
+older version, and everything of versions more than ``HISTORY_VERSIONS`` older, so the keys
+under ``versions/`` stay O(ranks + HISTORY_VERSIONS) however many steps a job runs, and so
+does every snapshot read.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ from typing import Any
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Put
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.service import Membership
+
+from elastic_refit._validate import is_integer
+
+# Committed and failed records of this many versions before the latest committed one stay in
+# etcd (a trainer restarted a few versions back gets their commits back; anything older is
+# "older than the latest committed version"). Each snapshot reads them all: keep it small.
+HISTORY_VERSIONS = 8
+_PRUNE_OPS_PER_TXN = 64  # etcd refuses transactions of more than --max-txn-ops (128) operations
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,3 +212,33 @@ class VersionStore:
         return self.client.txn(guard + [Compare(key, "create", "==", 0),
                                         Compare(self.keys.committed(version), "create", "==", 0)],
                                [Put(key, value)]).succeeded
+
+    def prune(self, membership: Membership, epoch: int, state: VersionState, latest: int,
+              history: int = HISTORY_VERSIONS) -> int:
+        """Once ``latest`` committed: delete what nobody needs any more, fenced like a commit
+        (only the coordinator of the current ``epoch`` prunes). Every version older than
+        ``latest`` loses its sources and acks (a catch-up serves the latest committed version,
+        from its holders; an older one is never moved again); versions more than ``history``
+        older lose their committed and failed records too. ``state`` lists what exists.
+        Returns the number of versions pruned (0 when fenced off: an epoch that is not the
+        current one prunes nothing)."""
+        if not is_integer(history) or history < 0:
+            raise ValueError(f"history must be an integer >= 0, got {history!r}")
+        ops: list[Delete] = []
+        touched = 0
+        for v in sorted(set(state.sources) | set(state.acks) | set(state.committed) | set(state.failed)):
+            if v >= latest:
+                break
+            if v < latest - history:
+                ops.append(Delete(self.keys.version(v), prefix=True))
+            else:
+                ops += [Delete(self.keys.sources(v), prefix=True)] if v in state.sources else []
+                ops += [Delete(self.keys.acks(v), prefix=True)] if v in state.acks else []
+                if v not in state.sources and v not in state.acks:
+                    continue
+            touched += 1
+        for start in range(0, len(ops), _PRUNE_OPS_PER_TXN):
+            guard = self._epoch_guard(membership, epoch)
+            if not guard or not self.client.txn(guard, ops[start:start + _PRUNE_OPS_PER_TXN]).succeeded:
+                return 0  # fenced off: a newer epoch's coordinator prunes the rest
+        return touched

@@ -626,6 +626,10 @@ class ElasticRefit:
             if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
                 self.log.info("refit.version.committed", version=action.version, epoch=view.epoch,
                               digest=action.digest)
+                # etcd holds O(ranks) version keys however long the job runs (VersionStore.prune)
+                num_versions = self.versions.prune(self.membership, view.epoch, state, action.version)
+                if num_versions:
+                    self.log.info("refit.versions.pruned", below=action.version, num_versions=num_versions)
         elif (isinstance(action, AttemptSpec) and self.versions.attempt(view.epoch, seq) is None
               and self.versions.propose_attempt(self.membership, view.epoch, seq, action.to_json())):
                 self._uncounted = (view, seq, action)

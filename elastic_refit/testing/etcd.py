@@ -127,6 +127,10 @@ class _Node:
             # Short raft timings: loopback only, and leader loss must be noticed fast.
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
+            # As in production (deploy/README.md): history of the last 10000 revisions, so a
+            # long soak's db stays bounded like its keys (VersionStore.prune).
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", "10000",
             "--log-level", "warn",
             "--logger", "zap",
             *self._extra,
