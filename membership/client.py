@@ -507,6 +507,13 @@ class EtcdClient:
 
         return await self.call(f"range {start}", fn)
 
+    async def afirst(self, start: str, end: str) -> KeyValue | None:
+        async def fn(c: _Connection):
+            resp = await c.kvstub.Range(rpc.RangeRequest(**_key_range(start, end=end), limit=1), **self._md(c))
+            return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
+
+        return await self.call(f"range {start}", fn)
+
     async def aput(self, key: str, value: bytes | str, lease: int = 0) -> int:
         async def fn(c: _Connection):
             resp = await c.kvstub.Put(rpc.PutRequest(key=_b(key), value=_b(value), lease=lease),
@@ -626,6 +633,10 @@ class EtcdClient:
     def get_range(self, start: str, end: str) -> RangeResult:
         """All keys in ``[start, end)`` and the revision of the read."""
         return self._sync(self.arange(start, end))  # type: ignore[return-value]
+
+    def first(self, start: str, end: str) -> KeyValue | None:
+        """The first key-value in ``[start, end)`` (one range read of one key), or ``None``."""
+        return self._sync(self.afirst(start, end))  # type: ignore[return-value]
 
     def count_prefix(self, prefix: str) -> int:
         """Number of keys under ``prefix``."""

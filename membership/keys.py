@@ -111,8 +111,14 @@ class JobKeys:
         return f"{self.version(version)}failed"
 
     def attempt(self, epoch: int, seq: int) -> str:
-        """The attempt ``seq`` the coordinator of ``epoch`` proposed (purged with the epoch)."""
-        return f"{self.store(epoch)}attempts/{seq:08d}"
+        """The attempt ``seq`` the coordinator of ``epoch`` proposed (purged with the epoch,
+        and by the coordinator once two later attempts finished). Zero-padded: attempts sort
+        in order, so the first one at or after a seq is one range read."""
+        return f"{self.attempts(epoch)}{seq:08d}"
+
+    def attempts(self, epoch: int) -> str:
+        """Prefix of every attempt record of ``epoch``."""
+        return f"{self.store(epoch)}attempts/"
 
     def parse_version_key(self, key: str) -> tuple[int, str, str | None] | None:
         """``(version, kind, member_id)`` of a key under ``versions/`` (kind ``sources``,
@@ -160,6 +166,11 @@ class AttemptKeys:
         """The plan fingerprint ``member_id`` computed (or, when it failed before planning,
         its ``done`` value: ``failed: <cause>`` or ``aborted: <reason>``)."""
         return f"attempt/{self.seq}/plan/{check_name('member_id', member_id)}"
+
+    @property
+    def prefix(self) -> str:
+        """Every participant's key of this attempt (plan and done)."""
+        return f"attempt/{self.seq}/"
 
     def done(self, member_id: str) -> str:
         """``ok``, ``failed: <cause>`` (a fault of this member's own) or ``aborted: <reason>``

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Put
-from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.keys import AttemptKeys, JobKeys
 from elastic_refit.membership.service import Membership
 
 from elastic_refit._validate import is_integer
@@ -129,6 +129,23 @@ class VersionStore:
     def attempt(self, epoch: int, seq: int) -> dict[str, Any] | None:
         kv = self.client.get(self.keys.attempt(epoch, seq))
         return json.loads(kv.value) if kv else None
+
+    def next_attempt(self, epoch: int, seq: int) -> tuple[int, dict[str, Any]] | None:
+        """The first attempt of ``epoch`` numbered ``seq`` or later, as ``(seq, attempt)``:
+        a member that fell behind skips the attempts the coordinator pruned (every one of
+        their participants had finished them, so it took no part)."""
+        prefix = self.keys.attempts(epoch)
+        kv = self.client.first(self.keys.attempt(epoch, seq), prefix[:-1] + "0")  # '0' follows '/'
+        if kv is None:
+            return None
+        return int(kv.key[len(prefix):]), json.loads(kv.value)
+
+    def prune_attempt(self, epoch: int, seq: int, store_prefix: str) -> None:
+        """Delete attempt ``seq`` of ``epoch`` and its participants' keys (under the epoch's
+        rendezvous store ``store_prefix``), so an epoch that lasts many versions keeps
+        O(ranks) keys. Only for an attempt whose participants all finished it."""
+        self.client.txn([], [Delete(self.keys.attempt(epoch, seq)),
+                             Delete(store_prefix + AttemptKeys(seq).prefix, prefix=True)])
 
     # ---- fenced writes ------------------------------------------------------------
     def publish_source(self, membership: Membership, version: int, digest: str = "",

@@ -105,6 +105,8 @@ from elastic_refit.transport.protocol import Transport
 
 EventListener = Callable[[str, dict[str, Any]], None]
 
+_VERSIONS_REMEMBERED = 64  # commit and failure records a member keeps (memory flat over a long run)
+
 
 class _AttemptAborted(RefitError):
     """This rank stopped an attempt because of something outside it (a peer failed it
@@ -193,6 +195,7 @@ class ElasticRefit:
         # last that has not been counted yet (view, seq, spec).
         self._tallies: dict[int, FailureTally] = {}
         self._uncounted: tuple[MembershipView, int, AttemptSpec] | None = None
+        self._attempts_pruned: tuple[int, int] | None = None  # (epoch, seq) pruned last
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -500,10 +503,11 @@ class ElasticRefit:
                 self._observe(state)
                 if view.members[0].member_id == me:
                     self._coordinate(view, seq, state)
-                record = self.versions.attempt(view.epoch, seq)
-                if record is None:
+                found = self.versions.next_attempt(view.epoch, seq)
+                if found is None:
                     self._stop.wait(self.config.poll_s)
                     continue
+                seq, record = found  # later than seq: this rank took no part in the pruned ones
                 spec = AttemptSpec.from_json(record)
                 if me in spec.participants and not self._run_attempt_locked(view, self._transport, seq, spec):  # type: ignore[arg-type]
                     broken_epoch, broken_at, view, reform_asked = self._broke(view)
@@ -608,6 +612,11 @@ class ElasticRefit:
             if pending is not None and pending[0].epoch == view.epoch and pending[1] == seq - 1:
                 self._uncounted = None
                 self._count_attempt(view, pending[1], pending[2], self.manager.store, view)
+            if seq >= 2 and self._attempts_pruned != (view.epoch, seq - 2) and self.manager.store is not None:
+                # Attempt seq - 1 was proposed once seq - 2 had finished everywhere: nobody
+                # reads seq - 2 again (a member that fell behind skips to the next one).
+                self.versions.prune_attempt(view.epoch, seq - 2, self.manager.store.prefix)
+                self._attempts_pruned = (view.epoch, seq - 2)
             # Acks land before the done keys: a snapshot taken before the previous attempt
             # finished may miss the last ones and propose a redundant catch-up attempt.
             state = self.versions.snapshot()
@@ -915,6 +924,11 @@ class ElasticRefit:
         with self._cond:
             self._committed.update(state.committed)
             self._failed.update(state.failed)
+            # Bounded like etcd's version state: a waiter of an older version sees a newer
+            # commit (committed "at least"), long after it could have seen its own record.
+            for seen in (self._committed, self._failed):
+                for v in sorted(seen)[:-_VERSIONS_REMEMBERED]:
+                    del seen[v]
             latest = state.latest_committed
             me = self.config.member_id
             ack = state.acks.get(latest, {}).get(me) if latest is not None else None
