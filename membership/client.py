@@ -604,6 +604,13 @@ class EtcdClient:
 
         return await self.call("lease list", fn)
 
+    async def adb_size(self) -> int:
+        async def fn(c: _Connection):
+            resp = await c.maintenancestub.Status(rpc.StatusRequest(), **self._md(c))
+            return int(resp.dbSize)
+
+        return await self.call("status", fn)
+
     async def acompact(self, revision: int) -> None:
         async def fn(c: _Connection):
             await c.kvstub.Compact(rpc.CompactionRequest(revision=revision, physical=True),
@@ -678,6 +685,10 @@ class EtcdClient:
     def leases(self) -> list[int]:
         """IDs of every live lease on the cluster."""
         return self._sync(self.aleases())
+
+    def db_size(self) -> int:
+        """Bytes of the backend database of the member this client talks to."""
+        return self._sync(self.adb_size())
 
     def compact(self, revision: int) -> None:
         """Compact history up to ``revision`` (watches older than it must relist)."""

@@ -1,0 +1,171 @@
+"""Soak: many versions through one real job, to show that nothing grows with the number of
+steps (``elastic-refit bench soak``).
+
+A real etcd, 2 trainer replicas and 4 inference ranks (2 x TP=2) as processes, tiny tensors,
+trainers publishing back to back. Every version commits only once every inference rank
+acked it with verified digests, and each inference rank checks every version it serves
+byte for byte. While the job runs, a sampler reads the job's etcd key count, etcd's db size
+and every member's resident memory. The per-version overhead is a trainer's publish ->
+commit seconds (there is no training step in between).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic_refit._validate import require_at_least
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.versions import VersionStore
+from elastic_refit.testing.etcd import EtcdServer
+from elastic_refit.testing.job import MemberSpec, run_member
+from elastic_refit.testing.processes import apply_environ, fork_server_context
+
+TRAINERS = ("t0", "t1")
+INFERENCE = ("i0", "i1", "i2", "i3")
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    """``num_versions`` versions; overheads are the means of the first and the last
+    ``window`` versions (at most half of them each)."""
+
+    num_versions: int = 20_000
+    window: int = 1_000
+    sample_s: float = 1.0
+    timeout_s: float = 7_200.0
+
+    def __post_init__(self) -> None:
+        require_at_least("--versions", self.num_versions, 20, "two windows of 10 at least")
+        require_at_least("--window", self.window, 10)
+        if not 0 < self.sample_s < self.timeout_s:
+            raise ValueError(f"sample_s must be in (0, timeout_s), got {self.sample_s}")
+
+
+def _member_main(member: MemberSpec, results, environ: dict[str, str]) -> None:
+    apply_environ(environ)
+    try:
+        results.put(run_member(member))
+    except BaseException as exc:  # reported; the bench fails with it
+        results.put({"member_id": member.member_id, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _rss_bytes(pid: int) -> int | None:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Run the soak; returns the figures (see ``elastic-refit bench soak --help``)."""
+    from elastic_refit.chaos.runner import spec_json  # the chaos trials' tiny model
+
+    versions = tuple(range(1, config.num_versions + 1))
+    job = f"soak-{uuid.uuid4().hex[:6]}"
+    ctx = fork_server_context()
+    results = ctx.Queue()
+    samples: list[dict[str, Any]] = []
+    stop = threading.Event()
+    with EtcdServer(name="soak") as etcd:
+        endpoints = tuple(etcd.endpoints)
+        spec = spec_json(len(INFERENCE))
+        procs: dict[str, Any] = {}
+        for rank, member_id in enumerate(TRAINERS + INFERENCE):
+            role = "trainer" if member_id in TRAINERS else "inference"
+            member = MemberSpec(job, role, member_id, rank, endpoints, f"d-{role}", spec_json=spec, versions=versions,
+                                start_with=TRAINERS + INFERENCE if role == "trainer" else (),
+                                config={"version_timeout_s": 600.0})
+            proc = ctx.Process(target=_member_main, args=(member, results, dict(os.environ)), daemon=True)
+            proc.start()
+            procs[member_id] = proc
+        client = EtcdClient(list(endpoints))
+        store = VersionStore(client, job)
+        prefix = JobKeys(job).prefix
+
+        def sample() -> None:
+            last_said = 0.0
+            while not stop.wait(config.sample_s):
+                with contextlib.suppress(Exception):
+                    latest = store.snapshot().latest_committed or 0
+                    rss = {m: _rss_bytes(p.pid) for m, p in procs.items() if p.pid is not None}
+                    samples.append({"t": time.monotonic(), "version": latest, "keys": client.count_prefix(prefix),
+                                    "db_bytes": client.db_size(),
+                                    "rss": {m: r for m, r in rss.items() if r is not None}})
+                    if time.monotonic() - last_said > 10:
+                        last_said = time.monotonic()
+                        progress(f"version {latest}/{config.num_versions}, {samples[-1]['keys']} etcd keys")
+
+        sampler = threading.Thread(target=sample, name="soak-sampler", daemon=True)
+        sampler.start()
+        reports: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + config.timeout_s
+        try:
+            while len(reports) < len(procs) and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):
+                    report = results.get(timeout=1.0)
+                    reports[report["member_id"]] = report
+                if any(not p.is_alive() and m not in reports for m, p in procs.items()):
+                    with contextlib.suppress(queue.Empty):  # a report may still be in the pipe
+                        report = results.get(timeout=5.0)
+                        reports[report["member_id"]] = report
+                    dead = [m for m, p in procs.items() if not p.is_alive() and m not in reports]
+                    if dead:
+                        raise RuntimeError(f"members {dead} died without a report")
+            final_keys = client.count_prefix(prefix)
+        finally:
+            stop.set()
+            sampler.join(10)
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+            client.close()
+    missing = sorted(set(procs) - set(reports))
+    errors = {m: r["error"] for m, r in reports.items() if "error" in r}
+    if missing or errors:
+        raise RuntimeError(f"soak failed: members {missing} did not report; errors {errors}")
+    return summarize(config, reports, samples, final_keys)
+
+
+def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: list[dict[str, Any]],
+              final_keys: int) -> dict[str, Any]:
+    """The soak's figures from the members' reports and the sampler's readings (pure)."""
+    window = min(config.window, config.num_versions // 2)
+    seconds = np.array([c["seconds"] for c in reports[TRAINERS[0]]["committed"]], dtype=np.float64)
+    # Every version committed as itself (a trainer blocks on each), verified by every rank's
+    # digests before the commit, and checked byte for byte by every rank that served it.
+    committed_as_published = all(
+        [c["version"] for c in reports[t]["committed"]] == list(range(1, config.num_versions + 1)) for t in TRAINERS)
+    problems = sum(len(reports[i]["problems"]) for i in INFERENCE)
+    served = min(len(reports[i]["committed"]) for i in INFERENCE)
+    warm = [s for s in samples if s["version"] >= window // 10]  # past start-up
+    first, last = (warm[0], warm[-1]) if warm else ({"rss": {}}, {"rss": {}})
+    return {
+        "versions": config.num_versions,
+        "window": window,
+        "verified": config.num_versions if committed_as_published and problems == 0 else 0,
+        "served_checked_min": served,
+        "problems": problems,
+        "first_overhead_s": float(seconds[:window].mean()),
+        "last_overhead_s": float(seconds[-window:].mean()),
+        "overhead_ratio": float(seconds[-window:].mean() / seconds[:window].mean()),
+        "etcd_keys_max": max((s["keys"] for s in samples), default=final_keys),
+        "etcd_keys_final": final_keys,
+        "etcd_db_bytes_first": first.get("db_bytes"),
+        "etcd_db_bytes_last": last.get("db_bytes"),
+        "member_rss_first_bytes": max(first["rss"].values(), default=None),
+        "member_rss_last_bytes": max(last["rss"].values(), default=None),
+        "num_samples": len(samples),
+    }
