@@ -1,0 +1,51 @@
+"""``bench soak``'s figures from its members' reports and samples (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_refit.testing.soak import INFERENCE, TRAINERS, SoakConfig, summarize
+
+
+def _reports(num_versions: int, seconds, problems=(), skipped: int | None = None) -> dict:
+    out = {t: {"committed": [{"version": v, "seconds": s} for v, s in zip(range(1, num_versions + 1), seconds,
+                                                                         strict=True)]} for t in TRAINERS}
+    for i in INFERENCE:
+        served = range(1, num_versions + 1) if skipped is None else [v for v in range(1, num_versions + 1)
+                                                                     if v != skipped]
+        out[i] = {"committed": [{"version": v, "verified": True} for v in served], "problems": list(problems)}
+    return out
+
+
+def _samples(keys, rss):
+    return [{"t": float(k), "version": 10 * k, "keys": n, "db_bytes": 1000 + k, "rss": {"i0": r, "t0": r // 2}}
+            for k, (n, r) in enumerate(zip(keys, rss, strict=True))]
+
+
+def test_overheads_are_the_first_and_last_windows_and_memory_the_largest_member():
+    config = SoakConfig(num_versions=40, window=10)
+    seconds = [0.1] * 10 + [0.5] * 20 + [0.2] * 10
+    out = summarize(config, _reports(40, seconds), _samples([30, 50, 40], [100, 300, 200]), final_keys=35)
+    assert out["window"] == 10 and out["verified"] == 40 and out["problems"] == 0
+    assert out["first_overhead_s"] == pytest.approx(0.1) and out["last_overhead_s"] == pytest.approx(0.2)
+    assert out["overhead_ratio"] == pytest.approx(2.0)
+    assert (out["etcd_keys_max"], out["etcd_keys_final"]) == (50, 35)
+    # first sample past start-up (version >= window // 10) and the last one
+    assert (out["member_rss_first_bytes"], out["member_rss_last_bytes"]) == (300, 200)
+
+
+def test_a_problem_on_any_inference_rank_means_nothing_counts_as_verified():
+    config = SoakConfig(num_versions=20, window=10)
+    out = summarize(config, _reports(20, [0.1] * 20, problems=["rank 2 tensor 'w': 1 bytes differ"]), [], 0)
+    assert out["verified"] == 0 and out["problems"] == len(INFERENCE)
+
+
+def test_a_window_larger_than_half_the_versions_is_cut_to_half():
+    out = summarize(SoakConfig(num_versions=20, window=1000), _reports(20, [1.0] * 10 + [3.0] * 10), [], 0)
+    assert out["window"] == 10 and out["overhead_ratio"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [({"num_versions": 5}, "--versions"), ({"window": 2}, "--window")])
+def test_config_refuses_too_few_versions_or_a_tiny_window(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SoakConfig(**fields)
