@@ -8,7 +8,8 @@ etcd nor gRPC):
   ``load_side`` (one side's layout file);
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
-  ``ElasticRefit.publish`` returns);
+  ``ElasticRefit.publish`` returns) and ``PublishHandle`` (what ``publish(..., wait=False)``
+  returns);
 - runtime faults, all ``RefitError``: ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
   ``RefitTimeout``, ``SourceChanged``, ``TransportAborted``, ``VerificationFailed``.
 
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     )
     from elastic_refit.membership.versions import Commit
     from elastic_refit.plan import Plan, PlanOptions, make_plan
-    from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
+    from elastic_refit.runtime import ElasticRefit, PublishHandle, RefitConfig, RefitLayouts
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "Plan",
     "PlanMismatch",
     "PlanOptions",
+    "PublishHandle",
     "RefitConfig",
     "RefitError",
     "RefitFailed",
@@ -103,6 +105,7 @@ _EXPORTS = {
     "make_plan": "elastic_refit.plan",
     "Commit": "elastic_refit.membership.versions",
     "ElasticRefit": "elastic_refit.runtime",
+    "PublishHandle": "elastic_refit.runtime",
     "RefitConfig": "elastic_refit.runtime",
     "RefitLayouts": "elastic_refit.runtime",
     "MembershipLost": "elastic_refit.errors",

@@ -8,7 +8,7 @@ from elastic_refit.runtime.attempt import (
     plan_attempt,
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
-from elastic_refit.runtime.refit import ElasticRefit
+from elastic_refit.runtime.refit import ElasticRefit, PublishHandle
 
-__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "RefitConfig", "RefitLayouts", "by_role", "next_action",
-           "plan_attempt"]
+__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "PublishHandle", "RefitConfig", "RefitLayouts", "by_role",
+           "next_action", "plan_attempt"]

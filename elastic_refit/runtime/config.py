@@ -80,6 +80,9 @@ class RefitConfig:
     # peer links busy and needs up to 4 buckets of staging per round. Same on every member
     # (it is part of the plan: members that differ disagree on the plan, never hang).
     concurrent_rounds: int = 1
+    # publish(..., wait=False) copies a version into at most this many bytes of snapshots (on
+    # the tensors' device) and returns at once; 0: no copy, it returns once its sends are done.
+    snapshot_bytes: int = 0
     poll_s: float = 0.02
     max_attempts: int = 5
     # On entering an epoch, connect the pairs of the epoch's refit plan (a byte each way),
@@ -152,6 +155,8 @@ class RefitConfig:
         if not _is_int(self.staging_bytes) or self.staging_bytes < 4 * self.bucket_bytes * self.concurrent_rounds:
             raise ValueError(f"staging_bytes {self.staging_bytes!r} must hold 4 buckets of {self.bucket_bytes} "
                              f"per concurrent round ({self.concurrent_rounds})")
+        if not _is_int(self.snapshot_bytes) or self.snapshot_bytes < 0:
+            raise ValueError(f"snapshot_bytes must be an int >= 0, got {self.snapshot_bytes!r}")
         if not _is_int(self.max_attempts) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
 

@@ -181,6 +181,8 @@ class ElasticRefit:
         self._incoming = ({k: v.clone() for k, v in self.parameters.items()}
                           if config.mode == "staged" else self.parameters)
         self._published: dict[int, tuple[dict[str, torch.Tensor], str]] = {}  # version -> (buffers, layout)
+        self._copies: dict[int, int] = {}  # version -> bytes of its snapshot copy (publish(wait=False))
+        self._sent: set[int] = set()  # versions this trainer's sends completed for (bounded in _observe)
         self._last_published: tuple[int, str] | None = None  # (version, digest) of this trainer's latest publish
         self._snapshots: dict[int, dict[str, int]] = {}  # version -> buffer digests taken at publish
         self._regions: tuple[str, tuple[ReplicaRegion, ...]] | None = None  # (training layout, its replica regions)
@@ -266,9 +268,17 @@ class ElasticRefit:
 
     # ---- trainer API -------------------------------------------------------------------
     def publish(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, version: int,
-                timeout_s: float | None = None) -> Commit:
+                timeout_s: float | None = None, *, wait: bool = True) -> Commit | PublishHandle:
         """Offer ``tensors`` (buffer name -> tensor, or a module's named parameters) as
         ``version`` and block until it commits. The tensors must not change meanwhile.
+
+        With ``wait=False`` return a :class:`PublishHandle` as soon as the tensors may
+        change again, so the next training step overlaps the refit: at once when
+        ``RefitConfig.snapshot_bytes`` holds a copy of them (taken here, on their device;
+        publish waits while earlier versions' copies fill the budget), else once this
+        trainer's own sends of the version are done ("hold until sent"). A version that a
+        newer one supersedes before it commits is dropped, not queued: its handle resolves
+        to the newer commit.
 
         Raises :class:`RefitFailed` (with the cause) once ``version`` failed
         ``max_attempts`` consecutive attempts for the same cause (e.g. a tensor of the wrong
@@ -292,32 +302,78 @@ class ElasticRefit:
             if version not in state.committed and self.versions.refuse(self.membership, version, fault_cause(exc)):
                 self.log.error("refit.version.refused", version=version, cause=str(exc))
             raise
+        copied = not wait and self.config.snapshot_bytes > 0
+        if copied:
+            # The copy is what moves (nobody else can write it): digests are taken from it.
+            tensors = self._snapshot_copy(tensors, version, timeout_s)
         # Taken before any byte moves: what the version is, whatever the buffers do later.
         snapshot = buffer_digests(tensors)
         data_digest = combine_digests(snapshot)
         repeat = check_publish(version, data_digest, me, state, self._last_published)
         if repeat is not None:
-            return repeat
+            if copied:
+                with self._cond:
+                    self._release_copy(version)
+            return repeat if wait else PublishHandle(self, version, timeout_s, repeat)
         self._last_published = (version, data_digest)
         regions = (region_digests(layout, self.config.layout_rank, tensors, self._replica_regions(layout),
                                   known=snapshot) if self.config.check_replicas else {})
         with self._cond:
+            # Older versions of this trainer are superseded: dropped, never queued behind.
             self._published = {v: t for v, t in self._published.items() if v > version}
             self._published[version] = (tensors, layout.fingerprint)
             self._snapshots = {v: d for v, d in self._snapshots.items() if v > version}
             self._snapshots[version] = snapshot
+            for v in [v for v in self._copies if v < version]:
+                self._release_copy(v)
         try:
             self.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
-            self.log.info("refit.version.published", version=version)
-
-            def committed() -> Commit | None:
-                self._raise_if_failed(version)
-                return self._committed_at_least(version)
-
-            return self._wait(committed, timeout_s, f"version {version} to commit")
-        finally:
+            self.log.info("refit.version.published", version=version, copied=copied)
+        except BaseException:
             with self._cond:
                 self._published.pop(version, None)
+                self._release_copy(version)
+            raise
+        handle = PublishHandle(self, version, timeout_s)
+        if wait:
+            try:
+                return handle.wait()
+            finally:
+                with self._cond:
+                    self._published.pop(version, None)
+        if not copied:
+            # Hold until sent: the caller's tensors are the sources until this trainer's
+            # sends of the version are done (or the version is over one way or the other).
+            self._wait(lambda: True if (version in self._sent or handle._outcome() is not None) else None,
+                       timeout_s, f"version {version} to be sent")
+        return handle
+
+    def _snapshot_copy(self, tensors: Mapping[str, torch.Tensor], version: int,
+                       timeout_s: float | None) -> dict[str, torch.Tensor]:
+        """A private copy of ``tensors`` within ``snapshot_bytes``. Copies of this trainer's
+        older versions are dropped first (this one supersedes them; a transfer still reading
+        one keeps it alive until it ends, so memory may exceed the budget by that one); then
+        it waits for room while the copies of versions not yet superseded fill the budget
+        (back-pressure)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        budget = self.config.snapshot_bytes
+        if nbytes > budget:
+            raise ValueError(f"trainer {self.config.member_id!r}, version {version}: a snapshot needs {nbytes} "
+                             f"bytes, more than snapshot_bytes ({budget})")
+        with self._cond:
+            for v in [v for v in self._copies if v < version]:
+                self._release_copy(v)
+        self._wait(lambda: True if sum(self._copies.values()) + nbytes <= budget else None, timeout_s,
+                   f"room for the snapshot of version {version} (snapshot_bytes {budget})")
+        with self._cond:
+            self._copies[version] = nbytes
+        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
+
+    def _release_copy(self, version: int) -> None:
+        """(Under ``_cond``.) The snapshot of ``version`` is no longer needed: free its budget."""
+        if self._copies.pop(version, None) is not None:
+            self._published.pop(version, None)
+            self._cond.notify_all()
 
     # ---- layouts ---------------------------------------------------------------------------
     @property
@@ -819,8 +875,14 @@ class ElasticRefit:
                        executor=executor, transport=transport)
             report = executor.run(source, destination)
             moving = False
-            if self.config.verify and me in spec.sources:
+            with self._cond:
+                private = spec.version in self._copies  # publish's own copy: nobody else writes it
+            if self.config.verify and me in spec.sources and not private:
                 self._check_unchanged(spec.version, source)
+            if me in spec.sources:
+                with self._cond:
+                    self._sent.add(spec.version)
+                    self._cond.notify_all()
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
                      local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
@@ -929,6 +991,10 @@ class ElasticRefit:
             for seen in (self._committed, self._failed):
                 for v in sorted(seen)[:-_VERSIONS_REMEMBERED]:
                     del seen[v]
+            latest_done = max([*self._committed, *self._failed], default=-1)
+            for v in [v for v in self._copies if v <= latest_done]:
+                self._release_copy(v)  # committed, failed, or superseded by a later commit
+            self._sent = {v for v in self._sent if v > latest_done}
             latest = state.latest_committed
             me = self.config.member_id
             ack = state.acks.get(latest, {}).get(me) if latest is not None else None
@@ -1034,6 +1100,47 @@ class ElasticRefit:
         shared = overlapping(tensors)
         if shared is not None:
             raise ValueError(f"{what}s {shared[0]!r} and {shared[1]!r} share memory: each buffer needs its own")
+
+
+class PublishHandle:
+    """What ``ElasticRefit.publish(..., wait=False)`` returns: the version's way to its commit.
+
+    ``done()`` says whether it is over; ``wait(timeout_s)`` (and ``result()``) returns its
+    :class:`~elastic_refit.membership.versions.Commit`, which is a later version's when a
+    newer one superseded it, or raises what ``publish`` would (``RefitFailed``,
+    ``RefitTimeout``)."""
+
+    def __init__(self, refit: ElasticRefit, version: int, timeout_s: float | None,
+                 commit: Commit | None = None) -> None:
+        self.version = version
+        self._refit = refit
+        self._timeout_s = timeout_s
+        self._commit = commit
+
+    def _outcome(self) -> Commit | None:
+        """(Under the refit's lock.) The commit, or raise the failure; None while pending."""
+        if self._commit is None:
+            self._refit._raise_if_failed(self.version)
+            self._commit = self._refit._committed_at_least(self.version)
+        return self._commit
+
+    def done(self) -> bool:
+        with self._refit._cond:
+            try:
+                return self._outcome() is not None
+            except RefitFailed:
+                return True
+
+    def wait(self, timeout_s: float | None = None) -> Commit:
+        timeout_s = check_timeout("timeout_s", timeout_s)
+        return self._refit._wait(self._outcome, self._timeout_s if timeout_s is None else timeout_s,
+                                 f"version {self.version} to commit")
+
+    def result(self) -> Commit:
+        return self.wait()
+
+    def __repr__(self) -> str:
+        return f"PublishHandle(version={self.version}, done={self.done()})"
 
 
 def tensors_of(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:

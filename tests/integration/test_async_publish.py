@@ -1,0 +1,63 @@
+"""``publish(..., wait=False)``: the trainer goes on with its next step while the version
+moves, and what commits is what it published, byte for byte (real etcd, real gloo)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from elastic_refit.runtime import PublishHandle
+from tests.integration.test_refit_failures import assert_no_errors, run_job, trainer_tensors
+
+pytestmark = pytest.mark.etcd
+
+VERSIONS = (1, 2, 3)
+
+
+def overwrite_right_after_publish(refit, member_id: str, layout_rank: int) -> list[dict]:
+    """Each version: publish without waiting, then at once scribble over every published
+    tensor (the next optimizer step), then wait for the commit."""
+    out = []
+    for version in VERSIONS:
+        tensors = trainer_tensors(layout_rank, version)
+        handle = refit.publish(tensors, version, wait=False)
+        assert isinstance(handle, PublishHandle)
+        for t in tensors.values():
+            t.view(torch.uint8).fill_(0xA5)  # nothing of the pattern survives
+        commit = handle.wait()
+        out.append({"version": version, "committed": commit.version, "done": handle.done()})
+    return out
+
+
+@pytest.mark.parametrize("snapshot_bytes", [1 << 20, 0], ids=["copy", "hold-until-sent"])
+def test_weights_changed_right_after_publish_returns_commit_as_published(etcd_server, snapshot_bytes):
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+    reports = run_job(etcd, job, overwrite_right_after_publish, inference_versions=VERSIONS,
+                      snapshot_bytes=snapshot_bytes)
+    assert_no_errors(reports)
+    for trainer in ("t0", "t1"):
+        assert [(s["version"], s["committed"], s["done"]) for s in reports[trainer]["steps"]] == [
+            (v, v, True) for v in VERSIONS], reports[trainer]["steps"]
+    # every inference rank served each version and every byte is the published pattern of
+    # that version, not the scribble that followed publish
+    for rank in ("i0", "i1"):
+        steps = reports[rank]["steps"]
+        assert [(s["version"], s["served"]) for s in steps] == [(v, v) for v in VERSIONS], steps
+        assert all(not s["problems"] for s in steps), [s["problems"] for s in steps]
+
+
+def test_a_snapshot_larger_than_the_budget_is_refused_in_publish(etcd_server):
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+
+    def too_big(refit, member_id: str, layout_rank: int) -> list[dict]:
+        tensors = trainer_tensors(layout_rank, 1)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with pytest.raises(ValueError, match=f"a snapshot needs {nbytes} bytes, more than snapshot_bytes \\(16\\)"):
+            refit.publish(tensors, 1, wait=False)
+        return [{"version": 1, "committed": refit.publish(tensors, 1).version}]  # waiting needs no copy
+
+    reports = run_job(etcd, job, too_big, inference_versions=(1,), snapshot_bytes=16)
+    assert_no_errors(reports)
+    assert [s["committed"] for s in reports["t0"]["steps"]] == [1]
