@@ -35,6 +35,9 @@ class MemberSpec:
     mode: str = "in_place"
     incarnation: str | None = None
     pause_s: float = 0.0  # trainers: time between versions (a training step)
+    # Trainers: publish(wait=False) and run the next step while the version moves (at most
+    # one version in flight: the step's end waits for the previous commit).
+    async_publish: bool = False
     # Trainers: publish the first version only once the epoch holds all of these members.
     # Tests whose fault must hit a rank inside a transfer need it: on a loaded machine a
     # late-starting rank otherwise joins after the versions are already committed.
@@ -93,14 +96,29 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
         with ElasticRefit(config, layouts) as refit:
             if member.start_with:
                 wait_for_epoch_members(config, member.start_with, member.start_timeout_s)
+            tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)
+            pending = None  # (version, handle, start) of the version in flight
+            loop_start = time.monotonic()
             for version in member.versions:
-                time.sleep(member.pause_s)
-                tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)
-                fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
+                time.sleep(member.pause_s)  # the training step
+                if pending is not None:
+                    _, handle, start = pending
+                    commit = handle.wait()
+                    out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                                             "seconds": time.monotonic() - start})
+                fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)  # the new weights
                 start = time.monotonic()
+                if member.async_publish:
+                    pending = (version, refit.publish(tensors, version, wait=False), start)
+                    continue
                 commit = refit.publish(tensors, version)
                 out["committed"].append({"version": commit.version, "epoch": commit.epoch,
                                          "seconds": time.monotonic() - start})
+            if pending is not None:
+                commit = pending[1].wait()
+                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                                         "seconds": time.monotonic() - pending[2]})
+            out["loop_s"] = time.monotonic() - loop_start  # every step and every commit
             if hold is not None:
                 hold(refit)
             out["stats"] = dict(refit.stats)
