@@ -1,6 +1,13 @@
 """Plan time at full scale (a benchmark, not a test).
 
     .venv/bin/python benchmarks/bench_plan.py [--repeat 3] [--cpu N] [--json]
+        [--relay] [--domain-size 8] [--baseline DIR]
+
+``--relay`` plans with ``PlanOptions(relay=True)``; ``--domain-size`` sets the ranks per
+NVLink domain (72: GB200 NVL72); ``--baseline DIR`` also runs every repeat against the
+planner of another checkout (e.g. ``git worktree add --detach /tmp/head HEAD``), with its
+default options, interleaved with the new one's in the same run, and shows both cold-plan
+times side by side with their ratio.
 
 For each case, every repeat runs in a fresh subprocess pinned to one core
 (``os.sched_setaffinity``) so that "cold" really is the first ``make_plan`` of a process
@@ -36,6 +43,7 @@ from pathlib import Path
 CASES = {
     "deepseek-v3": ("deepseek-v3", "pp=16,ep=16,dp=16", "tp=32,dp=8"),
     "qwen3-235b": ("qwen3-235b-a22b", "tp=4,pp=8,ep=16,dp=4", "tp=8,dp=16"),
+    "kimi-k2": ("kimi-k2", "pp=16,ep=16,dp=16", "tp=16,dp=8"),
 }
 # Goals from the issue (DeepSeek-V3 on one core of the 2-core machine).
 GOALS = {"deepseek-v3": {"cold_plan_s": 1.0, "replan_s": 0.1}}
@@ -43,11 +51,18 @@ TIMES = ("layout_s", "cold_plan_s", "warm_plan_s", "replan_s", "without_ranks_s"
          "layout_cpu_s", "cold_plan_cpu_s", "warm_plan_cpu_s", "replan_cpu_s")
 
 
-def worker(case: str, cpu: int) -> dict:
+def worker(case: str, cpu: int, domain_size: int = 8, relay: bool = False) -> dict:
     """One measurement in this (fresh) process; returns the figures."""
     os.sched_setaffinity(0, {cpu})
     from elastic_refit.layout.refit import model_refit_spec
-    from elastic_refit.plan import make_plan
+    from elastic_refit.plan import PlanOptions
+    from elastic_refit.plan import make_plan as plain_make_plan
+
+    # A baseline checkout's planner may predate the option: pass it only when asked for.
+    options = PlanOptions(relay=True) if relay else None
+
+    def make_plan(source, destination, topology):
+        return plain_make_plan(source, destination, topology, options)
 
     model, source, destination = CASES[case]
     # Wall and CPU time of every step: the machine is shared, and CPU time of a process
@@ -58,7 +73,7 @@ def worker(case: str, cpu: int) -> dict:
         marks.append((time.perf_counter(), time.process_time()))
 
     mark()
-    spec = model_refit_spec(model, source, destination, domain_size=8)
+    spec = model_refit_spec(model, source, destination, domain_size=domain_size)
     mark()
     plan = make_plan(spec.source, spec.destination, spec.topology)
     mark()
@@ -87,11 +102,14 @@ def worker(case: str, cpu: int) -> dict:
     }
 
 
-def run_fresh(case: str, cpu: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--cpu", str(cpu)],
-        capture_output=True, text=True, check=False,
-    )
+def run_fresh(case: str, cpu: int, domain_size: int = 8, relay: bool = False, tree: str | None = None) -> dict:
+    """One repeat in a fresh process; ``tree``: import the planner from that checkout."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--cpu", str(cpu),
+               "--domain-size", str(domain_size)] + (["--relay"] if relay else [])
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(Path(tree).resolve()) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env, cwd=tree or None)
     if done.returncode != 0:
         raise SystemExit(f"bench_plan: worker for {case} failed:\n{done.stderr}")
     return json.loads(done.stdout)
@@ -118,27 +136,43 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the last allowed one)")
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="only these cases")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--relay", action="store_true", help="plan with PlanOptions(relay=True)")
+    parser.add_argument("--domain-size", type=int, default=8, help="ranks per NVLink domain (default 8)")
+    parser.add_argument("--baseline", metavar="DIR", help="also time the planner of this checkout (old vs new)")
     parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     if args.worker:
-        print(json.dumps(worker(args.worker, cpu)))
+        print(json.dumps(worker(args.worker, cpu, args.domain_size, args.relay)))
         return
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.domain_size < 1:
+        parser.error(f"--domain-size must be >= 1, got {args.domain_size}")
+    if args.baseline is not None and not (Path(args.baseline) / "elastic_refit" / "plan").is_dir():
+        parser.error(f"--baseline {args.baseline!r} holds no elastic_refit/plan")
 
     from elastic_refit.cli._output import format_seconds, print_json, progress, render_table
 
-    results = {}
+    results, baseline = {}, {}
     for case in args.case or list(CASES):
-        runs = []
+        runs, old_runs = [], []
         for i in range(args.repeat):
             progress(f"{case}: fresh process {i + 1}/{args.repeat} on cpu {cpu} ...")
-            runs.append(run_fresh(case, cpu))
+            runs.append(run_fresh(case, cpu, args.domain_size, args.relay))
+            if args.baseline:  # interleaved, so both see the same machine
+                old_runs.append(run_fresh(case, cpu, args.domain_size, False, args.baseline))
         results[case] = summarise(case, runs)
+        if args.baseline:
+            baseline[case] = summarise(case, old_runs)
+            results[case]["baseline"] = {key: baseline[case][key] for key in TIMES}
     if args.json:
-        print_json({"cpu": cpu, "repeat": args.repeat, "cases": results})
+        print_json({"cpu": cpu, "repeat": args.repeat, "relay": args.relay, "domain_size": args.domain_size,
+                    "baseline": args.baseline, "cases": results})
         return
+
+    def cell_of(r: dict, key: str) -> str:
+        return f"{format_seconds(r[key])} / {format_seconds(r[key.replace('_s', '_cpu_s')])}"
 
     def cell(case: str, key: str) -> str:
         """``wall / cpu``, and the verdict of each against the goal when there is one."""
@@ -163,9 +197,22 @@ def main() -> None:
             f"{r['num_rows']}/{r['num_transfers']}/{r['num_tensor_classes']}",
             f"{r['cross_over_bound']:.3f}",
         ))
-    print(f"median of {args.repeat} fresh processes, each pinned to cpu {cpu}; times are wall / CPU")
+    print(f"median of {args.repeat} fresh processes, each pinned to cpu {cpu}; times are wall / CPU; "
+          f"domain size {args.domain_size}{', relay' if args.relay else ''}")
     print(render_table(("case", "ranks", "layout", "cold plan", "warm plan", "re-plan (-1 dst rank)",
                         "rows/transfers/classes", "cross/bound"), rows))
+    if args.baseline:
+        print(f"old planner: {args.baseline} (default options); ratio of CPU times, new / old")
+        def ratio(r: dict, key: str) -> str:
+            cpu_key = key.replace("_s", "_cpu_s")
+            return f"{r[cpu_key] / baseline_of[cpu_key]:.2f}" if (baseline_of := r["baseline"]) else ""
+
+        print(render_table(("case", "old cold plan", "new cold plan", "new / old", "old warm", "new warm",
+                            "new / old", "old re-plan", "new re-plan", "new / old"), [
+            (case, cell_of(baseline[case], "cold_plan_s"), cell_of(r, "cold_plan_s"), ratio(r, "cold_plan_s"),
+             cell_of(baseline[case], "warm_plan_s"), cell_of(r, "warm_plan_s"), ratio(r, "warm_plan_s"),
+             cell_of(baseline[case], "replan_s"), cell_of(r, "replan_s"), ratio(r, "replan_s"))
+            for case, r in results.items()]))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="destination ranks start at 0 and share devices with the source")
     parser.add_argument("--bucket-mib", type=int, default=64, help="bucket size in MiB (default 64)")
+    parser.add_argument("--relay", action="store_true",
+                        help="balance ingress over every NIC of a destination domain and forward regions "
+                             "over NVLink under the network transfer (PlanOptions.relay)")
 
 
 def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) -> tuple[RefitSpec, str]:
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
-    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=args.bucket_mib << 20))
+    plan = make_plan(spec.source, spec.destination, spec.topology,
+                     PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=getattr(args, "relay", False)))
     plan_seconds = time.perf_counter() - t0
     figures = plan_figures(plan, plan_seconds)
     figures["layout_seconds"] = layout_seconds
@@ -98,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         ("destination pieces", format_bytes(s.dst_bytes), f"{s.dst_bytes / max(s.model_bytes, 1):.2f}x model"),
         ("lower bound, cross-domain", format_bytes(s.lower_bound_bytes), "1.000"),
         ("planned cross-domain", format_bytes(s.cross_domain_bytes), f"{s.cross_domain_bytes / lb:.3f}"),
-        ("planned intra-domain", format_bytes(s.intra_domain_bytes), "NVLink fan-out"),
+        ("planned intra-domain", format_bytes(s.intra_domain_bytes),
+         "NVLink forwards (pipelined)" if plan.options.relay else "NVLink fan-out"),
         ("planned local copies", format_bytes(s.local_bytes), ""),
         ("gather-and-broadcast", format_bytes(s.gather_broadcast_bytes), f"{s.gather_broadcast_bytes / lb:.2f}x bound"),
         ("busiest NIC send / recv", f"{format_bytes(s.max_send_bytes)} / {format_bytes(s.max_recv_bytes)}", ""),
@@ -109,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
         ("plan time", format_seconds(plan_seconds), ""),
     ]
     if prediction:
+        ratio = prediction.seconds / prediction.bound_seconds if prediction.bound_seconds > 0 else float("nan")
         rows.append((f"predicted on {prediction.cluster}", format_seconds(prediction.seconds),
-                     f"bound {format_seconds(prediction.bound_seconds)}"))
+                     f"bound {format_seconds(prediction.bound_seconds)} ({ratio:.2f}x)"))
     print(f"{description}  |  {s.num_source_ranks} source ranks, {s.num_destination_ranks} "
           f"destination ranks, {s.num_domains} domains")
     print(render_table(("figure", "value", "ratio / note"), rows))

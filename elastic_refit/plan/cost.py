@@ -1,8 +1,16 @@
 """Cost model: predicted refit seconds of a plan on a described cluster, beside the bound.
 
-The model is deliberately simple and explicit: every GPU has one NIC share (GB/s each way)
-and one NVLink share; network transfers of the deliver phase run concurrently, then the
-intra-domain fan-out; each message round costs one latency.
+The model is deliberately simple and explicit. Every GPU has one NIC share and one NVLink
+share (GB/s each way, both directions at once); each message round costs one latency.
+
+- Relayed plans (``PlanOptions.relay``) forward every cross-domain region over NVLink bucket
+  by bucket while the next bucket crosses the network, so a rank's NIC and NVLink phases
+  overlap: per rank, time = max(NIC bytes / NIC rate, NVLink bytes / NVLink rate) plus one
+  chunk of pipeline fill (the first chunk must arrive before forwarding starts, or the last
+  one is forwarded after the network is done), and the refit takes the slowest rank's time
+  plus the rounds' latency.
+- Plans without relay fan out after the network phase: the busiest NIC, then the busiest
+  NVLink, plus the rounds' latency.
 """
 
 from __future__ import annotations
@@ -11,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_refit.plan.types import Plan
+from elastic_refit.plan.types import Plan, SourceSide
 
-__all__ = ["CLUSTERS", "GB", "Cluster", "Prediction", "get_cluster", "predict"]
+__all__ = ["CLUSTERS", "GB", "Cluster", "Prediction", "bound_seconds", "get_cluster", "predict"]
 
 GB = 1e9
 
@@ -45,6 +53,7 @@ CLUSTERS: dict[str, Cluster] = {
 
 
 def get_cluster(name: str) -> Cluster:
+    """The described cluster called ``name``; ``ValueError`` names the known ones."""
     try:
         return CLUSTERS[name]
     except KeyError:
@@ -53,7 +62,10 @@ def get_cluster(name: str) -> Cluster:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Predicted seconds of one plan, and the physical bound for the same layouts."""
+    """Predicted seconds of one plan, and the physical bound for the same layouts.
+
+    ``network_seconds`` and ``intra_seconds`` are the busiest NIC's and the busiest NVLink's
+    time; ``fill_seconds`` the pipeline fill (0 without relay)."""
 
     cluster: str
     seconds: float
@@ -61,31 +73,58 @@ class Prediction:
     intra_seconds: float
     latency_seconds: float
     bound_seconds: float
+    fill_seconds: float = 0.0
 
 
-def predict(plan: Plan, cluster: Cluster) -> Prediction:
-    """Predict the refit time of ``plan`` on ``cluster``.
+def bound_seconds(plan: Plan, cluster: Cluster) -> float:
+    """No plan with these layouts is faster (cross-domain bytes at their lower bound).
 
-    Bound: the cross-domain lower bound must enter each destination domain through that
-    domain's NICs, and leave through the source ranks' NICs; no plan beats either.
+    Ingress: what a destination domain needs from outside enters through that domain's
+    NICs, at best evenly. Egress: a region leaves only through a NIC of a domain that holds
+    it, so the bytes held only inside a set of source domains leave through those domains'
+    NICs (``Plan.egress_group_*``: the busiest such set).
     """
     nic = cluster.nic_gbps * GB
-    nvlink = cluster.nvlink_gbps * GB
-    network = float(np.maximum(plan.network_send_bytes, plan.network_recv_bytes).max(initial=0)) / nic
-    intra = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) / nvlink
-    latency = plan.stats.num_rounds * cluster.latency_s
-
     domains = np.unique(plan.topology.domain_array(), return_inverse=True)[1]
     ranks_per_domain = np.bincount(domains)
     need_per_domain = np.bincount(domains, weights=plan.network_recv_bytes.astype(np.float64),
                                   minlength=ranks_per_domain.size)
     ingress = float((need_per_domain / ranks_per_domain).max(initial=0)) / nic
-    egress = plan.stats.lower_bound_bytes / max(plan.stats.num_source_ranks, 1) / nic
+    egress = plan.egress_group_bytes / max(plan.egress_group_ranks, 1) / nic
+    return max(ingress, egress)
+
+
+def predict(plan: Plan, cluster: Cluster) -> Prediction:
+    """Predict the refit time of ``plan`` on ``cluster`` (see the module docstring)."""
+    nic = cluster.nic_gbps * GB
+    nvlink = cluster.nvlink_gbps * GB
+    nic_seconds = np.maximum(plan.network_send_bytes, plan.network_recv_bytes) / nic
+    nvlink_seconds = np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes) / nvlink
+    latency = plan.stats.num_rounds * cluster.latency_s
+    t = plan.transfers
+    forward = t.src_side == int(SourceSide.RELAY)
+    fill = 0.0
+    if forward.any():
+        # The ranks that forward or receive forwards pay one chunk (a bucket of the network
+        # stream, or less when they move less) on the slower of their two phases' links.
+        weight = (t.nbytes * t.instances)[forward].astype(np.float64)
+        num_ranks = plan.topology.num_ranks
+        forwarded = (np.bincount(t.src_rank[forward], weights=weight, minlength=num_ranks)
+                     + np.bincount(t.dst_rank[forward], weights=weight, minlength=num_ranks))
+        chunk = np.minimum(forwarded, plan.options.max_transfer_bytes)
+        fill_per_rank = np.where(nic_seconds >= nvlink_seconds, chunk / nvlink, chunk / nic)
+        per_rank = np.maximum(nic_seconds, nvlink_seconds) + fill_per_rank
+        busiest = int(np.argmax(per_rank))
+        seconds = float(per_rank[busiest]) + latency
+        fill = float(fill_per_rank[busiest])
+    else:
+        seconds = float(nic_seconds.max(initial=0)) + float(nvlink_seconds.max(initial=0)) + latency
     return Prediction(
         cluster=cluster.name,
-        seconds=network + intra + latency,
-        network_seconds=network,
-        intra_seconds=intra,
+        seconds=seconds,
+        network_seconds=float(nic_seconds.max(initial=0)),
+        intra_seconds=float(nvlink_seconds.max(initial=0)),
         latency_seconds=latency,
-        bound_seconds=max(ingress, egress),
+        bound_seconds=bound_seconds(plan, cluster),
+        fill_seconds=fill,
     )

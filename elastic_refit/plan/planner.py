@@ -14,7 +14,11 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    network exactly once, into one receiver, then fans out inside the domain. So
    cross-domain bytes equal the lower bound by construction (invariant 2).
 4. *Senders* among replicas are chosen greedily, replica group by replica group, to
-   keep the busiest NIC as idle as possible (invariant 3).
+   keep the busiest NIC as idle as possible (invariant 3). With ``PlanOptions.relay``,
+   *receivers* are balanced too: any participating rank of the destination domain may
+   receive a demand over its NIC (a relay when it needs none of it), so that no NIC of
+   the domain takes more than the domain's share plus one region; every other needer
+   gets a *forward* that the executor pipelines with the network bucket it came in.
 5. *Schedule*: per phase, transfers between the same (src, dst) form a message; message
    rounds follow a shift schedule, so in a round every rank sends to at most one peer
    and receives from at most one peer. Boxes larger than half a bucket are split;
@@ -425,9 +429,9 @@ def make_plan(
     instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
     # The rows' many intermediates die with _transfer_rows, before the schedule allocates:
     # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
-    table, lower_bound_bytes = _transfer_rows(source, destination, options, tensor_map, classes, instances,
-                                              domain_of_rank)
-    table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks)
+    table, lower_bound_bytes, num_forward, egress_group = _transfer_rows(
+        source, destination, options, tensor_map, classes, instances, domain_of_rank)
+    table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks, num_forward)
 
     stats, per_rank = _stats(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
@@ -448,6 +452,8 @@ def make_plan(
         network_recv_bytes=per_rank[1],
         intra_send_bytes=per_rank[2],
         intra_recv_bytes=per_rank[3],
+        egress_group_bytes=egress_group[0],
+        egress_group_ranks=egress_group[1],
     )
 
 
@@ -515,12 +521,21 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
 
     held_rows = np.flatnonzero(np.repeat(held, demand_count)) if maybe_held.size else maybe_held
     network_demands = np.flatnonzero(~held)
+    egress_group = _egress_group(atom_src_region[demand_atom[network_demands]], atom_weight[demand_atom[network_demands]],
+                                 src_regions, src_rows, source, domain_of_rank)
+    receivers = None
+    if options.relay and network_demands.size:
+        receivers = _choose_receivers(network_demands, demand_first, demand_count, demand_atom, atom_weight,
+                                      needer_rank, domain_of_rank, _participants(source, destination))
     # Free what the rows no longer need before the table is allocated, so that it reuses
     # their memory rather than faulting in fresh pages.
     del demand_key, new_demand, needer_at, holder_at
     # The table is allocated once and each part writes its rows in place: held needers,
-    # then one network row per network demand, then the fan-outs of shared demands.
+    # then one network row per network demand, then the fan-outs (or forwards) of shared
+    # demands; a relayed demand forwards to every needer.
     num_fan_out = int(demand_count[network_demands].sum()) - network_demands.size
+    if receivers is not None:
+        num_fan_out += int(np.count_nonzero(receivers[1] < 0))
     table = _empty_table(held_rows.size + network_demands.size + num_fan_out, ndim)
     atoms = (atom_tensor, atom_offsets, atom_lengths, atom_nbytes)
     needers = (needer_atom, needer_piece, needer_rank, needer_domain)
@@ -532,8 +547,9 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     if network_demands.size:
         demands = (demand_first, demand_count, demand_atom)
         _serve_network(table, held_rows.size, network_demands, demands, needers, atom_src_region, atom_weight,
-                       src_regions, src_rows, source, num_ranks, atoms)
-    return table, lower_bound_bytes
+                       src_regions, src_rows, source, num_ranks, atoms, receivers)
+    num_forward = int(np.count_nonzero(table["src_side"] == int(SourceSide.RELAY))) if receivers is not None else 0
+    return table, lower_bound_bytes, num_forward, egress_group
 
 
 def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) -> TensorClasses:
@@ -664,10 +680,12 @@ def _serve_held(table, rows, needers, holders, num_domains, num_ranks, atoms):
 
 
 def _serve_network(table, first_row, network_demands, demands, needers, atom_src_region, atom_weight,
-                   src_regions, src_rows, source, num_ranks, atoms):
+                   src_regions, src_rows, source, num_ranks, atoms, receivers=None):
     """One network transfer per demand into a receiver (rows from ``first_row``), then fan-out
     to the other needers (the rows after those). ``demands`` are (first needer, number of
-    needers, atom) columns of every demand; ``network_demands`` picks those served here."""
+    needers, atom) columns of every demand; ``network_demands`` picks those served here.
+    ``receivers`` (relayed plans): the receiving rank of each network demand and its needer
+    row (-1: a relay); the other needers then get forwards instead of fan-outs."""
     demand_first, demand_count, demand_atom = demands
     _, needer_piece, needer_rank, _ = needers
     if network_demands.size == demand_first.size:  # no held demands (disjoint pools): no copies
@@ -679,17 +697,20 @@ def _serve_network(table, first_row, network_demands, demands, needers, atom_src
     holder_start, num_holders = src_regions.piece_start[region], src_regions.piece_count[region]
     choice = _choose_senders(region, holder_start, num_holders, atom_weight[atom], src_regions, src_rows, source,
                              num_ranks)
-    # Receivers rotate among the demand's needers in the domain (replicas); most have one.
-    shared = np.flatnonzero(num_needers > 1)
-    receiver_row = first_needer.copy()
-    receiver_row[shared] += atom[shared] % num_needers[shared]
-
     rows = slice(first_row, first_row + network_demands.size)
     _write_rows(table, rows, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
     sender_piece, receiver_piece = table["src_piece"][rows], table["dst_piece"][rows]
     receiver_rank = table["dst_rank"][rows]
     np.take(src_rows, src_regions.pieces[holder_start + choice], out=sender_piece, mode="clip")
     np.take(source.piece_rank, sender_piece, out=table["src_rank"][rows], mode="clip")
+    if receivers is not None:
+        _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom,
+                      atoms)
+        return
+    # Receivers rotate among the demand's needers in the domain (replicas); most have one.
+    shared = np.flatnonzero(num_needers > 1)
+    receiver_row = first_needer.copy()
+    receiver_row[shared] += atom[shared] % num_needers[shared]
     np.take(needer_piece, receiver_row, out=receiver_piece, mode="clip")
     np.take(needer_rank, receiver_row, out=receiver_rank, mode="clip")
 
@@ -702,6 +723,124 @@ def _serve_network(table, first_row, network_demands, demands, needers, atom_src
     _write_rows(table, fan, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner], atoms)
     table["src_piece"][fan], table["src_rank"][fan] = receiver_piece[owner], receiver_rank[owner]
     table["dst_piece"][fan], table["dst_rank"][fan] = needer_piece[row], needer_rank[row]
+
+
+def _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom,
+                  atoms):
+    """Relayed plans: the network rows' receivers, then one forward per (demand, needer other
+    than the receiver) in the table's last rows, reading the network row's staged bytes."""
+    receiver, receiver_row = receivers
+    table["dst_rank"][rows] = receiver
+    table["dst_piece"][rows] = np.where(receiver_row >= 0, needer_piece[np.maximum(receiver_row, 0)], -1)
+    owner, row = _expand(first_needer, num_needers)
+    others = row != receiver_row[owner]
+    owner, row = owner[others], row[others]
+    forward = slice(rows.stop, rows.stop + owner.size)
+    _write_rows(table, forward, TransferKind.INTRA, Phase.DELIVER, SourceSide.RELAY, atom[owner], atoms)
+    table["src_piece"][forward], table["src_rank"][forward] = first_row + owner, receiver[owner]
+    table["dst_piece"][forward], table["dst_rank"][forward] = needer_piece[row], needer_rank[row]
+
+
+def _participants(source: Layout, destination: Layout) -> np.ndarray:
+    """Ranks that take part in a refit (the executor's participants): any of them may relay."""
+    # Layout.ranks is memoised (and inherited by derived layouts): no sort of every buffer
+    return np.union1d(np.asarray(source.ranks, dtype=np.int64), np.asarray(destination.ranks, dtype=np.int64))
+
+
+def _choose_receivers(network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank,
+                      domain_of_rank, participants):
+    """Ingress balance: the receiving rank of every network demand and its needer row (-1
+    when the receiver needs none of it: a relay).
+
+    Per destination domain D with ``n`` participating ranks and ``W`` network bytes, the
+    share is ``W / n``. Every demand starts at a needer (rotating over replicas). A rank keeps
+    its demands, in demand order, while they fit in the share; the rest are shed and laid,
+    in (domain, demand) order, over the ranks' free room (share minus what they kept), so
+    each rank ends at most one demand above the share: the busiest NIC of a domain receives
+    at most ``W / n`` plus one region. Integer arithmetic scaled by ``n`` keeps it exact.
+    """
+    first, count, atom = demand_first[network_demands], demand_count[network_demands], demand_atom[network_demands]
+    weight = atom_weight[atom]
+    receiver_row = first + atom % count  # rotation over replicas, as without relay
+    receiver = needer_rank[receiver_row]
+    num_ranks = domain_of_rank.size
+    domain = domain_of_rank[receiver]
+    num_domains = int(domain_of_rank.max()) + 1
+    width = np.bincount(domain_of_rank[participants], minlength=num_domains).astype(np.int64)  # n per domain
+    total = np.bincount(domain, weights=weight, minlength=num_domains).astype(np.int64)  # W (exact below 2**53)
+
+    # Keep, per receiver in demand order, while n * (cumulative bytes) <= W. Only the
+    # demands of ranks above the share can be shed: sort just those.
+    load = np.bincount(receiver, weights=weight, minlength=num_ranks).astype(np.int64)
+    rank_domain = domain_of_rank
+    over = np.flatnonzero((width[rank_domain] * load > total[rank_domain])[receiver])
+    if over.size == 0:
+        return receiver, receiver_row
+    order, sorted_receiver = _stable_sort(receiver[over])
+    order = over[order]
+    cumulative = np.cumsum(weight[order])
+    group_first = np.flatnonzero(np.append(True, sorted_receiver[1:] != sorted_receiver[:-1]))
+    before = np.repeat(cumulative[group_first] - weight[order][group_first],
+                       np.diff(np.append(group_first, order.size)))
+    sorted_domain = domain[order]
+    shed = np.sort(order[width[sorted_domain] * (cumulative - before) > total[sorted_domain]])
+    kept = load - np.bincount(receiver[shed], weights=weight[shed], minlength=num_ranks).astype(np.int64)
+    # Free room of every participant, in (domain, rank) order; shed demands in (domain,
+    # demand) order. Per domain both add up to n * (shed bytes), so one global line aligns.
+    candidates = participants[_stable_order(domain_of_rank[participants])]
+    candidate_domain = domain_of_rank[candidates]
+    room_end = np.cumsum(total[candidate_domain] - width[candidate_domain] * kept[candidates])
+    shed = shed[_stable_order(domain[shed])]
+    scaled = width[domain[shed]] * weight[shed]
+    start = np.cumsum(scaled) - scaled
+    target = candidates[np.searchsorted(room_end, start, side="right")]
+    receiver[shed] = target
+    # Is the new receiver a needer of the demand? Look among the shed demands' needer rows
+    # only; the first row of that rank wins.
+    owner, row = _expand(first[shed], count[shed])
+    match = needer_rank[row] == target[owner]
+    is_needer = np.full(shed.size, -1, dtype=np.int64)
+    is_needer[owner[match][::-1]] = row[match][::-1]  # reversed: the first match is written last
+    receiver_row[shed] = is_needer
+    return receiver, receiver_row
+
+
+def _egress_group(region, weight, src_regions, src_rows, source, domain_of_rank) -> tuple[int, int]:
+    """(bytes, ranks) of the source domains whose NICs must carry the most cross-domain
+    bytes per NIC: a region can leave only through a NIC of a domain that holds it, so for
+    any set H of domains, the bytes of regions held only inside H leave through H's ranks.
+    H ranges over the distinct holder sets and their union (a valid bound, not the tightest
+    over every union)."""
+    if region.size == 0:
+        return 0, 1
+    region_bytes = np.bincount(region, weights=weight, minlength=src_regions.tensor.size)
+    regions = np.flatnonzero(region_bytes)
+    region_bytes = region_bytes[regions].astype(np.int64)
+    owner, at = _expand(src_regions.piece_start[regions], src_regions.piece_count[regions])
+    # Holder domains numbered densely (few: the source side's), one bit each in the words of a mask.
+    domains, holder_domain = np.unique(domain_of_rank[source.piece_rank[src_rows[src_regions.pieces[at]]]],
+                                       return_inverse=True)
+    num_domains = domains.size
+    num_words = -(-num_domains // 62)
+    mask = np.zeros((regions.size, num_words), dtype=np.int64)
+    np.bitwise_or.at(mask, (owner, holder_domain // 62), np.left_shift(1, holder_domain % 62))
+    if num_words == 1:
+        sets, set_of = np.unique(mask[:, 0], return_inverse=True)
+        sets = sets[:, None]
+    else:
+        sets, set_of = np.unique(mask, axis=0, return_inverse=True)
+    set_bytes = np.bincount(set_of.reshape(-1), weights=region_bytes, minlength=sets.shape[0]).astype(np.int64)
+    domain_ranks = np.bincount(domain_of_rank, minlength=int(domain_of_rank.max()) + 1)[domains].astype(np.int64)
+    bits = ((sets[:, :, None] >> np.arange(62)[None, None, :]) & 1).reshape(sets.shape[0], -1)[:, :num_domains]
+    set_ranks = bits @ domain_ranks
+    # subset[i, j]: set i lies inside set j
+    subset = np.all((sets[:, None, :] & ~sets[None, :, :]) == 0, axis=2)
+    inside = set_bytes @ subset
+    best_bytes, best_ranks = int(set_bytes.sum()), int(bits.max(axis=0) @ domain_ranks)
+    for held_bytes, ranks in zip(inside.tolist(), set_ranks.tolist(), strict=True):
+        if held_bytes * best_ranks > best_bytes * ranks:
+            best_bytes, best_ranks = held_bytes, ranks
+    return best_bytes, max(best_ranks, 1)
 
 
 def _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_rows, source, num_ranks):
@@ -770,19 +909,30 @@ def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
 
 
 def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.ndarray,
-              num_ranks: int) -> tuple[TransferTable, dict[str, int]]:
+              num_ranks: int, num_forward: int = 0) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets; and the counts of
-    messages, buckets and rounds (``num_messages``, ``num_buckets``, ``num_rounds``)."""
+    messages, buckets and rounds (``num_messages``, ``num_buckets``, ``num_rounds``).
+
+    The last ``num_forward`` rows are forwards (relayed plans): they take no part in the
+    shift schedule, inherit the round and stream offset of their network row, and form
+    messages of their own (one per round, relay and needer)."""
     tensor = table["tensor"]
     nbytes = table.pop("nbytes")  # written with the rows, from the atoms
     phase, src_rank, dst_rank = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
+    num_rows = src_rank.size
+    forward = slice(num_rows - num_forward, num_rows)
+    parent = table["src_piece"][forward]
+    unscheduled = is_local
+    if num_forward:
+        unscheduled = is_local.copy()
+        unscheduled[forward] = True
 
     # Per phase, senders and receivers are numbered densely and a message's round is its
     # shift (receiver - sender) modulo the width; local copies need no peer (round -1).
     # All phases at once: a phase's ids are counted within its row of a [phase, id] table.
     num_phases = len(Phase)
-    peer_rows = np.flatnonzero(~is_local) if is_local.any() else None
+    peer_rows = np.flatnonzero(~unscheduled) if unscheduled.any() else None
 
     def dense_in_phase(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per row, the rank of its id among the ids its phase uses; and per phase, how many."""
@@ -798,20 +948,25 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     shift = receiver_index - sender_index
     shift += width[phase] * (shift < 0)  # modulo the width, without a division
     if peer_rows is not None:
-        shift[is_local] = 0  # no peer: their ids are not counted, their shift is meaningless
+        shift[unscheduled] = 0  # no peer: their ids are not counted, their shift is meaningless
     row_round, rounds_per_phase = dense_in_phase(shift, int(width.max()))
     num_rounds = int(rounds_per_phase.sum())
     if peer_rows is not None:
         row_round[is_local] = -1
+    message_phase = phase
+    if num_forward:
+        row_round[forward] = row_round[parent]  # a forward travels with its network bucket
+        # forwards form their own messages: a phase number of their own in the message key
+        message_phase = phase.copy()
+        message_phase[forward] = num_phases
 
     # One stable sort on a packed (phase, round, src, dst) key; inside a message rows keep
     # their generation order. Rows themselves stay in generation order (deterministic); only
     # message ids and offsets need the sorted order, so compute them there and scatter back.
     row_instances = instances[tensor]
     weight = nbytes * row_instances
-    num_rows = src_rank.size
-    if (len(Phase) * (num_rounds + 1) * num_ranks * num_ranks).bit_length() <= 62:
-        key = phase * (num_rounds + 1)
+    if ((len(Phase) + 1) * (num_rounds + 1) * num_ranks * num_ranks).bit_length() <= 62:
+        key = message_phase * (num_rounds + 1)
         key += row_round
         key += 1
         key *= num_ranks
@@ -822,7 +977,7 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
         new_message = np.ones(num_rows, dtype=bool)
         new_message[1:] = sorted_key[1:] != sorted_key[:-1]
     else:
-        order, new_message = _group_rows([phase, row_round, src_rank, dst_rank])
+        order, new_message = _group_rows([message_phase, row_round, src_rank, dst_rank])
     sorted_message = np.cumsum(new_message) - 1
     message_first = np.flatnonzero(new_message)
     sorted_weight = weight[order]
@@ -838,14 +993,38 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     last_row = order[message_last]
     last_copy = sorted_offset[message_last] + (row_instances[last_row] - 1) * nbytes[last_row]
     local_message = table["kind"][order[message_first]] == int(TransferKind.LOCAL)
+    num_buckets = int((last_copy[~local_message] // half + 1).sum())
+    if num_forward:
+        forward_message = message_phase[order[message_first]] == num_phases
+        num_buckets -= int((last_copy[forward_message] // half + 1).sum())
+        message_offset[forward] = message_offset[parent]
+        num_buckets += _forward_buckets(message[forward], message_offset[forward], nbytes[forward],
+                                        row_instances[forward], half)
     counts = {
         "num_messages": int(np.count_nonzero(~local_message)),
-        "num_buckets": int((last_copy[~local_message] // half + 1).sum()),
+        "num_buckets": num_buckets,
         "num_rounds": num_rounds,
     }
     table = TransferTable(**table, round=row_round, message=message, message_offset=message_offset,
                           nbytes=nbytes, instances=row_instances)
     return table, counts
+
+
+def _forward_buckets(message: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, instances: np.ndarray,
+                     half: int) -> int:
+    """Buckets of forward messages: a forward bucket goes with each bucket of the network
+    stream that holds a copy it forwards. A row's copies start in every bucket from its first
+    copy's to its last's (no copy exceeds a bucket), so count the union of those ranges."""
+    first = offset // half
+    last = (offset + (instances - 1) * nbytes) // half
+    order = _stable_order(message * (int(first.max(initial=0)) + 1) + first)
+    message, first, last = message[order], first[order], last[order]
+    span = int(last.max(initial=0)) + 2
+    # running maximum of `last` inside each message (messages offset apart so they never mix)
+    reach = np.maximum.accumulate(last + message * span) - message * span
+    previous = np.append(-1, reach[:-1])
+    previous[np.append(True, message[1:] != message[:-1])] = -1
+    return int(np.maximum(last - np.maximum(first, previous + 1) + 1, 0).sum())
 
 
 def _stats(table: TransferTable, counts: dict[str, int], classes: TensorClasses, source: Layout,
@@ -945,6 +1124,8 @@ def _fingerprint(source: Layout, destination: Layout, topology: Topology, option
     digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes};direct={options.direct_min_bytes}".encode())
     if options.concurrent_rounds != 1:  # one round at a time keeps the fingerprints plans had before
         digest.update(f";concurrent_rounds={options.concurrent_rounds}".encode())
+    if options.relay:  # likewise: plans without relay keep their fingerprints
+        digest.update(b";relay=1")
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())
     digest.update(topology.fingerprint().encode())

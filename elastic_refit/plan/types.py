@@ -44,6 +44,9 @@ class Phase(IntEnum):
 class SourceSide(IntEnum):
     SOURCE = 0  # read from a piece of the source layout
     DESTINATION = 1  # read from a piece of the destination layout (fan-out)
+    # Read from the bytes a network row brought into its receiver (``src_piece`` is that
+    # row's index): a forward, which the executor pipelines bucket by bucket with its row.
+    RELAY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,13 @@ class PlanOptions:
     are slower than a rank's NIC (sockets, one queue pair per peer) needs. Every rank must
     use the same windows (a rank waiting in a window its peer has not opened would hang),
     so the count is part of the plan and of its fingerprint.
+
+    ``relay`` turns on ingress balance: each destination domain's cross-domain regions are
+    received by whichever rank of the domain keeps the busiest NIC least loaded (a rank that
+    needs none of the region is a relay), and every region is forwarded from the bytes its
+    receiver staged, bucket by bucket under the network transfer (``SourceSide.RELAY``
+    rows), instead of a fan-out phase after it. Off keeps the plans (and fingerprints) of
+    before.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -68,6 +78,7 @@ class PlanOptions:
     # both ends of a message agree).
     direct_min_bytes: int = 256 * 1024
     concurrent_rounds: int = 1
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 2:
@@ -77,6 +88,8 @@ class PlanOptions:
         if not isinstance(self.concurrent_rounds, int) or isinstance(self.concurrent_rounds, bool) \
                 or self.concurrent_rounds < 1:
             raise ValueError(f"concurrent_rounds must be an integer >= 1, got {self.concurrent_rounds!r}")
+        if not isinstance(self.relay, bool):
+            raise ValueError(f"relay must be a bool, got {self.relay!r}")
 
     @property
     def max_transfer_bytes(self) -> int:
@@ -102,6 +115,13 @@ class TransferTable:
     is cut into buckets of half a bucket budget: a copy starting at byte ``p`` lives in bucket
     ``p // (bucket_bytes // 2)`` at ``p % (bucket_bytes // 2)``, and since no box exceeds
     half a budget, no bucket exceeds ``bucket_bytes``.
+
+    Relayed plans (``PlanOptions.relay``) add two kinds of rows. A network row whose
+    ``dst_piece`` is -1 lands in its receiver's staging only (the receiver needs none of it).
+    A forward row (``src_side`` RELAY, always the last rows of the table) copies what network
+    row ``src_piece`` brought to ``src_rank`` into a destination piece of another rank of the
+    domain; it has that row's ``round`` and ``message_offset`` (its copies travel with the
+    bucket their network copy arrived in), and messages of its own.
     """
 
     kind: np.ndarray
@@ -222,6 +242,10 @@ class Plan:
     network_recv_bytes: np.ndarray = field(repr=False)
     intra_send_bytes: np.ndarray = field(repr=False)
     intra_recv_bytes: np.ndarray = field(repr=False)
+    # The source domains whose NICs must carry the most cross-domain bytes per NIC: bytes
+    # that only these domains hold, and the ranks of these domains (for the cost bound).
+    egress_group_bytes: int = field(default=0, repr=False)
+    egress_group_ranks: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_tensor", readonly_column(np.asarray(self.source_tensor, dtype=np.int64)))
@@ -243,14 +267,20 @@ class Plan:
         member = self.classes.members[self.classes.start[tensor_class] + member_index]
         dst_start = self._dst_piece_start  # type: ignore[attr-defined]
         src_start = self._src_piece_start  # type: ignore[attr-defined]
-        dst_piece = transfers.dst_piece[row] - dst_start[representative] + dst_start[member]
-        from_dst = transfers.src_side[row] == int(SourceSide.DESTINATION)
+        row_dst_piece = transfers.dst_piece[row]
+        # -1: a relayed copy, staged by its receiver only
+        dst_piece = np.where(row_dst_piece < 0, -1,
+                             row_dst_piece - dst_start[representative] + dst_start[member])
+        side = transfers.src_side[row]
         src_piece = np.where(
-            from_dst,
+            side == int(SourceSide.DESTINATION),
             transfers.src_piece[row] - dst_start[representative] + dst_start[member],
             transfers.src_piece[row] - src_start[self.source_tensor[representative]]
             + src_start[self.source_tensor[member]],
         )
+        relayed = side == int(SourceSide.RELAY)
+        if relayed.any():  # a forward's source is its network row (copied member by member)
+            src_piece[relayed] = transfers.src_piece[row[relayed]]
         message_offset = transfers.message_offset[row] + member_index * transfers.nbytes[row]
         return ExpandedTransfers(row, member, src_piece, dst_piece, message_offset)
 

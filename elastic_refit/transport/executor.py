@@ -9,12 +9,20 @@ message that packs has two staging buffers, which overlap packing, transfer and 
 Staging is at most four buckets per round of the window (plus digest trailers), and the
 executor refuses a plan whose windows need more than ``staging_bytes``.
 
+Relayed plans add forwards: a rank that receives a network message forwards bucket ``i - 1``
+of it over the domain, straight from where it arrived (one operation per run of bytes), in
+the batch that carries bucket ``i``, so NVLink works while the NIC does; a needer receives
+each run into its parameter when it is one contiguous box there, else into one staging
+buffer that is unpacked. Staging stays bounded: two buffers per packing message and one
+per forward that needs staging, per window.
+
 Any failure aborts the transport so peers fail fast, and every rank ends with a vote, so a
 rank whose own transfers all succeeded still learns that the refit did not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,9 +38,11 @@ from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view, digest, resolve_buffers
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import (
+    STAGED,
     BoxCopy,
     Bucket,
     BufferRef,
+    ForwardPart,
     RankSchedule,
     Step,
     build_rank_schedule,
@@ -42,6 +52,8 @@ log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever 
 
 MiB = 1 << 20
 DIGEST_BYTES = 8
+# Forwards between a pair are told apart from its network buckets by tag (gloo matches on it).
+FORWARD_TAG = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,24 +116,26 @@ class _BucketIO:
     def __init__(self, bucket: Bucket, schedule: RankSchedule, options: ExecutorOptions,
                  device: torch.device) -> None:
         self.bucket = bucket
+        # Boxes a relay only stages have no buffer here: they are forwarded, not unpacked.
+        own = [b for b in bucket.boxes if b.buffer != STAGED]
         refs: list[BufferRef] = []
-        for b in bucket.boxes:
+        for b in own:
             if b.buffer not in refs:
                 refs.append(b.buffer)
         self.refs = refs
         specs = [schedule.buffers[r] for r in refs]
         self.direct: tuple[BufferRef, int, int] | None = None
-        if options.zero_copy and not options.verify and len(bucket.boxes) == 1:
+        if options.zero_copy and not options.verify and len(bucket.boxes) == 1 and own:
             only = bucket.boxes[0]
             spec = schedule.buffers[only.buffer]
             span = _contiguous_span(spec.shape, only, DTYPE_ITEMSIZE[spec.dtype])
             if span is not None:
                 self.direct = (only.buffer, span[0], span[1])
         self.program = None
-        if self.direct is None:  # a direct bucket needs no kernel program
+        if self.direct is None and own:  # a direct bucket needs no kernel program
             self.program = PackProgram(
                 [s.shape for s in specs], [getattr(torch, s.dtype) for s in specs],
-                [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in bucket.boxes],
+                [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in own],
                 device=device, backend=options.pack_backend,
             )
         self._bindings: dict[tuple, object] = {}
@@ -167,8 +181,36 @@ class _BucketIO:
                 if int(got) != int(trailer[i]):
                     raise VerificationFailed(f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} "
                                              f"arrived with digest {int(got):#x}, sender had {int(trailer[i]):#x}")
-        self._bound(tensors, data).unpack()
+        if self.program is not None:
+            self._bound(tensors, data).unpack()
         return len(self.bucket.boxes) if verify else 0
+
+
+class _ForwardIn:
+    """A needer's side of one forward part: where each span lands (straight in a parameter
+    when it is one contiguous box there, else at its place in a staging buffer) and the
+    program that unpacks what landed in staging (None when nothing does)."""
+
+    def __init__(self, part: ForwardPart, schedule: RankSchedule, options: ExecutorOptions,
+                 device: torch.device) -> None:
+        assert part.boxes is not None
+        self.part = part
+        self.spans: list[tuple[tuple[BufferRef, int, int] | None, int, int]] = []
+        staged: list[BoxCopy] = []
+        for offset, nbytes in part.spans:
+            inside = [b for b in part.boxes.boxes if offset <= b.packed_offset < offset + nbytes]
+            direct = None
+            if options.zero_copy and len(inside) == 1:
+                spec = schedule.buffers[inside[0].buffer]
+                span = _contiguous_span(spec.shape, inside[0], DTYPE_ITEMSIZE[spec.dtype])
+                direct = None if span is None else (inside[0].buffer, span[0], span[1])
+            self.spans.append((direct, offset, nbytes))
+            if direct is None:
+                staged.extend(inside)
+        # Forwards carry no digests (the relay checked them on arrival): unpack unverified.
+        self.io = None if not staged else _BucketIO(
+            Bucket(part.nbytes, tuple(staged)), schedule,
+            dataclasses.replace(options, zero_copy=False, verify=False), device)
 
 
 class Executor:
@@ -183,22 +225,35 @@ class Executor:
         self.schedule = build_rank_schedule(plan, self.rank)
         self.device = transport.device
         self._io: dict[int, _BucketIO] = {}
+        self._forward_in: dict[int, _ForwardIn] = {}
         for step in self.schedule.steps:
             for msg in (step.send, step.recv):
                 if msg is not None:
                     for bucket in msg.buckets:
                         self._io[id(bucket)] = _BucketIO(bucket, self.schedule, self.options, self.device)
+            for forward in step.forward_recvs:
+                for part in forward.parts:
+                    self._forward_in[id(part)] = _ForwardIn(part, self.schedule, self.options, self.device)
         self.windows = _windows(self.schedule.steps, plan.options.concurrent_rounds)
         staged = [io.wire_bytes for io in self._io.values() if io.direct is None]
+        staged += [f.part.nbytes for f in self._forward_in.values() if f.io is not None]
         self.max_wire_bytes = max(staged, default=0)
-        # Each message that packs holds two staging buffers for as long as its window runs:
-        # message id -> its first buffer, per window (sends first), fixed for the epoch.
+        # Each message that packs holds two staging buffers for as long as its window runs,
+        # and each forward received partly into staging one (a relay forwards straight from
+        # where its bytes arrived): message or forward id -> its first buffer, per window
+        # (sends first), fixed for the epoch.
         self._slots: list[dict[int, int]] = []
+        num_slots = [0]
         for window in self.windows:
             messages = [s.send for s in window if s.send] + [s.recv for s in window if s.recv]
             packing = [m for m in messages if any(self._io[id(b)].direct is None for b in m.buckets)]
-            self._slots.append({id(m): 2 * k for k, m in enumerate(packing)})
-        self.num_staging_slots = max((2 * len(slots) for slots in self._slots), default=0)
+            slots = {id(m): 2 * k for k, m in enumerate(packing)}
+            gathering = [f for s in window for f in s.forward_recvs
+                         if any(self._forward_in[id(p)].io is not None for p in f.parts)]
+            slots.update({id(f): 2 * len(packing) + k for k, f in enumerate(gathering)})
+            self._slots.append(slots)
+            num_slots.append(2 * len(packing) + len(gathering))
+        self.num_staging_slots = max(num_slots)
         needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
         if needed > self.options.staging_bytes:
             rounds = plan.options.concurrent_rounds
@@ -206,7 +261,9 @@ class Executor:
                 f"rank {self.rank}: buckets of up to {self.max_wire_bytes} bytes in windows of {rounds} "
                 f"round(s) need {needed} bytes of staging ({self.num_staging_slots} buffers), above the "
                 f"budget of {self.options.staging_bytes}; plan with PlanOptions(bucket_bytes <= "
-                f"{self.options.staging_bytes // (4 * rounds)}) or fewer concurrent_rounds, or give more staging"
+                # forwards of relayed plans may need more buffers than four per round
+                f"{self.options.staging_bytes // max(4 * rounds, self.num_staging_slots)}) or fewer "
+                f"concurrent_rounds, or give more staging"
             )
         self._staging: list[torch.Tensor] = []
         # Only the ranks with pieces in the plan take part (a catch-up refit may leave the
@@ -277,17 +334,50 @@ class Executor:
 
     def _exchange(self, window: tuple[Step, ...], slots: dict[int, int], tensors, counts) -> None:
         """Move every message of one window: bucket ``i`` of all of them in one batch, while
-        bucket ``i - 1`` of each is unpacked. ``slots``: each packing message's first staging
-        buffer."""
+        bucket ``i - 1`` of each is unpacked. ``slots``: each packing message's (and
+        gathering forward's) first staging buffer.
+
+        Relayed plans forward bucket ``i - 1`` of a received network message in batch ``i``,
+        beside bucket ``i`` of the network message (so NVLink works under the network): the
+        relay waits for bucket ``i - 1`` before it posts batch ``i``, and every forward of
+        batch ``i`` is done before batch ``i + 1`` reuses its staging. Batch ``i`` waits only
+        on batches before it, on every rank, so no rank waits in a cycle."""
         transport, verify = self.transport, self.options.verify
         sends = [(s.send, f"phase {s.phase.name} round {s.round}") for s in window if s.send is not None]
         recvs = [(s.recv, f"phase {s.phase.name} round {s.round}") for s in window if s.recv is not None]
+        recv_index = {id(m): j for j, (m, _) in enumerate(recvs)}
+        forward_sends = [(f, recv_index[id(s.recv)], f"forward of round {s.round}")
+                         for s in window for f in s.forward_sends]
+        forward_recvs = [(f, f"forward of round {s.round}") for s in window for f in s.forward_recvs]
+        relaying = sorted({j for _, j, _ in forward_sends})  # received messages this rank forwards from
+        send_parts = [{p.bucket: p for p in f.parts} for f, _, _ in forward_sends]
+        recv_parts = [{p.bucket: p for p in f.parts} for f, _ in forward_recvs]
         send_work: list[list] = [[None, None] for _ in sends]
         recv_work: list[list] = [[None, None] for _ in recvs]
         recv_target: list[list] = [[None, None] for _ in recvs]
-        num_steps = max(len(m.buckets) for m, _ in sends + recvs)
+        forward_send_work: list[list] = [[] for _ in forward_sends]  # one handle per span in flight
+        forward_recv_work: list[list] = [[] for _ in forward_recvs]
+        forward_recv_target: list = [None] * len(forward_recvs)
+        num_steps = max([len(m.buckets) for m, _ in sends + recvs]
+                        + [p.bucket + 1 for f, _ in forward_recvs for p in f.parts]
+                        + [p.bucket + 1 for f, _, _ in forward_sends for p in f.parts])
+
+        def finish_recv(j: int, slot: int) -> None:
+            msg, place = recvs[j]
+            transport.wait(recv_work[j][slot], msg.peer, f"receive ({place})")
+            io, target = recv_target[j][slot]
+            if io.direct is None:
+                counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {place}")
+            else:
+                counts["num_zero_copy_buckets"] += 1
+            recv_work[j][slot] = None
+
         for i in range(num_steps + 1):
             slot = i % 2
+            prev = (i - 1) % 2
+            for j in relaying:  # the forwards of bucket i - 1 join this batch: have it first
+                if 1 <= i <= len(recvs[j][0].buckets):
+                    finish_recv(j, prev)
             # Bucket i of every message goes in one batch: a rank sends to one peer and
             # receives from another, and a backend that connects pairs lazily inside a group
             # (NCCL) would otherwise wait in a cycle of such ranks.
@@ -319,20 +409,52 @@ class Executor:
                 posted.append((recv_work[j], slot))
                 recv_target[j][slot] = (io, target)
                 counts["num_buckets"] += 1
+            for k, (forward, j, _) in enumerate(forward_sends):
+                part = send_parts[k].get(i - 1)
+                if part is None:
+                    continue
+                data = recv_target[j][prev][1]
+                for offset, nbytes in part.spans:  # straight from where the bytes arrived
+                    ops.append(P2POp("send", data[offset : offset + nbytes], forward.peer, FORWARD_TAG + i - 1))
+                    posted.append((forward_send_work[k], len(forward_send_work[k])))
+                    forward_send_work[k].append(None)
+                counts["num_buckets"] += 1
+            for k, (forward, _) in enumerate(forward_recvs):
+                part = recv_parts[k].get(i - 1)
+                if part is None:
+                    continue
+                arrival = self._forward_in[id(part)]
+                staging = None if arrival.io is None else self._staging[slots[id(forward)]][: part.nbytes]
+                for direct, offset, nbytes in arrival.spans:
+                    if direct is not None:
+                        target = _BucketIO.direct_view_of(tensors, direct)
+                        counts["num_zero_copy_buckets"] += 1
+                    else:
+                        target = staging[offset : offset + nbytes]  # type: ignore[index]
+                    ops.append(P2POp("recv", target, forward.peer, FORWARD_TAG + i - 1))
+                    posted.append((forward_recv_work[k], len(forward_recv_work[k])))
+                    forward_recv_work[k].append(None)
+                forward_recv_target[k] = (arrival, staging)
+                counts["num_buckets"] += 1
             if ops:
                 for (work_list, k), work in zip(posted, transport.post(ops), strict=True):
                     work_list[k] = work
-            prev = (i - 1) % 2
-            for j, (msg, place) in enumerate(recvs):
-                if i < 1 or i - 1 >= len(msg.buckets):
+            for j in range(len(recvs)):
+                if i >= 1 and i - 1 < len(recvs[j][0].buckets) and recv_work[j][prev] is not None:
+                    finish_recv(j, prev)
+            for k, (forward, place) in enumerate(forward_recvs):
+                if not forward_recv_work[k]:
                     continue
-                transport.wait(recv_work[j][prev], msg.peer, f"receive ({place})")
-                io, target = recv_target[j][prev]
-                if io.direct is None:
-                    counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {place}")
-                else:
-                    counts["num_zero_copy_buckets"] += 1
-                recv_work[j][prev] = None
+                for work in forward_recv_work[k]:
+                    transport.wait(work, forward.peer, f"receive ({place})")
+                arrival, staging = forward_recv_target[k]
+                if arrival.io is not None:
+                    arrival.io.unpack(tensors, staging, False, f"rank {self.rank} {place}")
+                forward_recv_work[k] = []
+            for k, (forward, _, place) in enumerate(forward_sends):
+                for work in forward_send_work[k]:  # the bytes' staging is reused by batch i + 1
+                    transport.wait(work, forward.peer, f"send ({place})")
+                forward_send_work[k] = []
         for j, (msg, place) in enumerate(sends):
             for slot in (0, 1):
                 if send_work[j][slot] is not None:

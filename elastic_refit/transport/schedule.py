@@ -15,6 +15,8 @@ from elastic_refit.plan import Phase, Plan, SourceSide, TransferKind
 
 # A local buffer is named by its side and name; a colocated rank has both sides.
 BufferRef = tuple[int, str]  # (SourceSide value, buffer name)
+# The "buffer" of a box a relay only stages (it forwards the bytes and keeps none).
+STAGED: BufferRef = (int(SourceSide.RELAY), "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +50,45 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class ForwardPart:
+    """What one forward carries with bucket ``bucket`` of its network message.
+
+    ``spans`` are the runs that travel, one operation each, in stream order and merged
+    where they touch: at the relay (offset in that received bucket, bytes), at the needer
+    (offset in the part, bytes); ``boxes`` (needer only) is where the part's bytes land,
+    packed back to back in the same order."""
+
+    bucket: int
+    nbytes: int
+    spans: tuple[tuple[int, int], ...] = ()
+    boxes: Bucket | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Bytes a relay forwards over NVLink from the network message it receives in a step,
+    one part per network bucket that holds some of them (relayed plans)."""
+
+    peer: int
+    parts: tuple[ForwardPart, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
-    """In one (phase, round) a rank sends at most one message and receives at most one."""
+    """In one (phase, round) a rank sends at most one message and receives at most one;
+    in relayed plans it may also forward what it receives to ranks of its domain
+    (``forward_sends``, from ``recv``) and receive such forwards (``forward_recvs``)."""
 
     phase: Phase
     round: int
     send: Message | None
     recv: Message | None
+    forward_sends: tuple[Forward, ...] = ()
+    forward_recvs: tuple[Forward, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +110,11 @@ class RankSchedule:
 
     @property
     def send_bytes(self) -> int:
-        return sum(s.send.nbytes for s in self.steps if s.send)
+        return sum((s.send.nbytes if s.send else 0) + sum(f.nbytes for f in s.forward_sends) for s in self.steps)
 
     @property
     def recv_bytes(self) -> int:
-        return sum(s.recv.nbytes for s in self.steps if s.recv)
+        return sum((s.recv.nbytes if s.recv else 0) + sum(f.nbytes for f in s.forward_recvs) for s in self.steps)
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = {"network_send": 0, "network_recv": 0, "intra_send": 0, "intra_recv": 0,
@@ -90,6 +124,8 @@ class RankSchedule:
                 if msg is not None:
                     key = "network" if msg.kind == TransferKind.NETWORK else "intra"
                     out[f"{key}_{direction}"] += msg.nbytes
+            out["intra_send"] += sum(f.nbytes for f in s.forward_sends)  # forwards stay in the domain
+            out["intra_recv"] += sum(f.nbytes for f in s.forward_recvs)
         return out
 
 
@@ -108,6 +144,13 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     k = t.offsets.shape[1]
     offsets, lengths = t.offsets[x.row], t.lengths[x.row]
     from_dst = t.src_side[x.row] == int(SourceSide.DESTINATION)
+    from_src = t.src_side[x.row] == int(SourceSide.SOURCE)
+    forwarded = t.src_side[x.row] == int(SourceSide.RELAY)
+    # Messages whose rows are forwarded go packed (no direct chunks), so that a copy's place
+    # in the stream is its message_offset on every rank, the needers included.
+    relay_rows = t.src_side == int(SourceSide.RELAY)
+    relay_messages = set(np.unique(t.message[t.src_piece[relay_rows]]).tolist()) if relay_rows.any() else set()
+    has_dst = x.dst_piece >= 0  # -1: a relayed copy, only staged here
 
     def regions(layout: Layout, pieces: np.ndarray, sel: np.ndarray):
         off = np.zeros((pieces.size, k), dtype=np.int64)
@@ -119,10 +162,10 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
             off[idx, :lk], ln[idx, :lk] = o, n
         return off, ln
 
-    src_off, src_len = regions(plan.source, x.src_piece, ~from_dst)
+    src_off, src_len = regions(plan.source, x.src_piece, from_src)
     o2, l2 = regions(plan.destination, x.src_piece, from_dst)
     src_off[from_dst], src_len[from_dst] = o2[from_dst], l2[from_dst]
-    dst_off, dst_len = regions(plan.destination, x.dst_piece, np.ones(x.row.size, dtype=bool))
+    dst_off, dst_len = regions(plan.destination, np.maximum(x.dst_piece, 0), has_dst)
 
     def box(side: int, pieces: np.ndarray, i: int, off: np.ndarray, ln: np.ndarray, packed: int) -> BoxCopy:
         layout = plan.destination if side == int(SourceSide.DESTINATION) else plan.source
@@ -141,6 +184,15 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     per_step: dict[tuple[int, int], dict[str, list]] = {}
     for i in range(x.row.size):
         row = int(x.row[i])
+        if forwarded[i]:
+            # (stream position in the network message, bytes, box at the needer)
+            sending = int(t.src_rank[row]) == rank
+            entry = per_step.setdefault((int(t.phase[row]), int(t.round[row])), {})
+            side = entry.setdefault("forward_send" if sending else "forward_recv", {})
+            peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
+            target = None if sending else box(int(SourceSide.DESTINATION), x.dst_piece, i, dst_off, dst_len, 0)
+            side.setdefault(peer, []).append((int(x.message_offset[i]), int(t.nbytes[row]), target))
+            continue
         if kind[i] == int(TransferKind.LOCAL):
             local_copies.append(LocalCopy(
                 box(int(src_side[i]), x.src_piece, i, src_off, src_len, 0),
@@ -153,7 +205,10 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
         peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
         msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], []])
         src_layout = plan.destination if src_side[i] == int(SourceSide.DESTINATION) else plan.source
-        chunks = _direct_chunks(
+        if not sending and not has_dst[i]:  # staged for forwarding only: no buffer of ours
+            msg[3].append(BoxCopy(STAGED, (), (), 0, int(t.nbytes[row])))
+            continue
+        chunks = None if int(t.message[row]) in relay_messages else _direct_chunks(
             t.offsets[row], t.lengths[row],
             (src_layout, int(x.src_piece[i])), (plan.destination, int(x.dst_piece[i])), direct_min,
             int(plan.destination.tensor_itemsize[int(t.tensor[row])]), half,
@@ -189,14 +244,77 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
             out.append(Bucket(end - start, boxes))
         return Message(peer, TransferKind(kind_value), tuple(out))
 
-    steps = tuple(
-        Step(Phase(phase), rnd, message(entry.get("send")), message(entry.get("recv")))
-        for (phase, rnd), entry in sorted(per_step.items())
-    )
+    steps = []
+    for (phase, rnd), entry in sorted(per_step.items()):
+        recv = message(entry.get("recv"))
+        steps.append(Step(Phase(phase), rnd, message(entry.get("send")), recv,
+                          _forward_sends(entry.get("forward_send", {}), entry.get("recv"), half),
+                          _forward_recvs(entry.get("forward_recv", {}), half)))
+    steps = tuple(steps)
     buffers = rank_buffers(plan, rank)
-    max_bucket = max((b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets), default=0)
+    max_bucket = max([b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets]
+                     + [p.nbytes for s in steps for f in s.forward_recvs + s.forward_sends for p in f.parts],
+                     default=0)
     assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
     return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket)
+
+
+def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forward, ...]:
+    """A relay's forwards of one step: runs of the buckets of the message it receives there
+    (a message of packed boxes only, so a copy's stream position is its place)."""
+    if not by_peer:
+        return ()
+    if recv_spec is None or recv_spec[2]:
+        raise ValueError("a forward needs a packed network message to forward from")
+    # Where each bucket of the received message starts in the stream (see ``message``).
+    bucket_start: dict[int, int] = {}
+    box_at: dict[int, int] = {}
+    position = 0
+    for b in recv_spec[3]:
+        bucket_start.setdefault(position // half, position)
+        box_at[position] = b.nbytes
+        position += b.nbytes
+    for items in by_peer.values():
+        for position, nbytes, _ in items:
+            if box_at.get(position) != nbytes:
+                raise AssertionError(f"a forward of {nbytes} bytes at {position} matches no received box")
+    forwards = []
+    for peer in sorted(by_peer):
+        parts: dict[int, list[list[int]]] = {}
+        for position, nbytes, _ in sorted(by_peer[peer], key=lambda item: item[0]):
+            bucket = position // half
+            offset = position - bucket_start[bucket]
+            spans = parts.setdefault(bucket, [])
+            if spans and spans[-1][0] + spans[-1][1] == offset:
+                spans[-1][1] += nbytes  # touching runs travel as one
+            else:
+                spans.append([offset, nbytes])
+        forwards.append(Forward(peer, tuple(
+            ForwardPart(bucket, sum(n for _, n in spans), spans=tuple((o, n) for o, n in spans))
+            for bucket, spans in sorted(parts.items()))))
+    return tuple(forwards)
+
+
+def _forward_recvs(by_peer: dict[int, list], half: int) -> tuple[Forward, ...]:
+    """A needer's forwards of one step: per relay and network bucket, its boxes packed in
+    stream order (the order the relay gathers them in)."""
+    forwards = []
+    for peer in sorted(by_peer):
+        parts: dict[int, tuple[list[BoxCopy], list[list[int]], list[int]]] = {}
+        for position, nbytes, target in sorted(by_peer[peer], key=lambda item: item[0]):
+            boxes, spans, end = parts.setdefault(position // half, ([], [], [-1]))
+            packed = sum(b.nbytes for b in boxes)
+            boxes.append(BoxCopy(target.buffer, target.offsets, target.lengths, packed, nbytes))
+            if end[0] == position:  # touches the previous run: the relay sends them as one
+                spans[-1][1] += nbytes
+            else:
+                spans.append([packed, nbytes])
+            end[0] = position + nbytes
+        forwards.append(Forward(peer, tuple(
+            ForwardPart(bucket, sum(b.nbytes for b in boxes), spans=tuple((o, n) for o, n in spans),
+                        boxes=Bucket(sum(b.nbytes for b in boxes), tuple(boxes)))
+            for bucket, (boxes, spans, _) in sorted(parts.items()))))
+    return tuple(forwards)
 
 
 def _run_elements(lengths: np.ndarray, shape: np.ndarray) -> int:
