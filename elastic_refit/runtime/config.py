@@ -80,6 +80,10 @@ class RefitConfig:
     # peer links busy and needs up to 4 buckets of staging per round. Same on every member
     # (it is part of the plan: members that differ disagree on the plan, never hang).
     concurrent_rounds: int = 1
+    # Ingress balance (PlanOptions.relay): a domain's cross-domain regions are received by the
+    # rank whose NIC is least loaded and forwarded inside the domain under the transfer. Part
+    # of the plan, so the same on every member.
+    relay: bool = False
     # publish(..., wait=False) copies a version into at most this many bytes of snapshots (on
     # the tensors' device) and returns at once; 0: no copy, it returns once its sends are done.
     snapshot_bytes: int = 0
@@ -145,7 +149,7 @@ class RefitConfig:
                                  f"({', '.join(names)})")
         if self.connect_ahead not in CONNECT_AHEAD:
             raise ValueError(f"connect_ahead must be one of {', '.join(CONNECT_AHEAD)}, got {self.connect_ahead!r}")
-        for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
+        for name in ("verify", "relay", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:

@@ -248,7 +248,8 @@ class ElasticRefit:
         return self
 
     def _plan_options(self) -> PlanOptions:
-        return PlanOptions(bucket_bytes=self.config.bucket_bytes, concurrent_rounds=self.config.concurrent_rounds)
+        return PlanOptions(bucket_bytes=self.config.bucket_bytes, concurrent_rounds=self.config.concurrent_rounds,
+                           relay=self.config.relay)
 
     def _superseded(self, epoch: int) -> bool:
         latest = self.membership.view

@@ -127,8 +127,8 @@ class RecordAckedAttempts:
 def test_versions_commit_bit_exact(etcd_server, job):
     etcd = etcd_server.endpoint
     # Connecting ahead runs on gloo only when asked ("auto" is NCCL only): asked here, so the
-    # CPU suite runs its agreement and its batches too.
-    start_members(job, etcd, config={"connect_ahead": "on"})
+    # CPU suite runs its agreement and its batches too; and relayed plans (ingress balance).
+    start_members(job, etcd, config={"connect_ahead": "on", "relay": True})
     reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=90)
     for m in ("i0", "i1"):
         assert_all_verified(reports[m])
