@@ -1,24 +1,50 @@
 """What the runtime's source checks cost (a benchmark, not a test).
 
-    .venv/bin/python benchmarks/bench_digest.py [--mib 256] [--repeat 5] [--device cpu|cuda] [--json]
+    .venv/bin/python benchmarks/bench_digest.py [--mib 256] [--repeat 5] [--device cpu|cuda]
+                                                [--processes K] [--json]
 
 ``publish`` digests every source buffer (and each replica region it shares) before any
 byte moves, and a source digests its buffers again after its sends. This times that
 digest on one buffer of ``--mib`` MiB against a plain copy of the same bytes (the cheapest
-thing a real snapshot could be), side by side in one process, median of ``--repeat``.
+thing a real snapshot could be) and against the earlier form of the digest (two
+whole-buffer torch reductions, a zero-padded copy for unaligned data), side by side in one
+process, median of ``--repeat``; ``unaligned`` rows digest the same bytes one byte in.
+``--processes K`` runs K such processes at once (as the ranks of a CPU bench share the
+cores) and reports the aggregate rate of each operation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import time
 
 import torch
 
 from elastic_refit.cli._output import render_table
-from elastic_refit.transport.buffers import buffer_digests
+from elastic_refit.transport.buffers import buffer_digests, digest
+
+
+def earlier_digest(data: torch.Tensor) -> torch.Tensor:
+    """The digest before the single-read form (kept here only to compare against)."""
+    n = data.numel()
+    words = -(-n // 8)
+    if words * 8 != n or data.storage_offset() % 8:
+        padded = torch.zeros(words * 8, dtype=torch.uint8, device=data.device)
+        padded[:n] = data
+        data = padded
+    w = data.view(torch.int64)
+    rows = words // 1024
+    main = w[: rows * 1024].view(rows, 1024)
+    col = torch.arange(1024, dtype=torch.int64, device=w.device) * 2 + 1
+    row = torch.arange(rows, dtype=torch.int64, device=w.device) * 0x9E3779B1 + 1
+    h = (main.sum(dim=0) * col).sum() + (main.sum(dim=1) * row).sum()
+    tail = w[rows * 1024:]
+    if tail.numel():
+        h = h + (tail * (torch.arange(tail.numel(), dtype=torch.int64, device=w.device) * 0x85EBCA77 + 7)).sum()
+    return h ^ n
 
 
 def _time(fn, device: torch.device, repeat: int) -> float:
@@ -35,30 +61,73 @@ def _time(fn, device: torch.device, repeat: int) -> float:
     return statistics.median(out)
 
 
+OPERATIONS = ("digest", "digest_unaligned", "earlier_digest", "earlier_digest_unaligned", "copy")
+
+
+def measure(mib: int, repeat: int, device_name: str) -> dict[str, float]:
+    """Seconds of each operation on one buffer of ``mib`` MiB (median of ``repeat``)."""
+    device = torch.device(device_name)
+    nbytes = mib << 20
+    raw = torch.randint(-2**31, 2**31 - 1, (nbytes // 4 + 2,), dtype=torch.int32, device=device).view(torch.uint8)
+    buffer = raw[: nbytes].view(torch.bfloat16)
+    unaligned = raw[1 : nbytes + 1]
+    spare = torch.empty_like(buffer)
+    fns = {"digest": lambda: buffer_digests({"w": buffer}),
+           "digest_unaligned": lambda: int(digest(unaligned)),
+           "earlier_digest": lambda: int(earlier_digest(buffer.view(torch.uint8))),
+           "earlier_digest_unaligned": lambda: int(earlier_digest(unaligned)),
+           "copy": lambda: spare.copy_(buffer)}
+    return {name: _time(fns[name], device, repeat) for name in OPERATIONS}
+
+
+def _worker(args: tuple[int, int, str, mp.Queue, mp.Barrier]) -> None:
+    mib, repeat, device, queue, barrier = args
+    barrier.wait()
+    queue.put(measure(mib, repeat, device))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="buffer size in MiB (default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--processes", type=int, default=1, help="processes measuring at once (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    if args.mib < 1 or args.repeat < 1:
-        parser.error("--mib and --repeat must be >= 1")
-    device = torch.device(args.device)
+    if args.mib < 1 or args.repeat < 1 or args.processes < 1:
+        parser.error("--mib, --repeat and --processes must be >= 1")
     nbytes = args.mib << 20
-    buffer = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device).view(torch.bfloat16)
-    spare = torch.empty_like(buffer)
-    digest_s = _time(lambda: buffer_digests({"w": buffer}), device, args.repeat)
-    copy_s = _time(lambda: spare.copy_(buffer), device, args.repeat)
-    out = {"device": str(device), "bytes": nbytes, "repeat": args.repeat,
-           "digest_seconds": digest_s, "digest_GBps": nbytes / digest_s / 1e9,
-           "copy_seconds": copy_s, "copy_GBps": nbytes / copy_s / 1e9, "digest_vs_copy": digest_s / copy_s}
+    if args.processes == 1:
+        seconds = measure(args.mib, args.repeat, args.device)
+    else:
+        ctx = mp.get_context("spawn")
+        queue, barrier = ctx.Queue(), ctx.Barrier(args.processes)
+        procs = [ctx.Process(target=_worker, args=((args.mib, args.repeat, args.device, queue, barrier),))
+                 for _ in range(args.processes)]
+        for p in procs:
+            p.start()
+        results = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+        # the slowest process sets the pace, as the slowest rank does in a refit
+        seconds = {name: max(r[name] for r in results) for name in OPERATIONS}
+    rate = {name: args.processes * nbytes / s / 1e9 for name, s in seconds.items()}
+    out = {"device": args.device, "bytes": nbytes, "repeat": args.repeat, "processes": args.processes,
+           "torch_threads": torch.get_num_threads(),
+           **{f"{name}_seconds": s for name, s in seconds.items()},
+           **{f"{name}_GBps": r for name, r in rate.items()},
+           "digest_vs_copy": seconds["digest"] / seconds["copy"],
+           "earlier_vs_digest": seconds["earlier_digest"] / seconds["digest"]}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    rows = [("digest (buffer_digests)", f"{digest_s * 1e3:.1f} ms", f"{out['digest_GBps']:.2f}", f"{digest_s / copy_s:.2f}x"),
-            ("plain copy", f"{copy_s * 1e3:.1f} ms", f"{out['copy_GBps']:.2f}", "1.00x")]
-    print(f"{args.mib} MiB on {device}, median of {args.repeat}")
+    labels = {"digest": "digest (buffer_digests)", "digest_unaligned": "digest, 1 byte in",
+              "earlier_digest": "earlier digest", "earlier_digest_unaligned": "earlier digest, 1 byte in",
+              "copy": "plain copy"}
+    rows = [(labels[name], f"{seconds[name] * 1e3:.1f} ms", f"{rate[name]:.2f}",
+             f"{seconds[name] / seconds['copy']:.2f}x") for name in OPERATIONS]
+    each = f", {args.processes} processes at once (GB/s: all of them)" if args.processes > 1 else ""
+    print(f"{args.mib} MiB on {args.device}, median of {args.repeat}{each}")
     print(render_table(("operation", "time", "GB/s", "vs copy"), rows))
     return 0
 

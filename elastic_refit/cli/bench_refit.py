@@ -26,8 +26,9 @@ from elastic_refit.cli._output import (
 
 __all__ = ["LABELS", "METHODS", "add_arguments", "run", "summarize"]
 
-METHODS = ("reshard", "gather_broadcast")
-LABELS = {"reshard": "reshard (plan)", "gather_broadcast": "gather-and-broadcast"}
+METHODS = ("reshard", "reshard_checked", "gather_broadcast")
+LABELS = {"reshard": "reshard (plan)", "reshard_checked": "reshard + source checks",
+          "gather_broadcast": "gather-and-broadcast"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also send per-box digests with the reshard data (destinations are always "
                              "checked bit-exactly against the pattern)")
     parser.add_argument("--snapshot-digests", action="store_true",
-                        help="time the reshard with the runtime's source checks: digests of every source "
-                             "buffer and replica region before, and of every buffer after the sends")
+                        help="also time the reshard with the runtime's source checks (digests of every source "
+                             "buffer and replica region before, and of every buffer after the sends), "
+                             "beside the plain reshard in the same run")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch intra-op threads per rank (default 0: torch's own, one per core)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout in seconds")
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="baseline broadcast chunk in MiB (default 8)")
     parser.add_argument("--p2p-mib", type=int, default=128, help="raw send/recv message in MiB (default 128)")
@@ -94,8 +98,9 @@ def _median(values: list[float]) -> float:
 def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> dict[str, Any]:
     """Fold the ranks' results into the benchmark's JSON object."""
     out: dict[str, Any] = {"num_ranks": world_size, "backend": backend}
-    problems = [p for v in values for m in METHODS for p in v[m]["problems"]]
-    for m in METHODS:
+    methods = [m for m in METHODS if m in values[0]]
+    problems = [p for v in values for m in methods for p in v[m]["problems"]]
+    for m in methods:
         runs = len(values[0][m]["seconds"])
         # A run lasts until its slowest rank finishes (the closing vote aligns them anyway).
         per_run = [max(v[m]["seconds"][i] for v in values) for i in range(runs)]
@@ -118,6 +123,9 @@ def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> di
     out["p2p_message_bytes"] = p2p_bytes
     out["plan_gather_broadcast_bytes"] = values[0]["gather_broadcast_bytes"]
     out["speedup"] = out["gather_broadcast"]["seconds"] / out["reshard"]["seconds"]
+    if "reshard_checked" in out:
+        out["speedup_checked"] = out["gather_broadcast"]["seconds"] / out["reshard_checked"]["seconds"]
+        out["checks_seconds"] = out["reshard_checked"]["seconds"] - out["reshard"]["seconds"]
     out["reshard_fraction_of_p2p"] = (out["reshard"]["GBps"] / out["p2p_GBps"]) if out["p2p_GBps"] else None
     out["verified"] = not problems
     out["problems"] = problems[:10]
@@ -136,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
                         ("--concurrent-rounds", args.concurrent_rounds)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.torch_threads < 0:
+        raise ValueError(f"--torch-threads must be >= 0, got {args.torch_threads}")
     if args.warmup < 0 or not 0 < args.chunk_mib < math.inf or not 0 < args.timeout < math.inf:
         raise ValueError(f"--warmup must be >= 0, --chunk-mib and --timeout > 0; got {args.warmup}, "
                          f"{args.chunk_mib}, {args.timeout}")
@@ -173,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket * args.concurrent_rounds,
                            verify=args.verify,
                            repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p,
-                           snapshot_digests=args.snapshot_digests)
+                           snapshot_digests=args.snapshot_digests, torch_threads=args.torch_threads)
     progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}, "
              f"about {format_bytes(need)} of memory; {args.warmup} warm-up + {args.repeat} timed runs per method")
     # Planning, filling and checking take time of their own; allow for them generously.
@@ -191,23 +201,26 @@ def run(args: argparse.Namespace) -> int:
     out["case"] = description
     out["snapshot_digests"] = args.snapshot_digests
     out["concurrent_rounds"] = args.concurrent_rounds
+    out["torch_threads"] = args.torch_threads
     if args.json:
         print_json(out)
         return 0 if out["verified"] else 1
     p2p_gbps = out["p2p_GBps"]
     rows = []
-    for m in METHODS:
+    for m in (m for m in METHODS if m in out):
         f = out[m]
         rows.append((LABELS[m], format_seconds(f["seconds"]), format_seconds(f["seconds_min"]), format_bytes(f["bytes"]),
                      f"{f['GBps']:.2f}", f"{f['GBps'] / p2p_gbps:.0%}" if p2p_gbps else "-",
                      f"{f['seconds'] / out['reshard']['seconds']:.2f}x"))
-    checks = ", reshard with snapshot digests" if args.snapshot_digests else ""
+    checks = ", reshard also with the source checks" if args.snapshot_digests else ""
     rounds = f", {args.concurrent_rounds} rounds at once" if args.concurrent_rounds > 1 else ""
     print(f"{description}  |  {world_size} ranks, {backend}, {args.repeat} runs each (median){checks}{rounds}")
     print(render_table(("method", "seconds", "min", "bytes moved", "GB/s", "of p2p", "time vs reshard"), rows))
     print(f"raw send/recv: {p2p_gbps:.2f} GB/s one pair ({format_bytes(p2p)} messages), "
           f"{out['p2p_all_pairs_GBps']:.2f} GB/s all {world_size // 2} pairs at once")
-    print(f"speedup {out['speedup']:.2f}x; reshard at {out['reshard_fraction_of_p2p']:.0%} of one-pair send/recv; "
+    checked = (f" ({out['speedup_checked']:.2f}x with the source checks, which add "
+               f"{format_seconds(out['checks_seconds'])})") if "speedup_checked" in out else ""
+    print(f"speedup {out['speedup']:.2f}x{checked}; reshard at {out['reshard_fraction_of_p2p']:.0%} of one-pair send/recv; "
           f"verified: {'yes, every destination byte' if out['verified'] else 'NO'}")
     for p in out["problems"]:
         print(f"  {p}")
