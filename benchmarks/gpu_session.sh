@@ -90,7 +90,7 @@ case "${1:-}" in
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"; grep -E "committed|killed|FAIL" "$OUT/churn.err" | tail -4 ;;
   churn)  # first refit after a shrink and after a grow against steady state, with and without connecting ahead
     env_ready
-    for variant in on off; do
+    for variant in ${CHURN_ORDER:-on off}; do
       flag=$([ $variant = off ] && echo --no-connect-ahead)
       timeout "${CHURN_TIMEOUT:-150}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions "${VERSIONS:-14}" \
         --kill-at 4 $flag --json 2>"/tmp/churn_$variant.err" > "$OUT/churn_$variant.json"
