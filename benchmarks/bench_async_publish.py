@@ -3,10 +3,13 @@
 
 A real etcd, 2 trainer replicas and 4 inference ranks (2 x TP=2) as processes, a small
 transformer-shaped model (``--hidden``). Each trainer step is a sleep of ``--step-s`` (a training
-step runs on the GPU, not on these CPUs), then new weights, then publish. Waiting, an
+step runs on the GPU, not on these CPUs), then new weights (copied in, made before the loop),
+then publish. Waiting, an
 iteration costs the step plus the refit; without waiting (a snapshot copy within
 ``snapshot_bytes``, or ``--hold`` for hold-until-sent) the next step runs while the version
-moves. Every inference rank checks every version it serves, byte for byte.
+moves. Every version commits only once every inference rank acked it with verified digests
+(of what the sources published); the inference ranks check the last version byte for byte
+(checking each one here would compete with the refit for these two CPUs).
 
     .venv/bin/python benchmarks/bench_async_publish.py [--versions 8] [--step-s 0.5] [--hold] [--json]
 """
@@ -42,6 +45,7 @@ def run_job(endpoints: tuple[str, ...], spec: str, versions: tuple[int, ...], st
         spec_member = MemberSpec(job, role, member_id, rank, endpoints, f"d-{role}", spec_json=spec,
                                  versions=versions, pause_s=step_s if role == "trainer" else 0.0,
                                  start_with=everyone if role == "trainer" else (), async_publish=async_publish,
+                                 weights_ahead=True, check_last_only=True,
                                  config=config)
         p = ctx.Process(target=_member_main, args=(spec_member, results, dict(os.environ)), daemon=True)
         p.start()
