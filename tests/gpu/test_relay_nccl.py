@@ -4,22 +4,17 @@ and forwarded bucket by bucket, bit-exact, with each rank's bytes equal to the p
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
 from elastic_refit.plan import TransferKind
 from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import WorkerOptions, refit_rank
+from tests.gpu.test_nccl_world import BACKENDS
 from tests.integration.test_executor import assert_bit_exact_with_planned_bytes
 from tests.integration.test_relay_executor import CASES
 
 pytestmark = pytest.mark.gpu
-
-BACKENDS = ["nccl", pytest.param("nccl4py", marks=pytest.mark.skipif(
-    importlib.util.find_spec("nccl") is None, reason="nccl4py is not installed (the [nccl] extra)"))]
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))

@@ -68,18 +68,10 @@ def write_counts(plan: Plan) -> dict[tuple[int, str], np.ndarray]:
     return counts
 
 
-def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
-    src, dst, topo = plan.source, plan.destination, plan.topology
-    tensors = random_tensors(src, seed)
-    src_buffers = allocate_buffers(src)
-    scatter_tensors(src, tensors, src_buffers)
-    dst_buffers = allocate_buffers(dst, fill=SENTINEL)
-    execute_in_process(plan, src_buffers, dst_buffers)
-    problems = check_pieces(dst, tensors, dst_buffers)
-    assert not problems, f"wrong destination pieces: {problems[:3]}"
-
-    # Exactly once inside pieces, never outside (padding untouched).
-    counts = write_counts(plan)
+def assert_written_once(dst: Layout, counts: dict[tuple[int, str], np.ndarray],
+                        dst_buffers: dict[tuple[int, str], np.ndarray]) -> None:
+    """Every element inside a destination piece written exactly once (``counts``), never one
+    outside (padding untouched: still the sentinel)."""
     covered = {key: np.zeros(c.shape, dtype=bool) for key, c in counts.items()}
     for p in range(dst.num_pieces):
         key, _, local = piece_slices(dst, p)
@@ -90,15 +82,34 @@ def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
         sentinel = np.full(1, SENTINEL, dtype=dst_buffers[key].dtype)[0]
         assert np.all(dst_buffers[key][~covered[key]] == sentinel), f"buffer {key}: padding changed"
 
+
+def assert_network_rows_cross_domains(plan: Plan) -> None:
+    """Network rows go between domains, every other row stays inside one."""
+    t = plan.transfers
+    domains = plan.topology.domain_array()
+    net = t.kind == int(TransferKind.NETWORK)
+    assert np.all(domains[t.src_rank[net]] != domains[t.dst_rank[net]])
+    assert np.all(domains[t.src_rank[~net]] == domains[t.dst_rank[~net]])
+
+
+def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
+    src, dst, topo = plan.source, plan.destination, plan.topology
+    tensors = random_tensors(src, seed)
+    src_buffers = allocate_buffers(src)
+    scatter_tensors(src, tensors, src_buffers)
+    dst_buffers = allocate_buffers(dst, fill=SENTINEL)
+    execute_in_process(plan, src_buffers, dst_buffers)
+    problems = check_pieces(dst, tensors, dst_buffers)
+    assert not problems, f"wrong destination pieces: {problems[:3]}"
+
+    assert_written_once(dst, write_counts(plan), dst_buffers)
+
     bound = brute_force_lower_bound(src, dst, topo)
     assert plan.stats.lower_bound_bytes == bound
     assert plan.stats.cross_domain_bytes == bound
 
     t = plan.transfers
-    domains = topo.domain_array()
-    net = t.kind == int(TransferKind.NETWORK)
-    assert np.all(domains[t.src_rank[net]] != domains[t.dst_rank[net]])
-    assert np.all(domains[t.src_rank[~net]] == domains[t.dst_rank[~net]])
+    assert_network_rows_cross_domains(plan)
     local = t.kind == int(TransferKind.LOCAL)
     assert np.all(t.src_rank[local] == t.dst_rank[local])
     assert np.all(t.src_rank[~local] != t.dst_rank[~local])

@@ -27,7 +27,13 @@ from elastic_refit.testing.inprocess import (
 )
 from elastic_refit.transport.schedule import build_rank_schedule
 
-from .plan_oracle import SENTINEL, brute_force_lower_bound, random_tensors
+from .plan_oracle import (
+    SENTINEL,
+    assert_network_rows_cross_domains,
+    assert_written_once,
+    brute_force_lower_bound,
+    random_tensors,
+)
 from .relay_cases import RELAY_SPEC
 from .test_planner import _assert_replan_is_cold, refit_cases, repeated_refit_cases
 
@@ -105,25 +111,16 @@ def assert_relayed_plan_correct(plan: Plan, seed: int = 0) -> None:
     counts = execute_relayed(plan, src_buffers, dst_buffers)
     problems = check_pieces(dst, tensors, dst_buffers)
     assert not problems, f"wrong destination pieces: {problems[:3]}"
-    covered = {key: np.zeros(c.shape, dtype=bool) for key, c in counts.items()}
-    for p in range(dst.num_pieces):
-        key, _, local = piece_slices(dst, p)
-        covered[key][local] = True
-    for key, c in counts.items():
-        assert np.all(c[covered[key]] == 1), f"buffer {key}: elements written {np.unique(c[covered[key]])} times"
-        assert np.all(c[~covered[key]] == 0), f"buffer {key}: padding written"
-        sentinel = np.full(1, SENTINEL, dtype=dst_buffers[key].dtype)[0]
-        assert np.all(dst_buffers[key][~covered[key]] == sentinel), f"buffer {key}: padding changed"
+    assert_written_once(dst, counts, dst_buffers)
 
     bound = brute_force_lower_bound(src, dst, topo)
     assert plan.stats.lower_bound_bytes == bound == plan.stats.cross_domain_bytes
 
     t = plan.transfers
-    domains = topo.domain_array()
+    assert_network_rows_cross_domains(plan)
     net = t.kind == int(TransferKind.NETWORK)
-    assert np.all(domains[t.src_rank[net]] != domains[t.dst_rank[net]])
-    assert np.all(domains[t.src_rank[~net]] == domains[t.dst_rank[~net]])
-    assert np.all(t.src_rank[~(t.kind == int(TransferKind.LOCAL))] != t.dst_rank[~(t.kind == int(TransferKind.LOCAL))])
+    remote = t.kind != int(TransferKind.LOCAL)
+    assert np.all(t.src_rank[remote] != t.dst_rank[remote])
     assert not np.any(t.src_side == int(SourceSide.DESTINATION)), "relayed plans forward instead of fanning out"
     forward = t.src_side == int(SourceSide.RELAY)
     if forward.any():
