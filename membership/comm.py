@@ -438,7 +438,7 @@ class CommunicatorManager:
                timeout_s: float | None = None) -> EtcdStore:
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
-        cancel = (lambda: self.superseded(view.epoch)) if self.superseded is not None and cancellable else None
+        cancel = self._futile(view.epoch) if cancellable else None
         seconds = self.config.epoch_deadline_s if timeout_s is None else timeout_s
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
                          timeout=timedelta(seconds=seconds), cancel=cancel)

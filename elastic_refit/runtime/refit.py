@@ -303,6 +303,8 @@ class ElasticRefit:
             if version not in state.committed and self.versions.refuse(self.membership, version, fault_cause(exc)):
                 self.log.error("refit.version.refused", version=version, cause=str(exc))
             raise
+        with self._cond:
+            self._supersede(version)
         copied = not wait and self.config.snapshot_bytes > 0
         if copied:
             # The copy is what moves (nobody else can write it): digests are taken from it.
@@ -320,13 +322,8 @@ class ElasticRefit:
         regions = (region_digests(layout, self.config.layout_rank, tensors, self._replica_regions(layout),
                                   known=snapshot) if self.config.check_replicas else {})
         with self._cond:
-            # Older versions of this trainer are superseded: dropped, never queued behind.
-            self._published = {v: t for v, t in self._published.items() if v > version}
             self._published[version] = (tensors, layout.fingerprint)
-            self._snapshots = {v: d for v, d in self._snapshots.items() if v > version}
             self._snapshots[version] = snapshot
-            for v in [v for v in self._copies if v < version]:
-                self._release_copy(v)
         try:
             self.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
             self.log.info("refit.version.published", version=version, copied=copied)
@@ -351,24 +348,28 @@ class ElasticRefit:
 
     def _snapshot_copy(self, tensors: Mapping[str, torch.Tensor], version: int,
                        timeout_s: float | None) -> dict[str, torch.Tensor]:
-        """A private copy of ``tensors`` within ``snapshot_bytes``. Copies of this trainer's
-        older versions are dropped first (this one supersedes them; a transfer still reading
-        one keeps it alive until it ends, so memory may exceed the budget by that one); then
-        it waits for room while the copies of versions not yet superseded fill the budget
-        (back-pressure)."""
+        """A private copy of ``tensors`` within ``snapshot_bytes``: waits for room while the
+        copies of versions not yet over fill the budget (back-pressure). Older versions'
+        copies were dropped already (:meth:`_supersede`); a transfer still reading one keeps
+        it alive until it ends, so memory may exceed the budget by that one."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         budget = self.config.snapshot_bytes
         if nbytes > budget:
             raise ValueError(f"trainer {self.config.member_id!r}, version {version}: a snapshot needs {nbytes} "
                              f"bytes, more than snapshot_bytes ({budget})")
-        with self._cond:
-            for v in [v for v in self._copies if v < version]:
-                self._release_copy(v)
         self._wait(lambda: True if sum(self._copies.values()) + nbytes <= budget else None, timeout_s,
                    f"room for the snapshot of version {version} (snapshot_bytes {budget})")
         with self._cond:
             self._copies[version] = nbytes
         return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
+
+    def _supersede(self, version: int) -> None:
+        """(Under ``_cond``.) ``version`` is being published: this trainer's older versions
+        are dropped, never queued behind (their buffers, digests and copies)."""
+        self._published = {v: t for v, t in self._published.items() if v >= version}
+        self._snapshots = {v: d for v, d in self._snapshots.items() if v >= version}
+        for v in [v for v in self._copies if v < version]:
+            self._release_copy(v)
 
     def _release_copy(self, version: int) -> None:
         """(Under ``_cond``.) The snapshot of ``version`` is no longer needed: free its budget."""

@@ -66,26 +66,44 @@ def nccl_call(fn: Callable[[], Any]) -> Any:
         raise
 
 
+class _Bound:
+    """The bound of one polled wait: ``check()`` raises ``TransportAborted`` past the
+    deadline, or once ``cancel()`` (asked every ``_CANCEL_CHECK_S`` at most) says the wait is
+    futile (a newer epoch exists: a peer that never arrives will not)."""
+
+    def __init__(self, timeout_s: float, what: str, cancel: Callable[[], bool] | None) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.what = what
+        self.cancel = cancel
+        self.asked = time.monotonic()
+
+    def check(self, pending: str) -> None:
+        now = time.monotonic()
+        if now > self.deadline:
+            raise TransportAborted(f"{self.what}: {pending} within {self.timeout_s} s", phase=self.what)
+        if self.cancel is not None and now - self.asked > _CANCEL_CHECK_S:
+            self.asked = now
+            if self.cancel():
+                raise TransportAborted(f"{self.what}: given up, superseded", phase=self.what)
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
 def settle(comm: Any, timeout_s: float, what: str, cancel: Callable[[], bool] | None = None) -> None:
     """Wait until ``comm`` (non-blocking) is no longer ``ncclInProgress``; raise
     ``TransportAborted`` on an error state, on the timeout, or as soon as ``cancel()`` says
-    the wait is futile (a newer epoch exists: a peer that never arrives will not)."""
+    the wait is futile (see :class:`_Bound`)."""
     in_progress = _in_progress_code()
-    deadline = time.monotonic() + timeout_s
-    checked = time.monotonic()
+    bound = _Bound(timeout_s, what, cancel)
     while True:
         state = int(comm.get_async_error())
         if state == 0:
             return
         if state != in_progress:
             raise TransportAborted(f"{what}: NCCL reports error {state}: {_error_string(state)}", phase=what)
-        now = time.monotonic()
-        if now > deadline:
-            raise TransportAborted(f"{what}: not done within {timeout_s} s", phase=what)
-        if cancel is not None and now - checked > _CANCEL_CHECK_S:
-            checked = now
-            if cancel():
-                raise TransportAborted(f"{what}: given up, superseded", phase=what)
+        bound.check("not done")
         time.sleep(_POLL_S)
 
 
@@ -110,21 +128,14 @@ def settle_child(parent: Any, child: Any, timeout_s: float, what: str,
     this polls for the handle (querying the parent, which completes its group job), then
     settles the child. Raises ``TransportAborted`` on the timeout, an error state, or once
     ``cancel()`` is true (see :func:`settle`)."""
-    deadline = time.monotonic() + timeout_s
-    checked = time.monotonic()
+    bound = _Bound(timeout_s, what, cancel)
     while not child.is_valid:
         if parent is not None:
             with contextlib.suppress(Exception):  # its own state may be an error (a dead peer)
                 parent.get_async_error()
-        now = time.monotonic()
-        if now > deadline:
-            raise TransportAborted(f"{what}: no communicator within {timeout_s} s", phase=what)
-        if cancel is not None and now - checked > _CANCEL_CHECK_S:
-            checked = now
-            if cancel():
-                raise TransportAborted(f"{what}: given up, superseded", phase=what)
+        bound.check("no communicator")
         time.sleep(_POLL_S)
-    settle(child, max(0.0, deadline - time.monotonic()), what, cancel)
+    settle(child, bound.left(), what, cancel)
 
 
 def _error_string(state: int) -> str:
