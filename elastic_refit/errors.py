@@ -82,6 +82,12 @@ class TransportAborted(RefitError):
         self.phase = phase
 
 
+class TransferRefused(TransportAborted):
+    """Every byte moved, but a participant voted the refit down at its close (its own check
+    failed there, e.g. a source changed under its sends): the refit failed on every rank,
+    the communicator is intact."""
+
+
 class PlanMismatch(RefitError):
     """Ranks computed different plans (fingerprints differ) for the same epoch."""
 

@@ -43,6 +43,7 @@ from elastic_refit.errors import (
     RefitFailed,
     RefitTimeout,
     SourceChanged,
+    TransferRefused,
     TransportAborted,
 )
 from elastic_refit.kernels import warm_up
@@ -875,12 +876,20 @@ class ElasticRefit:
                 self.versions.retract(self.membership, self.versions.snapshot())
             self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
                        executor=executor, transport=transport)
-            report = executor.run(source, destination)
-            moving = False
             with self._cond:
                 private = spec.version in self._copies  # publish's own copy: nobody else writes it
-            if self.config.verify and me in spec.sources and not private:
-                self._check_unchanged(spec.version, source)
+            # A source checks its buffers against publish's digests before the closing vote:
+            # the vote passing tells every destination that no source changed under its
+            # sends (no extra round trip), and the check runs while the receivers finish.
+            check = self.config.verify and me in spec.sources and not private
+
+            def transferred() -> None:
+                nonlocal moving
+                moving = False  # this rank's bytes are through: the executor votes either way
+                if check:
+                    self._check_unchanged(spec.version, source)
+
+            report = executor.run(source, destination, before_vote=transferred)
             if me in spec.sources:
                 with self._cond:
                     self._sent.add(spec.version)
@@ -889,8 +898,6 @@ class ElasticRefit:
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
                      local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
             if me in spec.destinations:
-                if self.config.verify and spec.sources:
-                    self._wait_sources_unchanged(store, seq, spec, view.epoch)
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()
                 self.versions.ack(self.membership, spec.version, view.epoch, value)
@@ -902,7 +909,7 @@ class ElasticRefit:
             # A fault of this rank's own is a cause the coordinator counts; a consequence of
             # something outside the attempt (a peer failed first, the epoch moved on, etcd or
             # the lease) is not: retrying with the same members may well succeed.
-            aborted = isinstance(exc, _AttemptAborted | MembershipError | MembershipLost)
+            aborted = isinstance(exc, _AttemptAborted | MembershipError | MembershipLost | TransferRefused)
             cause = fault_cause(exc)
             self._note_fault(str(exc).splitlines()[0][:300] if isinstance(exc, _AttemptAborted) else cause)
             log.warning("refit.attempt.failed", error_type=type(exc).__name__,
@@ -918,7 +925,7 @@ class ElasticRefit:
                 store.set(AttemptKeys(seq).done(me), value)
             if isinstance(exc, MembershipLost):
                 raise
-            if isinstance(exc, TransportAborted) or transport.aborted:
+            if (isinstance(exc, TransportAborted) and not isinstance(exc, TransferRefused)) or transport.aborted:
                 return False
             # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):
             # back off briefly, then the next attempt (or epoch) retries.
@@ -958,17 +965,6 @@ class ElasticRefit:
                                 "they hold still")
             self.versions.refuse(self.membership, version, fault_cause(exc))
             raise exc
-
-    def _wait_sources_unchanged(self, store, seq: int, spec: AttemptSpec, epoch: int) -> None:
-        """A destination acks only once every source said its buffers did not change under
-        its sends: the bytes on the wire checked out, but they may be a torn mix of two
-        states of a buffer."""
-        keys = {m: AttemptKeys(seq).done(m) for m in spec.sources}
-        self._wait_keys(store, list(keys.values()), epoch, stage="the sources confirmed their buffers")
-        for member_id, key in keys.items():
-            value = store.get(key).decode()
-            if value != DONE_OK:
-                raise _AttemptAborted(f"source {member_id} did not confirm version {spec.version} ({value})")
 
     def _buffers(self, spec: AttemptSpec) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
         me = self.config.member_id

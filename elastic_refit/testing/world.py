@@ -275,7 +275,7 @@ def _p2p(transport: Transport, pairs: list[tuple[int, int]], nbytes: int, repeat
 def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable:
     """``run`` with the runtime's source checks around it, timed as part of it: digests of
     every source buffer and replica region before (``publish``), and of every buffer again
-    after the sends (a changed source is refused)."""
+    once its sends are done, before the closing vote (a changed source is refused)."""
     from elastic_refit.runtime.replicas import region_digests, replica_regions
     from elastic_refit.transport.buffers import buffer_digests
 
@@ -285,9 +285,11 @@ def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable
         t0 = time.perf_counter()
         before = buffer_digests(src)
         region_digests(source, rank, src, regions, known=before)
-        report = run(src, dst)
-        if buffer_digests(src) != before:
-            raise RuntimeError(f"rank {rank}: a source buffer changed during the refit")
+        def unchanged() -> None:
+            if buffer_digests(src) != before:
+                raise RuntimeError(f"rank {rank}: a source buffer changed during the refit")
+
+        report = run(src, dst, before_vote=unchanged)
         return dataclasses.replace(report, seconds=time.perf_counter() - t0)
 
     return refit

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
 import torch
 
-from elastic_refit.errors import TransportAborted, VerificationFailed
+from elastic_refit.errors import TransferRefused, VerificationFailed
 from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.log import ensure_configured
@@ -276,8 +276,15 @@ class Executor:
         return sum(t.numel() for t in self._staging)
 
     def run(self, source: Mapping[str, torch.Tensor] | None = None,
-            destination: Mapping[str, torch.Tensor] | None = None) -> TransferReport:
+            destination: Mapping[str, torch.Tensor] | None = None, *,
+            before_vote: Callable[[], None] | None = None) -> TransferReport:
         """Move this rank's bytes: ``source`` and ``destination`` map buffer names to tensors.
+
+        ``before_vote`` runs once this rank's sends and receives are done, before its
+        closing vote; if it raises, this rank votes no (every participant then fails the
+        refit, the communicator stays usable) and its exception propagates. A check there
+        (e.g. that the sources still hold what was published) is known to every participant
+        once the vote passes, without another round trip, and runs while peers finish.
 
         Raises ``TransportAborted`` when this or any other rank fails, ``ValueError`` for
         missing or mismatched buffers (after aborting the transport so peers do not hang).
@@ -298,8 +305,17 @@ class Executor:
             log.warning("transport.executor.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.transport.abort()
             raise
-        if not self.transport.vote(True, self.participants):
-            raise TransportAborted(f"rank {self.rank}: another rank failed the refit", rank=self.rank, phase="vote")
+        refused: BaseException | None = None
+        if before_vote is not None:
+            try:
+                before_vote()
+            except Exception as exc:
+                refused = exc
+        if not self.transport.vote(refused is None, self.participants):
+            if refused is not None:
+                raise refused
+            raise TransferRefused(f"rank {self.rank}: another rank voted the refit down at its close",
+                                  rank=self.rank, phase="vote")
         by_kind = self.schedule.bytes_by_kind()
         report = TransferReport(
             rank=self.rank,

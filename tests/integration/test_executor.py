@@ -156,3 +156,56 @@ def test_corrupted_bytes_are_detected_never_silent():
     assert not any(r.ok for r in results), kinds
     assert "VerificationFailed" in kinds.values(), kinds
     assert set(kinds.values()) <= {"VerificationFailed", "TransportAborted"}, kinds
+
+
+def _refuse_then_refit(rank: int, world_size: int, store, case: RefitCase, refuser: int) -> dict:
+    """Two refits on one transport: in the first, ``refuser``'s check before the closing vote
+    fails; the second has no check and must come through bit-exact."""
+    import torch.distributed as dist
+
+    from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+    from elastic_refit.testing.world import SENTINEL, make_transport
+    from elastic_refit.transport.buffers import byte_view
+    from elastic_refit.transport.executor import Executor, ExecutorOptions
+
+    plan = case.plan()
+    transport = make_transport(dist.PrefixStore("refuse", store), rank, world_size, "gloo", 20.0)
+    executor = Executor(plan, transport, ExecutorOptions(staging_bytes=1 << 20, verify=True))
+    src = allocate(plan.source, rank, fill=0)
+    dst = allocate(plan.destination, rank, fill=SENTINEL)
+    fill_pieces(plan.source, rank, src, seed=7)
+    checked = []
+
+    def check() -> None:
+        checked.append(rank)
+        if rank == refuser:
+            raise ValueError(f"rank {rank}: refused")
+
+    try:
+        executor.run(src, dst, before_vote=check)
+        first = "ok"
+    except Exception as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    for tensor in dst.values():
+        byte_view(tensor).fill_(SENTINEL)
+    executor.run(src, dst)  # the communicator is intact: the next refit needs no rebuild
+    problems = check_pieces(plan.destination, rank, dst, seed=7)
+    transport.abort()
+    return {"first": first, "checked": checked, "problems": problems}
+
+
+def test_a_check_that_fails_before_the_closing_vote_fails_every_rank_and_keeps_the_communicator():
+    """The runtime checks its sources there (SourceChanged): the refusing rank raises its own
+    error, every other rank ``TransferRefused`` (a clean vote, not an abort), and the same
+    transport then moves the next refit bit-exact."""
+    case = CASES["spec-uneven-colocated"]
+    world = _world_size(case)
+    results = run_local_world(_refuse_then_refit, world, (case, 0), timeout_s=120)
+    assert all(r.ok for r in results), [(r.rank, r.error) for r in results if not r.ok]
+    by_rank = {r.rank: r.value for r in results}
+    assert by_rank[0]["first"] == "ValueError: rank 0: refused", by_rank[0]
+    for rank, value in by_rank.items():
+        assert value["checked"] == [rank] and not value["problems"], (rank, value)
+        if rank:
+            assert value["first"] == (f"TransferRefused: rank {rank}: another rank voted the refit down at "
+                                      "its close"), (rank, value)
