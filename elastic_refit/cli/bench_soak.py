@@ -17,6 +17,9 @@ def register(targets: argparse._SubParsersAction) -> None:
     parser.add_argument("--versions", type=int, default=20_000, help="versions to publish (default 20000)")
     parser.add_argument("--window", type=int, default=1_000,
                         help="versions averaged at the start and at the end (default 1000, at most half)")
+    parser.add_argument("--idle", type=float, default=10.0,
+                        help="seconds the members then stay idle in the job while their etcd requests are "
+                             "counted (default 10; 0 skips it)")
     parser.add_argument("--timeout", type=float, default=7_200.0, help="give up after this many seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=_run)
@@ -33,7 +36,8 @@ def _run(args: argparse.Namespace) -> int:
     from elastic_refit.testing.soak import SoakConfig, run_soak
 
     configure_logging(json=True, stream=sys.stderr)  # stdout stays the table or the JSON object
-    result = run_soak(SoakConfig(num_versions=args.versions, window=args.window, timeout_s=args.timeout),
+    result = run_soak(SoakConfig(num_versions=args.versions, window=args.window, idle_s=args.idle,
+                                 timeout_s=args.timeout),
                       progress=progress)
     if args.json:
         print_json(result)
@@ -50,4 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     print(render_table(["", "first", "last", "last/first"], rows))
     print(f"etcd keys of the job: at most {result['etcd_keys_max']}, {result['etcd_keys_final']} at the end; "
           f"verified {result['verified']} of {result['versions']} versions, {result['problems']} problems")
+    if "idle_requests_per_member_s" in result:
+        methods = ", ".join(f"{m} {r:.2f}" for m, r in result["idle_requests_by_method"].items())
+        print(f"idle member: {result['idle_requests_per_member_s']:.2f} etcd requests/s over "
+              f"{result['idle_seconds']:.0f} s ({methods or 'none'})")
     return 0 if result["verified"] == result["versions"] else 1

@@ -88,6 +88,9 @@ class RefitConfig:
     # the tensors' device) and returns at once; 0: no copy, it returns once its sends are done.
     snapshot_bytes: int = 0
     poll_s: float = 0.02
+    # The agent waits for etcd watch events, not on a timer; this only bounds how long a
+    # lost event could delay it (the watches resume and relist on their own).
+    idle_wake_s: float = 5.0
     max_attempts: int = 5
     # On entering an epoch, connect the pairs of the epoch's refit plan (a byte each way),
     # so the first refit after a reconfiguration does not pay NCCL's lazy connection setup:
@@ -133,7 +136,7 @@ class RefitConfig:
                              f"{self.device!r}; use device={'cpu' if backend is Backend.GLOO else 'cuda:0'!r}")
         if not _is_int(self.ttl_s) or self.ttl_s < 2:
             raise ValueError(f"ttl_s must be an int >= 2 (etcd grants no shorter lease), got {self.ttl_s!r}")
-        for name in ("collective_timeout_s", "epoch_deadline_s", "version_timeout_s", "poll_s"):
+        for name in ("collective_timeout_s", "epoch_deadline_s", "version_timeout_s", "poll_s", "idle_wake_s"):
             value = getattr(self, name)
             if not _is_real(value) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")

@@ -65,6 +65,7 @@ from elastic_refit.membership.keys import AttemptKeys, connect_key
 from elastic_refit.membership.layouts import LayoutStore, LayoutUnavailable
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
+from elastic_refit.membership.wakeup import ChangeSignal
 from elastic_refit.plan import Plan, PlanOptions
 from elastic_refit.runtime.attempt import (
     ABORTED,
@@ -203,6 +204,7 @@ class ElasticRefit:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._transport: Transport | None = None  # the current epoch's, used by the agent thread
+        self._executors: tuple[tuple[str, int], Executor] | None = None  # see _executor
         # The latest plans (see _plan): a plan depends on the epoch, the participants and
         # their layouts, never on the version.
         self._plans: dict[tuple, Plan] = {}
@@ -237,6 +239,12 @@ class ElasticRefit:
         # Peers that see the record before this lands find the layout unavailable and wait.
         self.layout_cache.publish(self.membership, self._layout)
         self.versions = VersionStore(self.client, c.job)
+        # The agent reads version state and its epoch's keys when they change, not on a
+        # timer: an idle member costs etcd its keepalive and a few watch streams.
+        self._changes = ChangeSignal(self.client)
+        self._changes.watch("versions", self.versions.keys.versions_prefix)
+        self._changes.watch("layouts", self.versions.keys.layouts_prefix)  # a peer's layout unblocks a plan
+        self.membership.on_view(lambda _old, _new: self._changes.bump())
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
                                            transport_timeout_s=c.ttl_s + 1.0, device=c.device,
@@ -259,8 +267,13 @@ class ElasticRefit:
     def close(self) -> None:
         """Leave the job: stop the agent, revoke the lease (peers see a clean leave)."""
         self._stop.set()
+        changes = getattr(self, "_changes", None)
+        if changes is not None:
+            changes.bump()  # an idle agent waits on it: let it see the stop now
         if self._thread is not None:
             self._thread.join(timeout=self.config.epoch_deadline_s)
+        if changes is not None:
+            changes.close()
         for closer in (getattr(self, "manager", None), getattr(self, "membership", None), getattr(self, "client", None)):
             if closer is not None:
                 with contextlib.suppress(Exception):
@@ -501,6 +514,7 @@ class ElasticRefit:
             self._release_transport()
 
     def _release_transport(self) -> None:
+        self._executors = None  # an executor holds its transport
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
@@ -514,6 +528,7 @@ class ElasticRefit:
         reform_asked = True  # whether a rebuild with the same members was asked for it
         while not self._stop.is_set():
             try:
+                changed = self._changes.token()  # before any read: a change after it wakes the wait below
                 latest = self.membership.view
                 # An epoch that lists this member under an earlier incarnation (a restart
                 # inside the old lease's TTL) is not ours: wait for the one that lists us.
@@ -551,6 +566,7 @@ class ElasticRefit:
                     self._transport = HOOKS.wrap_transport(result.transport)
                     self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
                     view, seq = latest, 0
+                    self._changes.watch("epoch", self.versions.keys.store(view.epoch))
                     self.stats["reconfigurations"] += 1
                     self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
                                   num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
@@ -564,7 +580,9 @@ class ElasticRefit:
                     self._coordinate(view, seq, state)
                 found = self.versions.next_attempt(view.epoch, seq)
                 if found is None:
-                    self._stop.wait(self.config.poll_s)
+                    # Nothing to do until a key changes; the timeout only bounds what a lost
+                    # watch event could cost (the watches resume and relist themselves).
+                    self._changes.wait_after(changed, self.config.idle_wake_s)
                     continue
                 seq, record = found  # later than seq: this rank took no part in the pruned ones
                 spec = AttemptSpec.from_json(record)
@@ -614,6 +632,17 @@ class ElasticRefit:
                     self._plans.pop(next(iter(self._plans)))
                 self._plans[key] = plan
         return plan
+
+    def _executor(self, plan: Plan, transport: Transport) -> Executor:
+        """The executor of ``plan`` on ``transport``, kept for the epoch's later refits: its
+        schedule is built and its staging allocated once, not per version. Only the latest
+        is kept (its staging is memory); it goes with the transport."""
+        key = (plan.fingerprint, id(transport))
+        if self._executors is None or self._executors[0] != key:
+            self._executors = None  # the old staging goes before the new is allocated
+            self._executors = (key, Executor(plan, transport, ExecutorOptions(
+                staging_bytes=self.config.staging_bytes, verify=self.config.verify)))
+        return self._executors[1]
 
     def _connect_ahead(self, view: MembershipView, transport: Transport) -> bool:
         """On entering an epoch: connect the pairs the epoch's refit plan uses (one byte
@@ -857,8 +886,7 @@ class ElasticRefit:
             # is checked before it agrees: a fault here fails the agreement, peers stop at once
             # and no byte moves (the communicator stays usable for the retry).
             source, destination = self._buffers(spec)
-            executor = Executor(plan, transport, ExecutorOptions(staging_bytes=self.config.staging_bytes,
-                                                             verify=self.config.verify))
+            executor = self._executor(plan, transport)
             def refused(member_id: str, value: str) -> None:
                 if value.startswith((FAILED, ABORTED)):
                     raise _AttemptAborted(f"{member_id} failed attempt {seq} of version {spec.version} before "
@@ -937,7 +965,10 @@ class ElasticRefit:
         """Wait for every participant's key, but give up as soon as a newer epoch exists
         (a participant that moved on will never write its key here)."""
         deadline = time.monotonic() + self.config.epoch_deadline_s
-        while not store.check(keys):
+        while True:
+            changed = self._changes.token()  # the epoch's store is watched: a key written wakes us
+            if store.check(keys):
+                return
             latest = self.membership.view
             if latest is not None and latest.epoch != epoch:
                 raise _AttemptAborted(f"epoch {epoch} was superseded by epoch {latest.epoch} before {stage}")
@@ -947,7 +978,7 @@ class ElasticRefit:
                 raise RefitError(f"participants did not agree on a plan within {self.config.epoch_deadline_s} s"
                                  if stage == "the plan was agreed" else
                                  f"{stage} did not happen within {self.config.epoch_deadline_s} s")
-            time.sleep(self.config.poll_s)
+            self._changes.wait_after(changed, min(self.config.idle_wake_s, max(0.0, deadline - time.monotonic())))
 
     def _check_unchanged(self, version: int, source: Mapping[str, torch.Tensor]) -> None:
         """After this trainer's sends: its buffers still hold what was published as

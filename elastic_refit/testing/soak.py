@@ -6,7 +6,9 @@ trainers publishing back to back. Every version commits only once every inferenc
 acked it with verified digests, and each inference rank checks every version it serves
 byte for byte. While the job runs, a sampler reads the job's etcd key count, etcd's db size
 and every member's resident memory. The per-version overhead is a trainer's publish ->
-commit seconds (there is no training step in between).
+commit seconds (there is no training step in between). After the last version the members
+stay in the job, idle, for ``idle_s``: the etcd requests they make meanwhile (etcd's own
+gRPC counters, the sampler paused) are what an idle member costs etcd.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class SoakConfig:
     num_versions: int = 20_000
     window: int = 1_000
     sample_s: float = 1.0
+    idle_s: float = 10.0
     timeout_s: float = 7_200.0
 
     def __post_init__(self) -> None:
@@ -50,12 +53,15 @@ class SoakConfig:
         require_at_least("--window", self.window, 10)
         if not 0 < self.sample_s < self.timeout_s:
             raise ValueError(f"sample_s must be in (0, timeout_s), got {self.sample_s}")
+        if not 0 <= self.idle_s < self.timeout_s:
+            raise ValueError(f"idle_s must be in [0, timeout_s), got {self.idle_s}")
 
 
-def _member_main(member: MemberSpec, results, environ: dict[str, str]) -> None:
+def _member_main(member: MemberSpec, results, environ: dict[str, str], release) -> None:
     apply_environ(environ)
     try:
-        results.put(run_member(member))
+        # Stay in the job after the last version until the idle window was measured.
+        results.put(run_member(member, hold=lambda _refit: release.wait(3_600)))
     except BaseException as exc:  # reported; the bench fails with it
         results.put({"member_id": member.member_id, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -68,6 +74,23 @@ def _rss_bytes(pid: int) -> int | None:
     return None
 
 
+def etcd_requests(endpoint: str) -> dict[str, float]:
+    """etcd's count of gRPC messages received so far, by method (unary requests and stream
+    messages such as lease keepalives and watch progress requests), from its metrics."""
+    import urllib.request
+
+    url = endpoint if "://" in endpoint else f"http://{endpoint}"  # the soak's etcd is plain http
+    with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            out[method] = out.get(method, 0.0) + float(value)
+    return out
+
+
 def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Run the soak; returns the figures (see ``elastic-refit bench soak --help``)."""
     from elastic_refit.chaos.runner import spec_json  # the chaos trials' tiny model
@@ -78,6 +101,9 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     results = ctx.Queue()
     samples: list[dict[str, Any]] = []
     stop = threading.Event()
+    paused = threading.Event()  # the sampler's own requests stay out of the idle window
+    release = ctx.Event()
+    idle: dict[str, Any] = {}
     with EtcdServer(name="soak") as etcd:
         endpoints = tuple(etcd.endpoints)
         spec = spec_json(len(INFERENCE))
@@ -87,7 +113,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
             member = MemberSpec(job, role, member_id, rank, endpoints, f"d-{role}", spec_json=spec, versions=versions,
                                 start_with=TRAINERS + INFERENCE if role == "trainer" else (),
                                 config={"version_timeout_s": 600.0})
-            proc = ctx.Process(target=_member_main, args=(member, results, dict(os.environ)), daemon=True)
+            proc = ctx.Process(target=_member_main, args=(member, results, dict(os.environ), release), daemon=True)
             proc.start()
             procs[member_id] = proc
         client = EtcdClient(list(endpoints))
@@ -97,6 +123,8 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
         def sample() -> None:
             last_said = 0.0
             while not stop.wait(config.sample_s):
+                if paused.is_set():
+                    continue
                 with contextlib.suppress(Exception):
                     latest = store.snapshot().latest_committed or 0
                     rss = {m: _rss_bytes(p.pid) for m, p in procs.items() if p.pid is not None}
@@ -116,6 +144,9 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                 with contextlib.suppress(queue.Empty):
                     report = results.get(timeout=1.0)
                     reports[report["member_id"]] = report
+                if not release.is_set() and (samples and samples[-1]["version"] >= config.num_versions):
+                    idle.update(_measure_idle(endpoints[0], config.idle_s, paused, len(procs)))
+                    release.set()
                 if any(not p.is_alive() and m not in reports for m, p in procs.items()):
                     with contextlib.suppress(queue.Empty):  # a report may still be in the pipe
                         report = results.get(timeout=5.0)
@@ -125,6 +156,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                         raise RuntimeError(f"members {dead} died without a report")
             final_keys = client.count_prefix(prefix)
         finally:
+            release.set()
             stop.set()
             sampler.join(10)
             for p in procs.values():
@@ -136,11 +168,28 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     errors = {m: r["error"] for m, r in reports.items() if "error" in r}
     if missing or errors:
         raise RuntimeError(f"soak failed: members {missing} did not report; errors {errors}")
-    return summarize(config, reports, samples, final_keys)
+    return summarize(config, reports, samples, final_keys, idle)
+
+
+def _measure_idle(endpoint: str, idle_s: float, paused: threading.Event, num_members: int) -> dict[str, Any]:
+    """etcd requests per second per member while every member is idle in the job."""
+    if idle_s <= 0:
+        return {}
+    paused.set()
+    time.sleep(1.0)  # the last commit's stragglers (acks seen, serving) settle first
+    before, t0 = etcd_requests(endpoint), time.monotonic()
+    time.sleep(idle_s)
+    after, seconds = etcd_requests(endpoint), time.monotonic() - t0
+    paused.clear()
+    rates = {m: (after.get(m, 0.0) - before.get(m, 0.0)) / seconds / num_members for m in after}
+    # The two metrics reads themselves are HTTP, not gRPC: nothing of ours is counted.
+    return {"idle_seconds": seconds,
+            "idle_requests_per_member_s": sum(rates.values()),
+            "idle_requests_by_method": {m: round(r, 3) for m, r in sorted(rates.items()) if r > 0}}
 
 
 def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: list[dict[str, Any]],
-              final_keys: int) -> dict[str, Any]:
+              final_keys: int, idle: dict[str, Any] | None = None) -> dict[str, Any]:
     """The soak's figures from the members' reports and the sampler's readings (pure)."""
     window = min(config.window, config.num_versions // 2)
     seconds = np.array([c["seconds"] for c in reports[TRAINERS[0]]["committed"]], dtype=np.float64)
@@ -168,4 +217,5 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
         "member_rss_first_bytes": max(first["rss"].values(), default=None),
         "member_rss_last_bytes": max(last["rss"].values(), default=None),
         "num_samples": len(samples),
+        **(idle or {}),
     }
