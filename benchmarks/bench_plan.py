@@ -1,9 +1,10 @@
 """Plan time at full scale (a benchmark, not a test).
 
     .venv/bin/python benchmarks/bench_plan.py [--repeat 3] [--cpu N] [--json]
-        [--relay] [--domain-size 8] [--baseline DIR]
+        [--relay auto|on|off] [--domain-size 8] [--baseline DIR]
 
-``--relay`` plans with ``PlanOptions(relay=True)``; ``--domain-size`` sets the ranks per
+``--relay`` plans with ``PlanOptions(relay=...)`` (default: the planner's default options,
+``"auto"``); ``--domain-size`` sets the ranks per
 NVLink domain (72: GB200 NVL72); ``--baseline DIR`` also runs every repeat against the
 planner of another checkout (e.g. ``git worktree add --detach /tmp/head HEAD``), with its
 default options, interleaved with the new one's in the same run, and shows both cold-plan
@@ -51,7 +52,7 @@ TIMES = ("layout_s", "cold_plan_s", "warm_plan_s", "replan_s", "without_ranks_s"
          "layout_cpu_s", "cold_plan_cpu_s", "warm_plan_cpu_s", "replan_cpu_s")
 
 
-def worker(case: str, cpu: int, domain_size: int = 8, relay: bool = False) -> dict:
+def worker(case: str, cpu: int, domain_size: int = 8, relay: str | None = None) -> dict:
     """One measurement in this (fresh) process; returns the figures."""
     os.sched_setaffinity(0, {cpu})
     from elastic_refit.layout.refit import model_refit_spec
@@ -59,7 +60,7 @@ def worker(case: str, cpu: int, domain_size: int = 8, relay: bool = False) -> di
     from elastic_refit.plan import make_plan as plain_make_plan
 
     # A baseline checkout's planner may predate the option: pass it only when asked for.
-    options = PlanOptions(relay=True) if relay else None
+    options = PlanOptions(relay=relay) if relay else None
 
     def make_plan(source, destination, topology):
         return plain_make_plan(source, destination, topology, options)
@@ -99,13 +100,14 @@ def worker(case: str, cpu: int, domain_size: int = 8, relay: bool = False) -> di
         "cross_over_bound": s.cross_domain_bytes / max(s.lower_bound_bytes, 1),
         "replan_cross_over_bound": r.cross_domain_bytes / max(r.lower_bound_bytes, 1),
         "removed_rank": lost, "replan_num_transfers": r.num_transfers,
+        "relayed": bool(getattr(plan, "relayed", False)),
     }
 
 
-def run_fresh(case: str, cpu: int, domain_size: int = 8, relay: bool = False, tree: str | None = None) -> dict:
+def run_fresh(case: str, cpu: int, domain_size: int = 8, relay: str | None = None, tree: str | None = None) -> dict:
     """One repeat in a fresh process; ``tree``: import the planner from that checkout."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--cpu", str(cpu),
-               "--domain-size", str(domain_size)] + (["--relay"] if relay else [])
+               "--domain-size", str(domain_size)] + (["--relay", relay] if relay else [])
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(Path(tree).resolve()) + os.pathsep + env.get("PYTHONPATH", "")
@@ -136,7 +138,8 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the last allowed one)")
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="only these cases")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--relay", action="store_true", help="plan with PlanOptions(relay=True)")
+    parser.add_argument("--relay", choices=("auto", "on", "off"), default=None,
+                        help="plan with PlanOptions(relay=...) (default: the planner's default options)")
     parser.add_argument("--domain-size", type=int, default=8, help="ranks per NVLink domain (default 8)")
     parser.add_argument("--baseline", metavar="DIR", help="also time the planner of this checkout (old vs new)")
     parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
@@ -161,7 +164,7 @@ def main() -> None:
             progress(f"{case}: fresh process {i + 1}/{args.repeat} on cpu {cpu} ...")
             runs.append(run_fresh(case, cpu, args.domain_size, args.relay))
             if args.baseline:  # interleaved, so both see the same machine
-                old_runs.append(run_fresh(case, cpu, args.domain_size, False, args.baseline))
+                old_runs.append(run_fresh(case, cpu, args.domain_size, None, args.baseline))
         results[case] = summarise(case, runs)
         if args.baseline:
             baseline[case] = summarise(case, old_runs)
@@ -198,7 +201,8 @@ def main() -> None:
             f"{r['cross_over_bound']:.3f}",
         ))
     print(f"median of {args.repeat} fresh processes, each pinned to cpu {cpu}; times are wall / CPU; "
-          f"domain size {args.domain_size}{', relay' if args.relay else ''}")
+          f"domain size {args.domain_size}, relay {args.relay or 'default'}; "
+          f"relayed: {', '.join(case for case, r in results.items() if r['relayed']) or 'none'}")
     print(render_table(("case", "ranks", "layout", "cold plan", "warm plan", "re-plan (-1 dst rank)",
                         "rows/transfers/classes", "cross/bound"), rows))
     if args.baseline:

@@ -15,7 +15,7 @@ from elastic_refit.cli._output import (
     render_table,
 )
 from elastic_refit.layout import RefitSpec, load_spec
-from elastic_refit.plan import Plan, PlanOptions, make_plan
+from elastic_refit.plan import RELAY_MODES, Plan, PlanOptions, make_plan
 from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
 
 __all__ = ["add_case_arguments", "load_case", "plan_figures", "register", "run"]
@@ -34,9 +34,10 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="destination ranks start at 0 and share devices with the source")
     parser.add_argument("--bucket-mib", type=int, default=64, help="bucket size in MiB (default 64)")
-    parser.add_argument("--relay", action="store_true",
-                        help="balance ingress over every NIC of a destination domain and forward regions "
-                             "over NVLink under the network transfer (PlanOptions.relay)")
+    parser.add_argument("--relay", nargs="?", choices=RELAY_MODES, default="auto", const="on",
+                        help="ingress balance over every NIC of a destination domain, regions forwarded over "
+                             "NVLink under the network transfer (PlanOptions.relay): auto (default) where it "
+                             "lowers the busiest NIC, on (also a bare --relay) always, off never")
 
 
 def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) -> tuple[RefitSpec, str]:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
     plan = make_plan(spec.source, spec.destination, spec.topology,
-                     PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=getattr(args, "relay", False)))
+                     PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay))
     plan_seconds = time.perf_counter() - t0
     figures = plan_figures(plan, plan_seconds)
     figures["layout_seconds"] = layout_seconds
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         ("lower bound, cross-domain", format_bytes(s.lower_bound_bytes), "1.000"),
         ("planned cross-domain", format_bytes(s.cross_domain_bytes), f"{s.cross_domain_bytes / lb:.3f}"),
         ("planned intra-domain", format_bytes(s.intra_domain_bytes),
-         "NVLink forwards (pipelined)" if plan.options.relay else "NVLink fan-out"),
+         f"NVLink forwards (pipelined; relay {plan.options.relay})" if plan.relayed
+         else f"NVLink fan-out (relay {plan.options.relay})"),
         ("planned local copies", format_bytes(s.local_bytes), ""),
         ("gather-and-broadcast", format_bytes(s.gather_broadcast_bytes), f"{s.gather_broadcast_bytes / lb:.2f}x bound"),
         ("busiest NIC send / recv", f"{format_bytes(s.max_send_bytes)} / {format_bytes(s.max_recv_bytes)}", ""),

@@ -2,6 +2,7 @@
 
 from elastic_refit.plan.planner import PLANNER_VERSION, gather_broadcast_bytes, make_plan
 from elastic_refit.plan.types import (
+    RELAY_MODES,
     Phase,
     Plan,
     PlanOptions,
@@ -9,10 +10,12 @@ from elastic_refit.plan.types import (
     SourceSide,
     TransferKind,
     TransferTable,
+    relay_mode,
 )
 
 __all__ = [
     "PLANNER_VERSION",
+    "RELAY_MODES",
     "Phase",
     "Plan",
     "PlanOptions",
@@ -22,4 +25,5 @@ __all__ = [
     "TransferTable",
     "gather_broadcast_bytes",
     "make_plan",
+    "relay_mode",
 ]

@@ -3,7 +3,8 @@
 The model is deliberately simple and explicit. Every GPU has one NIC share and one NVLink
 share (GB/s each way, both directions at once); each message round costs one latency.
 
-- Relayed plans (``PlanOptions.relay``) forward every cross-domain region over NVLink bucket
+- Relayed plans (``Plan.relayed``: ``PlanOptions.relay`` "on", or "auto" where ingress
+  balance lowers the busiest NIC) forward every cross-domain region over NVLink bucket
   by bucket while the next bucket crosses the network, so a rank's NIC and NVLink phases
   overlap: per rank, time = max(NIC bytes / NIC rate, NVLink bytes / NVLink rate) plus one
   chunk of pipeline fill (the first chunk must arrive before forwarding starts, or the last

@@ -19,6 +19,8 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    receive a demand over its NIC (a relay when it needs none of it), so that no NIC of
    the domain takes more than the domain's share plus one region; every other needer
    gets a *forward* that the executor pipelines with the network bucket it came in.
+   ``relay="auto"`` (the default) keeps the balanced receivers only when they lower the
+   plan's busiest NIC, else plans as without relay.
 5. *Schedule*: per phase, transfers between the same (src, dst) form a message; message
    rounds follow a shift schedule, so in a round every rank sends to at most one peer
    and receives from at most one peer. Boxes larger than half a bucket are split;
@@ -53,7 +55,9 @@ from elastic_refit.plan.types import (
 
 __all__ = ["PLANNER_VERSION", "gather_broadcast_bytes", "make_plan", "tensor_classes"]
 
-PLANNER_VERSION = "2"  # 2: fingerprints hash columns in their narrowest dtypes
+# 2: fingerprints hash columns in their narrowest dtypes; 3: replica senders water-filled
+# (egress balance), so plans of the same inputs differ from version 2's
+PLANNER_VERSION = "3"
 
 
 # --------------------------------------------------------------------------------------
@@ -429,7 +433,7 @@ def make_plan(
     instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
     # The rows' many intermediates die with _transfer_rows, before the schedule allocates:
     # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
-    table, lower_bound_bytes, num_forward, egress_group = _transfer_rows(
+    table, lower_bound_bytes, num_forward, egress_group, relayed = _transfer_rows(
         source, destination, options, tensor_map, classes, instances, domain_of_rank)
     table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks, num_forward)
 
@@ -437,7 +441,7 @@ def make_plan(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
         lower_bound_bytes,
     )
-    fingerprint = _fingerprint(source, destination, topology, options, classes, table)
+    fingerprint = _fingerprint(source, destination, topology, options, relayed, classes, table)
     return Plan(
         source=source,
         destination=destination,
@@ -454,6 +458,7 @@ def make_plan(
         intra_recv_bytes=per_rank[3],
         egress_group_bytes=egress_group[0],
         egress_group_ranks=egress_group[1],
+        relayed=relayed,
     )
 
 
@@ -521,12 +526,24 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
 
     held_rows = np.flatnonzero(np.repeat(held, demand_count)) if maybe_held.size else maybe_held
     network_demands = np.flatnonzero(~held)
-    egress_group = _egress_group(atom_src_region[demand_atom[network_demands]], atom_weight[demand_atom[network_demands]],
-                                 src_regions, src_rows, source, domain_of_rank)
-    receivers = None
-    if options.relay and network_demands.size:
-        receivers = _choose_receivers(network_demands, demand_first, demand_count, demand_atom, atom_weight,
-                                      needer_rank, domain_of_rank, _participants(source, destination))
+    network_region, network_weight = atom_src_region[demand_atom[network_demands]], atom_weight[demand_atom[network_demands]]
+    egress_group = _egress_group(network_region, network_weight, src_regions, src_rows, source, domain_of_rank)
+    sender_at = receivers = None
+    if network_demands.size:
+        sender_at = _network_senders(network_region, network_weight, src_regions, src_rows, source, num_ranks)
+    if options.relay != "off" and network_demands.size:
+        busiest_send = -1
+        if options.relay == "auto":  # the senders are the same with or without relay
+            sender_rank = source.piece_rank[src_rows[src_regions.pieces[sender_at]]]
+            busiest_send = int(np.bincount(sender_rank, weights=network_weight, minlength=num_ranks).max())
+        receiver, receiver_row, plain_load = _choose_receivers(
+            network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank, domain_of_rank,
+            _participants(source, destination), busiest_send)
+        receivers = (receiver, receiver_row)
+        if options.relay == "auto" and not _balance_lowers_busiest_nic(busiest_send, receiver, plain_load,
+                                                                       network_weight, num_ranks):
+            receivers = None  # the plain plan, byte for byte
+    del network_region, network_weight
     # Free what the rows no longer need before the table is allocated, so that it reuses
     # their memory rather than faulting in fresh pages.
     del demand_key, new_demand, needer_at, holder_at
@@ -546,10 +563,11 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     # -- demands that cross the network once, then fan out --
     if network_demands.size:
         demands = (demand_first, demand_count, demand_atom)
-        _serve_network(table, held_rows.size, network_demands, demands, needers, atom_src_region, atom_weight,
-                       src_regions, src_rows, source, num_ranks, atoms, receivers)
+        _serve_network(table, held_rows.size, network_demands, demands, needers, sender_at, src_regions, src_rows,
+                       source, atoms, receivers)
     num_forward = int(np.count_nonzero(table["src_side"] == int(SourceSide.RELAY))) if receivers is not None else 0
-    return table, lower_bound_bytes, num_forward, egress_group
+    relayed = options.relay == "on" or receivers is not None
+    return table, lower_bound_bytes, num_forward, egress_group, relayed
 
 
 def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) -> TensorClasses:
@@ -679,11 +697,12 @@ def _serve_held(table, rows, needers, holders, num_domains, num_ranks, atoms):
     table["dst_piece"][served], table["dst_rank"][served] = piece, rank
 
 
-def _serve_network(table, first_row, network_demands, demands, needers, atom_src_region, atom_weight,
-                   src_regions, src_rows, source, num_ranks, atoms, receivers=None):
+def _serve_network(table, first_row, network_demands, demands, needers, sender_at, src_regions, src_rows, source,
+                   atoms, receivers=None):
     """One network transfer per demand into a receiver (rows from ``first_row``), then fan-out
     to the other needers (the rows after those). ``demands`` are (first needer, number of
-    needers, atom) columns of every demand; ``network_demands`` picks those served here.
+    needers, atom) columns of every demand; ``network_demands`` picks those served here, and
+    ``sender_at`` their senders (see ``_network_senders``).
     ``receivers`` (relayed plans): the receiving rank of each network demand and its needer
     row (-1: a relay); the other needers then get forwards instead of fan-outs."""
     demand_first, demand_count, demand_atom = demands
@@ -693,15 +712,11 @@ def _serve_network(table, first_row, network_demands, demands, needers, atom_src
     else:
         atom = demand_atom[network_demands]
         first_needer, num_needers = demand_first[network_demands], demand_count[network_demands]
-    region = atom_src_region[atom]
-    holder_start, num_holders = src_regions.piece_start[region], src_regions.piece_count[region]
-    choice = _choose_senders(region, holder_start, num_holders, atom_weight[atom], src_regions, src_rows, source,
-                             num_ranks)
     rows = slice(first_row, first_row + network_demands.size)
     _write_rows(table, rows, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
     sender_piece, receiver_piece = table["src_piece"][rows], table["dst_piece"][rows]
     receiver_rank = table["dst_rank"][rows]
-    np.take(src_rows, src_regions.pieces[holder_start + choice], out=sender_piece, mode="clip")
+    np.take(src_rows, src_regions.pieces[sender_at], out=sender_piece, mode="clip")
     np.take(source.piece_rank, sender_piece, out=table["src_rank"][rows], mode="clip")
     if receivers is not None:
         _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom,
@@ -748,9 +763,12 @@ def _participants(source: Layout, destination: Layout) -> np.ndarray:
 
 
 def _choose_receivers(network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank,
-                      domain_of_rank, participants):
+                      domain_of_rank, participants, busiest_send=-1):
     """Ingress balance: the receiving rank of every network demand and its needer row (-1
-    when the receiver needs none of it: a relay).
+    when the receiver needs none of it: a relay); and every rank's network bytes received
+    without the balance (the needers' rotation), for ``PlanOptions.relay == "auto"``, which
+    passes ``busiest_send``: when no receiver is busier than that sender, balance cannot
+    lower the busiest NIC, and the rotation is returned as it is.
 
     Per destination domain D with ``n`` participating ranks and ``W`` network bytes, the
     share is ``W / n``. Every demand starts at a needer (rotating over replicas). A rank keeps
@@ -773,9 +791,11 @@ def _choose_receivers(network_demands, demand_first, demand_count, demand_atom, 
     # demands of ranks above the share can be shed: sort just those.
     load = np.bincount(receiver, weights=weight, minlength=num_ranks).astype(np.int64)
     rank_domain = domain_of_rank
+    if int(load.max()) <= busiest_send:
+        return receiver, receiver_row, load
     over = np.flatnonzero((width[rank_domain] * load > total[rank_domain])[receiver])
     if over.size == 0:
-        return receiver, receiver_row
+        return receiver, receiver_row, load
     order, sorted_receiver = _stable_sort(receiver[over])
     order = over[order]
     cumulative = np.cumsum(weight[order])
@@ -802,7 +822,7 @@ def _choose_receivers(network_demands, demand_first, demand_count, demand_atom, 
     is_needer = np.full(shed.size, -1, dtype=np.int64)
     is_needer[owner[match][::-1]] = row[match][::-1]  # reversed: the first match is written last
     receiver_row[shed] = is_needer
-    return receiver, receiver_row
+    return receiver, receiver_row, load
 
 
 def _egress_group(region, weight, src_regions, src_rows, source, domain_of_rank) -> tuple[int, int]:
@@ -843,12 +863,31 @@ def _egress_group(region, weight, src_regions, src_rows, source, domain_of_rank)
     return best_bytes, max(best_ranks, 1)
 
 
+def _network_senders(region, nbytes, src_regions, src_rows, source, num_ranks) -> np.ndarray:
+    """The sender of every network demand (``region``: its source region, ``nbytes``: its
+    weight), as an index into ``src_regions.pieces``."""
+    holder_start, num_holders = src_regions.piece_start[region], src_regions.piece_count[region]
+    return holder_start + _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_rows, source,
+                                          num_ranks)
+
+
+def _balance_lowers_busiest_nic(busiest_send, receiver, plain_load, weight, num_ranks) -> bool:
+    """``PlanOptions.relay == "auto"``: whether balanced receivers lower the plan's busiest
+    NIC, the most network bytes one rank sends or receives (NICs are full duplex, so a rank
+    is as busy as the larger of its two directions; the senders are the same either way)."""
+    balanced = int(np.bincount(receiver, weights=weight, minlength=num_ranks).max(initial=0))
+    return max(busiest_send, balanced) < max(busiest_send, int(plain_load.max(initial=0)))
+
+
 def _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_rows, source, num_ranks):
     """Index (into each region's holders) of the sender of every network demand.
 
-    Single-holder demands are forced. Replica groups are then visited from the heaviest
-    down; each assigns its demands (largest first) round-robin over its holders ordered
-    by current load, which is greedy least-loaded for equal sizes.
+    Single-holder demands are forced. Replica groups (the demands of one source region) are
+    then visited from the heaviest down. Each assigns its demands (largest first) round-robin
+    over its holders ordered by current load, which is greedy least-loaded for equal sizes
+    and loads; unless filling the holders' NICs like water (``_fill_holders``: a holder that
+    earlier groups loaded takes less) leaves the group's busiest holder less loaded, as it
+    does for unequal loads or sizes. Ties keep round-robin (and the plans of before).
     """
     choice = np.zeros(region.size, dtype=np.int64)
     load = np.zeros(num_ranks, dtype=np.int64)
@@ -862,19 +901,73 @@ def _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_
     largest = int(nbytes[replicated].max())
     order = replicated[_stable_order(region[replicated] * (largest + 1) + (largest - nbytes[replicated]))]
     sorted_region = region[order]
-    boundaries = np.flatnonzero(np.diff(sorted_region)) + 1
-    groups = np.split(order, boundaries)
-    totals = np.add.reduceat(nbytes[order], np.append(0, boundaries))
-    group_order = np.lexsort((sorted_region[np.append(0, boundaries)], -totals))
-    for group_index in group_order.tolist():
-        group = groups[group_index]
-        first, count = int(holder_start[group[0]]), int(num_holders[group[0]])
+    group_start = np.append(0, np.flatnonzero(np.diff(sorted_region)) + 1)
+    group_end = np.append(group_start[1:], order.size)
+    group_size = group_end - group_start
+    weight = nbytes[order]
+    totals = np.add.reduceat(weight, group_start)
+    group_order = np.lexsort((sorted_region[group_start], -totals))
+    # Per demand, for all groups at once: its round-robin slot (its place in the group modulo
+    # the holders) and twice its middle in the group's stream; per group and slot, the bytes
+    # round-robin gives that slot.
+    group_of = np.repeat(np.arange(group_start.size), group_size)
+    holders_of = num_holders[order]
+    slot = (np.arange(order.size) - group_start[group_of]) % holders_of
+    middle2 = 2 * (np.cumsum(weight) - np.repeat(np.cumsum(totals) - totals, group_size)) - weight
+    width = int(holders_of.max())
+    slot_bytes = np.bincount(group_of * width + slot, weights=weight,
+                             minlength=group_start.size * width).astype(np.int64).reshape(-1, width)
+    for g in group_order.tolist():
+        rows = slice(int(group_start[g]), int(group_end[g]))
+        first, count = int(holder_start[order[rows.start]]), int(holders_of[rows.start])
         holders = holder_rank[first : first + count]
-        by_load = np.lexsort((np.arange(count), holders, load[holders]))
-        picks = by_load[np.arange(group.size) % count]
-        choice[group] = picks
-        np.add.at(load, holders[picks], nbytes[group])
+        holder_load = load[holders]
+        by_load = np.lexsort((np.arange(count), holders, holder_load))
+        picks = _fill_holders(holders, holder_load, by_load, slot_bytes[g, :count], int(totals[g]),
+                              middle2[rows], weight[rows])
+        if picks is None:
+            picks = by_load[slot[rows]]
+        choice[order[rows]] = picks
+        np.add.at(load, holders[picks], weight[rows])
     return choice
+
+
+def _fill_holders(holders, holder_load, by_load, slot_bytes, total, middle2, nbytes) -> np.ndarray | None:
+    """The senders of one group's demands (indices into ``holders``) by water filling, or
+    None where round-robin over ``by_load`` (the holders by load; slot ``i`` has
+    ``slot_bytes[i]``) leaves the busiest holder no more loaded.
+
+    Water filling: the level ``T`` is the least with sum over holders of max(0, T - load)
+    equal to the group's ``total``, ``min over j of (total + the j lowest loads) / j``; the
+    demands are laid in order (largest first) along the holders' free room below ``T``,
+    least loaded first, each going to the holder in whose room its middle falls
+    (``middle2``: twice the middle), so the largest demand goes to the idlest NIC and no
+    holder ends more than one demand above ``T``. No choice leaves the busiest holder below
+    ``max(T, the busiest load)``: round-robin that reaches it is kept. Integer arithmetic
+    (scaled by the number of filled holders) keeps it exact; a rank holding the region in
+    two pieces counts once (its first piece).
+    """
+    loads = holder_load[by_load].tolist()
+    round_robin = max(load + added for load, added in zip(loads, slot_bytes.tolist(), strict=True))
+    if round_robin == loads[-1]:  # no NIC above the busiest one: nothing does better
+        return None
+    ranks = holders[by_load].tolist()
+    distinct = [i for i in range(len(ranks)) if i == 0 or ranks[i] != ranks[i - 1]]  # equal ranks are adjacent
+    filled, filled_load, best = 1, loads[distinct[0]], total + loads[distinct[0]]  # T * filled for j = 1
+    running = filled_load
+    for j, i in enumerate(distinct[1:], start=2):
+        running += loads[i]
+        if (total + running) * filled < best * j:  # (total + running) / j below best / filled
+            filled, best = j, total + running
+    if round_robin <= max(loads[-1], -(-best // filled)):
+        return None
+    under = by_load[distinct[:filled]]
+    room_end = np.cumsum([max(best - filled * loads[i], 0) for i in distinct[:filled]])
+    at = np.searchsorted(room_end, middle2 * filled // 2, side="right")
+    picks = under[np.minimum(at, filled - 1)]
+    if int((holder_load + np.bincount(picks, weights=nbytes, minlength=holders.size)).max()) < round_robin:
+        return picks
+    return None
 
 
 def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
@@ -1118,13 +1211,15 @@ _DEFINING_COLUMNS = ("kind", "phase", "round", "message_offset", "tensor", "src_
                      "src_piece", "dst_piece", "offsets", "lengths")
 
 
-def _fingerprint(source: Layout, destination: Layout, topology: Topology, options: PlanOptions,
+def _fingerprint(source: Layout, destination: Layout, topology: Topology, options: PlanOptions, relayed: bool,
                  classes: TensorClasses, table: TransferTable) -> str:
     digest = hashlib.sha256()  # about twice blake2b's speed here, for tens of MB of columns
     digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes};direct={options.direct_min_bytes}".encode())
     if options.concurrent_rounds != 1:  # one round at a time keeps the fingerprints plans had before
         digest.update(f";concurrent_rounds={options.concurrent_rounds}".encode())
-    if options.relay:  # likewise: plans without relay keep their fingerprints
+    # Likewise, plans that do not relay keep their fingerprints (whatever PlanOptions.relay
+    # said), and "auto" that relays gives the plan and fingerprint of "on".
+    if relayed:
         digest.update(b";relay=1")
     digest.update(source.fingerprint.encode())
     digest.update(destination.fingerprint.encode())

@@ -11,6 +11,7 @@ from elastic_refit.layout import Layout, Topology
 from elastic_refit.layout.core import readonly_column
 
 __all__ = [
+    "RELAY_MODES",
     "ExpandedTransfers",
     "MiB",
     "Phase",
@@ -21,9 +22,21 @@ __all__ = [
     "TensorClasses",
     "TransferKind",
     "TransferTable",
+    "relay_mode",
 ]
 
 MiB = 1 << 20
+RELAY_MODES = ("auto", "on", "off")  # PlanOptions.relay
+
+
+def relay_mode(value: object) -> str:
+    """``value`` as one of :data:`RELAY_MODES`; a bool (the option's type before "auto")
+    means "on" / "off". ``ValueError`` for anything else."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in RELAY_MODES:
+        raise ValueError(f"relay must be one of {', '.join(RELAY_MODES)} (or a bool), got {value!r}")
+    return str(value)
 
 
 class TransferKind(IntEnum):
@@ -64,12 +77,16 @@ class PlanOptions:
     use the same windows (a rank waiting in a window its peer has not opened would hang),
     so the count is part of the plan and of its fingerprint.
 
-    ``relay`` turns on ingress balance: each destination domain's cross-domain regions are
+    ``relay`` is ingress balance: each destination domain's cross-domain regions are
     received by whichever rank of the domain keeps the busiest NIC least loaded (a rank that
     needs none of the region is a relay), and every region is forwarded from the bytes its
     receiver staged, bucket by bucket under the network transfer (``SourceSide.RELAY``
-    rows), instead of a fan-out phase after it. Off keeps the plans (and fingerprints) of
-    before.
+    rows), instead of a fan-out phase after it. ``"on"`` always plans so; ``"off"`` never
+    does; ``"auto"`` (the default) relays only when ingress balance lowers the plan's
+    busiest NIC (the most network bytes one rank sends or receives, which the predicted time
+    follows on every described cluster) and otherwise returns the plain plan, byte for byte
+    and fingerprint for fingerprint. ``True`` and ``False`` are accepted for ``"on"`` and
+    ``"off"``. ``Plan.relayed`` says what the planner chose.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -78,7 +95,7 @@ class PlanOptions:
     # both ends of a message agree).
     direct_min_bytes: int = 256 * 1024
     concurrent_rounds: int = 1
-    relay: bool = False
+    relay: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 2:
@@ -88,8 +105,7 @@ class PlanOptions:
         if not isinstance(self.concurrent_rounds, int) or isinstance(self.concurrent_rounds, bool) \
                 or self.concurrent_rounds < 1:
             raise ValueError(f"concurrent_rounds must be an integer >= 1, got {self.concurrent_rounds!r}")
-        if not isinstance(self.relay, bool):
-            raise ValueError(f"relay must be a bool, got {self.relay!r}")
+        object.__setattr__(self, "relay", relay_mode(self.relay))
 
     @property
     def max_transfer_bytes(self) -> int:
@@ -246,6 +262,9 @@ class Plan:
     # that only these domains hold, and the ranks of these domains (for the cost bound).
     egress_group_bytes: int = field(default=0, repr=False)
     egress_group_ranks: int = field(default=1, repr=False)
+    # Whether the plan balances ingress and forwards (PlanOptions.relay "on", or "auto" where
+    # that lowered the busiest NIC); part of the fingerprint.
+    relayed: bool = field(default=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_tensor", readonly_column(np.asarray(self.source_tensor, dtype=np.int64)))

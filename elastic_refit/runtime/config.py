@@ -16,6 +16,7 @@ from typing import Any
 from elastic_refit.layout import Layout
 from elastic_refit.membership.client import EtcdConfig
 from elastic_refit.membership.keys import check_name
+from elastic_refit.plan import RELAY_MODES, relay_mode
 from elastic_refit.transport.protocol import Backend
 
 ROLES = ("trainer", "inference")
@@ -81,9 +82,10 @@ class RefitConfig:
     # (it is part of the plan: members that differ disagree on the plan, never hang).
     concurrent_rounds: int = 1
     # Ingress balance (PlanOptions.relay): a domain's cross-domain regions are received by the
-    # rank whose NIC is least loaded and forwarded inside the domain under the transfer. Part
-    # of the plan, so the same on every member.
-    relay: bool = False
+    # rank whose NIC is least loaded and forwarded inside the domain under the transfer.
+    # "auto" where that lowers the plan's busiest NIC (else the plain plan), "on" always,
+    # "off" never; a bool means "on" / "off". Part of the plan, so the same on every member.
+    relay: str = "auto"
     # publish(..., wait=False) copies a version into at most this many bytes of snapshots (on
     # the tensors' device) and returns at once; 0: no copy, it returns once its sends are done.
     snapshot_bytes: int = 0
@@ -152,7 +154,8 @@ class RefitConfig:
                                  f"({', '.join(names)})")
         if self.connect_ahead not in CONNECT_AHEAD:
             raise ValueError(f"connect_ahead must be one of {', '.join(CONNECT_AHEAD)}, got {self.connect_ahead!r}")
-        for name in ("verify", "relay", "check_replicas", "etcd_allow_plaintext_password"):
+        object.__setattr__(self, "relay", relay_mode(self.relay))
+        for name in ("verify", "check_replicas", "etcd_allow_plaintext_password"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 1:
@@ -313,6 +316,12 @@ def _parse_env(variable: str, name: str, type_: Any, raw: str) -> Any:
     text = raw.strip()
     if name == "etcd":
         return tuple(e.strip() for e in raw.split(",") if e.strip())
+    if name == "relay":  # a mode, or a boolean as the field was before "auto"
+        if text.lower() in RELAY_MODES:
+            return text.lower()
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{variable}={raw!r} is not a relay mode (one of {', '.join(RELAY_MODES)}, or a boolean)")
     if type_ in ("int", int):
         try:
             return int(text)

@@ -2,18 +2,21 @@
 
 This is the oracle for the planner's property tests and the local transport of
 single-device benchmarks: every transfer becomes one slice assignment, in plan order
-(deliver phase, then fan-out phase).
+(deliver phase, then fan-out phase). In relayed plans a forward writes what its network
+copy read (the relay's staging holds exactly those bytes), and a network copy that a relay
+only stages writes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
 from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Layout
-from elastic_refit.plan import Plan, SourceSide
+from elastic_refit.plan import Plan, SourceSide, TransferKind
 from elastic_refit.plan.types import ExpandedTransfers
 
 BufferKey = tuple[int, str]  # (rank, buffer name)
@@ -85,14 +88,58 @@ def check_pieces(layout: Layout, tensors: Mapping[str, np.ndarray], buffers: Map
     return problems
 
 
+def forward_sources(plan: Plan, x: ExpandedTransfers) -> np.ndarray:
+    """The piece every copy of ``x`` finally reads: for a forward (``SourceSide.RELAY``),
+    the source piece its network copy (same row ``src_piece``, same class member) reads;
+    for any other copy its own ``src_piece``. ``x`` must hold the forwards' network copies
+    (``plan.expand()`` does). ``ValueError`` when a forward is not what its network copy
+    brought: another box, another round or stream offset, or sent by a rank that did not
+    receive it."""
+    t = plan.transfers
+    src_piece = x.src_piece.copy()
+    forward = np.flatnonzero(t.src_side[x.row] == int(SourceSide.RELAY))
+    if forward.size == 0:
+        return src_piece
+    num_tensors = len(plan.destination.tensors)
+    key = x.row * num_tensors + x.tensor
+    order = np.argsort(key, kind="stable")
+    wanted = x.src_piece[forward] * num_tensors + x.tensor[forward]
+    found = np.minimum(np.searchsorted(key[order], wanted), order.size - 1)
+    parent = order[found]
+    rows, parent_rows = x.row[forward], x.row[parent]
+    problems = {
+        "its network copy is missing": key[parent] != wanted,
+        "it forwards a copy that did not cross the network": t.kind[parent_rows] != int(TransferKind.NETWORK),
+        "it does not stay inside the domain": t.kind[rows] != int(TransferKind.INTRA),
+        "its sender did not receive the network copy": t.dst_rank[parent_rows] != t.src_rank[rows],
+        "its box differs from the network copy's": np.any((t.offsets[parent_rows] != t.offsets[rows])
+                                                          | (t.lengths[parent_rows] != t.lengths[rows]), axis=1),
+        "its round differs from the network copy's": t.round[parent_rows] != t.round[rows],
+        "its stream offset differs from the network copy's": x.message_offset[parent] != x.message_offset[forward],
+    }
+    for problem, bad in problems.items():
+        if np.any(bad):
+            row = int(rows[np.argmax(bad)])
+            raise ValueError(f"forward row {row} (rank {int(t.src_rank[row])} -> {int(t.dst_rank[row])}, tensor "
+                             f"{plan.destination.tensors[int(t.tensor[row])].name!r}): {problem}")
+    src_piece[forward] = x.src_piece[parent]
+    return src_piece
+
+
 def copy_regions(plan: Plan) -> tuple[ExpandedTransfers, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every box copy of ``plan`` with its local source and destination regions.
+    """Every box copy of ``plan`` that writes a destination piece, with its local source and
+    destination regions; a forward reads where its network copy read (``forward_sources``:
+    its ``src_piece`` is that source piece), and copies only a relay stages are left out.
 
     Returns the expanded copies and ``(src_offsets, src_lengths, dst_offsets, dst_lengths)``
     inside the local buffers, padded to the plan's ndim.
     """
     t = plan.transfers
     x = plan.expand()
+    x = dataclasses.replace(x, src_piece=forward_sources(plan, x))
+    writes = x.dst_piece >= 0
+    if not writes.all():
+        x = ExpandedTransfers(*(getattr(x, f.name)[writes] for f in dataclasses.fields(x)))
     offsets, lengths = t.offsets[x.row], t.lengths[x.row]
     from_dst = t.src_side[x.row] == int(SourceSide.DESTINATION)
     src_off = np.zeros_like(offsets)

@@ -4,6 +4,9 @@ A message bucket is packed from the sender's buffers into a staging buffer, copi
 (standing in for the wire), and unpacked into the receiver's buffers: sender and receiver
 derive the same byte layout from the plan, so the receiver unpacks the very bytes the
 sender packed. Used for single-GPU benchmarks and as a CPU cross-check of the schedules.
+In relayed plans, right after a network bucket lands at its receiver, the receiver's
+forwards of that bucket gather their runs from the landed bytes and unpack them at the
+needers, as the executor does between ranks.
 
 ``gather_broadcast_local`` emulates the classic refit on the same device: every tensor is
 assembled whole, copied whole to each destination rank holding part of it, and each keeps
@@ -27,6 +30,16 @@ Buffers = Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tens
 
 
 @dataclass(frozen=True, slots=True)
+class _Forward:
+    """One forward part of a landed bucket: the relay's runs (offset in the bucket, bytes)
+    and, at the needer, where the gathered runs unpack."""
+
+    needer: int
+    spans: tuple[tuple[int, int], ...]
+    unpacker: _BucketIO
+
+
+@dataclass(frozen=True, slots=True)
 class _Transfer:
     phase: int
     round: int
@@ -35,6 +48,7 @@ class _Transfer:
     src_rank: int
     dst_rank: int
     direct: tuple | None  # (sender span, receiver span) when both sides are one contiguous span
+    forwards: tuple[_Forward, ...] = ()  # what the receiver forwards from this bucket
 
 
 class LocalTransport:
@@ -58,9 +72,11 @@ class LocalTransport:
                 peer = step.send.peer
                 if peer not in peer_steps:
                     peer_steps[peer] = {(s.phase, s.round): s for s in self.schedules[peer].steps}
-                recv = peer_steps[peer][(step.phase, step.round)].recv
+                peer_step = peer_steps[peer][(step.phase, step.round)]
+                recv = peer_step.recv
                 assert recv is not None and recv.peer == rank and len(recv.buckets) == len(step.send.buckets)
-                for out_bucket, in_bucket in zip(step.send.buckets, recv.buckets, strict=True):
+                forwards = self._forwards(peer, peer_step, options)
+                for index, (out_bucket, in_bucket) in enumerate(zip(step.send.buckets, recv.buckets, strict=True)):
                     assert out_bucket.nbytes == in_bucket.nbytes
                     sender = _BucketIO(out_bucket, schedule, direct, self.device)
                     receiver = _BucketIO(in_bucket, self.schedules[peer], direct, self.device)
@@ -68,17 +84,37 @@ class LocalTransport:
                     if spans is None:
                         sender = _BucketIO(out_bucket, schedule, options, self.device)
                         receiver = _BucketIO(in_bucket, self.schedules[peer], options, self.device)
-                    transfers.append(_Transfer(int(step.phase), step.round, sender, receiver, rank, peer, spans))
+                    transfers.append(_Transfer(int(step.phase), step.round, sender, receiver, rank, peer, spans,
+                                               tuple(forwards.get(index, ()))))
         # Deliver phase before fan-out; inside a phase any order is valid.
         transfers.sort(key=lambda t: (t.phase, t.round, t.src_rank, t.dst_rank))
         self.transfers = transfers
         self.max_bucket = max((t.sender.bucket.nbytes for t in transfers), default=0)
         self.bytes_moved = sum(t.sender.bucket.nbytes for t in transfers) + sum(
-            c.dst.nbytes for s in self.schedules.values() for c in s.local_copies)
+            c.dst.nbytes for s in self.schedules.values() for c in s.local_copies) + sum(
+            f.unpacker.bucket.nbytes for t in transfers for f in t.forwards)
+        self.max_bucket = max([self.max_bucket] + [f.unpacker.bucket.nbytes for t in transfers for f in t.forwards])
+
+    def _forwards(self, relay: int, step, options: ExecutorOptions) -> dict[int, list[_Forward]]:
+        """The forwards ``relay`` sends in ``step``, by the index of the bucket of its received
+        message they come from, each bound to the needer's part of the same step."""
+        out: dict[int, list[_Forward]] = {}
+        for forward in step.forward_sends:
+            needer_step = next(s for s in self.schedules[forward.peer].steps
+                               if (s.phase, s.round) == (step.phase, step.round))
+            arrival = next(f for f in needer_step.forward_recvs if f.peer == relay)
+            parts = {p.bucket: p for p in arrival.parts}
+            for part in forward.parts:
+                landing = parts[part.bucket]
+                assert landing.boxes is not None and landing.nbytes == part.nbytes
+                out.setdefault(part.bucket, []).append(_Forward(
+                    forward.peer, part.spans,
+                    _BucketIO(landing.boxes, self.schedules[forward.peer], options, self.device)))
+        return out
 
     def run(self, buffers: Buffers) -> None:
         """One refit: local copies, then every bucket packed, copied and unpacked."""
-        staging = [torch.empty(max(self.max_bucket, 1), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        staging = [torch.empty(max(self.max_bucket, 1), dtype=torch.uint8, device=self.device) for _ in range(3)]
         tensors = {rank: self._tensors(rank, buffers) for rank in self.schedules}
         for rank, schedule in self.schedules.items():
             for copy in schedule.local_copies:
@@ -89,15 +125,22 @@ class LocalTransport:
             n = t.sender.bucket.nbytes
             if t.direct is not None:  # contiguous on both sides: the copy is the wire
                 src_ref, dst_ref = t.direct
-                t.receiver.direct_view_of(tensors[t.dst_rank], dst_ref).copy_(
-                    t.sender.direct_view_of(tensors[t.src_rank], src_ref))
-                continue
-            packed = staging[0][:n]
-            t.sender.pack(tensors[t.src_rank], packed, False)
-            if self.copy_wire:
-                staging[1][:n].copy_(packed)
-                packed = staging[1][:n]
-            t.receiver.unpack(tensors[t.dst_rank], packed, False, "local")
+                landed = t.receiver.direct_view_of(tensors[t.dst_rank], dst_ref)
+                landed.copy_(t.sender.direct_view_of(tensors[t.src_rank], src_ref))
+            else:
+                landed = staging[0][:n]
+                t.sender.pack(tensors[t.src_rank], landed, False)
+                if self.copy_wire:
+                    staging[1][:n].copy_(landed)
+                    landed = staging[1][:n]
+                t.receiver.unpack(tensors[t.dst_rank], landed, False, "local")
+            for f in t.forwards:  # the runs, gathered back to back, are what the needer unpacks
+                gathered = staging[2][: f.unpacker.bucket.nbytes]
+                at = 0
+                for offset, nbytes in f.spans:
+                    gathered[at : at + nbytes].copy_(landed[offset : offset + nbytes])
+                    at += nbytes
+                f.unpacker.unpack(tensors[f.needer], gathered, False, "local")
 
     def _tensors(self, rank: int, buffers: Buffers) -> dict:
         src, dst = buffers.get(rank, ({}, {}))

@@ -14,7 +14,9 @@ of it over the domain, straight from where it arrived (one operation per run of 
 the batch that carries bucket ``i``, so NVLink works while the NIC does; a needer receives
 each run into its parameter when it is one contiguous box there, else into one staging
 buffer that is unpacked. Staging stays bounded: two buffers per packing message and one
-per forward that needs staging, per window.
+per forward that needs staging, per window. With verification on, a forward carries the
+digests its boxes arrived with at the relay (the relay checked them; nothing is recomputed),
+and the needer checks every box where it landed before unpacking staging.
 
 Any failure aborts the transport so peers fail fast, and every rank ends with a vote, so a
 rank whose own transfers all succeeded still learns that the refit did not.
@@ -177,25 +179,35 @@ class _BucketIO:
         if verify:
             trailer = staging[self.trailer_offset : self.wire_bytes].view(torch.int64)
             for i, b in enumerate(self.bucket.boxes):
-                got = digest(data[b.packed_offset : b.packed_offset + b.nbytes])
-                if int(got) != int(trailer[i]):
-                    raise VerificationFailed(f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} "
-                                             f"arrived with digest {int(got):#x}, sender had {int(trailer[i]):#x}")
+                _check_digest(where, b, data[b.packed_offset : b.packed_offset + b.nbytes], trailer[i])
         if self.program is not None:
             self._bound(tensors, data).unpack()
         return len(self.bucket.boxes) if verify else 0
 
 
+def _check_digest(where: str, box: BoxCopy, data: torch.Tensor, want: torch.Tensor | int) -> None:
+    """``VerificationFailed`` naming the box and its buffer when ``data`` (the box's bytes
+    as they arrived) does not have the digest its sender sent."""
+    got = digest(data)
+    if int(got) != int(want):
+        raise VerificationFailed(f"{where}: box {box.offsets}+{box.lengths} of buffer {box.buffer[1]!r} "
+                                 f"arrived with digest {int(got):#x}, sender had {int(want):#x}")
+
+
 class _ForwardIn:
     """A needer's side of one forward part: where each span lands (straight in a parameter
     when it is one contiguous box there, else at its place in a staging buffer) and the
-    program that unpacks what landed in staging (None when nothing does)."""
+    program that unpacks what landed in staging (None when nothing does). With verification
+    on, the digests the relay passes on land in ``digests`` (one per box, in the part's
+    order), and ``check`` compares them with the boxes where they landed, before staging is
+    unpacked: verified forwards need no more staging than unverified ones."""
 
     def __init__(self, part: ForwardPart, schedule: RankSchedule, options: ExecutorOptions,
                  device: torch.device) -> None:
         assert part.boxes is not None
         self.part = part
         self.spans: list[tuple[tuple[BufferRef, int, int] | None, int, int]] = []
+        self.landing: list[tuple[BufferRef, int, int] | None] = []  # per box: its direct span, or None (staged)
         staged: list[BoxCopy] = []
         for offset, nbytes in part.spans:
             inside = [b for b in part.boxes.boxes if offset <= b.packed_offset < offset + nbytes]
@@ -205,12 +217,24 @@ class _ForwardIn:
                 span = _contiguous_span(spec.shape, inside[0], DTYPE_ITEMSIZE[spec.dtype])
                 direct = None if span is None else (inside[0].buffer, span[0], span[1])
             self.spans.append((direct, offset, nbytes))
+            self.landing.extend([direct] if direct is not None else [None] * len(inside))
             if direct is None:
                 staged.extend(inside)
-        # Forwards carry no digests (the relay checked them on arrival): unpack unverified.
         self.io = None if not staged else _BucketIO(
             Bucket(part.nbytes, tuple(staged)), schedule,
             dataclasses.replace(options, zero_copy=False, verify=False), device)
+        self.digests = (torch.empty(len(part.boxes.boxes), dtype=torch.int64, device=device)
+                        if options.verify else None)
+
+    def check(self, tensors: Mapping[BufferRef, torch.Tensor], staging: torch.Tensor | None, where: str) -> int:
+        """Compare every box's digest where it landed with the one the relay passed on;
+        returns the boxes checked."""
+        assert self.part.boxes is not None and self.digests is not None
+        for box, direct, want in zip(self.part.boxes.boxes, self.landing, self.digests, strict=True):
+            data = (_BucketIO.direct_view_of(tensors, direct) if direct is not None
+                    else staging[box.packed_offset : box.packed_offset + box.nbytes])  # type: ignore[index]
+            _check_digest(where, box, data, want)
+        return len(self.landing)
 
 
 class Executor:
@@ -362,9 +386,10 @@ class Executor:
         sends = [(s.send, f"phase {s.phase.name} round {s.round}") for s in window if s.send is not None]
         recvs = [(s.recv, f"phase {s.phase.name} round {s.round}") for s in window if s.recv is not None]
         recv_index = {id(m): j for j, (m, _) in enumerate(recvs)}
-        forward_sends = [(f, recv_index[id(s.recv)], f"forward of round {s.round}")
+        forward_sends = [(f, recv_index[id(s.recv)], f"forward to rank {f.peer} of round {s.round}")
                          for s in window for f in s.forward_sends]
-        forward_recvs = [(f, f"forward of round {s.round}") for s in window for f in s.forward_recvs]
+        forward_recvs = [(f, f"forward from rank {f.peer} of round {s.round}")
+                         for s in window for f in s.forward_recvs]
         relaying = sorted({j for _, j, _ in forward_sends})  # received messages this rank forwards from
         send_parts = [{p.bucket: p for p in f.parts} for f, _, _ in forward_sends]
         recv_parts = [{p.bucket: p for p in f.parts} for f, _ in forward_recvs]
@@ -429,9 +454,13 @@ class Executor:
                 part = send_parts[k].get(i - 1)
                 if part is None:
                     continue
-                data = recv_target[j][prev][1]
-                for offset, nbytes in part.spans:  # straight from where the bytes arrived
-                    ops.append(P2POp("send", data[offset : offset + nbytes], forward.peer, FORWARD_TAG + i - 1))
+                io, data = recv_target[j][prev]
+                payloads = [data[offset : offset + nbytes] for offset, nbytes in part.spans]  # straight from arrival
+                if verify:  # the digests the boxes arrived with (checked then), after the data
+                    trailer = data[io.trailer_offset : io.wire_bytes].view(torch.int64)
+                    payloads.append(trailer[list(part.digests)].view(torch.uint8))
+                for payload in payloads:
+                    ops.append(P2POp("send", payload, forward.peer, FORWARD_TAG + i - 1))
                     posted.append((forward_send_work[k], len(forward_send_work[k])))
                     forward_send_work[k].append(None)
                 counts["num_buckets"] += 1
@@ -441,12 +470,16 @@ class Executor:
                     continue
                 arrival = self._forward_in[id(part)]
                 staging = None if arrival.io is None else self._staging[slots[id(forward)]][: part.nbytes]
+                targets = []
                 for direct, offset, nbytes in arrival.spans:
                     if direct is not None:
-                        target = _BucketIO.direct_view_of(tensors, direct)
+                        targets.append(_BucketIO.direct_view_of(tensors, direct))
                         counts["num_zero_copy_buckets"] += 1
                     else:
-                        target = staging[offset : offset + nbytes]  # type: ignore[index]
+                        targets.append(staging[offset : offset + nbytes])  # type: ignore[index]
+                if verify:  # the digests the boxes came with at the relay, after the data
+                    targets.append(arrival.digests.view(torch.uint8))  # type: ignore[union-attr]
+                for target in targets:
                     ops.append(P2POp("recv", target, forward.peer, FORWARD_TAG + i - 1))
                     posted.append((forward_recv_work[k], len(forward_recv_work[k])))
                     forward_recv_work[k].append(None)
@@ -464,6 +497,8 @@ class Executor:
                 for work in forward_recv_work[k]:
                     transport.wait(work, forward.peer, f"receive ({place})")
                 arrival, staging = forward_recv_target[k]
+                if verify:  # before anything is unpacked from staging
+                    counts["num_verified_boxes"] += arrival.check(tensors, staging, f"rank {self.rank} {place}")
                 if arrival.io is not None:
                     arrival.io.unpack(tensors, staging, False, f"rank {self.rank} {place}")
                 forward_recv_work[k] = []

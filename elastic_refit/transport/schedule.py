@@ -56,12 +56,15 @@ class ForwardPart:
     ``spans`` are the runs that travel, one operation each, in stream order and merged
     where they touch: at the relay (offset in that received bucket, bytes), at the needer
     (offset in the part, bytes); ``boxes`` (needer only) is where the part's bytes land,
-    packed back to back in the same order."""
+    packed back to back in the same order. ``digests`` (relay only) are the indices, in the
+    received bucket, of the boxes the part carries, in the same order: with verification
+    on, the digests that came with them travel on with the part, and the needer checks them."""
 
     bucket: int
     nbytes: int
     spans: tuple[tuple[int, int], ...] = ()
     boxes: Bucket | None = None
+    digests: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,13 +269,19 @@ def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forw
         return ()
     if recv_spec is None or recv_spec[2]:
         raise ValueError("a forward needs a packed network message to forward from")
-    # Where each bucket of the received message starts in the stream (see ``message``).
+    # Where each bucket of the received message starts in the stream (see ``message``), and
+    # each box's place in its bucket (the index of its digest there).
     bucket_start: dict[int, int] = {}
     box_at: dict[int, int] = {}
+    index_at: dict[int, int] = {}
+    boxes_in: dict[int, int] = {}
     position = 0
     for b in recv_spec[3]:
-        bucket_start.setdefault(position // half, position)
+        bucket = position // half
+        bucket_start.setdefault(bucket, position)
         box_at[position] = b.nbytes
+        index_at[position] = boxes_in.get(bucket, 0)
+        boxes_in[bucket] = index_at[position] + 1
         position += b.nbytes
     for items in by_peer.values():
         for position, nbytes, _ in items:
@@ -280,18 +289,20 @@ def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forw
                 raise AssertionError(f"a forward of {nbytes} bytes at {position} matches no received box")
     forwards = []
     for peer in sorted(by_peer):
-        parts: dict[int, list[list[int]]] = {}
+        parts: dict[int, tuple[list[list[int]], list[int]]] = {}
         for position, nbytes, _ in sorted(by_peer[peer], key=lambda item: item[0]):
             bucket = position // half
             offset = position - bucket_start[bucket]
-            spans = parts.setdefault(bucket, [])
+            spans, digests = parts.setdefault(bucket, ([], []))
+            digests.append(index_at[position])
             if spans and spans[-1][0] + spans[-1][1] == offset:
                 spans[-1][1] += nbytes  # touching runs travel as one
             else:
                 spans.append([offset, nbytes])
         forwards.append(Forward(peer, tuple(
-            ForwardPart(bucket, sum(n for _, n in spans), spans=tuple((o, n) for o, n in spans))
-            for bucket, spans in sorted(parts.items()))))
+            ForwardPart(bucket, sum(n for _, n in spans), spans=tuple((o, n) for o, n in spans),
+                        digests=tuple(digests))
+            for bucket, (spans, digests) in sorted(parts.items()))))
     return tuple(forwards)
 
 

@@ -15,18 +15,19 @@ from elastic_refit.testing.processes import run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 
 from ..unit.relay_cases import RELAY_SPEC
+from .faults import CorruptFirstSend
 from .test_executor import TINY_MLA, TINY_MOE, UNEVEN_COLOCATED, assert_bit_exact_with_planned_bytes
 
 
 @dataclass(frozen=True)
 class RelayedCase(RefitCase):
-    """A ``RefitCase`` planned with ``PlanOptions(relay=True)``."""
+    """A ``RefitCase`` planned with ``PlanOptions(relay="on")``."""
 
     def plan(self) -> Plan:
         spec = self.build()
         return make_plan(spec.source, spec.destination, spec.topology,
                          PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes,
-                                     concurrent_rounds=self.concurrent_rounds, relay=True))
+                                     concurrent_rounds=self.concurrent_rounds, relay="on"))
 
 
 CASES = {
@@ -81,15 +82,41 @@ def test_regions_received_by_a_rank_that_does_not_need_them_are_forwarded():
         assert report["staging_bytes"] <= r.value["staging_limit"]
 
 
-def test_relayed_refit_stays_within_a_tight_staging_budget():
+@pytest.mark.parametrize("verify", [False, True])
+def test_relayed_refit_stays_within_a_tight_staging_budget(verify):
     # Buckets of 256 bytes carry at most 128 bytes here: a relay needs its two buffers of the
     # network message and nothing more (it forwards straight from them); rank 4 takes its
-    # forwards straight into its parameter.
+    # forwards straight into its parameter, and checks their digests there when verifying
+    # (the digest trailers of the network buckets need a little more).
     case = CASES["lone-needer-small-buckets"]
     plan = case.plan()
-    budget = 256
+    budget = 512 if verify else 256
     results = run_local_world(refit_rank, plan.topology.num_ranks,
-                              (case, WorkerOptions(timeout_s=30, staging_bytes=budget)), timeout_s=120)
+                              (case, WorkerOptions(timeout_s=30, staging_bytes=budget, verify=verify)),
+                              timeout_s=120)
     assert_bit_exact_with_planned_bytes(results, plan)
     assert all(r.value["report"]["staging_bytes"] <= budget for r in results)
-    assert results[4].value["report"]["staging_bytes"] == 0
+    # verified network buckets land in staging with their trailers (two buffers of 128 bytes and
+    # one digest each); the forwards, verified or not, take none
+    assert results[4].value["report"]["staging_bytes"] == (2 * (128 + 8) if verify else 0)
+
+
+def test_a_corrupted_forward_fails_the_needers_digest_check():
+    # Rank 5 relays shards of "big" that only rank 4 needs (and forwards "rep" to its domain):
+    # its first send, a forward, carries one flipped byte. The relay checked the bytes on
+    # arrival and passes their digests on; the needer's check names the box and the buffer.
+    case = CASES["lone-needer-small-buckets"]
+    plan = case.plan()
+    t = plan.transfers
+    assert np.all(t.src_side[t.src_rank == 5] == int(SourceSide.RELAY)), "rank 5 sends only forwards"
+    world = plan.topology.num_ranks
+    results = run_local_world(refit_rank, world, (case, WorkerOptions(timeout_s=10, verify=True)),
+                              timeout_s=120, per_rank_args=[(CorruptFirstSend(rank=5),)] * world)
+    kinds = {r.rank: r.error_type for r in results}
+    assert not any(r.ok for r in results), kinds
+    caught = [r for r in results if r.error_type == "VerificationFailed"]
+    assert caught and set(kinds.values()) <= {"VerificationFailed", "TransportAborted"}, kinds
+    for r in caught:
+        assert r.rank in set(t.dst_rank[(t.src_rank == 5) & (t.src_side == int(SourceSide.RELAY))].tolist())
+        assert "forward from rank 5" in r.error and "of buffer '" in r.error and "arrived with digest" in r.error, \
+            r.error

@@ -4,7 +4,8 @@
 - ``write_counts``: how many times each destination element is written.
 - ``assert_plan_correct``: executes the plan in-process and checks every destination byte,
   untouched padding, exactly-once writes, the bound, buckets, the round schedule and every
-  figure of ``PlanStats`` (``assert_stats_match``).
+  figure of ``PlanStats`` (``assert_stats_match``); for relayed plans also the forwards and
+  the ingress balance (``assert_relay_rows``).
 - ``rebuilt`` and ``assert_same_plan``: a layout with none of the facts a layout memoises or
   inherits from the one it was derived from, and plan equality down to every column.
 """
@@ -16,12 +17,13 @@ import dataclasses
 import numpy as np
 
 from elastic_refit.layout import Layout, Topology
-from elastic_refit.plan import Plan, TransferKind
+from elastic_refit.plan import Plan, SourceSide, TransferKind
 from elastic_refit.testing.inprocess import (
     allocate_buffers,
     check_pieces,
     copy_regions,
     execute_in_process,
+    forward_sources,
     piece_slices,
     scatter_tensors,
     storage_dtype,
@@ -119,15 +121,57 @@ def assert_plan_correct(plan: Plan, seed: int = 0) -> None:
     _, in_bucket = plan.options.bucket_of(x.message_offset)
     assert np.all(in_bucket + t.nbytes[x.row] <= plan.options.bucket_bytes)
     assert np.all(t.nbytes <= plan.options.max_transfer_bytes)
-    # In one (phase, round) a rank sends to one peer and receives from one peer.
+    # In one (phase, round) a rank sends to one peer and receives from one peer; forwards
+    # (relayed plans) travel beside their network message, to and from any rank of the domain.
+    forward = t.src_side == int(SourceSide.RELAY)
+    scheduled = ~local & ~forward
     for phase in np.unique(t.phase):
-        for rnd in np.unique(t.round[(t.phase == phase) & ~local]):
-            sel = (t.phase == phase) & (t.round == rnd) & ~local
+        for rnd in np.unique(t.round[(t.phase == phase) & scheduled]):
+            sel = (t.phase == phase) & (t.round == rnd) & scheduled
             pairs = np.unique(np.column_stack([t.src_rank[sel], t.dst_rank[sel]]), axis=0)
             assert np.unique(pairs[:, 0]).size == pairs.shape[0], "a rank sends to two peers in one round"
             assert np.unique(pairs[:, 1]).size == pairs.shape[0], "a rank receives from two peers in one round"
 
+    if plan.relayed:
+        assert_relay_rows(plan)
+    else:
+        assert not forward.any() and np.all(t.dst_piece >= 0), "a plan that does not relay forwards or stages"
     assert_stats_match(plan)
+
+
+def assert_relay_rows(plan: Plan) -> None:
+    """What only relayed plans have: forwards instead of fan-outs, as the table's last rows,
+    each what its network copy brought (``forward_sources`` checks that); only network copies
+    may be staged without a destination piece; and no NIC of a domain receives more than
+    the domain's balanced share plus one region."""
+    t = plan.transfers
+    forward_sources(plan, plan.expand())
+    assert not np.any(t.src_side == int(SourceSide.DESTINATION)), "relayed plans forward instead of fanning out"
+    forward = t.src_side == int(SourceSide.RELAY)
+    if forward.any():
+        assert np.all(forward[np.argmax(forward):]), "forwards are the table's last rows"
+    assert np.all(t.kind[t.dst_piece < 0] == int(TransferKind.NETWORK)), "only a network copy is staged only"
+    assert_ingress_balanced(plan)
+
+
+def assert_ingress_balanced(plan: Plan) -> None:
+    """No NIC of a domain receives more than the domain's balanced share (its network bytes
+    over its participating ranks) plus one region (one network row, all its copies)."""
+    t = plan.transfers
+    domains = plan.topology.domain_array()
+    participants = np.union1d(plan.source.buffer_rank, plan.destination.buffer_rank)
+    net = np.flatnonzero(t.kind == int(TransferKind.NETWORK))
+    weight = t.nbytes[net] * t.instances[net]
+    recv = plan.network_recv_bytes
+    outside = np.setdiff1d(np.arange(plan.topology.num_ranks), participants)
+    assert not recv[outside].any(), "a rank outside the refit receives"
+    for domain in np.unique(domains[t.dst_rank[net]]).tolist():
+        ranks = participants[domains[participants] == domain]
+        into = domains[t.dst_rank[net]] == domain
+        total, largest = int(weight[into].sum()), int(weight[into].max())
+        assert int(recv[ranks].sum()) == total
+        busiest = int(recv[ranks].max())
+        assert busiest * ranks.size <= total + largest * ranks.size, (domain, busiest, total / ranks.size, largest)
 
 
 def brute_force_gather_broadcast_bytes(source: Layout, destination: Layout) -> int:
@@ -179,14 +223,21 @@ def assert_stats_match(plan: Plan) -> None:
     # Messages, rounds and buckets of the peer-to-peer rows.
     peer = ~by_kind[TransferKind.LOCAL]
     assert s.num_rounds == len(set(zip(t.phase[peer].tolist(), t.round[peer].tolist(), strict=True)))
-    # A copy lives in the bucket where it starts, so a message's buckets run up to its last start.
+    # A copy lives in the bucket where it starts, so a message's buckets run up to its last start;
+    # a forward message (relayed plans) has a part for each network bucket it forwards from.
+    half = plan.options.max_transfer_bytes
     messages: dict[int, int] = {}  # message -> start of its last copy
+    forward_buckets: dict[int, set[int]] = {}  # forward message -> network buckets it forwards from
     x = plan.expand(np.flatnonzero(peer))
     for row, start in zip(x.row.tolist(), x.message_offset.tolist(), strict=True):
-        messages[int(t.message[row])] = max(messages.get(int(t.message[row]), 0), start)
-    assert s.num_messages == len(messages)
-    half = plan.options.max_transfer_bytes
-    assert s.num_buckets == sum(last // half + 1 for last in messages.values())
+        message = int(t.message[row])
+        if t.src_side[row] == int(SourceSide.RELAY):
+            forward_buckets.setdefault(message, set()).add(start // half)
+        else:
+            messages[message] = max(messages.get(message, 0), start)
+    assert s.num_messages == len(messages) + len(forward_buckets)
+    assert s.num_buckets == (sum(last // half + 1 for last in messages.values())
+                             + sum(len(b) for b in forward_buckets.values()))
 
 
 def rebuilt(layout: Layout) -> Layout:

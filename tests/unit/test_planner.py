@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from elastic_refit.layout import Box, LayoutBuilder, Topology, parse_spec, shard_boxes
 from elastic_refit.layout.dtensor import Replicate, Shard
-from elastic_refit.plan import PlanOptions, TransferKind, make_plan
+from elastic_refit.plan import RELAY_MODES, PlanOptions, TransferKind, make_plan
 
 from .plan_oracle import assert_plan_correct, assert_same_plan, brute_force_lower_bound, rebuilt
 
@@ -87,7 +87,9 @@ def refit_cases(draw):
         dst.pieces(t_extra, ids, np.zeros_like(extra_local), np.tile(extra_shape, (rows.size, 1)), extra_local)
     domains = tuple(draw(st.lists(st.integers(0, 3), min_size=NUM_RANKS, max_size=NUM_RANKS)))
     bucket_bytes = draw(st.sampled_from([16, 64, 1 << 20]))
-    return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=bucket_bytes)
+    # every relay mode, so that every property of plans holds for relayed plans too
+    relay = draw(st.sampled_from(RELAY_MODES))
+    return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=bucket_bytes, relay=relay)
 
 
 @st.composite
@@ -122,7 +124,8 @@ def repeated_refit_cases(draw):
                 side.pieces(t, side.buffers(f"{name}.window", [NUM_RANKS - 1], half, "float32"),
                             [[0] * len(shape)], [list(half)], [[0] * len(shape)])
     domains = tuple(draw(st.lists(st.integers(0, 3), min_size=NUM_RANKS, max_size=NUM_RANKS)))
-    return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=draw(st.sampled_from([16, 1 << 20])))
+    return src.build(), dst.build(), Topology(domains), PlanOptions(bucket_bytes=draw(st.sampled_from([16, 1 << 20])),
+                                                                    relay=draw(st.sampled_from(RELAY_MODES)))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -346,6 +349,30 @@ def test_many_tensors_balance_across_replicas():
     total = plan.stats.cross_domain_bytes
     assert total == 5 * sum(sizes) * 16 * 4
     assert plan.stats.max_send_bytes <= total / 3 + max(sizes) * 16 * 4
+
+
+def test_egress_spreads_over_the_replica_holders_of_a_source_domain():
+    # Domain 0 (ranks 0-3) holds "w" on every rank, and "a" on rank 0 only; eight one-rank
+    # domains each need a slice of "w", domain 1 needs "a". Rank 0's NIC must carry "a"
+    # (3072 bytes) anyway, so the balanced choice sends all of "w" (4096 bytes) through the
+    # other three NICs of the domain; handing each holder the same count of slices (round
+    # robin) would load rank 0 with 3072 + 1024.
+    w_dst = list(range(4, 12))
+    spec = parse_spec({
+        "domains": [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        "tensors": [{"name": "w", "shape": [64, 16], "dtype": "float32",
+                     "source": {"mesh": [0, 1, 2, 3], "placements": ["R"]},
+                     "destination": {"mesh": w_dst, "placements": ["S(0)"]}},
+                    {"name": "a", "shape": [48, 16], "dtype": "float32",
+                     "source": {"mesh": [0], "placements": ["R"]},
+                     "destination": {"mesh": [4], "placements": ["R"]}}],
+    })
+    plan = make_plan(spec.source, spec.destination, spec.topology)
+    assert_plan_correct(plan)
+    sent = plan.network_send_bytes
+    assert plan.stats.max_send_bytes == sent[0] == 48 * 16 * 4  # what rank 0 alone must send
+    assert sent[1:4].sum() == 64 * 16 * 4 and sent[1:4].max() <= 64 * 16 * 4 // 3 + 512  # share + one slice
+    assert sent[1:4].min() >= 64 * 16 * 4 // 3 - 512
 
 
 def test_colocated_ranks_copy_locally():

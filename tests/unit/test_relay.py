@@ -1,39 +1,44 @@
 """Relayed plans (``PlanOptions.relay``): ingress balance over every NIC of a destination
-domain, forwards that travel with their network bucket, the cost model and its bound.
+domain, forwards that travel with their network bucket, the "auto" default, the cost model
+and its bound.
 
-Checked as data, independently of the planner's machinery: every destination byte (a
-forward reads what its network row read), each element written once, padding untouched,
-cross-domain bytes at the brute-force lower bound, and no NIC of a domain above the
-balanced share plus one region; per-rank schedules move exactly the plan's bytes.
+Checked as data by ``plan_oracle.assert_plan_correct``, independently of the planner's
+machinery: every destination byte (a forward reads what its network copy read), each
+element written once, padding untouched, cross-domain bytes at the brute-force lower bound,
+and no NIC of a domain above the balanced share plus one region; per-rank schedules move
+exactly the plan's bytes, and the single-device transport runs relayed plans bit-exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from elastic_refit.layout import parse_spec
-from elastic_refit.plan import Plan, PlanOptions, SourceSide, TransferKind, cost, make_plan
-from elastic_refit.plan.cost import bound_seconds, get_cluster, predict
-from elastic_refit.testing.inprocess import (
-    allocate_buffers,
-    check_pieces,
-    piece_slices,
-    scatter_tensors,
+from elastic_refit.plan import (
+    Plan,
+    PlanOptions,
+    SourceSide,
+    TransferKind,
+    TransferTable,
+    cost,
+    make_plan,
 )
+from elastic_refit.plan.cost import bound_seconds, get_cluster, predict
+from elastic_refit.testing.inprocess import forward_sources
+from elastic_refit.testing.local_transport import LocalTransport
+from elastic_refit.testing.pattern import allocate, fill_pieces
+from elastic_refit.testing.pattern import check_pieces as check_rank_pieces
+from elastic_refit.testing.world import SENTINEL, padding_problems
 from elastic_refit.transport.schedule import build_rank_schedule
 
-from .plan_oracle import (
-    SENTINEL,
-    assert_network_rows_cross_domains,
-    assert_written_once,
-    brute_force_lower_bound,
-    random_tensors,
-)
+from .plan_oracle import assert_ingress_balanced, assert_plan_correct, assert_same_plan
 from .relay_cases import RELAY_SPEC
 from .test_planner import _assert_replan_is_cold, refit_cases, repeated_refit_cases
 
@@ -42,113 +47,16 @@ def relay_spec():
     return parse_spec(json.loads(json.dumps(RELAY_SPEC)))
 
 
-# ---- an independent reading of a relayed plan ------------------------------------------------
-
-
-def resolved_copies(plan: Plan):
-    """Every copy of ``plan`` with the source it finally reads: a forward reads what its
-    network row read (checked to be the same tensor and box, arriving at the forwarding
-    rank). Returns (expanded copies, source side, source piece) per copy."""
-    t = plan.transfers
-    x = plan.expand()
-    side = t.src_side[x.row].copy()
-    src_piece = x.src_piece.copy()
-    forward = np.flatnonzero(side == int(SourceSide.RELAY))
-    if forward.size:
-        num_tensors = len(plan.destination.tensors)
-        key = x.row * num_tensors + x.tensor
-        order = np.argsort(key, kind="stable")
-        wanted = x.src_piece[forward] * num_tensors + x.tensor[forward]
-        parent = order[np.searchsorted(key[order], wanted)]
-        assert np.array_equal(key[parent], wanted), "a forward's network copy is missing"
-        rows, parent_rows = x.row[forward], x.row[parent]
-        assert np.all(t.kind[parent_rows] == int(TransferKind.NETWORK))
-        assert np.all(t.kind[rows] == int(TransferKind.INTRA))
-        assert np.all(t.dst_rank[parent_rows] == t.src_rank[rows]), "forwarded by a rank that did not receive it"
-        assert np.array_equal(t.offsets[parent_rows], t.offsets[rows])
-        assert np.array_equal(t.lengths[parent_rows], t.lengths[rows])
-        assert np.array_equal(t.round[parent_rows], t.round[rows])
-        assert np.array_equal(x.message_offset[parent], x.message_offset[forward])
-        side[forward] = t.src_side[parent_rows]
-        src_piece[forward] = x.src_piece[parent]
-    return x, side, src_piece
-
-
-def execute_relayed(plan: Plan, source_buffers, destination_buffers) -> np.ndarray:
-    """Write every destination copy from the source it finally reads; returns the number of
-    writes per destination element, per buffer (a dict like the buffers)."""
-    x, side, src_piece = resolved_copies(plan)
-    t = plan.transfers
-    counts = {key: np.zeros(buf.shape, dtype=np.int64) for key, buf in destination_buffers.items()}
-    k = max(plan.source.ndim, plan.destination.ndim)
-    # fan-outs (without relay) read what the deliver phase wrote: run them last
-    for i in np.argsort(side == int(SourceSide.DESTINATION), kind="stable").tolist():
-        if x.dst_piece[i] < 0:
-            continue  # staged by a relay only
-        layout = plan.destination if side[i] == int(SourceSide.DESTINATION) else plan.source
-        buffers = destination_buffers if side[i] == int(SourceSide.DESTINATION) else source_buffers
-        off, ln = t.offsets[x.row[i]][:k], t.lengths[x.row[i]][:k]
-        s_off, s_len = layout.local_regions(np.array([src_piece[i]]), off[None, : layout.ndim], ln[None, : layout.ndim])
-        d_off, d_len = plan.destination.local_regions(np.array([x.dst_piece[i]]), off[None, : plan.destination.ndim],
-                                                      ln[None, : plan.destination.ndim])
-        s_key, _, _ = piece_slices(layout, int(src_piece[i]))
-        d_key, _, _ = piece_slices(plan.destination, int(x.dst_piece[i]))
-        src_nd, dst_nd = buffers[s_key].ndim, destination_buffers[d_key].ndim
-        s_sl = tuple(slice(int(o), int(o + n)) for o, n in zip(s_off[0, :src_nd], s_len[0, :src_nd], strict=True))
-        d_sl = tuple(slice(int(o), int(o + n)) for o, n in zip(d_off[0, :dst_nd], d_len[0, :dst_nd], strict=True))
-        region = destination_buffers[d_key][d_sl]
-        region[...] = buffers[s_key][s_sl].reshape(region.shape)
-        counts[d_key][d_sl] += 1
-    return counts
+# ---- checks of a relayed plan ---------------------------------------------------------------
 
 
 def assert_relayed_plan_correct(plan: Plan, seed: int = 0) -> None:
-    src, dst, topo = plan.source, plan.destination, plan.topology
-    tensors = random_tensors(src, seed)
-    src_buffers = allocate_buffers(src)
-    scatter_tensors(src, tensors, src_buffers)
-    dst_buffers = allocate_buffers(dst, fill=SENTINEL)
-    counts = execute_relayed(plan, src_buffers, dst_buffers)
-    problems = check_pieces(dst, tensors, dst_buffers)
-    assert not problems, f"wrong destination pieces: {problems[:3]}"
-    assert_written_once(dst, counts, dst_buffers)
-
-    bound = brute_force_lower_bound(src, dst, topo)
-    assert plan.stats.lower_bound_bytes == bound == plan.stats.cross_domain_bytes
-
-    t = plan.transfers
-    assert_network_rows_cross_domains(plan)
-    net = t.kind == int(TransferKind.NETWORK)
-    remote = t.kind != int(TransferKind.LOCAL)
-    assert np.all(t.src_rank[remote] != t.dst_rank[remote])
-    assert not np.any(t.src_side == int(SourceSide.DESTINATION)), "relayed plans forward instead of fanning out"
-    forward = t.src_side == int(SourceSide.RELAY)
-    if forward.any():
-        assert np.all(forward[np.argmax(forward):]), "forwards are the table's last rows"
-    # Only network rows may leave a copy without a destination piece (a relay's staging).
-    assert np.all(net[t.dst_piece < 0])
-    assert_ingress_balanced(plan)
+    """``assert_plan_correct`` (every destination byte, written once, padding untouched, the
+    bound, the forwards and the ingress balance), and every rank's schedule moving exactly
+    its bytes of the plan."""
+    assert plan.relayed
+    assert_plan_correct(plan, seed)
     assert_schedules_move_the_plan(plan)
-
-
-def assert_ingress_balanced(plan: Plan) -> None:
-    """No NIC of a domain receives more than the domain's balanced share (its network bytes
-    over its participating ranks) plus one region (one network row, all its copies)."""
-    t = plan.transfers
-    domains = plan.topology.domain_array()
-    participants = np.union1d(plan.source.buffer_rank, plan.destination.buffer_rank)
-    net = np.flatnonzero(t.kind == int(TransferKind.NETWORK))
-    weight = t.nbytes[net] * t.instances[net]
-    recv = plan.network_recv_bytes
-    outside = np.setdiff1d(np.arange(plan.topology.num_ranks), participants)
-    assert not recv[outside].any(), "a rank outside the refit receives"
-    for domain in np.unique(domains[t.dst_rank[net]]).tolist():
-        ranks = participants[domains[participants] == domain]
-        into = domains[t.dst_rank[net]] == domain
-        total, largest = int(weight[into].sum()), int(weight[into].max())
-        assert int(recv[ranks].sum()) == total
-        busiest = int(recv[ranks].max())
-        assert busiest * ranks.size <= total + largest * ranks.size, (domain, busiest, total / ranks.size, largest)
 
 
 def assert_schedules_move_the_plan(plan: Plan) -> None:
@@ -161,9 +69,8 @@ def assert_schedules_move_the_plan(plan: Plan) -> None:
         assert by_kind["intra_recv"] == plan.intra_recv_bytes[rank]
 
 
-def relayed(options: PlanOptions) -> PlanOptions:
-    return PlanOptions(bucket_bytes=options.bucket_bytes, direct_min_bytes=options.direct_min_bytes,
-                       concurrent_rounds=options.concurrent_rounds, relay=True)
+def with_relay(options: PlanOptions, relay: str) -> PlanOptions:
+    return dataclasses.replace(options, relay=relay)
 
 
 def num_relayed(plan: Plan) -> int:
@@ -171,41 +78,93 @@ def num_relayed(plan: Plan) -> int:
     return int(np.count_nonzero((t.kind == int(TransferKind.NETWORK)) & (t.dst_piece < 0)))
 
 
+def busiest_nic(plan: Plan) -> int:
+    return int(max(plan.network_send_bytes.max(initial=0), plan.network_recv_bytes.max(initial=0)))
+
+
 # ---- properties ------------------------------------------------------------------------------
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(refit_cases())
-def test_random_relayed_plans_are_exact_minimal_and_balanced(case):
+@given(refit_cases(), st.integers(0, 2**31 - 1))
+def test_random_relayed_plans_are_exact_minimal_and_balanced(case, seed):
     src, dst, topo, options = case
-    plan = make_plan(src, dst, topo, relayed(options))
+    plan = make_plan(src, dst, topo, with_relay(options, "on"))
     event(f"relayed regions: {'some' if num_relayed(plan) else 'none'}")
-    assert_relayed_plan_correct(plan)
+    assert_relayed_plan_correct(plan, seed)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(repeated_refit_cases(), st.data())
 def test_relayed_plans_of_repeated_layouts_are_exact_and_replan_like_cold(case, data):
     src, dst, topo, options = case
-    plan = make_plan(src, dst, topo, relayed(options))
+    plan = make_plan(src, dst, topo, with_relay(options, "on"))
     event(f"relayed regions: {'some' if num_relayed(plan) else 'none'}")
     assert_relayed_plan_correct(plan)
     drop = data.draw(st.lists(st.sampled_from(dst.ranks), min_size=1, max_size=2))
-    replan = _assert_replan_is_cold(src, dst.without_ranks(drop), topo, relayed(options), check_oracle=False)
+    replan = _assert_replan_is_cold(src, dst.without_ranks(drop), topo, with_relay(options, "on"), check_oracle=False)
     if replan is not None:
         assert_relayed_plan_correct(replan)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(refit_cases())
+def test_auto_is_the_plain_plan_unless_relaying_lowers_the_busiest_nic(case):
+    src, dst, topo, options = case
+    auto = make_plan(src, dst, topo, with_relay(options, "auto"))
+    off = make_plan(src, dst, topo, with_relay(options, "off"))
+    on = make_plan(src, dst, topo, with_relay(options, "on"))
+    event(f"auto relays: {auto.relayed}")
+    # "auto" is one of the two plans, down to every column and the fingerprint
+    assert_same_plan(auto, on if auto.relayed else off)
+    assert auto.relayed == (busiest_nic(on) < busiest_nic(off))
+    assert not off.relayed and on.relayed
+    # the fingerprint marks what the plan does, not what the option said
+    assert off.fingerprint == make_plan(src, dst, topo, with_relay(options, False)).fingerprint
+    assert on.fingerprint == make_plan(src, dst, topo, with_relay(options, True)).fingerprint
+
+
 @settings(max_examples=30, deadline=None)
 @given(refit_cases())
-def test_relay_off_is_the_plan_of_before_and_relay_is_deterministic(case):
+def test_relayed_plans_are_deterministic(case):
     src, dst, topo, options = case
-    assert make_plan(src, dst, topo, options).fingerprint == make_plan(
-        src, dst, topo, PlanOptions(bucket_bytes=options.bucket_bytes, relay=False)).fingerprint
-    a, b = make_plan(src, dst, topo, relayed(options)), make_plan(src, dst, topo, relayed(options))
+    a, b = make_plan(src, dst, topo, with_relay(options, "on")), make_plan(src, dst, topo, with_relay(options, "on"))
     assert a.fingerprint == b.fingerprint
     for name, col in a.transfers.columns().items():
         assert np.array_equal(col, getattr(b.transfers, name)), name
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(refit_cases(), st.integers(0, 2**31 - 1))
+def test_the_single_device_transport_runs_relayed_plans_bit_exact(case, seed):
+    src, dst, topo, options = case
+    plan = make_plan(src, dst, topo, with_relay(options, "on"))
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    buffers = {}
+    for r in ranks:
+        source = allocate(src, r, fill=0)
+        fill_pieces(src, r, source, seed)
+        buffers[r] = (source, allocate(dst, r, fill=SENTINEL))
+    runner = LocalTransport(plan, torch.device("cpu"))
+    runner.run(buffers)
+    for r, (_, destination) in buffers.items():
+        assert check_rank_pieces(dst, r, destination, seed=seed) == []
+        assert padding_problems(dst, r, destination, SENTINEL) == []
+    s = plan.stats
+    assert runner.bytes_moved == s.cross_domain_bytes + s.intra_domain_bytes + s.local_bytes
+
+
+def test_the_oracle_refuses_a_forward_that_is_not_what_its_network_copy_brought():
+    spec = relay_spec()
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(relay="on"))
+    t = plan.transfers
+    forward = np.flatnonzero(t.src_side == int(SourceSide.RELAY))
+    columns = t.columns()
+    columns["src_rank"] = columns["src_rank"].copy()
+    columns["src_rank"][forward[0]] = t.dst_rank[forward[0]] ^ 1  # forwarded by a rank that did not receive it
+    broken = dataclasses.replace(plan, transfers=TransferTable(**columns))
+    with pytest.raises(ValueError, match="its sender did not receive the network copy"):
+        forward_sources(broken, broken.expand())
 
 
 # ---- the hand-made case ---------------------------------------------------------------------
@@ -214,8 +173,8 @@ def test_relay_off_is_the_plan_of_before_and_relay_is_deterministic(case):
 @pytest.mark.parametrize("bucket_bytes", [256, 1024, 1 << 20])
 def test_a_lone_needer_is_relieved_by_relays(bucket_bytes):
     spec = relay_spec()
-    plain = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=bucket_bytes))
-    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=bucket_bytes, relay=True))
+    plain = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=bucket_bytes, relay="off"))
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=bucket_bytes, relay="on"))
     assert_relayed_plan_correct(plan)
     assert num_relayed(plan) > 0
     # Without relay rank 4 receives all of "big" and its share of "rep"; with relay less.
@@ -225,11 +184,50 @@ def test_a_lone_needer_is_relieved_by_relays(bucket_bytes):
     # Relays forward over NVLink what they received for rank 4: intra-domain bytes grow.
     assert plan.stats.intra_domain_bytes > plain.stats.intra_domain_bytes
     assert plan.fingerprint != plain.fingerprint
+    # the default ("auto") relays here: rank 4's NIC is the busiest, and balance relieves it
+    assert_same_plan(make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=bucket_bytes)),
+                     plan)
 
 
 def test_relay_option_is_validated():
-    with pytest.raises(ValueError, match="relay must be a bool"):
-        PlanOptions(relay=1)  # type: ignore[arg-type]
+    assert PlanOptions().relay == "auto"
+    assert PlanOptions(relay=True).relay == "on" and PlanOptions(relay=False).relay == "off"
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="relay must be one of auto, on, off"):
+            PlanOptions(relay=bad)  # type: ignore[arg-type]
+
+
+def test_refit_config_relay_is_a_mode_and_reads_its_variable():
+    from elastic_refit.runtime.config import RefitConfig
+
+    base = dict(job="j", role="trainer", member_id="m", layout_rank=0, etcd=("127.0.0.1:2379",))
+    assert RefitConfig(**base).relay == "auto"
+    assert RefitConfig(**base, relay=True).relay == "on" and RefitConfig(**base, relay=False).relay == "off"
+    for raw, want in (("auto", "auto"), ("ON", "on"), ("off", "off"), ("1", "on"), ("false", "off")):
+        assert RefitConfig.from_env({"ELASTIC_REFIT_RELAY": raw}, **base).relay == want
+    with pytest.raises(ValueError, match="ELASTIC_REFIT_RELAY='sometimes' is not a relay mode"):
+        RefitConfig.from_env({"ELASTIC_REFIT_RELAY": "sometimes"}, **base)
+    with pytest.raises(ValueError, match="relay must be one of auto, on, off"):
+        RefitConfig(**base, relay="sometimes")
+
+
+def test_plan_command_takes_a_relay_mode(capsys, tmp_path):
+    from .test_cli_plan import run_in_process
+
+    spec_path = tmp_path / "relay.json"
+    spec_path.write_text(json.dumps(RELAY_SPEC))
+    fingerprints = {}
+    for name, flags in (("default", []), ("bare", ["--relay"]), ("on", ["--relay", "on"]),
+                        ("auto", ["--relay", "auto"]), ("off", ["--relay", "off"])):
+        code, out, _ = run_in_process(capsys, "plan", "--spec", str(spec_path), "--json", *flags)
+        assert code == 0
+        fingerprints[name] = json.loads(out)["fingerprint"]
+    spec = relay_spec()
+    assert fingerprints["off"] == make_plan(spec.source, spec.destination, spec.topology,
+                                            PlanOptions(relay="off")).fingerprint
+    # rank 4's NIC is the busiest without relay: the default relays, a bare --relay is "on"
+    assert fingerprints["default"] == fingerprints["auto"] == fingerprints["bare"] == fingerprints["on"]
+    assert fingerprints["on"] != fingerprints["off"]
 
 
 # ---- cost model ----------------------------------------------------------------------------
@@ -238,8 +236,8 @@ def test_relay_option_is_validated():
 def test_cost_model_overlaps_nic_and_nvlink_for_relayed_plans():
     spec = relay_spec()
     cluster = get_cluster("gb200-nvl72")
-    plain = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=1024))
-    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=1024, relay=True))
+    plain = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=1024, relay="off"))
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=1024, relay="on"))
     p, q = predict(plan, cluster), predict(plain, cluster)
     assert p.seconds >= p.bound_seconds > 0
     assert p.bound_seconds == q.bound_seconds == bound_seconds(plan, cluster)  # the bound is the layouts'
@@ -266,7 +264,7 @@ def test_egress_bound_counts_only_the_nics_of_the_domains_that_hold_the_bytes():
                      "source": {"mesh": [1], "placements": ["R"]},
                      "destination": {"mesh": [2], "placements": ["R"]}}],
     })
-    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(relay=True))
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(relay="on"))
     assert plan.egress_group_bytes == 4 * 4000 + 40  # domain 0 holds both tensors
     assert plan.egress_group_ranks == 2
     cluster = get_cluster("h100-dgx")
@@ -285,19 +283,22 @@ TABLE = {
 
 @pytest.mark.parametrize("cluster_name", ["h100-dgx", "gb200-nvl72"])
 @pytest.mark.parametrize("model", list(TABLE))
-def test_relayed_plans_of_the_table_are_at_the_physical_bound(cluster_name, model):
+def test_default_plans_of_the_table_are_at_the_physical_bound(cluster_name, model):
     from elastic_refit.layout.refit import model_refit_spec
 
     cluster = get_cluster(cluster_name)
     name, train, infer = TABLE[model]
     spec = model_refit_spec(name, train, infer, domain_size=cluster.domain_size)
-    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(relay=True))
+    plan = make_plan(spec.source, spec.destination, spec.topology)  # the default options ("auto")
     p = predict(plan, cluster)
     print(f"{cluster_name} {model}: predicted {p.seconds:.3f} s, bound {p.bound_seconds:.3f} s, "
-          f"ratio {p.seconds / p.bound_seconds:.3f}")
+          f"ratio {p.seconds / p.bound_seconds:.3f}, relayed {plan.relayed}")
     assert plan.stats.cross_domain_bytes == plan.stats.lower_bound_bytes
     assert p.bound_seconds <= p.seconds <= 1.05 * p.bound_seconds
-    assert_ingress_balanced(plan)
+    if cluster_name == "gb200-nvl72":  # a few NICs of a 72-rank domain would carry its ingress
+        assert plan.relayed
+    if plan.relayed:
+        assert_ingress_balanced(plan)
     # Egress: the busiest sender is within 3% of what the busiest holder domains must send per NIC.
     egress_share = plan.egress_group_bytes / plan.egress_group_ranks
     assert egress_share <= plan.stats.max_send_bytes <= 1.03 * egress_share
