@@ -21,6 +21,22 @@ Public names
 ``pack_reference`` / ``unpack_reference``
     The torch reference (one slice copy per region), also the test oracle.
 
+Quantize on the way (``kernels.quantize``, ``kernels.quant_program``; formats in
+``elastic_refit.layout.formats``):
+
+``QuantRegion(tensor_index, offsets, lengths, packed_offset_bytes, scale_offset_bytes)``
+    One box of a BF16 tensor whose blocks are whole; its E4M3 bytes and its scales go to
+    two ranges of the bucket.
+``QuantPackProgram(shapes, regions, fmt, ...)``
+    Fused pack + quantize of many boxes (Triton on CUDA, one launch per group of similar
+    boxes; the torch reference on CPU); ``check(buf)`` raises for NaN/Inf blocks.
+``QuantUnpackProgram(weight_shapes, scale_shapes, regions, fmt, ...)``
+    The inverse: E4M3 bytes and scales into the destination weight and scale tensors.
+``quantize_reference``, ``block_amax``, ``combine_amax``, ``scales_from_amax``,
+``quantize_with_scales``
+    The reference quantizer in plain torch ops, and the pieces of a block split across
+    source shards (partial amax, combined by max, then quantization with given scales).
+
 Example::
 
     import torch
@@ -42,15 +58,40 @@ Speed: aligning packed offsets, box starts and row lengths to 16 bytes lets the 
 
 from .boxes import BoxRegion
 from .program import BACKENDS, PackBinding, PackProgram, packed_nbytes, warm_up
+from .quant_program import QuantPackProgram, QuantRegion, QuantUnpackProgram, quant_regions_nbytes
+from .quantize import (
+    BlockScheme,
+    NonFiniteBlockError,
+    block_amax,
+    check_scales,
+    combine_amax,
+    dequantize_reference,
+    quantize_reference,
+    quantize_with_scales,
+    scales_from_amax,
+)
 from .reference import pack_reference, unpack_reference
 
 __all__ = [
     "BACKENDS",
+    "BlockScheme",
     "BoxRegion",
+    "NonFiniteBlockError",
     "PackBinding",
     "PackProgram",
+    "QuantPackProgram",
+    "QuantRegion",
+    "QuantUnpackProgram",
+    "block_amax",
+    "check_scales",
+    "combine_amax",
+    "dequantize_reference",
     "pack_reference",
     "packed_nbytes",
+    "quant_regions_nbytes",
+    "quantize_reference",
+    "quantize_with_scales",
+    "scales_from_amax",
     "unpack_reference",
     "warm_up",
 ]

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-__all__ = ["HAVE_TRITON", "launch"]
+__all__ = ["HAVE_TRITON", "launch", "load_source"]
 
 try:
     import triton  # noqa: F401
@@ -64,3 +64,27 @@ def launch(
     mod.box_copy_kernel[(num_tiles,)](
         buf, desc, tile_region, PACK=pack, TILE_BYTES=tile_bytes, num_warps=num_warps
     )
+
+
+_extra: dict[tuple[str, bool], types.ModuleType] = {}
+
+
+def load_source(filename: str, interpret: bool) -> types.ModuleType:
+    """Another kernel source file of this folder, loaded like ``_triton_copy.py``: compiled
+    (``interpret=False``) or as a separate module object for Triton's CPU interpreter."""
+    key = (filename, interpret)
+    mod = _extra.get(key)
+    if mod is not None:
+        return mod
+    if not HAVE_TRITON:
+        raise RuntimeError("backend 'triton' needs the triton package, which is not installed")
+    stem = os.path.splitext(filename)[0]
+    name = f"kernels.{stem}_interp" if interpret else f"kernels.{stem}"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), filename))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    mod.__dict__["_KERNELS_INTERPRET"] = interpret
+    sys.modules[name] = mod  # before exec: inspect/linecache find the source (see _load)
+    spec.loader.exec_module(mod)
+    _extra[key] = mod
+    return mod

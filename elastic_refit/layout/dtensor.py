@@ -13,6 +13,10 @@ of every part, concatenated. Its local data is in general several global boxes, 
 
 ``from_dtensors`` turns real torch DTensors (and plain tensors) into a layout; every rank
 builds the identical layout of its whole side from its own metadata, with no communication.
+A quantized inference model describes its destination formats too: ``formats_from_tensors``
+recognises FP8 weights by their scale siblings (``weight_scale_inv``, ``weight_scale``), and
+``from_dtensors(..., formats=...)`` declares those weights in their logical dtype (BF16) and
+leaves the scale siblings out of the layout (the format implies them).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from elastic_refit._validate import is_integer
 from elastic_refit.layout.core import LayoutBuilder
+from elastic_refit.layout.formats import MX_BLOCK, DestinationFormat, TensorFormats
 
 if TYPE_CHECKING:  # torch is imported only inside the DTensor interop functions
     import torch
@@ -39,6 +44,7 @@ __all__ = [
     "ShardPieces",
     "StridedShard",
     "add_sharded_tensor",
+    "formats_from_tensors",
     "from_dtensors",
     "local_shards",
     "parse_placement",
@@ -491,6 +497,7 @@ def from_dtensors(
     plain_ranks: Sequence[int] | None = None,
     rank_map: Mapping[int, int] | None = None,
     rank_offset: int = 0,
+    formats: TensorFormats | None = None,
 ) -> LayoutBuilder:
     """A builder holding the layout of one side's ``torch.distributed.tensor.DTensor`` objects.
 
@@ -509,6 +516,11 @@ def from_dtensors(
     rank of the meshes of the DTensors given; ``ValueError`` if there are none). Ranks are
     renamed to layout ranks by ``rank_map`` (torch global rank -> layout rank, every rank
     must be covered) or shifted by ``rank_offset``, meshes and ``plain_ranks`` alike.
+
+    ``formats`` (logical names, e.g. from :func:`formats_from_tensors`): each quantized
+    tensor is declared as ``bfloat16`` (its logical dtype; the local parameter holds its FP8
+    bytes) and its scale sibling (parameter name + the format's ``scale_suffix``) is left
+    out of the layout.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -519,7 +531,26 @@ def from_dtensors(
     seen_logical: dict[str, str] = {}
     plain: list[tuple[str, str, torch.Tensor]] = []
     mesh_ranks: set[int] = set()
-    for name, tensor in _named_tensors(named):
+    formats = formats if formats is not None else TensorFormats()
+    entries = _named_tensors(named)
+    present = {name for name, _ in entries}
+    scale_siblings: set[str] = set()
+    for name, _ in entries:
+        for suffix in ("_scale_inv", "_scale"):
+            if formats and name + suffix in present:
+                try:
+                    fmt = formats.of(logical(name))
+                except ValueError:  # a scale's own name need not be in the names mapping
+                    continue
+                if fmt.quantized and fmt.scale_suffix == suffix:
+                    scale_siblings.add(name + suffix)
+
+    def dtype_of(tensor_name: str, tensor: torch.Tensor) -> object:
+        return "bfloat16" if tensor_name in formats else tensor.dtype
+
+    for name, tensor in entries:
+        if name in scale_siblings:
+            continue
         tensor_name = logical(name)
         if not isinstance(tensor_name, str) or not tensor_name:
             raise ValueError(f"names gave {tensor_name!r} for parameter {name!r}; expected a non-empty string")
@@ -537,7 +568,7 @@ def from_dtensors(
         full = _full_mesh(name, tensor.device_mesh)
         mesh_ranks.update(full.reshape(-1).tolist())
         add_sharded_tensor(
-            builder, tensor_name, tuple(tensor.shape), tensor.dtype,
+            builder, tensor_name, tuple(tensor.shape), dtype_of(tensor_name, tensor),
             rename(name, full), [Replicate(), *placements], buffer=name,
         )
     if plain:
@@ -555,9 +586,51 @@ def from_dtensors(
                 f"says which ranks hold it: pass plain_ranks=[...] (the torch ranks that replicate it)"
             )
         for name, tensor_name, tensor in plain:
-            add_sharded_tensor(builder, tensor_name, tuple(tensor.shape), tensor.dtype,
+            add_sharded_tensor(builder, tensor_name, tuple(tensor.shape), dtype_of(tensor_name, tensor),
                                rename(name, ranks), [Replicate()], buffer=name)
     return builder
+
+
+def _block_format(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> DestinationFormat:
+    """The fp8-block{N} whose block grid of ``shape`` is ``scale_shape`` (128 preferred)."""
+    fits = [n for n in (128, 16, 32, 64, 256, 512)
+            if scale_shape == (*shape[:-2], -(-shape[-2] // n), -(-shape[-1] // n))]
+    if not fits:
+        raise ValueError(f"{name!r}: scale shape {scale_shape} is no N x N block grid of weight shape {shape}")
+    return DestinationFormat(f"fp8-block{fits[0]}")
+
+
+def formats_from_tensors(
+    named: object, *, names: Mapping[str, str] | Callable[[str], str] | None = None
+) -> TensorFormats:
+    """Destination formats of a quantized model from its parameters (DTensors or plain):
+    a ``float8_e4m3fn`` parameter ``p`` with a float32 ``p + "_scale_inv"`` of its block
+    grid is ``fp8-block{N}`` (DeepSeek-V3 / vLLM), with a uint8 (or float8_e8m0fnu)
+    ``p + "_scale"`` of shape ``[..., rows, ceil(cols / 32)]`` is ``mxfp8``. Keys are logical
+    names (``names`` as in :func:`from_dtensors`). An FP8 parameter without a matching
+    scale raises ``ValueError`` naming it."""
+    import torch
+
+    logical = _logical_namer(names)
+    entries = dict(_named_tensors(named))
+    found: dict[str, DestinationFormat] = {}
+    for name, tensor in entries.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float8_e4m3fn:
+            continue
+        shape = tuple(tensor.shape)
+        inv, mx = entries.get(name + "_scale_inv"), entries.get(name + "_scale")
+        if len(shape) >= 2 and inv is not None and inv.dtype == torch.float32:
+            found[logical(name)] = _block_format(name, shape, tuple(inv.shape))
+        elif (len(shape) >= 2 and mx is not None
+              and mx.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+              and tuple(mx.shape) == (*shape[:-1], -(-shape[-1] // MX_BLOCK))):
+            found[logical(name)] = DestinationFormat("mxfp8")
+        else:
+            raise ValueError(
+                f"{name!r} is float8_e4m3fn {list(shape)} but has no float32 {name + '_scale_inv'!r} "
+                f"(fp8-block) or uint8 {name + '_scale'!r} (mxfp8) of its block grid"
+            )
+    return TensorFormats.from_mapping(found)
 
 
 def local_shards(module_or_named: object) -> dict[str, torch.Tensor]:

@@ -47,10 +47,18 @@ vLLM (inference), ``rank = first_rank + tp_rank + tp * dp_rank``:
   replicated, ``q_b_proj`` / ``kv_b_proj`` column-parallel by heads, ``o_proj`` row-parallel.
 * VocabParallelEmbedding / ParallelLMHead: vocab padded to a multiple of 64, then split
   evenly over TP; padding rows belong to no piece. Tied embeddings have no ``lm_head``.
+
+Destination formats (``checkpoint_formats``): a quantized inference side stores what the
+published FP8 checkpoints of DeepSeek-V3 and Kimi-K2 quantize (``weight_block_size`` 128 x
+128): every linear projection weight of attention (``q_a/q_b/kv_a_proj_with_mqa/kv_b/o``, or
+``q/k/v/o``), of dense MLPs and of routed and shared experts (``gate/up/down``); norms, the
+router (``mlp.gate``) and its bias, embeddings and the LM head stay BF16. The same rule is
+applied to the other presets (their FP8 releases quantize the same set).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,13 +66,16 @@ import numpy as np
 
 from elastic_refit._validate import is_integer
 from elastic_refit.layout.core import Layout, LayoutBuilder
-from elastic_refit.layout.models import ModelConfig, get_model
+from elastic_refit.layout.formats import DestinationFormat, TensorFormats, parse_format
+from elastic_refit.layout.models import ModelConfig, get_model, logical_tensors
 
 __all__ = [
     "MEGATRON_VOCAB_DIVISOR",
     "VLLM_VOCAB_PADDING",
     "InferenceParallelism",
     "TrainingParallelism",
+    "checkpoint_formats",
+    "is_checkpoint_quantized",
     "megatron_layout",
     "parse_parallelism",
     "stage_layers",
@@ -583,3 +594,27 @@ def vllm_layout(config: ModelConfig | str, par: InferenceParallelism | str, firs
         last.append(_vocab("lm_head.weight", "lm_head.weight", c, par.tp, VLLM_VOCAB_PADDING, n))
     _emit(b, last, "", "", ranks)
     return b.build()
+
+
+# ---- destination formats -------------------------------------------------------------------
+# Linear projections inside a decoder layer: attention, dense MLP, routed and shared experts.
+_QUANTIZED_RE = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.|shared_experts\.)?"
+                           r"[a-z_]*proj(_with_mqa)?\.weight$")
+
+
+def is_checkpoint_quantized(tensor: str) -> bool:
+    """Whether the published FP8 checkpoints quantize logical tensor ``tensor`` (HF name):
+    the linear projection weights of attention, MLP and experts; not norms, the router,
+    embeddings or the LM head (module docstring)."""
+    return _QUANTIZED_RE.match(tensor) is not None
+
+
+def checkpoint_formats(config: ModelConfig | str, fmt: DestinationFormat | str = "fp8-block128",
+                       num_layers: int | None = None) -> TensorFormats:
+    """Destination formats of a quantized inference side of ``config``: ``fmt`` for every
+    tensor :func:`is_checkpoint_quantized` selects (``bf16``: none), the rest ``bf16``."""
+    fmt = parse_format(fmt)
+    if not fmt.quantized:
+        return TensorFormats()
+    c = get_model(config).with_layers(num_layers)
+    return TensorFormats.uniform([t.name for t in logical_tensors(c) if is_checkpoint_quantized(t.name)], fmt)

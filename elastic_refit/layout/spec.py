@@ -7,15 +7,19 @@
    "destination": {"mesh": [4, 5, 6, 7],     "placements": ["S(1)"]}}]}
 ```
 Placements are ``"R"``, ``"S(d)"`` or ``"_S(d, k)"`` (a strided shard), one per mesh axis,
-with DTensor semantics. A rank may appear in both meshes (colocated training and inference).
+with DTensor semantics. A destination may name its format, ``"destination": {"mesh": ...,
+"placements": ..., "format": "fp8-block128"}`` (``elastic_refit.layout.formats``; default
+``bf16``); formats are kept in ``RefitSpec.destination_formats``, beside the layouts, whose
+fingerprints they leave unchanged. A rank may appear in both meshes (colocated training and
+inference).
 A side file (``load_side``) describes one side only: each tensor has its own ``mesh`` and
-``placements``, in that side's ranks.
+``placements``, in that side's ranks, and optionally a ``format`` (``load_side_formats``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +27,26 @@ import numpy as np
 
 from elastic_refit.layout.core import MAX_RANKS, Layout, LayoutBuilder, Topology
 from elastic_refit.layout.dtensor import add_sharded_tensor
+from elastic_refit.layout.formats import TensorFormats, parse_format
 
-__all__ = ["RefitSpec", "load_side", "load_spec", "parse_side", "parse_spec"]
+__all__ = ["RefitSpec", "load_side", "load_side_formats", "load_spec", "parse_side", "parse_side_formats",
+           "parse_spec"]
 
 
 @dataclass(frozen=True, slots=True)
 class RefitSpec:
-    """A source layout, a destination layout and the topology they live on."""
+    """A source layout, a destination layout and the topology they live on, plus how the
+    destination stores each tensor (``bf16`` unless ``destination_formats`` says otherwise)."""
 
     source: Layout
     destination: Layout
     topology: Topology
+    destination_formats: TensorFormats = field(default_factory=TensorFormats)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.destination_formats, TensorFormats):
+            raise ValueError(f"destination_formats must be a TensorFormats, got {self.destination_formats!r}")
+        self.destination_formats.check(self.destination.tensors)
 
 
 def _require(obj: dict[str, Any], key: str, where: str) -> Any:
@@ -77,6 +90,24 @@ def _add_placed(builder: LayoutBuilder, name: str, shape: list[int], dtype: str,
     return int(mesh_arr.max()) if mesh_arr.size else -1
 
 
+def _format_of(placed: Any, name: str, where: str, formats: dict[str, Any]) -> None:
+    """Record ``placed["format"]`` (if any) for tensor ``name``."""
+    if isinstance(placed, dict) and "format" in placed:
+        try:
+            formats[name] = parse_format(placed["format"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def _checked_formats(formats: dict[str, Any], layout: Layout, origin: str) -> TensorFormats:
+    result = TensorFormats.from_mapping(formats)
+    try:
+        result.check(layout.tensors)
+    except ValueError as exc:
+        raise ValueError(f"{origin}: {exc}") from None
+    return result
+
+
 def parse_side(data: Any, origin: str = "layout") -> Layout:
     """One side's layout from the decoded JSON of a side file: like a spec file, but each
     tensor has its own ``mesh`` and ``placements`` (ranks of this side, from 0) instead of a
@@ -98,12 +129,17 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
     if not isinstance(tensors, list) or not tensors:
         raise ValueError(f"{origin}: 'tensors' must be a non-empty list")
     source, destination = LayoutBuilder(), LayoutBuilder()
+    formats: dict[str, Any] = {}
     max_rank = -1
     for i, entry in enumerate(tensors):
         name, shape, dtype, where = _tensor_entry(entry, f"{origin}: tensors[{i}]", origin)
         for side, builder in (("source", source), ("destination", destination)):
             side_spec = _require(entry, side, where)
             max_rank = max(max_rank, _add_placed(builder, name, shape, dtype, side_spec, f"{where} {side}"))
+        if isinstance(entry["source"], dict) and "format" in entry["source"]:
+            raise ValueError(f"{where} source: 'format' describes how the destination stores a tensor; "
+                             f"put it in 'destination'")
+        _format_of(entry["destination"], name, f"{where} destination", formats)
     if "domains" in data:
         domains = data["domains"]
         if not isinstance(domains, list) or not all(isinstance(d, int) and d >= 0 for d in domains):
@@ -116,7 +152,23 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
         if not isinstance(domain_size, int) or domain_size < 1:
             raise ValueError(f"{origin}: 'domain_size' must be an integer >= 1, got {domain_size!r}")
         topology = Topology.uniform(max_rank + 1, domain_size)
-    return RefitSpec(source.build(), destination.build(), topology)
+    src_layout, dst_layout = source.build(), destination.build()
+    return RefitSpec(src_layout, dst_layout, topology, _checked_formats(formats, dst_layout, origin))
+
+
+def parse_side_formats(data: Any, origin: str = "layout") -> TensorFormats:
+    """The destination formats a side file declares (per-tensor ``"format"``; none: all
+    ``bf16``), checked against the side's layout."""
+    layout = parse_side(data, origin)
+    formats: dict[str, Any] = {}
+    for i, entry in enumerate(data["tensors"]):
+        _format_of(entry, entry["name"], f"{origin}: tensors[{i}]", formats)
+    return _checked_formats(formats, layout, origin)
+
+
+def load_side_formats(path: str | Path) -> TensorFormats:
+    """:func:`parse_side_formats` of a side file."""
+    return parse_side_formats(_read_json(path, "layout file"), origin=str(path))
 
 
 def load_spec(path: str | Path) -> RefitSpec:

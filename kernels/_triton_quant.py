@@ -1,0 +1,220 @@
+"""Triton source of the fused pack + quantize kernel (private).
+
+Loaded by ``kernels._triton_backend.load_source`` twice, like ``_triton_copy.py``: compiled
+for CUDA and as an interpreted module for CPU tests. It follows ``kernels.quantize``'s
+arithmetic step by step (see there); every step is an integer operation, an IEEE division
+(``div_rn``), a max, or a multiplication by a power of two, so the compiled kernel (which
+flushes denormals) and the CPU reference agree bit for bit.
+
+Descriptor row (int64, ``DESC_WORDS`` wide) of one 2-D slice of a box (the host expands the
+box's leading dims), addresses resolved for one set of tensors and buffer:
+
+==  ==============================================================================
+0   ``tensor_ptr - buf_ptr`` in bytes (even: both are bf16/16-byte aligned)
+1   element offset of the slice's first element in its tensor
+2   the tensor's row stride in elements (its last dim)
+3   rows of the slice, 4 columns of the slice
+5   byte offset of the slice's FP8 bytes in the buffer (row-major, ``rows * cols``)
+6   byte offset of the slice's scales in the buffer (row-major over its block grid)
+7   tiles per tile row of the slice, 8 first tile (program id) of the slice
+9   scale blocks per row of the slice (``ceil(cols / BC)``)
+==  ==============================================================================
+
+One program quantizes one tile of ``TR x TC`` elements (whole blocks). When a block is
+taller than the rows one pass can hold in registers (fp8-block128: TR = BR = 128), the tile
+is read in ``CR``-row chunks twice: once for the block amax, once to quantize (the second
+read mostly hits L2).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.standard import _elementwise_max
+
+__all__ = ["DESC_WORDS", "quant_pack_kernel"]
+
+if globals().get("_KERNELS_INTERPRET", False):
+    from triton.runtime.interpreter import InterpretedFunction as _jit
+else:
+    _jit = triton.jit
+
+DESC_WORDS = 10
+
+
+@_jit
+def _max(x, axis: tl.constexpr):
+    """``tl.max`` without the standard library's jit wrapper, which the interpreter (run
+    per module here, not by ``TRITON_INTERPRET``) cannot call; it knows this combine_fn."""
+    return tl.reduce(x, axis, _elementwise_max)
+
+
+@_jit
+def _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN: tl.constexpr, ALIGNED: tl.constexpr,
+          EVICT: tl.constexpr):
+    """The tile's values as float32 (subnormals flushed to signed zero), their magnitudes
+    (0 for non-finite values) and the non-finite mask (int32). ``EVICT``: the cache policy
+    (``evict_last`` for a first pass whose bytes the second pass reads again)."""
+    r_off = rows.to(tl.int64) * stride
+    if ALIGNED:
+        r_off = tl.multiple_of(r_off, 8)
+    ptrs = src + s_base + r_off[:, None] + cols[None, :]
+    if EVEN:
+        x = tl.load(ptrs, eviction_policy=EVICT)
+    else:
+        mask = (rows < n_r)[:, None] & (cols < n_c)[None, :]
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    expo = bits & 0x7F800000
+    nonfinite = expo == 0x7F800000
+    bits = tl.where((expo == 0) | nonfinite, bits & -2147483648, bits)
+    v = bits.to(tl.float32, bitcast=True)
+    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return v, mag, nonfinite.to(tl.int32)
+
+
+@_jit
+def _e4m3_soft(y):
+    """float32 in [-448, 448] to E4M3 codes (int32) by integer arithmetic, round to nearest
+    even (``kernels.quantize.e4m3_bits_reference``)."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+    sub = ((a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return sign | tl.where(a >= 0x3C800000, normal, sub)
+
+
+@_jit
+def _scales(amax, bad, KIND: tl.constexpr):
+    """Per-block (value used to quantize, stored bits as int32): fp8-block scale_inv and
+    its float32 bits, or mxfp8 factor 2**(127 - code) and the E8M0 code."""
+    if KIND == 0:
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+        s = tl.where(amax == 0.0, 1.0, s)
+        stored = tl.where(bad > 0, 0x7FC00000, s.to(tl.int32, bitcast=True))
+        return s, stored
+    else:
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        code = tl.minimum(tl.maximum(biased - 8, 0), 254)
+        code = tl.where(amax == 0.0, 127, code)
+        factor = ((254 - code) << 23).to(tl.float32, bitcast=True)
+        stored = tl.where(bad > 0, 255, code)
+        return factor, stored
+
+
+@_jit
+def _quantize(v, per, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """E4M3 bytes (int32 0..255) of values ``v`` with per-element scale values ``per``."""
+    if KIND == 0:  # noqa: SIM108 - constexpr branches (compile-time), kept as statements
+        y = tl.math.div_rn(v, per)
+    else:
+        y = v * per
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if SOFT_CAST:  # noqa: SIM108
+        q = _e4m3_soft(y)
+    else:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return tl.where(bad_el > 0, 0x7F, q)
+
+
+@_jit
+def _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN: tl.constexpr, ALIGNED: tl.constexpr):
+    p_row = p_off + rows.to(tl.int64) * n_c
+    if ALIGNED:
+        p_row = tl.multiple_of(p_row, 16)
+    ptrs = dst + p_row[:, None] + cols[None, :]
+    if EVEN:
+        tl.store(ptrs, q.to(tl.int8))
+    else:
+        mask = (rows < n_r)[:, None] & (cols < n_c)[None, :]
+        tl.store(ptrs, q.to(tl.int8), mask=mask)
+
+
+@_jit
+def quant_pack_kernel(
+    buf_ptr,
+    desc_ptr,
+    tile_entry_ptr,
+    KIND: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    TR: tl.constexpr,
+    TC: tl.constexpr,
+    CR: tl.constexpr,
+    EVEN: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+):
+    """One program quantizes one ``TR x TC`` tile of one slice into the buffer.
+
+    ``KIND`` 0: fp8-block (float32 scale_inv), 1: mxfp8 (E8M0 codes). ``EVEN``: every
+    slice of the launch is whole tiles (no masks); ``ALIGNED``: every address and row is
+    16-byte aligned (vector accesses); ``SOFT_CAST``: integer E4M3 conversion instead of
+    the hardware one (the interpreter's is inexact for E4M3 subnormals).
+    """
+    pid = tl.program_id(0)
+    e = tl.load(tile_entry_ptr + pid).to(tl.int64)
+    d = desc_ptr + e * 10
+    delta = tl.load(d)
+    t_off = tl.load(d + 1)
+    stride = tl.load(d + 2)
+    n_r = tl.load(d + 3).to(tl.int32)
+    n_c = tl.load(d + 4).to(tl.int32)
+    p_off = tl.load(d + 5)
+    s_off = tl.load(d + 6)
+    tpr = tl.load(d + 7).to(tl.int32)
+    tile0 = tl.load(d + 8).to(tl.int32)
+    n_bc = tl.load(d + 9).to(tl.int32)
+    t = pid - tile0
+    tr = t // tpr
+    tc = t - tr * tpr
+    src = buf_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    dst = buf_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+    s_base = delta // 2 + t_off
+    if ALIGNED:
+        s_base = tl.multiple_of(s_base, 8)
+        p_off = tl.multiple_of(p_off, 16)
+    cols = tc * TC + tl.arange(0, TC)
+    NBR: tl.constexpr = TR // BR
+    NBC: tl.constexpr = TC // BC
+    n_br = (n_r + BR - 1) // BR
+    if CR == TR:
+        # One pass: the tile holds NBR x NBC whole blocks.
+        rows = tr * TR + tl.arange(0, TR)
+        v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_first")
+        amax = _max(_max(tl.reshape(mag, (NBR, BR, NBC, BC)), axis=3), axis=1)
+        bad = _max(_max(tl.reshape(nf, (NBR, BR, NBC, BC)), axis=3), axis=1)
+        scale, stored = _scales(amax, bad, KIND)
+        per = tl.reshape(tl.broadcast_to(tl.reshape(scale, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
+        bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
+        q = _quantize(v, per, bad_el, KIND, SOFT_CAST)
+        _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN, ALIGNED)
+        b_r = tr * NBR + tl.arange(0, NBR)
+    else:
+        # Blocks as tall as the tile (NBR == 1), read in CR-row chunks: amax, then quantize.
+        amax = tl.full((NBC,), 0.0, tl.float32)
+        bad = tl.full((NBC,), 0, tl.int32)
+        for c in tl.range(TR // CR):
+            rows = tr * TR + c * CR + tl.arange(0, CR)
+            _v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_last")
+            amax = tl.maximum(amax, _max(_max(tl.reshape(mag, (CR, NBC, BC)), axis=2), axis=0))
+            bad = tl.maximum(bad, _max(_max(tl.reshape(nf, (CR, NBC, BC)), axis=2), axis=0))
+        scale, stored = _scales(amax, bad, KIND)
+        per = tl.reshape(tl.broadcast_to(tl.reshape(scale, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
+        bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
+        for c in tl.range(TR // CR):
+            rows = tr * TR + c * CR + tl.arange(0, CR)
+            v, _mag, _nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_first")
+            q = _quantize(v, per, bad_el, KIND, SOFT_CAST)
+            _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN, ALIGNED)
+        stored = tl.reshape(stored, (1, NBC))
+        b_r = tr + tl.arange(0, 1)
+    b_c = tc * NBC + tl.arange(0, NBC)
+    s_mask = (b_r < n_br)[:, None] & (b_c < n_bc)[None, :]
+    s_idx = b_r.to(tl.int64)[:, None] * n_bc + b_c[None, :]
+    if KIND == 0:
+        s_ptr = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + s_off // 4
+        tl.store(s_ptr + s_idx, stored, mask=s_mask)
+    else:
+        tl.store(dst + s_off + s_idx, stored.to(tl.int8), mask=s_mask)
