@@ -21,7 +21,7 @@ FORMATS = [FP8_BLOCK128, MXFP8, DestinationFormat("fp8-block32")]
 
 def sync() -> None:
     if torch.device(DEV).type == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
