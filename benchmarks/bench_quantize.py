@@ -14,8 +14,8 @@ each at its best ``--warps`` x ``chunk_rows`` (rows per pass of a 128-row block:
 ``vs copy`` (quantize GB/s / copy GB/s) is the fraction of copy speed kept while writing FP8
 (goal >= 0.70 on an H200). Timing: CUDA events around N back-to-back calls after warm-up,
 median of repeats, inputs rotating among enough sets to exceed L2 (CPU: perf_counter).
-``verified`` compares the fused bucket with the reference quantizer (torch ops, on the same
-device) byte for byte, for buckets up to ``--verify-mib``.
+``verified`` compares the fused bucket with the reference quantizer (torch ops, on the CPU)
+byte for byte, for buckets up to ``--verify-mib``.
 
 Usage: python benchmarks/bench_quantize.py [--device cuda|cpu] [--small] [--json] [--json-out F]
 """
@@ -154,14 +154,14 @@ def bench_case(case: Case, device: torch.device, timer: Timer, warps: list[int],
         name = f"{fmt.name}{' soft' if soft_cast else ''}"
         verified: bool | None = None
         if case.nbytes <= verify_mib * 2**20:
-            # The reference quantizer (torch ops per box; on the same device: IEEE division
-            # and torch's E4M3 cast there too; tests/gpu checks against the CPU as well).
-            ref = QuantPackProgram(case.shapes, regions, fmt, device=device, backend="torch")
-            want = torch.zeros(prog.nbytes, dtype=torch.uint8, device=device)
-            ref.pack(sets[0], want)
-            got = torch.zeros_like(want)
+            # Against the reference quantizer on the CPU (torch ops per box), as tests/gpu
+            # checks: the definition of the bytes, whatever device quantized them.
+            ref = QuantPackProgram(case.shapes, regions, fmt, device=torch.device("cpu"), backend="torch")
+            want = torch.zeros(prog.nbytes, dtype=torch.uint8)
+            ref.pack([t.cpu() for t in sets[0]], want)
+            got = torch.zeros(prog.nbytes, dtype=torch.uint8, device=device)
             prog.pack(sets[0], got)
-            verified = bool(torch.equal(got, want))
+            verified = bool(torch.equal(got.cpu(), want))
             del want, got
         row(name, s, {"warps": w if backend == "triton" else None, "chunk_rows": prog.tiles[2] if backend == "triton" else None,
                       "fp8_bucket_bytes": prog.nbytes, "vs_copy": copy["seconds"] / s, "verified": verified})
