@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import time
 from typing import Any
+
+import numpy as np
 
 from elastic_refit.cli._output import (
     format_bytes,
@@ -15,10 +18,21 @@ from elastic_refit.cli._output import (
     render_table,
 )
 from elastic_refit.layout import RefitSpec, load_spec
-from elastic_refit.plan import RELAY_MODES, Plan, PlanOptions, make_plan
+from elastic_refit.plan import (
+    RELAY_MODES,
+    Plan,
+    PlanOptions,
+    RankPlan,
+    TransferKind,
+    make_plan,
+    make_rank_plan,
+)
 from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
 
-__all__ = ["add_case_arguments", "load_case", "plan_figures", "register", "run"]
+__all__ = ["add_case_arguments", "load_case", "plan_figures", "rank_figures", "register", "run"]
+
+# Peers listed in the readable --rank table (--json lists them all).
+_SHOWN_PEERS = 20
 
 
 def add_case_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_case_arguments(parser)
     parser.add_argument("--cluster", choices=sorted(CLUSTERS), help="predict seconds on this cluster")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="plan only this rank's view (what it sends, receives and copies), as every rank "
+                             "does at run time; plans that relay are refused")
     parser.set_defaults(handler=run)
 
 
@@ -70,6 +87,87 @@ def plan_figures(plan: Plan, plan_seconds: float) -> dict[str, Any]:
     """The ``--json`` object: every figure of ``plan.stats`` under its own name (``*_bytes``,
     ``num_*``), the plan time and the fingerprint."""
     return {**dataclasses.asdict(plan.stats), "plan_seconds": plan_seconds, "fingerprint": plan.fingerprint}
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def rank_figures(view: RankPlan, plan_seconds: float, cluster=None) -> dict[str, Any]:
+    """The ``--rank --json`` object: the rank, its bytes per direction and kind, its rows and
+    messages, its peers (one entry per peer, direction and kind), the plan time, the process's
+    peak RSS, the input fingerprint; with a cluster, the seconds its own bytes take there
+    (its NIC, then its NVLink, plus one latency per round of the plan, as ``cost.predict``
+    counts them for plans without relay)."""
+    t = view.transfers
+    by_kind = view.bytes_by_kind()
+    weight = t.nbytes * t.instances
+    peers = []
+    for direction, mine, other in (("send", t.src_rank, t.dst_rank), ("recv", t.dst_rank, t.src_rank)):
+        rows = np.flatnonzero((mine == view.rank) & (t.kind != int(TransferKind.LOCAL)))
+        # per (peer, kind): bytes, and messages counted as distinct message ids
+        pairs, pair_of = np.unique(np.stack([other[rows], t.kind[rows]], axis=1), axis=0, return_inverse=True)
+        pair_of = pair_of.reshape(-1)
+        pair_bytes = np.bincount(pair_of, weights=weight[rows], minlength=len(pairs))
+        distinct = np.unique(np.stack([pair_of, t.message[rows]], axis=1), axis=0)
+        pair_messages = np.bincount(distinct[:, 0], minlength=len(pairs)) if distinct.size else np.zeros(len(pairs))
+        peers += [{"direction": direction, "peer": int(peer), "kind": TransferKind(int(kind)).name.lower(),
+                   "bytes": int(nbytes), "num_messages": int(count)}
+                  for (peer, kind), nbytes, count in zip(pairs.tolist(), pair_bytes.tolist(), pair_messages.tolist(),
+                                                         strict=True)]
+    figures: dict[str, Any] = {
+        "rank": view.rank,
+        "plan_seconds": plan_seconds,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "send_bytes": by_kind["network_send"] + by_kind["intra_send"],
+        "recv_bytes": by_kind["network_recv"] + by_kind["intra_recv"],
+        **{f"{name}_bytes": value for name, value in by_kind.items()},
+        "num_rows": len(t),
+        "num_messages": int(np.unique(t.message[t.kind != int(TransferKind.LOCAL)]).size),
+        "num_rounds": view.num_rounds,
+        "fingerprint": view.fingerprint,
+        "peers": peers,
+    }
+    if cluster is not None:
+        nic = max(by_kind["network_send"], by_kind["network_recv"]) / (cluster.nic_gbps * 1e9)
+        nvlink = max(by_kind["intra_send"], by_kind["intra_recv"]) / (cluster.nvlink_gbps * 1e9)
+        figures.update(cluster=cluster.name, predicted_seconds=nic + nvlink + view.num_rounds * cluster.latency_s)
+    return figures
+
+
+def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOptions, cluster) -> int:
+    if not args.json:
+        progress(f"planning rank {args.rank}'s view ({spec.source.num_pieces} source pieces, "
+                 f"{spec.destination.num_pieces} destination pieces) ...")
+    t0 = time.perf_counter()
+    view = make_rank_plan(spec.source, spec.destination, spec.topology, options, rank=args.rank)
+    figures = rank_figures(view, time.perf_counter() - t0, cluster)
+    if args.json:
+        print_json(figures)
+        return 0
+    rows = [
+        ("network send / recv", f"{format_bytes(figures['network_send_bytes'])} / "
+                                f"{format_bytes(figures['network_recv_bytes'])}"),
+        ("intra-domain send / recv", f"{format_bytes(figures['intra_send_bytes'])} / "
+                                     f"{format_bytes(figures['intra_recv_bytes'])}"),
+        ("local copies", format_bytes(figures["local_bytes"])),
+        ("rows / messages / plan rounds", f"{figures['num_rows']}/{figures['num_messages']}/{figures['num_rounds']}"),
+        ("plan time (this rank)", format_seconds(figures["plan_seconds"])),
+        ("peak RSS (process)", format_bytes(figures["peak_rss_bytes"])),
+    ]
+    if cluster is not None:
+        rows.append((f"its bytes on {cluster.name}", format_seconds(figures["predicted_seconds"])))
+    print(f"{description}  |  rank {args.rank} of {spec.topology.num_ranks}")
+    print(render_table(("figure", "value"), rows))
+    peers = sorted(figures["peers"], key=lambda p: (-p["bytes"], p["direction"], p["peer"]))
+    if peers:
+        print(render_table(("direction", "peer", "kind", "messages", "bytes"),
+                           [(p["direction"], p["peer"], p["kind"], p["num_messages"], format_bytes(p["bytes"]))
+                            for p in peers[:_SHOWN_PEERS]]))
+        if len(peers) > _SHOWN_PEERS:
+            print(f"... and {len(peers) - _SHOWN_PEERS} more peers (--json lists them all)")
+    print(f"input fingerprint {figures['fingerprint']}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,11 +179,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     spec, description = load_case(args, cluster.domain_size if cluster else None)
     layout_seconds = time.perf_counter() - t0
+    options = PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
+    if args.rank is not None:
+        return _run_rank(args, spec, description, options, cluster)
     if not args.json:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
-    plan = make_plan(spec.source, spec.destination, spec.topology,
-                     PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay))
+    plan = make_plan(spec.source, spec.destination, spec.topology, options)
     plan_seconds = time.perf_counter() - t0
     figures = plan_figures(plan, plan_seconds)
     figures["layout_seconds"] = layout_seconds

@@ -1,12 +1,15 @@
-"""The planner: intersections, domain dedupe, sender balance, schedule, buckets, figures."""
+"""The planner: intersections, domain dedupe, sender balance, schedule, buckets, figures,
+per-rank views."""
 
 from elastic_refit.plan.planner import PLANNER_VERSION, gather_broadcast_bytes, make_plan
+from elastic_refit.plan.rank import make_rank_plan, plan_input_fingerprint, rank_slice
 from elastic_refit.plan.types import (
     RELAY_MODES,
     Phase,
     Plan,
     PlanOptions,
     PlanStats,
+    RankPlan,
     SourceSide,
     TransferKind,
     TransferTable,
@@ -20,10 +23,14 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "PlanStats",
+    "RankPlan",
     "SourceSide",
     "TransferKind",
     "TransferTable",
     "gather_broadcast_bytes",
     "make_plan",
+    "make_rank_plan",
+    "plan_input_fingerprint",
+    "rank_slice",
     "relay_mode",
 ]

@@ -30,6 +30,10 @@ Everything is planned once per *tensor class* (tensors laid out alike on both si
 regions once per layout of one side. Sorts are one SIMD sort of packed int64 keys with the
 row index in the low bits. A re-plan after ranks leave costs what a cold plan costs minus
 what the derived layouts inherit (see ``Layout.without_ranks``): the planner keeps no state.
+
+Per-rank plans (``elastic_refit.plan.rank``) make every decision of stages 1-4 and the rounds
+of stage 5 with this same code (``_plan_rows``, ``_rounds``), so they agree with the full plan
+and with each other, then keep one rank's rows: only those get boxes and messages.
 """
 
 from __future__ import annotations
@@ -422,19 +426,12 @@ def make_plan(
     the topology.
     """
     options = options or PlanOptions()
-    tensor_map = _match_tensors(source, destination)
-    _check_ranks(source, topology, "source")
-    _check_ranks(destination, topology, "destination")
-    _check_destination_overlap(destination)
-
-    domain_of_rank = np.unique(topology.domain_array(), return_inverse=True)[1].astype(np.int64)
+    rows = _plan_rows(source, destination, topology, options)
+    tensor_map, classes, instances, domain_of_rank = rows.tensor_map, rows.classes, rows.instances, rows.domain_of_rank
+    lower_bound_bytes, egress_group, relayed = rows.lower_bound_bytes, rows.egress_group, rows.relayed
     num_ranks = topology.num_ranks
-    classes = tensor_classes(source, destination, tensor_map)
-    instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
-    # The rows' many intermediates die with _transfer_rows, before the schedule allocates:
-    # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
-    table, lower_bound_bytes, num_forward, egress_group, relayed = _transfer_rows(
-        source, destination, options, tensor_map, classes, instances, domain_of_rank)
+    table, num_forward = _atom_columns(rows.table, rows.atoms), rows.num_forward
+    del rows
     table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks, num_forward)
 
     stats, per_rank = _stats(
@@ -462,8 +459,45 @@ def make_plan(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """The planner's decisions before the schedule (stages 1-4), shared by the full plan and
+    per-rank plans (``elastic_refit.plan.rank``): every row with its atom, pieces and ranks."""
+
+    table: dict[str, np.ndarray]  # _ROW_COLUMNS, one entry per row, in generation order
+    atoms: tuple  # (tensor, offsets, lengths, nbytes) of every atom, for _atom_columns
+    tensor_map: np.ndarray
+    classes: TensorClasses
+    instances: np.ndarray  # members per class, per destination tensor
+    domain_of_rank: np.ndarray
+    lower_bound_bytes: int
+    num_forward: int
+    egress_group: tuple[int, int]
+    relayed: bool
+
+
+def _plan_rows(source: Layout, destination: Layout, topology: Topology, options: PlanOptions,
+               figures: bool = True) -> _Rows:
+    """Validate the inputs and decide every row (everything but the schedule). Without
+    ``figures`` (per-rank plans), the egress group of the cost bound is not computed."""
+    tensor_map = _match_tensors(source, destination)
+    _check_ranks(source, topology, "source")
+    _check_ranks(destination, topology, "destination")
+    _check_destination_overlap(destination)
+
+    domain_of_rank = np.unique(topology.domain_array(), return_inverse=True)[1].astype(np.int64)
+    classes = tensor_classes(source, destination, tensor_map)
+    instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
+    # The rows' many intermediates die with _transfer_rows, before the schedule allocates:
+    # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
+    table, atoms, lower_bound_bytes, num_forward, egress_group, relayed = _transfer_rows(
+        source, destination, options, tensor_map, classes, instances, domain_of_rank, figures)
+    return _Rows(table, atoms, tensor_map, classes, instances, domain_of_rank, lower_bound_bytes, num_forward,
+                 egress_group, relayed)
+
+
 def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, tensor_map: np.ndarray,
-                   classes: TensorClasses, instances: np.ndarray, domain_of_rank: np.ndarray):
+                   classes: TensorClasses, instances: np.ndarray, domain_of_rank: np.ndarray, figures: bool = True):
     """The table's rows (stages 1-4 of the module docstring) and the lower bound in bytes."""
     ndim = max(source.ndim, destination.ndim)
     num_domains = int(domain_of_rank.max()) + 1
@@ -525,9 +559,15 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     lower_bound_bytes = int(atom_weight[demand_atom[~held]].sum())
 
     held_rows = np.flatnonzero(np.repeat(held, demand_count)) if maybe_held.size else maybe_held
+    # Free what only the held demands need as soon as it is known, before the senders' and the
+    # table's arrays are allocated (with disjoint pools the holder rows are most of the peak).
+    del demand_key, new_demand, needer_at, holder_at
+    if not held_rows.size:
+        del holder_atom, holder_piece, holder_rank, holder_domain
     network_demands = np.flatnonzero(~held)
     network_region, network_weight = atom_src_region[demand_atom[network_demands]], atom_weight[demand_atom[network_demands]]
-    egress_group = _egress_group(network_region, network_weight, src_regions, src_rows, source, domain_of_rank)
+    egress_group = (_egress_group(network_region, network_weight, src_regions, src_rows, source, domain_of_rank)
+                    if figures else (0, 1))
     sender_at = receivers = None
     if network_demands.size:
         sender_at = _network_senders(network_region, network_weight, src_regions, src_rows, source, num_ranks)
@@ -536,6 +576,7 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
         if options.relay == "auto":  # the senders are the same with or without relay
             sender_rank = source.piece_rank[src_rows[src_regions.pieces[sender_at]]]
             busiest_send = int(np.bincount(sender_rank, weights=network_weight, minlength=num_ranks).max())
+            del sender_rank
         receiver, receiver_row, plain_load = _choose_receivers(
             network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank, domain_of_rank,
             _participants(source, destination), busiest_send)
@@ -543,31 +584,29 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
         if options.relay == "auto" and not _balance_lowers_busiest_nic(busiest_send, receiver, plain_load,
                                                                        network_weight, num_ranks):
             receivers = None  # the plain plan, byte for byte
+        del receiver, receiver_row, plain_load  # kept in `receivers` where the plan relays
     del network_region, network_weight
-    # Free what the rows no longer need before the table is allocated, so that it reuses
-    # their memory rather than faulting in fresh pages.
-    del demand_key, new_demand, needer_at, holder_at
     # The table is allocated once and each part writes its rows in place: held needers,
     # then one network row per network demand, then the fan-outs (or forwards) of shared
     # demands; a relayed demand forwards to every needer.
     num_fan_out = int(demand_count[network_demands].sum()) - network_demands.size
     if receivers is not None:
         num_fan_out += int(np.count_nonzero(receivers[1] < 0))
-    table = _empty_table(held_rows.size + network_demands.size + num_fan_out, ndim)
+    table = _empty_table(held_rows.size + network_demands.size + num_fan_out)
     atoms = (atom_tensor, atom_offsets, atom_lengths, atom_nbytes)
     needers = (needer_atom, needer_piece, needer_rank, needer_domain)
     # -- demands served inside the domain (a source rank of the domain holds the atom) --
     if held_rows.size:
         holders = (holder_atom, holder_piece, holder_rank, holder_domain)
-        _serve_held(table, held_rows, needers, holders, num_domains, num_ranks, atoms)
+        _serve_held(table, held_rows, needers, holders, num_domains, num_ranks)
     # -- demands that cross the network once, then fan out --
     if network_demands.size:
         demands = (demand_first, demand_count, demand_atom)
         _serve_network(table, held_rows.size, network_demands, demands, needers, sender_at, src_regions, src_rows,
-                       source, atoms, receivers)
+                       source, receivers)
     num_forward = int(np.count_nonzero(table["src_side"] == int(SourceSide.RELAY))) if receivers is not None else 0
     relayed = options.relay == "on" or receivers is not None
-    return table, lower_bound_bytes, num_forward, egress_group, relayed
+    return table, atoms, lower_bound_bytes, num_forward, egress_group, relayed
 
 
 def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) -> TensorClasses:
@@ -634,32 +673,38 @@ def _check_coverage(atoms, dst: _Regions, dst_rows: np.ndarray, destination: Lay
         )
 
 
-_ROW_COLUMNS = ("kind", "phase", "tensor", "src_side", "src_piece", "dst_piece", "src_rank", "dst_rank", "nbytes")
+# A row is written with the atom it copies; its tensor, bytes and box are the atom's and are
+# gathered from the atoms only for the rows kept (``_atom_columns``): a per-rank plan keeps
+# a few rows of millions and never allocates the boxes of the others.
+_ROW_COLUMNS = ("kind", "phase", "atom", "src_side", "src_piece", "dst_piece", "src_rank", "dst_rank")
 
 
-def _empty_table(num_rows: int, ndim: int) -> dict[str, np.ndarray]:
-    table = {name: np.empty(num_rows, dtype=np.int64) for name in _ROW_COLUMNS}
-    table["offsets"] = np.empty((num_rows, ndim), dtype=np.int64)
-    table["lengths"] = np.empty((num_rows, ndim), dtype=np.int64)
-    return table
+def _empty_table(num_rows: int) -> dict[str, np.ndarray]:
+    return {name: np.empty(num_rows, dtype=np.int64) for name in _ROW_COLUMNS}
 
 
-def _write_rows(table, rows: slice, kind, phase, src_side, atom, atoms) -> None:
+def _write_rows(table, rows: slice, kind, phase, src_side, atom) -> None:
     """Rows ``rows`` of the table, one box copy of ``atom[i]`` each: all but the pieces and
     ranks at both ends, which the caller writes."""
     table["kind"][rows] = kind
     table["phase"][rows] = phase
     table["src_side"][rows] = src_side
-    # The atom's tensor, bytes and box, gathered straight into the table ("clip" skips the
-    # buffered bounds check; atom ids are in range by construction).
+    table["atom"][rows] = atom
+
+
+def _atom_columns(table: dict[str, np.ndarray], atoms) -> dict[str, np.ndarray]:
+    """``table`` with its ``atom`` column replaced by each row's tensor, bytes and box."""
+    atom = table.pop("atom")
     atom_tensor, atom_offsets, atom_lengths, atom_nbytes = atoms
-    np.take(atom_tensor, atom, out=table["tensor"][rows], mode="clip")
-    np.take(atom_nbytes, atom, out=table["nbytes"][rows], mode="clip")
-    np.take(atom_offsets, atom, axis=0, out=table["offsets"][rows], mode="clip")
-    np.take(atom_lengths, atom, axis=0, out=table["lengths"][rows], mode="clip")
+    # "clip" skips the buffered bounds check; atom ids are in range by construction
+    table["tensor"] = np.take(atom_tensor, atom, mode="clip")
+    table["nbytes"] = np.take(atom_nbytes, atom, mode="clip")
+    table["offsets"] = np.take(atom_offsets, atom, axis=0, mode="clip")
+    table["lengths"] = np.take(atom_lengths, atom, axis=0, mode="clip")
+    return table
 
 
-def _serve_held(table, rows, needers, holders, num_domains, num_ranks, atoms):
+def _serve_held(table, rows, needers, holders, num_domains, num_ranks):
     """Needers whose domain holds the atom (the table's first rows): a local copy if their own
     rank holds it, else an intra-domain copy from a holder of the domain (rotating over
     holders to spread load). ``needers`` and ``holders`` are (atom, piece, rank, domain)
@@ -692,13 +737,13 @@ def _serve_held(table, rows, needers, holders, num_domains, num_ranks, atoms):
     src_rank[remote] = holder_rank[by_domain][pick]
     kind = np.where(local, int(TransferKind.LOCAL), int(TransferKind.INTRA))
     served = slice(0, atom.size)
-    _write_rows(table, served, kind, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
+    _write_rows(table, served, kind, Phase.DELIVER, SourceSide.SOURCE, atom)
     table["src_piece"][served], table["src_rank"][served] = src_piece, src_rank
     table["dst_piece"][served], table["dst_rank"][served] = piece, rank
 
 
 def _serve_network(table, first_row, network_demands, demands, needers, sender_at, src_regions, src_rows, source,
-                   atoms, receivers=None):
+                   receivers=None):
     """One network transfer per demand into a receiver (rows from ``first_row``), then fan-out
     to the other needers (the rows after those). ``demands`` are (first needer, number of
     needers, atom) columns of every demand; ``network_demands`` picks those served here, and
@@ -713,14 +758,13 @@ def _serve_network(table, first_row, network_demands, demands, needers, sender_a
         atom = demand_atom[network_demands]
         first_needer, num_needers = demand_first[network_demands], demand_count[network_demands]
     rows = slice(first_row, first_row + network_demands.size)
-    _write_rows(table, rows, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom, atoms)
+    _write_rows(table, rows, TransferKind.NETWORK, Phase.DELIVER, SourceSide.SOURCE, atom)
     sender_piece, receiver_piece = table["src_piece"][rows], table["dst_piece"][rows]
     receiver_rank = table["dst_rank"][rows]
     np.take(src_rows, src_regions.pieces[sender_at], out=sender_piece, mode="clip")
     np.take(source.piece_rank, sender_piece, out=table["src_rank"][rows], mode="clip")
     if receivers is not None:
-        _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom,
-                      atoms)
+        _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom)
         return
     # Receivers rotate among the demand's needers in the domain (replicas); most have one.
     shared = np.flatnonzero(num_needers > 1)
@@ -735,13 +779,12 @@ def _serve_network(table, first_row, network_demands, demands, needers, sender_a
     others = row != receiver_row[owner]
     owner, row = owner[others], row[others]
     fan = slice(rows.stop, rows.stop + owner.size)
-    _write_rows(table, fan, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner], atoms)
+    _write_rows(table, fan, TransferKind.INTRA, Phase.FAN_OUT, SourceSide.DESTINATION, atom[owner])
     table["src_piece"][fan], table["src_rank"][fan] = receiver_piece[owner], receiver_rank[owner]
     table["dst_piece"][fan], table["dst_rank"][fan] = needer_piece[row], needer_rank[row]
 
 
-def _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom,
-                  atoms):
+def _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, needer_piece, needer_rank, atom):
     """Relayed plans: the network rows' receivers, then one forward per (demand, needer other
     than the receiver) in the table's last rows, reading the network row's staged bytes."""
     receiver, receiver_row = receivers
@@ -751,7 +794,7 @@ def _forward_rows(table, first_row, rows, receivers, first_needer, num_needers, 
     others = row != receiver_row[owner]
     owner, row = owner[others], row[others]
     forward = slice(rows.stop, rows.stop + owner.size)
-    _write_rows(table, forward, TransferKind.INTRA, Phase.DELIVER, SourceSide.RELAY, atom[owner], atoms)
+    _write_rows(table, forward, TransferKind.INTRA, Phase.DELIVER, SourceSide.RELAY, atom[owner])
     table["src_piece"][forward], table["src_rank"][forward] = first_row + owner, receiver[owner]
     table["dst_piece"][forward], table["dst_rank"][forward] = needer_piece[row], needer_rank[row]
 
@@ -903,32 +946,30 @@ def _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_
     sorted_region = region[order]
     group_start = np.append(0, np.flatnonzero(np.diff(sorted_region)) + 1)
     group_end = np.append(group_start[1:], order.size)
-    group_size = group_end - group_start
     weight = nbytes[order]
     totals = np.add.reduceat(weight, group_start)
     group_order = np.lexsort((sorted_region[group_start], -totals))
-    # Per demand, for all groups at once: its round-robin slot (its place in the group modulo
-    # the holders) and twice its middle in the group's stream; per group and slot, the bytes
-    # round-robin gives that slot.
-    group_of = np.repeat(np.arange(group_start.size), group_size)
-    holders_of = num_holders[order]
-    slot = (np.arange(order.size) - group_start[group_of]) % holders_of
-    middle2 = 2 * (np.cumsum(weight) - np.repeat(np.cumsum(totals) - totals, group_size)) - weight
-    width = int(holders_of.max())
-    slot_bytes = np.bincount(group_of * width + slot, weights=weight,
-                             minlength=group_start.size * width).astype(np.int64).reshape(-1, width)
+    del sorted_region, replicated, forced  # arrays of every demand: free them before the next ones
     for g in group_order.tolist():
         rows = slice(int(group_start[g]), int(group_end[g]))
-        first, count = int(holder_start[order[rows.start]]), int(holders_of[rows.start])
+        first, count = int(holder_start[order[rows.start]]), int(num_holders[order[rows.start]])
         holders = holder_rank[first : first + count]
         holder_load = load[holders]
         by_load = np.lexsort((np.arange(count), holders, holder_load))
-        picks = _fill_holders(holders, holder_load, by_load, slot_bytes[g, :count], int(totals[g]),
-                              middle2[rows], weight[rows])
+        # Per demand of the group (one region, so one holder count): its round-robin slot (its
+        # place in the group modulo the holders) and twice its middle in the group's stream;
+        # per slot, the bytes round-robin gives it. Group by group, so that no array of every
+        # demand is allocated for them.
+        group_weight = weight[rows]
+        slot = np.arange(group_weight.size, dtype=np.int64) % count
+        middle2 = 2 * np.cumsum(group_weight) - group_weight
+        slot_bytes = np.bincount(slot, weights=group_weight, minlength=count).astype(np.int64)
+        picks = _fill_holders(holders, holder_load, by_load, slot_bytes, int(totals[g]), middle2, group_weight)
         if picks is None:
-            picks = by_load[slot[rows]]
+            picks = by_load[slot]
         choice[order[rows]] = picks
-        np.add.at(load, holders[picks], weight[rows])
+        # per holder, then onto the (possibly repeated) ranks: sums of whole bytes, exact
+        np.add.at(load, holders, np.bincount(picks, weights=group_weight, minlength=count).astype(np.int64))
     return choice
 
 
@@ -1009,8 +1050,16 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     The last ``num_forward`` rows are forwards (relayed plans): they take no part in the
     shift schedule, inherit the round and stream offset of their network row, and form
     messages of their own (one per round, relay and needer)."""
-    tensor = table["tensor"]
-    nbytes = table.pop("nbytes")  # written with the rows, from the atoms
+    row_round, num_rounds = _rounds(table, num_ranks, num_forward)
+    return _messages(table, row_round, num_rounds, bucket_bytes, instances, num_ranks, num_forward)
+
+
+def _rounds(table: dict[str, np.ndarray], num_ranks: int, num_forward: int = 0) -> tuple[np.ndarray, int]:
+    """The shift-schedule round of every row (-1: a local copy) and the number of rounds.
+
+    A round depends on the senders, receivers and (sender, receiver) pairs of the whole
+    phase, so it is computed over every row, from the rows' ranks, phases and kinds only
+    (a per-rank plan keeps just those columns of the rows it does not take part in)."""
     phase, src_rank, dst_rank = table["phase"], table["src_rank"], table["dst_rank"]
     is_local = table["kind"] == int(TransferKind.LOCAL)
     num_rows = src_rank.size
@@ -1046,9 +1095,26 @@ def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.nda
     num_rounds = int(rounds_per_phase.sum())
     if peer_rows is not None:
         row_round[is_local] = -1
-    message_phase = phase
     if num_forward:
         row_round[forward] = row_round[parent]  # a forward travels with its network bucket
+    return row_round, num_rounds
+
+
+def _messages(table: dict[str, np.ndarray], row_round: np.ndarray, num_rounds: int, bucket_bytes: int,
+              instances: np.ndarray, num_ranks: int, num_forward: int = 0) -> tuple[TransferTable, dict[str, int]]:
+    """Messages, stream offsets and buckets of rows whose rounds are known: the table and its
+    counts (see ``_schedule``). A message's offsets depend only on its own rows, so any set
+    of whole messages (a rank's rows) gets the offsets the full table gives them; message
+    ids number the messages of the rows given."""
+    tensor = table["tensor"]
+    nbytes = table.pop("nbytes")  # written with the rows, from the atoms
+    phase, src_rank, dst_rank = table["phase"], table["src_rank"], table["dst_rank"]
+    num_rows = src_rank.size
+    forward = slice(num_rows - num_forward, num_rows)
+    parent = table["src_piece"][forward]
+    num_phases = len(Phase)
+    message_phase = phase
+    if num_forward:
         # forwards form their own messages: a phase number of their own in the message key
         message_phase = phase.copy()
         message_phase[forward] = num_phases

@@ -18,6 +18,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "PlanStats",
+    "RankPlan",
     "SourceSide",
     "TensorClasses",
     "TransferKind",
@@ -236,37 +237,11 @@ class ExpandedTransfers:
     message_offset: np.ndarray  # byte offset of this copy in its message's stream
 
 
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """What every rank sends, receives and copies for one (source, destination, topology).
+class _ClassRows:
+    """Expansion of plan rows into box copies, shared by ``Plan`` and ``RankPlan`` (both hold
+    ``source``, ``destination``, ``transfers``, ``classes`` and ``source_tensor``)."""
 
-    Pure data: equal inputs give byte-identical tables and the same ``fingerprint`` on
-    every process; ranks agree on the fingerprint before any byte moves.
-    """
-
-    source: Layout
-    destination: Layout
-    topology: Topology
-    options: PlanOptions
-    transfers: TransferTable
-    classes: TensorClasses
-    source_tensor: np.ndarray = field(repr=False)  # [T] source tensor id of each destination tensor
-    stats: PlanStats = field(repr=False)
-    fingerprint: str = field()
-    # Per-rank network/intra byte totals, for the cost model and balance checks.
-    network_send_bytes: np.ndarray = field(repr=False)
-    network_recv_bytes: np.ndarray = field(repr=False)
-    intra_send_bytes: np.ndarray = field(repr=False)
-    intra_recv_bytes: np.ndarray = field(repr=False)
-    # The source domains whose NICs must carry the most cross-domain bytes per NIC: bytes
-    # that only these domains hold, and the ranks of these domains (for the cost bound).
-    egress_group_bytes: int = field(default=0, repr=False)
-    egress_group_ranks: int = field(default=1, repr=False)
-    # Whether the plan balances ingress and forwards (PlanOptions.relay "on", or "auto" where
-    # that lowered the busiest NIC); part of the fingerprint.
-    relayed: bool = field(default=False)
-
-    def __post_init__(self) -> None:
+    def _index_pieces(self) -> None:
         object.__setattr__(self, "source_tensor", readonly_column(np.asarray(self.source_tensor, dtype=np.int64)))
         # First piece of every tensor, per side (layouts sort pieces by tensor first).
         for side, layout in (("_src_piece_start", self.source), ("_dst_piece_start", self.destination)):
@@ -303,7 +278,95 @@ class Plan:
         message_offset = transfers.message_offset[row] + member_index * transfers.nbytes[row]
         return ExpandedTransfers(row, member, src_piece, dst_piece, message_offset)
 
+
+@dataclass(frozen=True, eq=False)
+class Plan(_ClassRows):
+    """What every rank sends, receives and copies for one (source, destination, topology).
+
+    Pure data: equal inputs give byte-identical tables and the same ``fingerprint`` on
+    every process; ranks agree on the fingerprint before any byte moves.
+    """
+
+    source: Layout
+    destination: Layout
+    topology: Topology
+    options: PlanOptions
+    transfers: TransferTable
+    classes: TensorClasses
+    source_tensor: np.ndarray = field(repr=False)  # [T] source tensor id of each destination tensor
+    stats: PlanStats = field(repr=False)
+    fingerprint: str = field()
+    # Per-rank network/intra byte totals, for the cost model and balance checks.
+    network_send_bytes: np.ndarray = field(repr=False)
+    network_recv_bytes: np.ndarray = field(repr=False)
+    intra_send_bytes: np.ndarray = field(repr=False)
+    intra_recv_bytes: np.ndarray = field(repr=False)
+    # The source domains whose NICs must carry the most cross-domain bytes per NIC: bytes
+    # that only these domains hold, and the ranks of these domains (for the cost bound).
+    egress_group_bytes: int = field(default=0, repr=False)
+    egress_group_ranks: int = field(default=1, repr=False)
+    # Whether the plan balances ingress and forwards (PlanOptions.relay "on", or "auto" where
+    # that lowered the busiest NIC); part of the fingerprint.
+    relayed: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        self._index_pieces()
+
     def rows_for(self, rank: int) -> np.ndarray:
         """Indices of every transfer that ``rank`` sends, receives or copies locally."""
         transfers = self.transfers
         return np.flatnonzero((transfers.src_rank == rank) | (transfers.dst_rank == rank))
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan(_ClassRows):
+    """One rank's view of a plan: the rows it sends, receives or copies locally, as the full
+    plan has them (same columns, same generation order, same rounds and stream offsets), for
+    ``build_rank_schedule(rank_plan, rank)``.
+
+    ``message`` numbers this rank's messages only (in (phase, round, src, dst) order, as the
+    full plan numbers all of them). ``fingerprint`` is the fingerprint of the plan's inputs
+    (``plan_input_fingerprint``): a rank cannot hash rows it never built, so the ranks agree
+    on the inputs, which determine every row. ``num_rounds`` counts the rounds of the whole
+    plan (every rank walks the same rounds).
+    """
+
+    rank: int
+    source: Layout
+    destination: Layout
+    topology: Topology
+    options: PlanOptions
+    transfers: TransferTable
+    classes: TensorClasses
+    source_tensor: np.ndarray = field(repr=False)  # [T] source tensor id of each destination tensor
+    fingerprint: str = field()
+    num_rounds: int = 0
+    relayed: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.topology.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.topology.num_ranks}), got {self.rank!r}")
+        t = self.transfers
+        if len(t) and not bool(np.all((t.src_rank == self.rank) | (t.dst_rank == self.rank))):
+            raise ValueError(f"a RankPlan of rank {self.rank} holds rows that rank neither sends nor receives")
+        self._index_pieces()
+
+    def rows_for(self, rank: int) -> np.ndarray:
+        """Every row (all of them are ``rank``'s); ``ValueError`` for another rank."""
+        if rank != self.rank:
+            raise ValueError(f"this plan is rank {self.rank}'s view; rank {rank} has to plan its own")
+        return np.arange(len(self.transfers), dtype=np.int64)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes this rank sends and receives, per kind (``network_send``, ``network_recv``,
+        ``intra_send``, ``intra_recv``, ``local``), every class member counted."""
+        t = self.transfers
+        weight = t.nbytes * t.instances
+        sends, recvs = t.src_rank == self.rank, t.dst_rank == self.rank
+        out = {}
+        for kind, name in ((TransferKind.NETWORK, "network"), (TransferKind.INTRA, "intra")):
+            of_kind = t.kind == int(kind)
+            out[f"{name}_send"] = int(weight[of_kind & sends].sum())
+            out[f"{name}_recv"] = int(weight[of_kind & recvs].sum())
+        out["local"] = int(weight[t.kind == int(TransferKind.LOCAL)].sum())
+        return out
