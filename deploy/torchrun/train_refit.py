@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     config = RefitConfig.from_env()
 
     def report(**fields) -> None:
-        print(json.dumps({"member_id": config.member_id, "pid": os.getpid(), **fields}), flush=True)
+        # One write(2) per line: the ranks share torchrun's stdout, and two ranks reporting
+        # the same commit at once must not interleave their lines (a pipe keeps a write of
+        # under PIPE_BUF bytes whole).
+        line = json.dumps({"member_id": config.member_id, "pid": os.getpid(), **fields}) + "\n"
+        os.write(sys.stdout.fileno(), line.encode())
 
     report(event="started", incarnation=config.incarnation, restart=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
     own_group = not args.no_trainer_group
