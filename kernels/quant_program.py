@@ -64,20 +64,11 @@ class QuantRegion:
     scale_offset_bytes: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.tensor_index) or self.tensor_index < 0:
-            raise ValueError(f"tensor_index must be an int >= 0, got {self.tensor_index!r}")
-        for name in ("offsets", "lengths"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(_is_int(v) and v >= 0 for v in value):
-                raise ValueError(f"{name} must be a tuple of ints >= 0, got {value!r}")
-        if len(self.offsets) != len(self.lengths) or len(self.offsets) < 2:
-            raise ValueError(
-                f"offsets {self.offsets} and lengths {self.lengths} must have one rank >= 2"
-            )
-        for name in ("packed_offset_bytes", "scale_offset_bytes"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        BoxRegion(self.tensor_index, self.offsets, self.lengths, self.packed_offset_bytes)  # the box's own checks
+        if len(self.offsets) < 2:
+            raise ValueError(f"offsets {self.offsets} and lengths {self.lengths} must have one rank >= 2")
+        if not _is_int(self.scale_offset_bytes) or self.scale_offset_bytes < 0:
+            raise ValueError(f"scale_offset_bytes must be an int >= 0, got {self.scale_offset_bytes!r}")
 
     @property
     def numel(self) -> int:
