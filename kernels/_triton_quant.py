@@ -3,8 +3,10 @@
 Loaded by ``kernels._triton_backend.load_source`` twice, like ``_triton_copy.py``: compiled
 for CUDA and as an interpreted module for CPU tests. It follows ``kernels.quantize``'s
 arithmetic step by step (see there); every step is an integer operation, an IEEE division
-(``div_rn``), a max, or a multiplication by a power of two, so the compiled kernel (which
-flushes denormals) and the CPU reference agree bit for bit.
+(``div_rn``), a max, a multiplication by a power of two, or the reciprocal-and-correction
+step that stands for the per-element division of the fp8-block formats and gives its
+correctly rounded result (``_divide``), so the compiled kernel (which flushes denormals) and
+the CPU reference agree bit for bit.
 
 Descriptor row (int64, ``DESC_WORDS`` wide) of one 2-D slice of a box (the host expands the
 box's leading dims), addresses resolved for one set of tensors and buffer:
@@ -40,6 +42,9 @@ else:
     _jit = triton.jit
 
 DESC_WORDS = 10
+# Triton's CPU interpreter evaluates an FMA as a rounded multiply and a rounded add, which
+# breaks ``_divide``'s exactness; interpreted, the kernel divides (the same result, slower).
+_FUSED_FMA = tl.constexpr(not globals().get("_KERNELS_INTERPRET", False))
 
 
 @_jit
@@ -87,27 +92,58 @@ def _e4m3_soft(y):
 
 @_jit
 def _scales(amax, bad, KIND: tl.constexpr):
-    """Per-block (value used to quantize, stored bits as int32): fp8-block scale_inv and
-    its float32 bits, or mxfp8 factor 2**(127 - code) and the E8M0 code."""
+    """Per-block (value used to quantize, its reciprocal, power of two, stored bits as
+    int32): fp8-block scale_inv ``s`` scaled into [1, 2) by the power of two ``2**-e(s)``,
+    RN(1 / that) and the scale's float32 bits; or mxfp8's factor 2**(127 - code) (twice; a
+    power of two 1) and the E8M0 code. See ``_divide`` for why fp8-block scales are cut so."""
     if KIND == 0:
         s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
         s = tl.where(amax == 0.0, 1.0, s)
         stored = tl.where(bad > 0, 0x7FC00000, s.to(tl.int32, bitcast=True))
-        return s, stored
+        bits = s.to(tl.int32, bitcast=True)
+        # s is normal and positive: 2**-e(s) is exact, and so is s * 2**-e(s) in [1, 2).
+        pow2 = (254 * 8388608 - (bits & 0x7F800000)).to(tl.float32, bitcast=True)
+        unit = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+        return unit, tl.math.div_rn(1.0, unit), pow2, stored
     else:
         biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
         code = tl.minimum(tl.maximum(biased - 8, 0), 254)
         code = tl.where(amax == 0.0, 127, code)
         factor = ((254 - code) << 23).to(tl.float32, bitcast=True)
         stored = tl.where(bad > 0, 255, code)
-        return factor, stored
+        return factor, factor, tl.full(factor.shape, 1.0, tl.float32), stored
 
 
 @_jit
-def _quantize(v, per, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
-    """E4M3 bytes (int32 0..255) of values ``v`` with per-element scale values ``per``."""
+def _divide(v, unit, rcp, pow2):
+    """``div_rn(v, s)`` for the fp8-block scale ``s = unit / pow2`` without a division per
+    element: ``v * pow2`` and ``unit`` are ``v`` and ``s`` scaled by the same power of two
+    (exact while ``v * pow2`` stays normal; where it does not, the quotient is far below
+    E4M3's smallest subnormal and either way becomes a zero byte of ``v``'s sign), then one
+    correction step from the correctly rounded reciprocal: ``q = RN(x * r)``,
+    ``e = x - q * unit`` (exact in an FMA), ``RN(q + e * r)`` is the correctly rounded
+    ``x / unit`` (Markstein's theorem, radix 2, round to nearest) wherever ``e`` is a normal
+    number, which holds for every quotient of 2**-100 and above (with ``unit`` in [1, 2));
+    smaller quotients may be an ulp off but are zero bytes in E4M3 either way.
+    tests/gpu/test_fp8_divide_gpu.py checks the E4M3 bytes against ``div_rn`` for every pair
+    of BF16 value and BF16 block amax, and the float32 quotients wherever they matter."""
+    x = v * pow2
+    if _FUSED_FMA:
+        q = x * rcp
+        e = tl.fma(-q, unit, x)
+        # A zero q keeps its sign (div_rn's -0 for a negative v whose quotient flushes);
+        # the correction would turn it into +0.
+        x = tl.where(q == 0.0, q, tl.fma(e, rcp, q))
+    else:
+        x = tl.math.div_rn(x, unit)
+    return x
+
+
+@_jit
+def _quantize(v, per, rcp, pow2, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """E4M3 bytes (int32 0..255) of values ``v`` with per-element ``_scales`` values."""
     if KIND == 0:  # noqa: SIM108 - constexpr branches (compile-time), kept as statements
-        y = tl.math.div_rn(v, per)
+        y = _divide(v, per, rcp, pow2)
     else:
         y = v * per
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
@@ -185,10 +221,12 @@ def quant_pack_kernel(
         v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_first")
         amax = _max(_max(tl.reshape(mag, (NBR, BR, NBC, BC)), axis=3), axis=1)
         bad = _max(_max(tl.reshape(nf, (NBR, BR, NBC, BC)), axis=3), axis=1)
-        scale, stored = _scales(amax, bad, KIND)
+        scale, rcp, pow2, stored = _scales(amax, bad, KIND)
         per = tl.reshape(tl.broadcast_to(tl.reshape(scale, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
+        per_rcp = tl.reshape(tl.broadcast_to(tl.reshape(rcp, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
+        per_pow2 = tl.reshape(tl.broadcast_to(tl.reshape(pow2, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
         bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
-        q = _quantize(v, per, bad_el, KIND, SOFT_CAST)
+        q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
         _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN, ALIGNED)
         b_r = tr * NBR + tl.arange(0, NBR)
     else:
@@ -200,13 +238,15 @@ def quant_pack_kernel(
             _v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_last")
             amax = tl.maximum(amax, _max(_max(tl.reshape(mag, (CR, NBC, BC)), axis=2), axis=0))
             bad = tl.maximum(bad, _max(_max(tl.reshape(nf, (CR, NBC, BC)), axis=2), axis=0))
-        scale, stored = _scales(amax, bad, KIND)
+        scale, rcp, pow2, stored = _scales(amax, bad, KIND)
         per = tl.reshape(tl.broadcast_to(tl.reshape(scale, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
+        per_rcp = tl.reshape(tl.broadcast_to(tl.reshape(rcp, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
+        per_pow2 = tl.reshape(tl.broadcast_to(tl.reshape(pow2, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
         bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
         for c in tl.range(TR // CR):
             rows = tr * TR + c * CR + tl.arange(0, CR)
             v, _mag, _nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN, ALIGNED, "evict_first")
-            q = _quantize(v, per, bad_el, KIND, SOFT_CAST)
+            q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
             _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN, ALIGNED)
         stored = tl.reshape(stored, (1, NBC))
         b_r = tr + tl.arange(0, 1)
