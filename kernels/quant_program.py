@@ -116,13 +116,14 @@ def _tiles(scheme: BlockScheme, chunk_rows: int | None = None) -> tuple[int, int
 
 @dataclass(frozen=True, slots=True)
 class _Group:
-    """Entries launched together (same EVEN / static alignment)."""
+    """Entries launched together (same whole-tile rows / columns and static alignment)."""
 
     desc: np.ndarray  # [entries, 10]; word 0 = tensor index until resolved
     entry_tensor: np.ndarray
     tile_entry: torch.Tensor
     num_tiles: int
-    even: bool
+    even_rows: bool
+    even_cols: bool
     aligned: bool  # before pointers are known
 
 
@@ -247,7 +248,7 @@ class QuantPackProgram:
         tr, tc, _cr = self.tiles
         br, bc = self.scheme.block_shape
         isz = self.scheme.scale_itemsize
-        rows_by_key: dict[tuple[bool, bool], list[list[int]]] = {}
+        rows_by_key: dict[tuple[bool, bool, bool], list[list[int]]] = {}
         for r in self.regions:
             if not r.numel:
                 continue
@@ -258,18 +259,18 @@ class QuantPackProgram:
             *lead_o, r0, c0 = r.offsets
             *lead_n, rows, cols = r.lengths
             nbr, nbc = -(-rows // br), -(-cols // bc)
-            even = rows % tr == 0 and cols % tc == 0
+            even = (rows % tr == 0, cols % tc == 0)
             for i, idx in enumerate(itertools.product(*(range(n) for n in lead_n))):
                 t_off = sum((o + j) * s for o, j, s in zip(lead_o, idx, strides, strict=False)) + r0 * shape[-1] + c0
                 p_off = r.packed_offset_bytes + i * rows * cols
                 s_off = r.scale_offset_bytes + i * nbr * nbc * isz
                 aligned = (t_off * 2) % 16 == 0 and (shape[-1] * 2) % 16 == 0 and p_off % 16 == 0 and cols % 16 == 0
                 tiles = -(-rows // tr) * -(-cols // tc)
-                rows_by_key.setdefault((even, aligned), []).append(
+                rows_by_key.setdefault((*even, aligned), []).append(
                     [r.tensor_index, t_off, shape[-1], rows, cols, p_off, s_off, -(-cols // tc), tiles, nbc]
                 )
         groups = []
-        for (even, aligned), rows_ in sorted(rows_by_key.items()):
+        for (even_rows, even_cols, aligned), rows_ in sorted(rows_by_key.items()):
             desc = np.asarray(rows_, dtype=np.int64)
             tiles = desc[:, 8].copy()
             desc[:, 8] = np.concatenate([[0], np.cumsum(tiles)[:-1]])
@@ -278,7 +279,7 @@ class QuantPackProgram:
                 raise ValueError(f"{total} tiles exceed the launch grid")
             tile_entry = np.repeat(np.arange(len(rows_), dtype=np.int32), tiles)
             groups.append(_Group(desc, desc[:, 0].copy(), torch.from_numpy(tile_entry).to(self.device),
-                                 total, even, aligned))
+                                 total, even_rows, even_cols, aligned))
         return tuple(groups)
 
     def _resolved(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
@@ -309,7 +310,7 @@ class QuantPackProgram:
         for g, (desc, aligned) in zip(self._groups, self._resolved(tensors, buf), strict=True):
             mod.quant_pack_kernel[(g.num_tiles,)](
                 buf, desc, g.tile_entry, KIND=kind, BR=br, BC=bc, TR=tr, TC=tc, CR=cr,
-                EVEN=g.even, ALIGNED=aligned, SOFT_CAST=self.soft_cast, num_warps=self.num_warps,
+                EVEN_ROWS=g.even_rows, EVEN_COLS=g.even_cols, ALIGNED=aligned, SOFT_CAST=self.soft_cast, num_warps=self.num_warps,
             )
 
     # -- public -------------------------------------------------------------------------
