@@ -9,6 +9,7 @@ each, alternating which goes first, every destination byte checked after every r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -26,9 +27,9 @@ from elastic_refit.cli._output import (
 
 __all__ = ["LABELS", "METHODS", "add_arguments", "run", "summarize"]
 
-METHODS = ("reshard", "reshard_checked", "gather_broadcast")
+METHODS = ("reshard", "reshard_checked", "reshard_fp8", "gather_broadcast")
 LABELS = {"reshard": "reshard (plan)", "reshard_checked": "reshard + source checks",
-          "gather_broadcast": "gather-and-broadcast"}
+          "reshard_fp8": "reshard, FP8 destination", "gather_broadcast": "gather-and-broadcast"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout in seconds")
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="baseline broadcast chunk in MiB (default 8)")
     parser.add_argument("--p2p-mib", type=int, default=128, help="raw send/recv message in MiB (default 128)")
+    from elastic_refit.cli.plan_cmd import add_format_argument
+
+    add_format_argument(parser)  # a quantized format adds the reshard into it (reshard_fp8)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -123,6 +127,10 @@ def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> di
     out["p2p_message_bytes"] = p2p_bytes
     out["plan_gather_broadcast_bytes"] = values[0]["gather_broadcast_bytes"]
     out["speedup"] = out["gather_broadcast"]["seconds"] / out["reshard"]["seconds"]
+    if "reshard_fp8" in out:
+        # the same refit into the quantized destination: bytes and time beside the BF16 reshard
+        out["fp8_bytes_vs_bf16"] = out["reshard_fp8"]["bytes"] / max(out["reshard"]["bytes"], 1)
+        out["fp8_seconds_vs_bf16"] = out["reshard_fp8"]["seconds"] / out["reshard"]["seconds"]
     if "reshard_checked" in out:
         out["speedup_checked"] = out["gather_broadcast"]["seconds"] / out["reshard_checked"]["seconds"]
         out["checks_seconds"] = out["reshard_checked"]["seconds"] - out["reshard"]["seconds"]
@@ -168,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         case = RefitCase(model=args.model, source=args.source, destination=args.destination, num_layers=args.layers,
                          domain_size=args.domain_size or 8, colocate=args.colocate, bucket_bytes=bucket,
                          concurrent_rounds=args.concurrent_rounds)
+    if spec.destination_formats:
+        case = dataclasses.replace(case, formats_json=spec.destination_formats.to_json())
     chunk = max(1, int(args.chunk_mib * (1 << 20)))
     p2p = args.p2p_mib << 20
     # Buffers of every rank, the baseline's staging (one tensor per rank), the reshard's
@@ -220,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
           f"{out['p2p_all_pairs_GBps']:.2f} GB/s all {world_size // 2} pairs at once")
     checked = (f" ({out['speedup_checked']:.2f}x with the source checks, which add "
                f"{format_seconds(out['checks_seconds'])})") if "speedup_checked" in out else ""
+    if "fp8_bytes_vs_bf16" in out:
+        print(f"fp8 destination: {out['fp8_bytes_vs_bf16']:.3f}x the bytes of the bf16 reshard, "
+              f"{out['fp8_seconds_vs_bf16']:.2f}x its time (quantized on the senders, CPU torch reference)")
     print(f"speedup {out['speedup']:.2f}x{checked}; reshard at {out['reshard_fraction_of_p2p']:.0%} of one-pair send/recv; "
           f"verified: {'yes, every destination byte' if out['verified'] else 'NO'}")
     for p in out["problems"]:

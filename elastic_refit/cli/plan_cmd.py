@@ -17,7 +17,8 @@ from elastic_refit.cli._output import (
     progress,
     render_table,
 )
-from elastic_refit.layout import RefitSpec, load_spec
+from elastic_refit.layout import RefitSpec, TensorFormats, load_spec, parse_format
+from elastic_refit.layout.formats import FORMAT_NAMES
 from elastic_refit.plan import (
     RELAY_MODES,
     Plan,
@@ -28,8 +29,10 @@ from elastic_refit.plan import (
     make_rank_plan,
 )
 from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
+from elastic_refit.plan.quantized import format_layouts
 
-__all__ = ["add_case_arguments", "load_case", "plan_figures", "rank_figures", "register", "run"]
+__all__ = ["add_case_arguments", "add_format_argument", "check_format_flag", "destination_formats", "load_case", "plan_figures",
+           "quantized_figures", "rank_figures", "register", "run"]
 
 # Peers listed in the readable --rank table (--json lists them all).
 _SHOWN_PEERS = 20
@@ -48,26 +51,71 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="destination ranks start at 0 and share devices with the source")
     parser.add_argument("--bucket-mib", type=int, default=64, help="bucket size in MiB (default 64)")
+    add_format_argument(parser)
     parser.add_argument("--relay", nargs="?", choices=RELAY_MODES, default="auto", const="on",
                         help="ingress balance over every NIC of a destination domain, regions forwarded over "
                              "NVLink under the network transfer (PlanOptions.relay): auto (default) where it "
                              "lowers the busiest NIC, on (also a bare --relay) always, off never")
 
 
+def add_format_argument(parser: argparse.ArgumentParser) -> None:
+    """``--destination-format``: how the destination stores the tensors a format applies to."""
+    parser.add_argument("--destination-format", default=None, metavar="FORMAT",
+                        help=f"destination format ({', '.join(FORMAT_NAMES)}; default: what the spec or preset "
+                             f"declares, bf16 for presets): the tensors the spec quantizes (a spec that quantizes "
+                             f"none: every matrix; a model: what its FP8 checkpoints quantize) in FORMAT, bf16: "
+                             f"none")
+
+
+def destination_formats(spec: RefitSpec, value: str | None, model: str | None, num_layers: int | None) -> TensorFormats:
+    """The destination formats of a case: the spec's unless ``value`` (a format name) says
+    otherwise (module docstring of ``add_format_argument``); ``ValueError`` for an unknown name."""
+    if value is None:
+        return spec.destination_formats
+    fmt = parse_format(value)
+    if not fmt.quantized:
+        return TensorFormats()
+    if model is not None:
+        from elastic_refit.layout import checkpoint_formats
+
+        return checkpoint_formats(model, fmt, num_layers=num_layers)
+    names = list(spec.destination_formats) or [
+        t.name for t in spec.destination.tensors if len(t.shape) >= 2 and t.dtype in ("bfloat16", "float16", "float32")]
+    return TensorFormats.uniform(names, fmt)
+
+
+def check_format_flag(args: argparse.Namespace) -> str | None:
+    """``args.destination_format`` (None when not given); ``ValueError`` naming the flag and
+    the known formats for a name ``parse_format`` does not know."""
+    value = getattr(args, "destination_format", None)
+    if value is not None:
+        try:
+            parse_format(value)
+        except ValueError:
+            raise ValueError(f"--destination-format must be one of {', '.join(FORMAT_NAMES)}, got {value!r}") from None
+    return value
+
+
 def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) -> tuple[RefitSpec, str]:
-    """The RefitSpec the arguments describe, and a one-line description of it."""
+    """The RefitSpec the arguments describe (its ``destination_formats`` as
+    ``--destination-format`` says), and a one-line description of it."""
     for flag, value in (("--domain-size", args.domain_size), ("--layers", args.layers)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    value = check_format_flag(args)
     if args.spec:
-        return load_spec(args.spec), f"spec {args.spec}"
+        spec = load_spec(args.spec)
+        if value is not None:
+            spec = dataclasses.replace(spec, destination_formats=destination_formats(spec, value, None, None))
+        return spec, f"spec {args.spec}"
     if not args.source or not args.destination:
         raise ValueError("--model needs --source and --destination (e.g. --source tp=2,pp=2 --destination tp=2,dp=2)")
     from elastic_refit.layout.refit import model_refit_spec
 
     domain_size = args.domain_size or cluster_domain_size or 8
     spec = model_refit_spec(args.model, args.source, args.destination, domain_size=domain_size,
-                            num_layers=args.layers, colocate=args.colocate)
+                            num_layers=args.layers, colocate=args.colocate,
+                            destination_format=value if value is not None else "bf16")
     layers = f", {args.layers} layers" if args.layers else ""
     return spec, f"{args.model}{layers}: {args.source} -> {args.destination}"
 
@@ -87,6 +135,32 @@ def plan_figures(plan: Plan, plan_seconds: float) -> dict[str, Any]:
     """The ``--json`` object: every figure of ``plan.stats`` under its own name (``*_bytes``,
     ``num_*``), the plan time and the fingerprint."""
     return {**dataclasses.asdict(plan.stats), "plan_seconds": plan_seconds, "fingerprint": plan.fingerprint}
+
+
+def quantized_figures(plan: Plan, bf16: Plan, cluster=None) -> dict[str, Any]:
+    """Figures a plan in a quantized destination format adds to ``--json``: the format, the
+    partial-amax exchange's bytes (already inside the plan's figures) and what the BF16 plan
+    of the same refit would be (``bf16_*``: bytes, cross-domain bytes, lower bound, and with
+    a cluster its predicted and bound seconds)."""
+    q = plan.quantization
+    amax = q.amax if q is not None else None
+    names = sorted({f.name for _, f in q.formats.entries}) if q is not None else []
+    b = bf16.stats
+    out: dict[str, Any] = {
+        "destination_format": ",".join(names) or "bf16",
+        "num_quantized_tensors": len(q.formats) if q is not None else 0,
+        "amax_exchange_bytes": int(amax.nbytes.sum()) if amax is not None else 0,
+        "amax_exchange_cross_domain_bytes": amax.bytes_of(int(TransferKind.NETWORK)) if amax is not None else 0,
+        "bf16_dst_bytes": b.dst_bytes,
+        "bf16_cross_domain_bytes": b.cross_domain_bytes,
+        "bf16_intra_domain_bytes": b.intra_domain_bytes,
+        "bf16_lower_bound_bytes": b.lower_bound_bytes,
+        "bf16_max_recv_bytes": b.max_recv_bytes,
+    }
+    if cluster is not None:
+        p = predict(bf16, cluster)
+        out.update(bf16_predicted_seconds=p.seconds, bf16_bound_seconds=p.bound_seconds)
+    return out
 
 
 def _peak_rss_bytes() -> int:
@@ -140,7 +214,10 @@ def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOpt
         progress(f"planning rank {args.rank}'s view ({spec.source.num_pieces} source pieces, "
                  f"{spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
-    view = make_rank_plan(spec.source, spec.destination, spec.topology, options, rank=args.rank)
+    source, destination = spec.source, spec.destination
+    if spec.destination_formats:  # the rank's rows in the destination format (FP8 bytes and scales)
+        source, destination, _ = format_layouts(source, destination, spec.destination_formats)
+    view = make_rank_plan(source, destination, spec.topology, options, rank=args.rank)
     figures = rank_figures(view, time.perf_counter() - t0, cluster)
     if args.json:
         print_json(figures)
@@ -174,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = get_cluster(args.cluster) if args.cluster else None
     if args.bucket_mib < 1:
         raise ValueError(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
+    check_format_flag(args)
     if not args.json:
         progress("building layouts ...")
     t0 = time.perf_counter()
@@ -185,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
-    plan = make_plan(spec.source, spec.destination, spec.topology, options)
+    formats = spec.destination_formats
+    plan = make_plan(spec.source, spec.destination, spec.topology, options, formats=formats)
     plan_seconds = time.perf_counter() - t0
     figures = plan_figures(plan, plan_seconds)
     figures["layout_seconds"] = layout_seconds
@@ -193,6 +272,13 @@ def run(args: argparse.Namespace) -> int:
     if prediction:
         figures.update(cluster=prediction.cluster, predicted_seconds=prediction.seconds,
                        bound_seconds=prediction.bound_seconds)
+    bf16 = None
+    if formats:
+        # The same refit in BF16, for the comparison the quantized plan is about.
+        if not args.json:
+            progress("planning the same refit in bf16, for comparison ...")
+        bf16 = make_plan(spec.source, spec.destination, spec.topology, options)
+        figures.update(quantized_figures(plan, bf16, cluster))
     if args.json:
         print_json(figures)
         return 0
@@ -219,6 +305,18 @@ def run(args: argparse.Namespace) -> int:
         ratio = prediction.seconds / prediction.bound_seconds if prediction.bound_seconds > 0 else float("nan")
         rows.append((f"predicted on {prediction.cluster}", format_seconds(prediction.seconds),
                      f"bound {format_seconds(prediction.bound_seconds)} ({ratio:.2f}x)"))
+    if bf16 is not None:
+        b = bf16.stats
+        rows.append(("destination formats", ", ".join(sorted({f.name for _, f in formats.entries})),
+                     f"{len(formats)} tensors quantized"))
+        rows.append(("bf16 plan, cross-domain", format_bytes(b.cross_domain_bytes),
+                     f"fp8 plan moves {s.cross_domain_bytes / max(b.cross_domain_bytes, 1):.3f}x"))
+        if "bf16_predicted_seconds" in figures:
+            rows.append(("bf16 plan, predicted", format_seconds(figures["bf16_predicted_seconds"]),
+                         f"bound {format_seconds(figures['bf16_bound_seconds'])}"))
+        if figures.get("amax_exchange_bytes"):
+            rows.append(("partial-amax exchange", format_bytes(figures["amax_exchange_bytes"]),
+                         f"{format_bytes(figures['amax_exchange_cross_domain_bytes'])} cross-domain (counted above)"))
     print(f"{description}  |  {s.num_source_ranks} source ranks, {s.num_destination_ranks} "
           f"destination ranks, {s.num_domains} domains")
     print(render_table(("figure", "value", "ratio / note"), rows))

@@ -31,6 +31,13 @@ regions once per layout of one side. Sorts are one SIMD sort of packed int64 key
 row index in the low bits. A re-plan after ranks leave costs what a cold plan costs minus
 what the derived layouts inherit (see ``Layout.without_ranks``): the planner keeps no state.
 
+Destination formats (``make_plan(..., formats=...)``): quantized tensors are planned on
+layouts in the destination format (``elastic_refit.plan.quantized``: FP8 elements and a scale
+tensor per quantized tensor, pieces cut at block boundaries), so the stages above run
+unchanged at block granularity and every figure counts FP8 bytes and scales; blocks split
+across source shards add a partial-amax exchange, counted in the figures. Plans whose
+formats are all ``bf16`` are the plans (and fingerprints) of before.
+
 Per-rank plans (``elastic_refit.plan.rank``) make every decision of stages 1-4 and the rounds
 of stage 5 with this same code (``_plan_rows``, ``_rounds``), so they agree with the full plan
 and with each other, then keep one rank's rows: only those get boxes and messages.
@@ -38,6 +45,7 @@ and with each other, then keep one rank's rows: only those get boxes and message
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -46,6 +54,8 @@ import numpy as np
 
 from elastic_refit.layout import Box, Layout, Topology
 from elastic_refit.layout.digest import update_int_arrays
+from elastic_refit.layout.formats import TensorFormats
+from elastic_refit.plan.quantized import Quantization, amax_exchange, format_layouts
 from elastic_refit.plan.types import (
     Phase,
     Plan,
@@ -418,14 +428,30 @@ def make_plan(
     destination: Layout,
     topology: Topology,
     options: PlanOptions | None = None,
+    formats: TensorFormats | None = None,
 ) -> Plan:
     """Plan one refit from ``source`` to ``destination`` on ``topology``.
 
+    ``formats`` (``TensorFormats``) says how the destination stores each tensor. Quantized
+    tensors are planned in the destination format at block granularity
+    (``elastic_refit.plan.quantized``): the plan's layouts are then the FP8 + scale layouts,
+    only FP8 bytes and scales move, each destination domain receives every block once from
+    one sender, which quantizes it, and blocks split across source shards are quantized
+    exactly through an exchange of partial amax among their holders (``Plan.quantization``),
+    whose bytes the figures count. Every figure is in the destination format. All-``bf16``
+    formats (the default) plan exactly as without them, fingerprints included.
+
     Raises ``ValueError`` naming the tensor and ranks for mismatched tensors, destination
-    regions that no source piece covers, overlapping destination pieces, or ranks outside
-    the topology.
+    regions that no source piece covers, overlapping destination pieces, ranks outside
+    the topology, or formats the layouts cannot hold.
     """
     options = options or PlanOptions()
+    quantization = None
+    if formats is not None and not isinstance(formats, TensorFormats):
+        raise ValueError(f"formats must be a TensorFormats, got {formats!r}")
+    if formats:
+        logical_source, logical_destination = source, destination
+        source, destination, scale_tensor = format_layouts(source, destination, formats)
     rows = _plan_rows(source, destination, topology, options)
     tensor_map, classes, instances, domain_of_rank = rows.tensor_map, rows.classes, rows.instances, rows.domain_of_rank
     lower_bound_bytes, egress_group, relayed = rows.lower_bound_bytes, rows.egress_group, rows.relayed
@@ -438,7 +464,12 @@ def make_plan(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
         lower_bound_bytes,
     )
-    fingerprint = _fingerprint(source, destination, topology, options, relayed, classes, table)
+    fingerprint = _fingerprint(source, destination, topology, options, relayed, classes, table,
+                               formats.fingerprint if formats else "")
+    if formats:
+        quantization, stats, per_rank = _quantization(
+            formats, logical_source, logical_destination, scale_tensor, source, destination, topology,
+            table, classes, tensor_map, stats, per_rank)
     return Plan(
         source=source,
         destination=destination,
@@ -456,7 +487,65 @@ def make_plan(
         egress_group_bytes=egress_group[0],
         egress_group_ranks=egress_group[1],
         relayed=relayed,
+        quantization=quantization,
     )
+
+
+def _quantization(formats, logical_source, logical_destination, scale_tensor, source, destination, topology,
+                  table, classes, tensor_map, stats, per_rank):
+    """The plan's ``Quantization`` (the partial-amax exchange of split blocks) and its
+    figures with the exchange's bytes counted: network rows in the cross-domain bytes, the
+    lower bound and the NICs of both ends, NVLink rows in the intra-domain bytes."""
+    quantized = {}
+    for name, fmt in formats.entries:
+        try:
+            quantized[source.tensor_index(name)] = fmt
+        except KeyError:
+            continue
+    # Source pieces that send any row (class members included); forwards and fan-outs read
+    # destination buffers. Only tensors that can have split blocks need them.
+    from_source = np.flatnonzero(table.src_side == int(SourceSide.SOURCE))
+    x = _ClassExpander(classes, table, source, destination, tensor_map).source_pieces(from_source)
+    amax = amax_exchange(source, quantized, x, topology)
+    quantization = Quantization(formats, logical_source, logical_destination, scale_tensor, amax)
+    if len(amax) == 0:
+        return quantization, stats, per_rank
+    network, intra = int(TransferKind.NETWORK), int(TransferKind.INTRA)
+    num_ranks = topology.num_ranks
+    net_send, net_recv, intra_send, intra_recv = (a.copy() for a in per_rank)
+    for kind, send, recv in ((network, net_send, net_recv), (intra, intra_send, intra_recv)):
+        rows = amax.kind == kind
+        send += np.bincount(amax.provider[rows], weights=amax.nbytes[rows], minlength=num_ranks).astype(np.int64)
+        recv += np.bincount(amax.consumer[rows], weights=amax.nbytes[rows], minlength=num_ranks).astype(np.int64)
+    stats = dataclasses.replace(
+        stats,
+        lower_bound_bytes=stats.lower_bound_bytes + amax.bytes_of(network),
+        cross_domain_bytes=stats.cross_domain_bytes + amax.bytes_of(network),
+        intra_domain_bytes=stats.intra_domain_bytes + amax.bytes_of(intra),
+        max_send_bytes=int(net_send.max(initial=0)),
+        max_recv_bytes=int(net_recv.max(initial=0)),
+    )
+    return quantization, stats, (net_send, net_recv, intra_send, intra_recv)
+
+
+class _ClassExpander:
+    """Source pieces of plan rows, every class member included (``Plan.expand`` before a
+    ``Plan`` exists)."""
+
+    def __init__(self, classes, table, source, destination, tensor_map):
+        self.classes, self.table = classes, table
+        self.src_start = np.searchsorted(source.piece_tensor, np.arange(len(source.tensors) + 1))
+        self.tensor_map = tensor_map
+
+    def source_pieces(self, rows: np.ndarray) -> np.ndarray:
+        t, classes = self.table, self.classes
+        copies = t.instances[rows]
+        row = np.repeat(rows, copies)
+        member_index = np.arange(row.size, dtype=np.int64) - np.repeat(np.cumsum(copies) - copies, copies)
+        representative = t.tensor[row]
+        member = classes.members[classes.start[classes.class_of[representative]] + member_index]
+        return (t.src_piece[row] - self.src_start[self.tensor_map[representative]]
+                + self.src_start[self.tensor_map[member]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1278,9 +1367,11 @@ _DEFINING_COLUMNS = ("kind", "phase", "round", "message_offset", "tensor", "src_
 
 
 def _fingerprint(source: Layout, destination: Layout, topology: Topology, options: PlanOptions, relayed: bool,
-                 classes: TensorClasses, table: TransferTable) -> str:
+                 classes: TensorClasses, table: TransferTable, formats: str = "") -> str:
     digest = hashlib.sha256()  # about twice blake2b's speed here, for tens of MB of columns
     digest.update(f"planner={PLANNER_VERSION};bucket={options.bucket_bytes};direct={options.direct_min_bytes}".encode())
+    if formats:  # all-bf16 destinations keep the fingerprints plans had before formats
+        digest.update(f";formats={formats}".encode())
     if options.concurrent_rounds != 1:  # one round at a time keeps the fingerprints plans had before
         digest.update(f";concurrent_rounds={options.concurrent_rounds}".encode())
     # Likewise, plans that do not relay keep their fingerprints (whatever PlanOptions.relay

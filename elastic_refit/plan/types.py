@@ -308,6 +308,11 @@ class Plan(_ClassRows):
     # Whether the plan balances ingress and forwards (PlanOptions.relay "on", or "auto" where
     # that lowered the busiest NIC); part of the fingerprint.
     relayed: bool = field(default=False)
+    # Plans in a quantized destination format (``make_plan(..., formats=...)``): the formats,
+    # the caller's layouts and the partial-amax exchange (``elastic_refit.plan.quantized``);
+    # ``source`` and ``destination`` are then the layouts in the destination format. None
+    # when nothing is quantized.
+    quantization: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._index_pieces()

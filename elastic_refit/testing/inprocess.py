@@ -5,6 +5,13 @@ single-device benchmarks: every transfer becomes one slice assignment, in plan o
 (deliver phase, then fan-out phase). In relayed plans a forward writes what its network
 copy read (the relay's staging holds exactly those bytes), and a network copy that a relay
 only stages writes nothing.
+
+Plans in a quantized destination format (``Plan.quantization``) read the source buffers in
+the destination format: ``quantize_source_buffers`` makes them from the caller's BF16 source
+buffers as each sender does (its own blocks' amax, combined with the partial amax the plan's
+exchange brings it for blocks split across source shards, then the reference quantizer of
+``elastic_refit.kernels.quantize``), and ``execute_in_process`` then moves FP8 bytes and
+scales like any other bytes.
 """
 
 from __future__ import annotations
@@ -186,4 +193,133 @@ def _pad_to(array: np.ndarray, k: int, fill: int) -> np.ndarray:
         return array[:, :k] if array.shape[1] > k else array
     out = np.full((array.shape[0], k), fill, dtype=np.int64)
     out[:, : array.shape[1]] = array
+    return out
+
+
+def _torch_view(array: np.ndarray, dtype: str):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, dtype))
+
+
+def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any],
+                            ranks: set[int] | None = None) -> dict[BufferKey, np.ndarray]:
+    """The source buffers of a quantized ``plan`` (``plan.source``, in the destination
+    format) from the caller's buffers of ``plan.quantization.logical_source``, as the senders
+    make them: every source piece that sends a row (element or scale) is quantized by its
+    rank, with the partial amax of the plan's exchange for blocks split across source shards.
+    Buffers of plain tensors are passed through. Returns numpy storage arrays (uint8 FP8,
+    uint32 float32 scales or uint8 E8M0 codes) keyed like ``allocate_buffers``; ``ranks``
+    limits the work to some ranks. ``NonFiniteBlockError`` (naming the tensor and block) for
+    a block with NaN or Inf."""
+    import torch
+
+    from elastic_refit.kernels.quantize import (
+        block_amax,
+        check_scales,
+        combine_amax,
+        quantize_with_scales,
+        scales_from_amax,
+    )
+
+    q = plan.quantization
+    if q is None:
+        return dict(logical_buffers)
+    src = plan.source
+    out = allocate_buffers(src)
+    for key in out:
+        if key in logical_buffers and out[key].dtype == np.asarray(logical_buffers[key]).dtype \
+                and out[key].shape == np.asarray(logical_buffers[key]).shape:
+            out[key] = np.asarray(logical_buffers[key])
+    quantized = {src.tensor_index(name): q.format_of(name) for name in q.scale_tensor if name in src._tensor_index}
+    # Which pieces send: source pieces of every row read from the source side.
+    t = plan.transfers
+    x = plan.expand(np.flatnonzero(t.src_side == int(SourceSide.SOURCE)))
+    sending = set(x.src_piece.tolist())
+    scale_piece: dict[tuple[int, int, tuple, tuple], int] = {}
+    for tid, fmt in quantized.items():
+        sid = src.tensor_index(fmt.scale_name(src.tensors[tid].name))
+        for p in np.flatnonzero(src.piece_tensor == sid).tolist():
+            nd = len(src.tensors[sid].shape)
+            scale_piece[(int(src.piece_rank[p]), _buffer_key(src, p)[1], tuple(src.piece_offsets[p, :nd].tolist()),
+                         tuple(src.piece_lengths[p, :nd].tolist()))] = p
+
+    def piece_data(p: int):
+        key, _, local = piece_slices(src, p)
+        name = src.tensors[int(src.piece_tensor[p])].name
+        logical = q.logical_source.tensor(name)
+        box = np.asarray(logical_buffers[key])[local]
+        return _torch_view(box, logical.dtype).reshape(tuple(int(n) for n in src.piece_lengths[p, :len(logical.shape)]))
+
+    def block_box(p: int, fmt) -> tuple[np.ndarray, np.ndarray]:
+        nd = len(src.tensors[int(src.piece_tensor[p])].shape)
+        o, n = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
+        return np.array(o), np.array(n)
+
+    def origin(p: int, fmt) -> tuple[int, int]:
+        nd = len(src.tensors[int(src.piece_tensor[p])].shape)
+        return tuple(int(o) % b for o, b in zip(src.piece_offsets[p, nd - 2 : nd], fmt.block_shape, strict=True))
+
+    amax_rows: dict[int, list[int]] = {}
+    for i, consumer in enumerate(q.amax.consumer_piece.tolist()):
+        amax_rows.setdefault(consumer, []).append(i)
+    for tid, fmt in quantized.items():
+        name = src.tensors[tid].name
+        nd = len(src.tensors[tid].shape)
+        for p in np.flatnonzero(src.piece_tensor == tid).tolist():
+            rank = int(src.piece_rank[p])
+            if ranks is not None and rank not in ranks:
+                continue
+            b_off, b_len = block_box(p, fmt)
+            s_piece = scale_piece.get((rank, _buffer_key(src, p)[1] + fmt.scale_suffix, tuple(b_off.tolist()),
+                                       tuple(b_len.tolist())))
+            if p not in sending and s_piece not in sending:
+                continue  # a holder that sends nothing of it quantizes nothing
+            x_data = piece_data(p)
+            amax = block_amax(x_data, fmt, origin(p, fmt))
+            for i in amax_rows.get(p, []):
+                provider = int(q.amax.provider_piece[i])
+                p_off, _ = block_box(provider, fmt)
+                partial = block_amax(piece_data(provider), fmt, origin(provider, fmt))
+                lo = q.amax.block_offsets[i, :nd]
+                ln = q.amax.block_lengths[i, :nd]
+                # lead dims are elements (the pieces' own offsets), the last two blocks
+                mine = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
+                theirs = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, p_off, ln, strict=True))
+                amax[mine] = combine_amax(amax[mine], partial[theirs])
+            scales = scales_from_amax(amax, fmt)
+            check_scales(scales, fmt, name, tuple(int(v) for v in b_off))
+            fp8 = quantize_with_scales(x_data, scales, fmt, origin(p, fmt))
+            key, _, local = piece_slices(src, p)
+            region = out[key][local]
+            region[...] = fp8.view(torch.uint8).numpy().reshape(region.shape)
+            if s_piece is not None:
+                s_key, _, s_local = piece_slices(src, s_piece)
+                region = out[s_key][s_local]
+                region[...] = scales.contiguous().view(torch.uint8).numpy().view(region.dtype).reshape(region.shape)
+    return out
+
+
+def reference_destination(plan: Plan, tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """What the destination of a quantized ``plan`` must hold, tensor by tensor of
+    ``plan.destination``: ``kernels.quantize.quantize_reference`` of every whole quantized
+    tensor (FP8 bytes and scales, as storage arrays), the other tensors as given.
+    ``tensors`` are the logical tensors as storage arrays (``random_tensors``)."""
+    import torch
+
+    from elastic_refit.kernels.quantize import quantize_reference
+
+    q = plan.quantization
+    out: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        fmt = q.format_of(name) if q is not None else None
+        if fmt is None or not fmt.quantized:
+            out[name] = np.asarray(array)
+            continue
+        logical = q.logical_source.tensor(name) if name in q.logical_source._tensor_index \
+            else q.logical_destination.tensor(name)
+        fp8, scales = quantize_reference(_torch_view(np.asarray(array), logical.dtype), fmt, name=name)
+        out[name] = fp8.view(torch.uint8).numpy()
+        scale_dtype = storage_dtype(fmt.scale_dtype)
+        out[q.scale_tensor[name]] = scales.contiguous().view(torch.uint8).numpy().view(scale_dtype).reshape(scales.shape)
     return out

@@ -48,6 +48,9 @@ class RefitCase:
     bucket_bytes: int = 64 << 20
     direct_min_bytes: int = 256 << 10
     concurrent_rounds: int = 1
+    # Destination formats (``TensorFormats.to_json``): the bench also runs the refit into
+    # this quantized destination (``plan_quantized``), beside the BF16 one.
+    formats_json: str | None = None
 
     def build(self) -> RefitSpec:
         if self.spec_json is not None:
@@ -64,6 +67,18 @@ class RefitCase:
         return make_plan(spec.source, spec.destination, spec.topology,
                          PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes,
                                      concurrent_rounds=self.concurrent_rounds))
+
+    def plan_quantized(self) -> Plan | None:
+        """The same refit into the destination formats ``formats_json`` names (None without)."""
+        if not self.formats_json:
+            return None
+        from elastic_refit.layout import TensorFormats
+
+        spec = self.build()
+        return make_plan(spec.source, spec.destination, spec.topology,
+                         PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes,
+                                     concurrent_rounds=self.concurrent_rounds),
+                         formats=TensorFormats.from_json(self.formats_json))
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,17 +212,30 @@ class BenchOptions(WorkerOptions):
 _CHECK_ELEMENTS = 1 << 22  # pattern check slice: bounds the int64 temporaries to ~100 MB
 
 
+def finite_pattern(name: str, shape: tuple[int, ...], offsets, lengths, seed: int, device) -> torch.Tensor:
+    """The pattern of a BF16 box made finite (exponent's top bit cleared: |x| < 2), as
+    ``torch.bfloat16`` of the box's shape: what the bench's quantized tensors hold."""
+    from elastic_refit.testing.pattern import pattern_bytes
+
+    raw = pattern_bytes(name, shape, 2, tuple(offsets), tuple(lengths), seed, device).view(torch.int16)
+    return (raw & 0x3FFF | (raw & -0x8000)).view(torch.bfloat16).reshape(tuple(lengths))
+
+
 def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], seed: int, *,
-                   write: bool, limit: int = 5) -> list[str]:
+                   write: bool, limit: int = 5, finite: frozenset[str] = frozenset(),
+                   skip: frozenset[str] = frozenset()) -> list[str]:
     """Fill (``write``) or check every piece of ``rank`` against the pattern, in slices of
     ``_CHECK_ELEMENTS`` so that multi-GB pieces need no multi-GB temporaries. Checking
-    returns up to ``limit`` mismatch descriptions."""
+    returns up to ``limit`` mismatch descriptions. Tensors named in ``finite`` (BF16) hold
+    ``finite_pattern`` (what a quantizer accepts); tensors named in ``skip`` are left out."""
     from elastic_refit.testing.pattern import _local_view, pattern_bytes
 
     problems: list[str] = []
     k = layout.ndim
     for p in np.flatnonzero(layout.piece_rank == rank).tolist():
         t = layout.tensors[int(layout.piece_tensor[p])]
+        if t.name in skip:
+            continue
         b = int(layout.piece_buffer[p])
         nd, bnd = len(t.shape), int(layout.buffer_ndim[b])
         buf = buffers[layout.buffer_names[int(layout.buffer_name[b])]]
@@ -218,13 +246,71 @@ def pattern_pieces(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], 
             lo, ll = layout.local_regions(np.array([p]), np.array([so + [0] * (k - nd)]),
                                           np.array([sn + [1] * (k - nd)]))
             region = _local_view(buf, lo[0, :bnd], ll[0, :bnd], t.itemsize)
-            want = pattern_bytes(t.name, t.shape, t.itemsize, tuple(so), tuple(sn), seed, buf.device)
+            if t.name in finite:
+                want = finite_pattern(t.name, t.shape, so, sn, seed, buf.device).reshape(-1).view(torch.uint8)
+            else:
+                want = pattern_bytes(t.name, t.shape, t.itemsize, tuple(so), tuple(sn), seed, buf.device)
             if write:
                 region.copy_(want.reshape(region.shape))
             else:
                 wrong += int((region != want.reshape(region.shape)).sum())
         if wrong:
             problems.append(f"rank {rank} tensor {t.name!r} piece {layout.piece(p).box}: {wrong} bytes differ")
+            if len(problems) >= limit:
+                break
+    return problems
+
+
+def quantized_problems(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], seed: int,
+                       limit: int = 5) -> list[str]:
+    """Check every destination piece of ``rank`` of a quantized ``plan`` against the
+    reference quantizer (``kernels.quantize.quantize_reference``) of the blocks it touches:
+    FP8 bytes and scales (the sources of quantized tensors hold ``finite_pattern``); plain
+    tensors against the pattern. The blocks a piece touches, taken whole, quantize as they
+    do inside the whole tensor, so no rank needs a whole tensor."""
+    from elastic_refit.kernels.quantize import quantize_reference
+    from elastic_refit.testing.pattern import _local_view
+
+    q = plan.quantization
+    dst = plan.destination
+    element_of = {scale: name for name, scale in q.scale_tensor.items()}
+    quantized = frozenset(q.scale_tensor) | frozenset(element_of)
+    problems = pattern_pieces(dst, rank, buffers, seed, write=False, limit=limit, skip=quantized)
+    for p in np.flatnonzero(dst.piece_rank == rank).tolist():
+        t = dst.tensors[int(dst.piece_tensor[p])]
+        if t.name not in quantized:
+            continue
+        name = element_of.get(t.name, t.name)
+        fmt = q.format_of(name)
+        logical = q.logical_destination.tensor(name)
+        nd = len(logical.shape)
+        off = [int(v) for v in dst.piece_offsets[p, :nd]]
+        ln = [int(v) for v in dst.piece_lengths[p, :nd]]
+        if t.name in element_of:  # a scale piece: its box is in blocks
+            b_off, b_len = off, ln
+        else:
+            b_off, b_len = fmt.block_box(off, ln)
+        # the elements of those blocks, clipped to the tensor
+        e_off = [*b_off[:-2], *(o * b for o, b in zip(b_off[-2:], fmt.block_shape, strict=True))]
+        e_end = [*(o + n for o, n in zip(b_off[:-2], b_len[:-2], strict=True)),
+                 *(min((o + n) * b, s) for o, n, b, s in zip(b_off[-2:], b_len[-2:], fmt.block_shape,
+                                                            logical.shape[-2:], strict=True))]
+        e_len = [e - o for o, e in zip(e_off, e_end, strict=True)]
+        values = finite_pattern(name, logical.shape, e_off, e_len, seed, "cpu")
+        fp8, scales = quantize_reference(values, fmt, name=name)
+        b = int(dst.piece_buffer[p])
+        buf = buffers[dst.buffer_names[int(dst.buffer_name[b])]]
+        bnd = int(dst.buffer_ndim[b])
+        region = _local_view(buf, dst.piece_local_offsets[p, :bnd], dst.piece_local_lengths[p, :bnd], t.itemsize)
+        if t.name in element_of:
+            want = scales
+        else:
+            want = fp8[tuple(slice(o - e, o - e + n) for o, e, n in zip(off, e_off, ln, strict=True))]
+        want = want.contiguous().view(torch.uint8).reshape(-1)
+        got = region.cpu().reshape(-1)
+        if not torch.equal(got, want):
+            problems.append(f"rank {rank} tensor {t.name!r} piece {dst.piece(p).box}: "
+                            f"{int((got != want).sum())} bytes differ from the reference quantizer")
             if len(problems) >= limit:
                 break
     return problems
@@ -309,8 +395,10 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     if options.torch_threads:
         torch.set_num_threads(options.torch_threads)
     plan = case.plan()
-    agree_on_plan(store, plan.fingerprint, me=str(rank), participants=[str(r) for r in range(world_size)],
-                  key=lambda r: f"bench-plan/{r}")
+    fp8_plan = case.plan_quantized()
+    agree_on_plan(store, plan.fingerprint + (fp8_plan.fingerprint if fp8_plan is not None else ""), me=str(rank),
+                  participants=[str(r) for r in range(world_size)], key=lambda r: f"bench-plan/{r}")
+    finite = frozenset(fp8_plan.quantization.scale_tensor) if fp8_plan is not None else frozenset()
     transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, options.backend,
                                options.timeout_s)
     device = transport.device
@@ -325,36 +413,53 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=options.chunk_bytes))
         say("filling source buffers with the pattern")
         src = allocate(plan.source, rank, fill=0, device=device)
-        pattern_pieces(plan.source, rank, src, options.seed, write=True)
+        pattern_pieces(plan.source, rank, src, options.seed, write=True, finite=finite)
         dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
         padded = _padded_buffers(plan.destination, rank, dst)
         methods = {"reshard": executor.run, "gather_broadcast": baseline.run}
         if options.snapshot_digests:
             methods["reshard_checked"] = _with_snapshot_digests(executor.run, plan.source, rank)
+        destinations = dict.fromkeys(methods, dst)
+        if fp8_plan is not None:
+            # The same sources into an FP8 destination: quantized on the senders, FP8 bytes
+            # and scales on the wire, checked against the reference quantizer.
+            executor_fp8 = Executor(fp8_plan, transport, ExecutorOptions(
+                staging_bytes=options.staging_bytes, verify=options.verify, pack_backend=options.pack_backend))
+            dst_fp8 = allocate(fp8_plan.destination, rank, fill=SENTINEL, device=device)
+            methods["reshard_fp8"] = lambda s, _d: executor_fp8.run(s, dst_fp8)
+            destinations["reshard_fp8"] = dst_fp8
         results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
                                               for m in methods}
         last: dict[str, Any] = {}
-        reference: dict[str, str] | None = None
+        references: dict[int, dict[str, str]] = {}  # per destination (the FP8 one has its own)
         for i in range(options.warmup + options.repeat):
             order = list(methods) if i % 2 == 0 else list(methods)[::-1]
             for m in order:
-                for t in dst.values():
+                out = destinations[m]
+                for t in out.values():
                     byte_view(t).fill_(SENTINEL)
                 transport.vote(True)  # start together; the refit's own vote ends it together
-                report = methods[m](src, dst)
+                report = methods[m](src, out)
                 key = "warmup_seconds" if i < options.warmup else "seconds"
                 results[m][key].append(report.seconds)
                 last[m] = report
+                reference = references.get(id(out))
                 if reference is None:
                     # The first run is checked against the pattern byte by byte; later
                     # runs must reproduce those verified buffers exactly (a SHA-1 per
                     # buffer: generating the pattern again would cost more than the refit).
-                    problems = pattern_pieces(plan.destination, rank, dst, options.seed, write=False)
-                    problems += padding_problems(plan.destination, rank, padded, SENTINEL)
-                    reference = _buffer_digests(dst)
+                    if m == "reshard_fp8":
+                        problems = quantized_problems(fp8_plan, rank, out, options.seed)
+                        problems += padding_problems(fp8_plan.destination, rank,
+                                                     _padded_buffers(fp8_plan.destination, rank, out), SENTINEL)
+                    else:
+                        problems = pattern_pieces(plan.destination, rank, out, options.seed, write=False,
+                                                  finite=finite)
+                        problems += padding_problems(plan.destination, rank, padded, SENTINEL)
+                    references[id(out)] = _buffer_digests(out)
                 else:
                     problems = [f"rank {rank} buffer {n!r} differs from the pattern-verified first run"
-                                for n, d in _buffer_digests(dst).items() if d != reference[n]]
+                                for n, d in _buffer_digests(out).items() if d != reference[n]]
                 if problems and len(results[m]["problems"]) < 5:
                     results[m]["problems"] += [f"run {i}: {p}" for p in problems]
                 phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"

@@ -18,6 +18,17 @@ per forward that needs staging, per window. With verification on, a forward carr
 digests its boxes arrived with at the relay (the relay checked them; nothing is recomputed),
 and the needer checks every box where it landed before unpacking staging.
 
+Plans in a quantized destination format (``Plan.quantization``): the caller passes its BF16
+source buffers and the destination's FP8 ``weight`` and scale (``weight_scale_inv``) buffers
+(``plan.destination``'s). Before its first message a sender quantizes every source piece it
+sends from (``_SourceQuantizer``: the reference quantizer's plain torch ops,
+``elastic_refit.kernels.quantize``, on the rank's device), into FP8 and scale staging of the
+epoch, after the plan's partial-amax exchange for blocks split across source shards (one
+batch of small messages); the plan's rows then move FP8 bytes and scales like any others, and
+the receiver's unpack places them into its weight and scale buffers. Digests (``verify``) are
+of those FP8 bytes and scales, taken on the quantizing sender. A block with NaN or Inf fails
+the refit on its sender (``NonFiniteBlockError`` naming the tensor and block).
+
 Any failure aborts the transport so peers fail fast, and every rank ends with a vote, so a
 rank whose own transfers all succeeded still learns that the refit did not.
 """
@@ -29,6 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -36,7 +48,7 @@ from elastic_refit.errors import TransferRefused, VerificationFailed
 from elastic_refit.kernels import BoxRegion, PackProgram
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.log import ensure_configured
-from elastic_refit.plan import Plan
+from elastic_refit.plan import Plan, SourceSide
 from elastic_refit.transport.buffers import byte_view, digest, resolve_buffers
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import (
@@ -56,6 +68,8 @@ MiB = 1 << 20
 DIGEST_BYTES = 8
 # Forwards between a pair are told apart from its network buckets by tag (gloo matches on it).
 FORWARD_TAG = 1 << 20
+# Partial-amax messages of quantized plans: this plus the exchange row (same on both ends).
+AMAX_TAG = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +304,7 @@ class Executor:
                 f"concurrent_rounds, or give more staging"
             )
         self._staging: list[torch.Tensor] = []
+        self._quantizer = _SourceQuantizer(plan, self.rank, self.device) if plan.quantization is not None else None
         # Only the ranks with pieces in the plan take part (a catch-up refit may leave the
         # trainers out of an epoch's communicator).
         self.participants = tuple(sorted(set(plan.source.ranks) | set(plan.destination.ranks)))
@@ -315,6 +330,8 @@ class Executor:
         """
         start = time.perf_counter()
         try:
+            if self._quantizer is not None:
+                source = self._quantizer.run(source or {}, self.transport)
             tensors = resolve_buffers(self.schedule.buffers, source or {}, destination or {}, rank=self.rank,
                                       device=self.device)
             self._ensure_staging()
@@ -523,3 +540,152 @@ def _windows(steps: tuple[Step, ...], concurrent_rounds: int) -> tuple[tuple[Ste
     for step in steps:
         windows.setdefault((int(step.phase), step.round // concurrent_rounds), []).append(step)
     return tuple(tuple(w) for _, w in sorted(windows.items()))
+
+
+class _SourceQuantizer:
+    """A sender's side of a quantized plan: the source pieces this rank sends from (element or
+    scale rows), quantized into FP8 and scale staging kept for the epoch, after the plan's
+    partial-amax exchange (``elastic_refit.plan.quantized``). ``run`` maps the caller's BF16
+    source buffers to the buffers ``plan.source`` declares (FP8 and scales)."""
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+        q = plan.quantization
+        src = plan.source
+        self.rank, self.device, self.q = rank, device, q
+        t = plan.transfers
+        rows = np.flatnonzero((t.src_rank == rank) & (t.src_side == int(SourceSide.SOURCE)))
+        sending = set(plan.expand(rows).src_piece.tolist()) if rows.size else set()
+        quantized = {src.tensor_index(n): q.format_of(n) for n in q.scale_tensor if n in src._tensor_index}
+        scale_ids = {src.tensor_index(q.scale_tensor[src.tensors[tid].name]) for tid in quantized}
+        mine = np.flatnonzero(src.piece_rank == rank)
+        scale_piece = {}
+        for p in mine.tolist():
+            if int(src.piece_tensor[p]) in scale_ids:
+                nd = len(src.tensors[int(src.piece_tensor[p])].shape)
+                scale_piece[(self._buffer(src, p), tuple(src.piece_offsets[p, :nd].tolist()),
+                             tuple(src.piece_lengths[p, :nd].tolist()))] = p
+        self.work = []  # (piece, fmt, name, dtype, element slices, scale piece slices | None, block offsets, origin)
+        self.buffers: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        for p in mine.tolist():
+            tid = int(src.piece_tensor[p])
+            fmt = quantized.get(tid)
+            if fmt is None:
+                continue
+            nd = len(src.tensors[tid].shape)
+            b_off, b_len = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
+            name = self._buffer(src, p)
+            s_piece = scale_piece.get((name + fmt.scale_suffix, b_off, b_len))
+            b = int(src.piece_buffer[p])
+            self.buffers[name] = (q.logical_source.tensor(src.tensors[tid].name).dtype,
+                                  tuple(int(v) for v in src.buffer_shape[b, : int(src.buffer_ndim[b])]),
+                                  torch.float8_e4m3fn)
+            if s_piece is not None:
+                sb = int(src.piece_buffer[s_piece])
+                self.buffers[name + fmt.scale_suffix] = (
+                    "", tuple(int(v) for v in src.buffer_shape[sb, : int(src.buffer_ndim[sb])]),
+                    getattr(torch, fmt.scale_dtype))
+            if p not in sending and s_piece not in sending:
+                continue
+            self.work.append((p, fmt, src.tensors[tid].name, self._local(src, p, nd),
+                              None if s_piece is None else self._local(src, s_piece, nd), b_off,
+                              self._origin(src, p, nd, fmt)))
+        amax = q.amax
+        self.sends = [i for i in range(len(amax)) if amax.provider[i] == rank and amax.kind[i] != 0]
+        self.recvs = [i for i in range(len(amax)) if amax.consumer[i] == rank and amax.kind[i] != 0]
+        self.by_consumer: dict[int, list[int]] = {}
+        for i in range(len(amax)):
+            if amax.consumer[i] == rank:
+                self.by_consumer.setdefault(int(amax.consumer_piece[i]), []).append(i)
+        self.src = src
+        self._staging: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _buffer(layout, p: int) -> str:
+        return layout.buffer_names[int(layout.buffer_name[int(layout.piece_buffer[p])])]
+
+    @staticmethod
+    def _local(layout, p: int, nd: int) -> tuple[str, tuple[slice, ...], tuple[int, ...]]:
+        """(buffer, local slices, global lengths) of piece ``p``."""
+        bnd = int(layout.buffer_ndim[int(layout.piece_buffer[p])])
+        off, ln = layout.piece_local_offsets[p, :bnd], layout.piece_local_lengths[p, :bnd]
+        return (_SourceQuantizer._buffer(layout, p), tuple(slice(int(o), int(o + n)) for o, n in zip(off, ln, strict=True)),
+                tuple(int(v) for v in layout.piece_lengths[p, :nd]))
+
+    @staticmethod
+    def _origin(layout, p: int, nd: int, fmt) -> tuple[int, int]:
+        return tuple(int(o) % b for o, b in zip(layout.piece_offsets[p, nd - 2 : nd], fmt.block_shape, strict=True))
+
+    def _piece(self, source: Mapping[str, torch.Tensor], p: int) -> torch.Tensor:
+        nd = len(self.src.tensors[int(self.src.piece_tensor[p])].shape)
+        name, slices, lengths = self._local(self.src, p, nd)
+        if name not in source:
+            raise ValueError(f"rank {self.rank}: source buffer {name!r} is missing")
+        return source[name][slices].reshape(lengths)
+
+    def _partial(self, source, i: int, p: int) -> torch.Tensor:
+        """The partial amax of piece ``p`` over exchange row ``i``'s blocks."""
+        from elastic_refit.kernels.quantize import block_amax
+
+        amax = self.q.amax
+        src = self.src
+        tid = int(src.piece_tensor[p])
+        fmt = self.q.format_of(src.tensors[tid].name)
+        nd = len(src.tensors[tid].shape)
+        b_off, _ = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
+        full = block_amax(self._piece(source, p), fmt, self._origin(src, p, nd, fmt))
+        lo, ln = amax.block_offsets[i, :nd], amax.block_lengths[i, :nd]
+        return full[tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))].contiguous()
+
+    def run(self, source: Mapping[str, torch.Tensor], transport: Transport) -> dict[str, torch.Tensor]:
+        from elastic_refit.kernels.quantize import (
+            block_amax,
+            check_scales,
+            combine_amax,
+            quantize_with_scales,
+            scales_from_amax,
+        )
+
+        amax = self.q.amax
+        out = {n: t for n, t in source.items() if n not in self.buffers}
+        for name, (dtype, shape, stage_dtype) in self.buffers.items():
+            if dtype and name in source and (source[name].dtype != getattr(torch, dtype) or tuple(source[name].shape) != shape):
+                raise ValueError(f"rank {self.rank}: source buffer {name!r} is {list(source[name].shape)} "
+                                 f"{source[name].dtype}, the layout says {list(shape)} {dtype}")
+            staged = self._staging.get(name)
+            if staged is None:
+                staged = self._staging[name] = torch.zeros(shape, dtype=stage_dtype, device=self.device)
+            out[name] = staged
+        # The exchange: one batch of small messages, before any piece is quantized.
+        received: dict[int, torch.Tensor] = {}
+        ops, waits = [], []
+        for i in self.sends:
+            payload = self._partial(source, i, int(amax.provider_piece[i]))
+            ops.append(P2POp("send", payload.view(torch.uint8).reshape(-1), int(amax.consumer[i]), AMAX_TAG + i))
+            waits.append((int(amax.consumer[i]), "send partial amax"))
+        for i in self.recvs:
+            nd = len(self.src.tensors[int(amax.tensor[i])].shape)
+            buf = torch.empty(tuple(int(v) for v in amax.block_lengths[i, :nd]), dtype=torch.float32, device=self.device)
+            received[i] = buf
+            ops.append(P2POp("recv", buf.view(torch.uint8).reshape(-1), int(amax.provider[i]), AMAX_TAG + i))
+            waits.append((int(amax.provider[i]), "receive partial amax"))
+        if ops:
+            for work, (peer, what) in zip(transport.post(ops), waits, strict=True):
+                transport.wait(work, peer, what)
+        for p, fmt, name, (buffer, slices, lengths), scale_at, b_off, origin in self.work:
+            x = self._piece(source, p)
+            blocks = block_amax(x, fmt, origin)
+            nd = len(lengths)
+            for i in self.by_consumer.get(p, []):
+                partial = received[i] if i in received else self._partial(source, i, int(amax.provider_piece[i]))
+                lo, ln = amax.block_offsets[i, :nd], amax.block_lengths[i, :nd]
+                at = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
+                blocks[at] = combine_amax(blocks[at], partial)
+            scales = scales_from_amax(blocks, fmt)
+            check_scales(scales, fmt, name, b_off)
+            region = out[buffer][slices]
+            region.copy_(quantize_with_scales(x, scales, fmt, origin).reshape(region.shape))
+            if scale_at is not None:
+                s_buffer, s_slices, _ = scale_at
+                region = out[s_buffer][s_slices]
+                region.copy_(scales.reshape(region.shape))
+        return out

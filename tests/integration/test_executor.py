@@ -209,3 +209,101 @@ def test_a_check_that_fails_before_the_closing_vote_fails_every_rank_and_keeps_t
         if rank:
             assert value["first"] == (f"TransferRefused: rank {rank}: another rank voted the refit down at "
                                       "its close"), (rank, value)
+
+
+FP8_SPEC = json.dumps({
+    "domains": [0, 0, 1, 1, 2],
+    "tensors": [
+        # rows cut at 14 and 28 (torch.chunk of 40 in 3) split 16-row blocks across source
+        # ranks of two domains: the partial-amax exchange; columns cut at 12 mid-block
+        {"name": "layers.0.proj.weight", "shape": [40, 24], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(1)"], "format": "fp8-block16"}},
+        # replicated source, stacked experts, MX blocks along the last dim
+        {"name": "layers.0.experts.weight", "shape": [2, 8, 70], "dtype": "bfloat16",
+         "source": {"mesh": [1, 2], "placements": ["R"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(0)"], "format": "mxfp8"}},
+        {"name": "norm.weight", "shape": [6], "dtype": "bfloat16",
+         "source": {"mesh": [0], "placements": ["R"]},
+         "destination": {"mesh": [3, 4], "placements": ["R"]}},
+    ],
+})
+
+
+def _finite_bf16(name: str, shape):
+    import zlib
+
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+    return x.to(torch.bfloat16)
+
+
+def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool) -> dict:
+    """One rank of a quantized refit: BF16 sources in, FP8 weights and scales out, compared
+    byte for byte with the reference quantizer of every whole tensor."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from elastic_refit.layout import parse_spec
+    from elastic_refit.plan import make_plan
+    from elastic_refit.testing.inprocess import piece_slices, reference_destination
+    from elastic_refit.testing.pattern import allocate
+    from elastic_refit.testing.world import SENTINEL, make_transport
+    from elastic_refit.transport.buffers import byte_view
+    from elastic_refit.transport.executor import Executor, ExecutorOptions
+
+    spec = parse_spec(json.loads(spec_json))
+    plan = make_plan(spec.source, spec.destination, spec.topology, formats=spec.destination_formats)
+    q = plan.quantization
+    tensors = {t.name: _finite_bf16(t.name, t.shape) for t in q.logical_source.tensors}
+    src = allocate(q.logical_source, rank, fill=0)
+    for p in np.flatnonzero(q.logical_source.piece_rank == rank).tolist():
+        (_, buffer), global_slices, local_slices = piece_slices(q.logical_source, p)
+        name = q.logical_source.tensors[int(q.logical_source.piece_tensor[p])].name
+        region = src[buffer][local_slices]
+        region.copy_(tensors[name][global_slices].reshape(region.shape))
+    dst = allocate(plan.destination, rank, fill=SENTINEL)
+    transport = make_transport(dist.PrefixStore("fp8", store), rank, world_size, "gloo", 20.0)
+    try:
+        report = Executor(plan, transport, ExecutorOptions(staging_bytes=1 << 20, verify=verify)).run(src, dst)
+    finally:
+        transport.abort()
+    want = reference_destination(plan, {n: t.view(torch.int16).numpy().view(np.uint16) for n, t in tensors.items()})
+    problems = []
+    for p in np.flatnonzero(plan.destination.piece_rank == rank).tolist():
+        (_, buffer), global_slices, local_slices = piece_slices(plan.destination, p)
+        name = plan.destination.tensors[int(plan.destination.piece_tensor[p])].name
+        got = byte_view(dst[buffer][local_slices].contiguous()).numpy()
+        expected = np.ascontiguousarray(want[name][global_slices]).view(np.uint8).reshape(got.shape)
+        if not np.array_equal(got, expected):
+            problems.append(f"rank {rank} {name} {plan.destination.piece(p).box}: {int((got != expected).sum())} bytes")
+    return {"problems": problems, "report": report.__dict__ if hasattr(report, "__dict__") else
+            {f: getattr(report, f) for f in report.__dataclass_fields__}}
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_fp8_refit_over_gloo_is_bit_exact_with_the_reference_quantizer(verify):
+    from elastic_refit.layout import parse_spec
+    from elastic_refit.plan import make_plan
+
+    spec = parse_spec(json.loads(FP8_SPEC))
+    plan = make_plan(spec.source, spec.destination, spec.topology, formats=spec.destination_formats)
+    assert len(plan.quantization.amax) and plan.quantization.amax.bytes_of(int(TransferKind.NETWORK)) > 0
+    results = run_local_world(_fp8_refit, 5, (FP8_SPEC, verify), timeout_s=120)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+        report = r.value["report"]
+        # the executor's figures are the plan's, FP8 bytes and scales (the exchange aside)
+        amax = plan.quantization.amax
+        net = int(TransferKind.NETWORK)
+        sent = int(amax.nbytes[(amax.provider == r.rank) & (amax.kind == net)].sum())
+        got = int(amax.nbytes[(amax.consumer == r.rank) & (amax.kind == net)].sum())
+        assert report["network_send_bytes"] == plan.network_send_bytes[r.rank] - sent
+        assert report["network_recv_bytes"] == plan.network_recv_bytes[r.rank] - got
+    if verify:
+        nonlocal_copies = int(plan.transfers.instances[plan.transfers.kind != int(TransferKind.LOCAL)].sum())
+        assert sum(r.value["report"]["num_verified_boxes"] for r in results) == nonlocal_copies

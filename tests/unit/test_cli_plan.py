@@ -261,3 +261,63 @@ def test_planner_errors_reach_the_cli_as_one_line(capsys, monkeypatch, tmp_path,
     assert code == 2
     assert len(err.splitlines()) == 1 and out == ""
     assert re.fullmatch(rf"elastic-refit: error: {pattern}", err.strip()), err
+
+
+# ---- --destination-format (issue 18 part 2) ---------------------------------------------------
+
+def test_destination_format_plans_fp8_beside_bf16(capsys):
+    code, out, _ = run_in_process(capsys, "plan", "--model", "deepseek-v3", "--source", "pp=2,dp=2,ep=2",
+                                  "--destination", "tp=4", "--layers", "2", "--destination-format", "fp8-block128",
+                                  "--cluster", "h100-dgx", "--domain-size", "4", "--json")
+    assert code == 0
+    f = json.loads(out)
+    assert f["destination_format"] == "fp8-block128" and f["num_quantized_tensors"] > 0
+    assert f["cross_domain_bytes"] == f["lower_bound_bytes"] > 0
+    assert f["bf16_cross_domain_bytes"] == f["bf16_lower_bound_bytes"]
+    # attention, MLP and expert weights quantized (scales included), norms, router, embeddings and
+    # head not (two layers of DeepSeek-V3 beside its embeddings and head: ~0.81)
+    assert 0.5 < f["cross_domain_bytes"] / f["bf16_cross_domain_bytes"] < 0.9
+    assert f["predicted_seconds"] < f["bf16_predicted_seconds"] and f["bound_seconds"] < f["bf16_bound_seconds"]
+    # the vocabulary: besides the format name, only num_*, *_bytes, *_seconds
+    other = {k for k in f if not (k.startswith("num_") or k.endswith(("_bytes", "_seconds")))}
+    assert other == {"fingerprint", "cluster", "destination_format"}
+    # bf16 (the default for a preset) plans as before: same fingerprint, no FP8 keys
+    _, plain, _ = run_in_process(capsys, "plan", "--model", "deepseek-v3", "--source", "pp=2,dp=2,ep=2",
+                                 "--destination", "tp=4", "--layers", "2", "--domain-size", "4", "--json")
+    _, explicit, _ = run_in_process(capsys, "plan", "--model", "deepseek-v3", "--source", "pp=2,dp=2,ep=2",
+                                    "--destination", "tp=4", "--layers", "2", "--destination-format", "bf16",
+                                    "--domain-size", "4", "--json")
+    assert json.loads(plain)["fingerprint"] == json.loads(explicit)["fingerprint"] != f["fingerprint"]
+    assert "destination_format" not in json.loads(plain)
+    assert json.loads(plain)["cross_domain_bytes"] == f["bf16_cross_domain_bytes"]
+
+
+def test_destination_format_of_a_spec_file(capsys, tmp_path):
+    spec = json.loads(json.dumps(SPEC))
+    spec["tensors"][0]["destination"]["format"] = "fp8-block16"
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(spec))
+    _, declared, _ = run_in_process(capsys, "plan", "--spec", str(path), "--json")
+    declared = json.loads(declared)
+    assert declared["destination_format"] == "fp8-block16" and declared["num_quantized_tensors"] == 1
+    # the flag overrides the spec's quantized tensors; bf16 quantizes none
+    _, mx, _ = run_in_process(capsys, "plan", "--spec", str(path), "--json", "--destination-format", "mxfp8")
+    assert json.loads(mx)["destination_format"] == "mxfp8"
+    _, none, _ = run_in_process(capsys, "plan", "--spec", str(path), "--json", "--destination-format", "bf16")
+    assert "destination_format" not in json.loads(none)
+    # a spec without formats: the flag quantizes its matrices ("w"; not the vector "b")
+    path.with_name("plain.json").write_text(json.dumps(SPEC))
+    _, flagged, _ = run_in_process(capsys, "plan", "--spec", str(path.with_name("plain.json")), "--json",
+                                   "--destination-format", "fp8-block16")
+    assert json.loads(flagged)["num_quantized_tensors"] == 1
+    # the human table shows the comparison
+    code, out, _ = run_in_process(capsys, "plan", "--spec", str(path), "--cluster", "h100-dgx")
+    assert code == 0 and "bf16 plan, cross-domain" in out and "destination formats" in out
+
+
+@pytest.mark.parametrize("value", ["fp4", "", "fp8-block100"])
+def test_bad_destination_format_is_one_error_line(capsys, spec_file, value):
+    code, out, err = run_in_process(capsys, "plan", "--spec", str(spec_file), "--destination-format", value)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"elastic-refit: error: --destination-format must be one of bf16, fp8-block128, "
+                                f"mxfp8, got {value!r}"]
