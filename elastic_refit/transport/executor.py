@@ -622,23 +622,34 @@ class _SourceQuantizer:
             raise ValueError(f"rank {self.rank}: source buffer {name!r} is missing")
         return source[name][slices].reshape(lengths)
 
-    def _partial(self, source, i: int, p: int) -> torch.Tensor:
-        """The partial amax of piece ``p`` over exchange row ``i``'s blocks."""
+    def _block_amax(self, source, p: int, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Piece ``p``'s block amax grid, once per run (an exchange row and the piece's own
+        quantization both need it; callers must not modify it)."""
         from elastic_refit.kernels.quantize import block_amax
 
-        amax = self.q.amax
-        src = self.src
+        if p not in memo:
+            src = self.src
+            tid = int(src.piece_tensor[p])
+            fmt = self.q.format_of(src.tensors[tid].name)
+            memo[p] = block_amax(self._piece(source, p), fmt, self._origin(src, p, len(src.tensors[tid].shape), fmt))
+        return memo[p]
+
+    def _exchange_slices(self, i: int, p: int) -> tuple[slice, ...]:
+        """Where exchange row ``i``'s blocks sit in piece ``p``'s block grid."""
+        src, amax = self.src, self.q.amax
         tid = int(src.piece_tensor[p])
         fmt = self.q.format_of(src.tensors[tid].name)
         nd = len(src.tensors[tid].shape)
         b_off, _ = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
-        full = block_amax(self._piece(source, p), fmt, self._origin(src, p, nd, fmt))
         lo, ln = amax.block_offsets[i, :nd], amax.block_lengths[i, :nd]
-        return full[tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))].contiguous()
+        return tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
+
+    def _partial(self, source, i: int, p: int, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The partial amax of piece ``p`` over exchange row ``i``'s blocks."""
+        return self._block_amax(source, p, memo)[self._exchange_slices(i, p)].contiguous()
 
     def run(self, source: Mapping[str, torch.Tensor], transport: Transport) -> dict[str, torch.Tensor]:
         from elastic_refit.kernels.quantize import (
-            block_amax,
             check_scales,
             combine_amax,
             quantize_with_scales,
@@ -657,9 +668,10 @@ class _SourceQuantizer:
             out[name] = staged
         # The exchange: one batch of small messages, before any piece is quantized.
         received: dict[int, torch.Tensor] = {}
+        memo: dict[int, torch.Tensor] = {}
         ops, waits = [], []
         for i in self.sends:
-            payload = self._partial(source, i, int(amax.provider_piece[i]))
+            payload = self._partial(source, i, int(amax.provider_piece[i]), memo)
             ops.append(P2POp("send", payload.view(torch.uint8).reshape(-1), int(amax.consumer[i]), AMAX_TAG + i))
             waits.append((int(amax.consumer[i]), "send partial amax"))
         for i in self.recvs:
@@ -671,14 +683,12 @@ class _SourceQuantizer:
         if ops:
             for work, (peer, what) in zip(transport.post(ops), waits, strict=True):
                 transport.wait(work, peer, what)
-        for p, fmt, name, (buffer, slices, lengths), scale_at, b_off, origin in self.work:
+        for p, fmt, name, (buffer, slices, _lengths), scale_at, b_off, origin in self.work:
             x = self._piece(source, p)
-            blocks = block_amax(x, fmt, origin)
-            nd = len(lengths)
+            blocks = self._block_amax(source, p, memo).clone()  # the memo's grid may be another row's partial
             for i in self.by_consumer.get(p, []):
-                partial = received[i] if i in received else self._partial(source, i, int(amax.provider_piece[i]))
-                lo, ln = amax.block_offsets[i, :nd], amax.block_lengths[i, :nd]
-                at = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
+                partial = received[i] if i in received else self._partial(source, i, int(amax.provider_piece[i]), memo)
+                at = self._exchange_slices(i, p)
                 blocks[at] = combine_amax(blocks[at], partial)
             scales = scales_from_amax(blocks, fmt)
             check_scales(scales, fmt, name, b_off)
