@@ -269,7 +269,9 @@ def scales_from_amax(amax: torch.Tensor, fmt: object) -> torch.Tensor:
     amax = amax.float()
     bad = torch.isnan(amax)
     if scheme.kind == "fp8-block":
-        scale = torch.clamp_min(amax / E4M3_MAX, FP32_MIN_NORMAL)
+        # A tensor divisor, not a Python scalar: CUDA torch turns division by a CPU scalar into
+        # a multiplication by its rounded reciprocal, one bit off the IEEE quotient at times.
+        scale = torch.clamp_min(amax / torch.full_like(amax, E4M3_MAX), FP32_MIN_NORMAL)
         scale = torch.where(amax == 0, torch.ones_like(scale), scale)
         nan = torch.full_like(amax, 0).view(torch.int32).fill_(_F32_NAN_BITS).view(torch.float32)
         return torch.where(bad, nan, scale)
