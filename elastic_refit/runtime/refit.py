@@ -67,6 +67,31 @@ from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
 from elastic_refit.membership.wakeup import ChangeSignal
 from elastic_refit.plan import Plan, PlanOptions
+from elastic_refit.runtime.agent import (
+    Action,
+    AgentInputs,
+    AgentSettings,
+    AgentState,
+    AttemptRan,
+    AwaitEpoch,
+    AwaitMembership,
+    Backoff,
+    CommunicatorFailed,
+    ConnectAhead,
+    Connected,
+    Entered,
+    EnterEpoch,
+    Fail,
+    Faulted,
+    Idle,
+    Lost,
+    NextAttempt,
+    Observe,
+    Observed,
+    Outcome,
+    RunAttempt,
+    decide,
+)
 from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
@@ -81,7 +106,6 @@ from elastic_refit.runtime.attempt import (
     fault_cause,
     next_action,
     plan_attempt,
-    reform_due_in,
     source_layout_disagreement,
     steady_refit,
 )
@@ -520,101 +544,128 @@ class ElasticRefit:
             transport.close()
 
     def _agent_loop(self) -> None:
-        me = self.config.member_id
-        view: MembershipView | None = None
-        seq = 0
-        broken_epoch = -1  # an epoch whose communicator could not be formed, or broke
-        broken_at = 0.0  # when it broke (monotonic)
-        reform_asked = True  # whether a rebuild with the same members was asked for it
+        """The driver of the agent's state machine (:func:`~elastic_refit.runtime.agent.decide`):
+        each turn it reads the latest view, lets ``decide`` pick the action, executes it and
+        feeds back what came of it. Every decision is there; here are only side effects."""
+        settings = AgentSettings.of(self.config)
+        state, outcome = AgentState(), None
+        lost: MembershipLost | None = None
+        changed = self._changes.token()
         while not self._stop.is_set():
-            try:
-                changed = self._changes.token()  # before any read: a change after it wakes the wait below
-                latest = self.membership.view
-                # An epoch that lists this member under an earlier incarnation (a restart
-                # inside the old lease's TTL) is not ours: wait for the one that lists us.
-                if latest is None or me not in latest or latest.member(me).incarnation != self.config.incarnation:
-                    self.membership.check()  # a member whose lease expired is out for good
-                    self._stop.wait(self.config.poll_s)
-                    continue
-                if latest.epoch == broken_epoch:
-                    # This epoch's communicator is unusable: wait for the next epoch (the
-                    # leader's, without a dead peer), asking for a reform once no such epoch
-                    # came in time (see reform_due).
-                    due_in = reform_due_in(time.monotonic() - broken_at, self.config.ttl_s)
-                    if not reform_asked and due_in == 0.0:
-                        reform_asked = True
-                        self._request_reform(broken_epoch)
-                    wait_s = self.config.epoch_deadline_s if reform_asked else max(self.config.poll_s, due_in)
-                    with contextlib.suppress(EpochTimeout):
-                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=wait_s)
-                    continue
-                if view is None or latest.epoch != view.epoch:
-                    self._count_left_attempt(latest)
-                    self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
-                    # The manager's watchdog must hold the last reference to the old process
-                    # group, so that its destructor never runs (and blocks) on this thread.
-                    self._release_transport()
-                    try:
-                        result = self.manager.reconfigure(view, latest, broken=view is not None
-                                                          and view.epoch == broken_epoch)
-                    except CommunicatorError:
-                        broken_epoch, broken_at, reform_asked = latest.epoch, time.monotonic(), True
-                        view = None  # nothing of the old communicator survives a failed rebuild
-                        self.log.warning("refit.communicator.broken", epoch=broken_epoch)
-                        self._request_reform(latest.epoch)
-                        raise
-                    self._transport = HOOKS.wrap_transport(result.transport)
-                    self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
-                    view, seq = latest, 0
-                    self._changes.watch("epoch", self.versions.keys.store(view.epoch))
-                    self.stats["reconfigurations"] += 1
-                    self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
-                                  num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
-                    del result  # the manager and self._transport keep the only references
-                    if not self._connect_ahead(view, self._transport):  # type: ignore[arg-type]
-                        broken_epoch, broken_at, view, reform_asked = self._broke(view)
-                        continue
-                state = self.versions.snapshot()
-                self._observe(state)
-                if view.members[0].member_id == me:
-                    self._coordinate(view, seq, state)
-                found = self.versions.next_attempt(view.epoch, seq)
-                if found is None:
-                    # Nothing to do until a key changes; the timeout only bounds what a lost
-                    # watch event could cost (the watches resume and relist themselves).
-                    self._changes.wait_after(changed, self.config.idle_wake_s)
-                    continue
-                seq, record = found  # later than seq: this rank took no part in the pruned ones
-                spec = AttemptSpec.from_json(record)
-                if me in spec.participants and not self._run_attempt_locked(view, self._transport, seq, spec):  # type: ignore[arg-type]
-                    broken_epoch, broken_at, view, reform_asked = self._broke(view)
-                seq += 1
-            except MembershipLost as exc:
-                self.log.error("fault.detected", kind="membership_lost", error=str(exc))
-                self._fail(exc)
+            if not isinstance(outcome, Observed):
+                # Before any read: a change after it wakes an idle wait. After an Observe the
+                # token taken before its reads stays (an older token can only wake sooner).
+                changed = self._changes.token()
+            action, state = decide(state, AgentInputs(settings, self.membership.view, outcome), time.monotonic())
+            if isinstance(action, Fail):
+                self.log.error("fault.detected", kind="membership_lost", error=action.reason)
+                self._fail(lost if lost is not None else MembershipLost(action.reason))
                 return
-            except Exception as exc:  # a fault of this attempt: back off until something changes
-                self.stats["failed_attempts"] += 1
-                self._note_fault(fault_cause(exc))
-                self.log.warning("fault.detected", kind=type(exc).__name__,
-                                 error=(str(exc).splitlines() or [""])[0][:300],
-                                 epoch=view.epoch if view else None, seq=seq)
-                seq += 1
-                with contextlib.suppress(Exception):
-                    self.membership.wait_for_view(after_epoch=view.epoch if view else 0,
-                                                  timeout_s=self.config.collective_timeout_s)
+            try:
+                outcome = self._execute(action, state, changed)
+            except MembershipLost as exc:
+                lost, outcome = exc, Lost(str(exc))
+            except Exception as exc:  # a fault outside an attempt: back off until something changes
+                self._fault_detected(exc, state.epoch, state.seq)
+                outcome = Faulted(fault_cause(exc))
 
-    def _broke(self, view: MembershipView) -> tuple[int, float, MembershipView | None, bool]:
-        """An operation broke this epoch's transport: it cannot be used again. Returns the
-        agent's (broken epoch, when, view, whether a reform was asked)."""
+    def _execute(self, action: Action, state: AgentState, changed: int) -> Outcome | None:
+        """Carry out one action of the agent in ``state`` (the state ``decide`` left);
+        returns what came of it, None after a wait. ``changed``: the change token an idle
+        wait waits after."""
+        if isinstance(action, AwaitMembership):
+            self.membership.check()  # a member whose lease expired is out for good
+            self._stop.wait(action.timeout_s)
+        elif isinstance(action, AwaitEpoch):
+            if action.request_reform:
+                self._request_reform(action.after_epoch)
+            with contextlib.suppress(EpochTimeout):
+                self.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        elif isinstance(action, EnterEpoch):
+            return self._enter_epoch(action)
+        elif isinstance(action, ConnectAhead):
+            view = self._entered(state, action.epoch)
+            if self._connect_ahead(view, self._transport):  # type: ignore[arg-type]
+                return Connected(action.epoch)
+            return Connected(action.epoch, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Observe):
+            return self._look_for_attempt(self._entered(state, action.epoch), action)
+        elif isinstance(action, RunAttempt):
+            view = self._entered(state, action.epoch)
+            if self._run_attempt_locked(view, self._transport, action.seq, action.spec):  # type: ignore[arg-type]
+                return AttemptRan(action.epoch, action.seq)
+            return AttemptRan(action.epoch, action.seq, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Idle):
+            # Nothing to do until a key changes; the timeout only bounds what a lost watch
+            # event could cost (the watches resume and relist themselves).
+            self._changes.wait_after(changed, action.timeout_s)
+        elif isinstance(action, Backoff):
+            with contextlib.suppress(Exception):  # a fault while backing off must not stack on the fault
+                self.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        else:
+            raise TypeError(f"the agent has no way to execute {action!r}")
+        return None
+
+    @staticmethod
+    def _entered(state: AgentState, epoch: int) -> MembershipView:
+        if state.view is None or state.view.epoch != epoch:
+            raise RefitError(f"agent bug: an action for epoch {epoch} while in epoch {state.epoch}")
+        return state.view
+
+    def _enter_epoch(self, action: EnterEpoch) -> Outcome:
+        """Reconfigure the communicator from ``action.previous`` to ``action.view`` (shrink /
+        grow / rebuild, see ``CommunicatorManager``)."""
+        latest = action.view
+        self._count_left_attempt(latest)
+        self._hook("comm.reconfiguring", epoch=latest.epoch, first=action.previous is None)
+        # The manager's watchdog must hold the last reference to the old process group, so
+        # that its destructor never runs (and blocks) on this thread.
+        self._release_transport()
+        try:
+            result = self.manager.reconfigure(action.previous, latest, broken=action.broken)
+        except CommunicatorError as exc:
+            self.log.warning("refit.communicator.broken", epoch=latest.epoch)
+            self._fault_detected(exc, None, 0)  # nothing of the old communicator survives
+            return CommunicatorFailed(latest.epoch)
+        self._transport = HOOKS.wrap_transport(result.transport)
+        self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
+        # The communicator is formed: the epoch is entered whatever follows (a fault of the
+        # watch below costs only wakeups, which the idle timeout bounds).
+        try:
+            self._changes.watch("epoch", self.versions.keys.store(latest.epoch))
+        except Exception as exc:
+            self._fault_detected(exc, latest.epoch, 0)
+        self.stats["reconfigurations"] += 1
+        self.log.info("refit.epoch.entered", epoch=latest.epoch, rank=result.rank, num_ranks=result.num_ranks,
+                      path=result.path, seconds=result.seconds)
+        del result  # the manager and self._transport keep the only references
+        return Entered(latest)
+
+    def _look_for_attempt(self, view: MembershipView, action: Observe) -> Observed:
+        """Read the version state (serve what committed), coordinate as the epoch's rank 0,
+        then look for attempt ``action.seq`` or a later one."""
+        state = self.versions.snapshot()
+        self._observe(state)
+        if action.coordinate:
+            self._coordinate(view, action.seq, state)
+        found = self.versions.next_attempt(view.epoch, action.seq)
+        if found is None:
+            return Observed(action.epoch, None)
+        seq, record = found
+        return Observed(action.epoch, NextAttempt(seq, AttemptSpec.from_json(record)))
+
+    def _broke(self, view: MembershipView) -> bool:
+        """An operation broke this epoch's transport: it cannot be used again. Returns
+        whether it can shrink (then the communicator stays with the manager)."""
         self.log.warning("refit.communicator.broken", epoch=view.epoch)
-        if self._transport is not None and self._transport.capabilities.can_shrink:
-            # The communicator stays with the manager: the next epoch shrinks it (a dead
-            # peer) or rebuilds it (a reform, once one is due).
-            return view.epoch, time.monotonic(), view, False
-        # Nothing to shrink (gloo): every rank of the epoch rebuilds, now.
-        self._request_reform(view.epoch)
-        return view.epoch, time.monotonic(), None, True
+        return self._transport is not None and self._transport.capabilities.can_shrink
+
+    def _fault_detected(self, exc: Exception, epoch: int | None, seq: int) -> None:
+        """A fault of the agent outside any attempt: counted, noted for timeouts, logged."""
+        self.stats["failed_attempts"] += 1
+        self._note_fault(fault_cause(exc))
+        self.log.warning("fault.detected", kind=type(exc).__name__, error=(str(exc).splitlines() or [""])[0][:300],
+                         epoch=epoch, seq=seq)
 
     def _plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
         """``plan_attempt`` of ``spec`` in ``view``, memoised: every refit of an epoch with the
