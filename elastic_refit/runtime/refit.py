@@ -89,14 +89,17 @@ from elastic_refit.runtime.agent import (
     Observe,
     Observed,
     Outcome,
+    Propose,
+    Refuse,
     RunAttempt,
+    coordinate,
+    coordinator_tidy,
     decide,
 )
 from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
-    REFIT,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -104,7 +107,6 @@ from elastic_refit.runtime.attempt import (
     check_publish,
     count_failure,
     fault_cause,
-    next_action,
     plan_attempt,
     source_layout_disagreement,
     steady_refit,
@@ -743,47 +745,46 @@ class ElasticRefit:
             self.membership.request_reform()
 
     def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:
-        """Rank 0 of the epoch: commit what is complete, else propose the next attempt."""
-        if seq > 0:
-            if not self._attempt_finished(view, seq - 1):
-                return
-            pending = self._uncounted
-            if pending is not None and pending[0].epoch == view.epoch and pending[1] == seq - 1:
-                self._uncounted = None
-                self._count_attempt(view, pending[1], pending[2], self.manager.store, view)
-            if seq >= 2 and self._attempts_pruned != (view.epoch, seq - 2) and self.manager.store is not None:
-                # Attempt seq - 1 was proposed once seq - 2 had finished everywhere: nobody
-                # reads seq - 2 again (a member that fell behind skips to the next one).
-                self.versions.prune_attempt(view.epoch, seq - 2, self.manager.store.prefix)
-                self._attempts_pruned = (view.epoch, seq - 2)
-            # Acks land before the done keys: a snapshot taken before the previous attempt
-            # finished may miss the last ones and propose a redundant catch-up attempt.
+        """Rank 0 of the epoch: commit what is complete, else propose the next attempt (or
+        refuse a version whose sources disagree), as ``coordinator_tidy`` and ``coordinate``
+        decide."""
+        store = self.manager.store
+        pending = self._uncounted
+        tidy = coordinator_tidy(view.epoch, seq, previous_finished=seq == 0 or self._attempt_finished(view, seq - 1),
+                                uncounted=(pending[0].epoch, pending[1]) if pending is not None else None,
+                                pruned=self._attempts_pruned, has_store=store is not None)
+        if not tidy.proceed:
+            return
+        if tidy.count is not None and pending is not None:
+            self._uncounted = None
+            self._count_attempt(view, pending[1], pending[2], store, view)
+        if tidy.prune is not None and store is not None:
+            self.versions.prune_attempt(view.epoch, tidy.prune, store.prefix)
+            self._attempts_pruned = (view.epoch, tidy.prune)
+        if tidy.reread:
             state = self.versions.snapshot()
         self._prune_tallies(state)
-        action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
-        if isinstance(action, AttemptSpec) and action.kind == REFIT and self.config.check_replicas:
-            disagreement = self._replica_disagreement(view, state, action)
-            if disagreement is not None:
-                # Nothing has moved: the version is refused before any attempt.
-                cause = f"ValueError: {disagreement}"
-                if self.versions.fail(self.membership, action.version, view.epoch, cause, 0):
-                    self.log.error("refit.version.refused", version=action.version, cause=disagreement)
-                return
-        if isinstance(action, CommitAction):
-            self._hook("commit.before", version=action.version, epoch=view.epoch)
-            if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
-                self.log.info("refit.version.committed", version=action.version, epoch=view.epoch,
-                              digest=action.digest)
+        move = coordinate(view, seq, state, feasible=lambda spec: self._feasible(view, spec),
+                          disagreement=(lambda spec: self._replica_disagreement(view, state, spec))
+                          if self.config.check_replicas else None)
+        if isinstance(move, Refuse):
+            if self.versions.fail(self.membership, move.version, view.epoch, move.cause, 0):
+                self.log.error("refit.version.refused", version=move.version, cause=move.reason)
+        elif isinstance(move, CommitAction):
+            self._hook("commit.before", version=move.version, epoch=view.epoch)
+            if self.versions.commit(self.membership, move.version, view.epoch, move.digest):
+                self.log.info("refit.version.committed", version=move.version, epoch=view.epoch, digest=move.digest)
                 # etcd holds O(ranks) version keys however long the job runs (VersionStore.prune)
-                num_versions = self.versions.prune(self.membership, view.epoch, state, action.version)
+                num_versions = self.versions.prune(self.membership, view.epoch, state, move.version)
                 if num_versions:
-                    self.log.info("refit.versions.pruned", below=action.version, num_versions=num_versions)
-        elif (isinstance(action, AttemptSpec) and self.versions.attempt(view.epoch, seq) is None
-              and self.versions.propose_attempt(self.membership, view.epoch, seq, action.to_json())):
-                self._uncounted = (view, seq, action)
-                self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
-                              kind=action.kind, sources=len(action.sources), holders=len(action.holders),
-                              destinations=len(action.destinations))
+                    self.log.info("refit.versions.pruned", below=move.version, num_versions=num_versions)
+        elif (isinstance(move, Propose) and self.versions.attempt(view.epoch, move.seq) is None
+              and self.versions.propose_attempt(self.membership, view.epoch, move.seq, move.spec.to_json())):
+            spec = move.spec
+            self._uncounted = (view, move.seq, spec)
+            self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=move.seq, version=spec.version,
+                          kind=spec.kind, sources=len(spec.sources), holders=len(spec.holders),
+                          destinations=len(spec.destinations))
 
     def _replica_regions(self, layout: Layout) -> tuple[ReplicaRegion, ...]:
         """The replica regions of training layout ``layout`` (memoised for the latest one)."""

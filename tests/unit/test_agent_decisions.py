@@ -2,7 +2,8 @@
 
 Each row is one situation: the agent's state, the latest membership view, the outcome of
 the action the driver executed last and the clock; and what must follow: the action and
-the state after it. The agent here is inference rank ``i0`` (incarnation ``a``) unless a
+the state after it. The coordinator's decisions (``coordinator_tidy``, ``coordinate``) are
+tables too, their version states built with ``test_runtime_decisions``' helpers. The agent here is inference rank ``i0`` (incarnation ``a``) unless a
 row says otherwise. A hypothesis property then drives ``decide`` through random runs (views
 changing, actions succeeding, breaking, faulting) and checks what must hold on every turn.
 """
@@ -36,12 +37,26 @@ from elastic_refit.runtime.agent import (
     NextAttempt,
     Observe,
     Observed,
+    Propose,
+    Refuse,
     RunAttempt,
+    Tidy,
+    coordinate,
+    coordinator_tidy,
     decide,
     lists,
 )
-from elastic_refit.runtime.attempt import REFIT, REFORM_GRACE_S, AttemptSpec
+from elastic_refit.runtime.attempt import (
+    CATCH_UP,
+    REFIT,
+    REFORM_GRACE_S,
+    AttemptSpec,
+    CommitAction,
+    version_digest,
+)
 from elastic_refit.runtime.config import RefitConfig
+from tests.unit.test_runtime_decisions import state as version_state
+from tests.unit.test_runtime_decisions import view as version_view
 
 TTL_S, POLL_S, COLLECTIVE_S, DEADLINE_S, IDLE_S = 2, 0.02, 1.5, 10.0, 5.0
 
@@ -286,3 +301,77 @@ def test_decide_over_random_runs(run) -> None:
         state = new
         outcome = _outcome(action, pick, later_seq=1 + turn % 3)
         now += dt
+
+
+# ---- the coordinator: tidy up after an attempt, then move -----------------------------------
+TIDY_ROWS = [
+    # name, seq, previous finished, uncounted, pruned, has store, expected
+    ("the epoch's first attempt", 0, False, None, None, True, Tidy(True)),
+    ("previous attempt still running", 3, False, (1, 2), None, True, Tidy(False)),
+    ("previous finished, proposed by me: count it, prune seq-2", 3, True, (1, 2), None, True,
+     Tidy(True, count=2, prune=1, reread=True)),
+    ("previous proposed by another coordinator: nothing to count", 3, True, None, None, True,
+     Tidy(True, prune=1, reread=True)),
+    ("uncounted is of another epoch", 3, True, (0, 2), None, True, Tidy(True, prune=1, reread=True)),
+    ("uncounted is an older attempt", 3, True, (1, 1), None, True, Tidy(True, prune=1, reread=True)),
+    ("seq-2 pruned already", 3, True, (1, 2), (1, 1), True, Tidy(True, count=2, reread=True)),
+    ("an earlier epoch's prune does not count", 3, True, None, (0, 1), True, Tidy(True, prune=1, reread=True)),
+    ("second attempt: nothing to prune yet", 1, True, (1, 0), None, True, Tidy(True, count=0, reread=True)),
+    ("no store: count, but prune nothing", 3, True, (1, 2), None, False, Tidy(True, count=2, reread=True)),
+]
+
+
+@pytest.mark.parametrize(("name", "seq", "finished", "uncounted", "pruned", "has_store", "expected"), TIDY_ROWS,
+                         ids=[r[0] for r in TIDY_ROWS])
+def test_coordinator_tidy(name, seq, finished, uncounted, pruned, has_store, expected) -> None:
+    got = coordinator_tidy(1, seq, previous_finished=finished, uncounted=uncounted, pruned=pruned,
+                           has_store=has_store)
+    assert got == expected, f"{name}: {got!r} ({got.why})"
+    assert got.why
+
+
+def test_a_waiting_coordinator_does_nothing_else() -> None:
+    with pytest.raises(ValueError, match="does nothing else, got count 2"):
+        Tidy(False, count=2)
+
+
+PAIR = version_view("t0", "t1", "i0", "i1", epoch=4)
+AGREE = None  # disagreement(): the sources agree
+
+
+def _refit(destinations=("i0", "i1"), holders=()):
+    return AttemptSpec(2, REFIT, ("t0", "t1"), tuple(holders), tuple(destinations),
+                       tuple((m, "") for m in ("t0", "t1", *holders, *destinations)))
+
+
+COORDINATE_ROWS = [
+    # name, version state, feasible, disagreement (None: not checked), expected move
+    ("nothing published", version_state(), None, None, None),
+    ("one trainer of two published: wait", version_state(sources={2: ["t0"]}), None, None, None),
+    ("every trainer published: propose the refit", version_state(sources={2: ["t0", "t1"]}), None, None,
+     Propose(5, _refit())),
+    ("sources agree: propose", version_state(sources={2: ["t0", "t1"]}), None, lambda spec: AGREE,
+     Propose(5, _refit())),
+    ("sources disagree: refuse before any attempt", version_state(sources={2: ["t0", "t1"]}), None,
+     lambda spec: "region 3 differs", Refuse(2, "region 3 differs")),
+    ("infeasible: nothing", version_state(sources={2: ["t0", "t1"]}), lambda spec: False, None, None),
+    ("every inference rank holds it: commit", version_state(sources={2: ["t0", "t1"]}, acks={2: ["i0", "i1"]}),
+     None, lambda spec: "never asked", "commit"),
+    ("catch-up is never checked for replicas",
+     version_state(sources={2: ["t0", "t1"]}, acks={2: ["i0"]}, committed=(2,)), None,
+     lambda spec: "never asked", Propose(5, AttemptSpec(2, CATCH_UP, (), ("i0",), ("i1",),
+                                                          (("i0", ""), ("i1", ""))))),
+]
+
+
+@pytest.mark.parametrize(("name", "versions", "feasible", "disagreement", "expected"), COORDINATE_ROWS,
+                         ids=[r[0] for r in COORDINATE_ROWS])
+def test_coordinate(name, versions, feasible, disagreement, expected) -> None:
+    got = coordinate(PAIR, 5, versions, feasible=feasible, disagreement=disagreement)
+    if expected == "commit":
+        expected = CommitAction(2, version_digest(versions, 2, PAIR.members_of("inference")))
+    assert got == expected, name
+
+
+def test_refuse_cause_names_the_disagreement() -> None:
+    assert Refuse(2, "region 3 differs").cause == "ValueError: region 3 differs"
