@@ -1,6 +1,8 @@
 """``ElasticRefit``: the context every trainer and inference rank runs.
 
-Each rank runs an agent thread that follows the job's epochs. Per epoch it reconfigures
+Each rank runs an agent thread that follows the job's epochs: its decisions are the pure
+state machine of ``runtime.agent`` (``decide``, and ``coordinator_tidy`` / ``coordinate``
+for the coordinator); ``_agent_loop`` executes them. Per epoch it reconfigures
 the refit communicator (shrink / grow / rebuild, in ``membership``), then works through
 the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes each attempt
 (a version, its sources, holders and destinations) in etcd, fenced by its lease and the epoch;
@@ -553,7 +555,7 @@ class ElasticRefit:
         state, outcome = AgentState(), None
         lost: MembershipLost | None = None
         changed = self._changes.token()
-        while not self._stop.is_set():
+        while not self._stop.is_set() or isinstance(outcome, Lost):  # a lost membership fails waiters even when closing
             if not isinstance(outcome, Observed):
                 # Before any read: a change after it wakes an idle wait. After an Observe the
                 # token taken before its reads stays (an older token can only wake sooner).
