@@ -441,8 +441,8 @@ def _next(state: AgentState, inputs: AgentInputs, now: float) -> tuple[Action, A
         return EnterEpoch(latest, state.view, broken, why=f"epoch {latest.epoch} is new"), state
     if not state.connected:
         return ConnectAhead(latest.epoch, why="epoch entered"), state
-    coordinate = state.view.members[0].member_id == s.member_id  # rank 0 of the epoch
-    return Observe(latest.epoch, state.seq, coordinate, why="steady in the epoch"), state
+    is_coordinator = state.view.members[0].member_id == s.member_id  # rank 0 of the epoch
+    return Observe(latest.epoch, state.seq, is_coordinator, why="steady in the epoch"), state
 
 
 # ---- the coordinator's decisions -------------------------------------------------------------
