@@ -308,3 +308,23 @@ def test_fp8_refit_over_gloo_is_bit_exact_with_the_reference_quantizer(verify):
     if verify:
         nonlocal_copies = int(plan.transfers.instances[plan.transfers.kind != int(TransferKind.LOCAL)].sum())
         assert sum(r.value["report"]["num_verified_boxes"] for r in results) == nonlocal_copies
+
+
+def test_fp8_bench_of_a_fused_moe_preset_is_verified():
+    """``elastic-refit bench --destination-format`` on a Megatron -> vLLM MoE preset (q, k
+    and v fused in one buffer, gate and up too, so their scale buffers are shared): every
+    FP8 byte and scale each destination rank holds is the reference quantizer's."""
+    import dataclasses
+
+    from elastic_refit.layout.presets import checkpoint_formats
+    from elastic_refit.testing.world import BenchOptions, bench_rank
+
+    case = RefitCase(model=TINY_MOE, source="tp=2,pp=2,ep=2", destination="tp=2,dp=2", domain_size=8,
+                     bucket_bytes=8192)
+    case = dataclasses.replace(case, formats_json=checkpoint_formats(TINY_MOE, "fp8-block16").to_json())
+    options = BenchOptions(backend="gloo", timeout_s=60, repeat=1, warmup=0, p2p_bytes=1 << 16)
+    results = run_local_world(bench_rank, _world_size(case), (case, options), timeout_s=240)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["reshard_fp8"]["problems"] == [], r.value["reshard_fp8"]["problems"]
+        assert r.value["reshard"]["problems"] == [], r.value["reshard"]["problems"]
