@@ -46,7 +46,7 @@ def _assert_views_equal_slices(src, dst, topo, options) -> None:
         view = make_rank_plan(src, dst, topo, options, rank=rank)
         want = rank_slice(full, rank)
         assert view.fingerprint == fingerprint == want.fingerprint
-        assert view.num_rounds == full.stats.num_rounds
+        assert view.num_rounds == want.num_rounds >= full.stats.num_rounds
         for name, column in view.transfers.columns().items():
             assert np.array_equal(column, getattr(want.transfers, name)), (rank, name)
         num_rows += len(view.transfers)
@@ -142,8 +142,9 @@ def test_cli_plan_rank_prints_that_ranks_view(tmp_path, capsys):
     assert figures["rank"] == 4 and figures["fingerprint"] == view.fingerprint
     assert figures["recv_bytes"] == by_kind["network_recv"] + by_kind["intra_recv"] > 0
     assert sum(p["bytes"] for p in figures["peers"] if p["direction"] == "recv") == figures["recv_bytes"]
-    assert figures["num_rounds"] == make_plan(spec.source, spec.destination, spec.topology,
-                                              PlanOptions(relay="off")).stats.num_rounds
+    full = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(relay="off"))
+    # every rank walks the plan's round space, which holds the rounds with messages
+    assert figures["num_rounds"] == view.num_rounds == rank_slice(full, 4).num_rounds >= full.stats.num_rounds
     assert cli.main(["plan", "--spec", str(spec_file), "--relay", "off", "--rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "rank 4 of 8" in out and f"input fingerprint {view.fingerprint}" in out
