@@ -1317,12 +1317,13 @@ class _RoundSpace:
     """The shift schedule's rounds as a function of a row's two ranks only, so that any set of
     rows (one rank's) gets the rounds the full plan gives them (PLANNER_VERSION 4).
 
-    Network rows (phase DELIVER): senders are numbered among the source ranks, receivers
-    among the destination ranks (every participant in relayed plans), and a row's round is
-    its shift (receiver - sender) modulo ``num_network``, the larger count. Intra-domain
-    rows: ranks are numbered inside their domain and the round is the shift modulo the
-    largest domain, after the network rounds in DELIVER (held copies), from 0 in FAN_OUT.
-    Either way a round has every rank send to at most one peer and receive from at most one.
+    Phase DELIVER (network rows and copies from source pieces): senders are numbered among
+    the source ranks, receivers among the destination ranks (in relayed plans: every
+    participant of a domain holding destination ranks, the ranks that may relay), and a row's
+    round is its shift (receiver - sender) modulo ``num_network``, the larger count. FAN_OUT
+    (inside a domain): ranks are numbered inside their domain and the round is the shift
+    modulo the largest domain. Either way a round has every rank send to at most one peer
+    and receive from at most one.
     """
 
     sender_index: np.ndarray  # [num_ranks] index among the network senders (-1: none)
@@ -1334,7 +1335,7 @@ class _RoundSpace:
     @property
     def num_rounds(self) -> int:
         """Rounds of the schedule, empty ones included: what every rank walks."""
-        return self.num_network + 2 * self.domain_width
+        return self.num_network + self.domain_width
 
 
 def _round_space(source: Layout, destination: Layout, domain_of_rank: np.ndarray, relayed: bool) -> _RoundSpace:
@@ -1346,7 +1347,10 @@ def _round_space(source: Layout, destination: Layout, domain_of_rank: np.ndarray
         return index
 
     senders = np.asarray(source.ranks, dtype=np.int64)
-    receivers = _participants(source, destination) if relayed else np.asarray(destination.ranks, dtype=np.int64)
+    receivers = np.asarray(destination.ranks, dtype=np.int64)
+    if relayed:  # any participant of a destination domain may receive (a relay)
+        participants = _participants(source, destination)
+        receivers = participants[np.isin(domain_of_rank[participants], domain_of_rank[receivers])]
     order, sorted_domain = _stable_sort(domain_of_rank)
     starts, counts = _group_bounds(sorted_domain, int(domain_of_rank.max(initial=0)) + 1)
     domain_index = np.empty(num_ranks, dtype=np.int64)
@@ -1360,14 +1364,13 @@ def _rounds(table: dict[str, np.ndarray], space: _RoundSpace, num_forward: int =
     (``_RoundSpace``); a forward travels with its network row's bucket, so takes its round."""
     kind, src_rank, dst_rank = table["kind"], table["src_rank"], table["dst_rank"]
     row_round = np.full(kind.size, -1, dtype=np.int64)
-    network = np.flatnonzero(kind == int(TransferKind.NETWORK))
-    shift = space.receiver_index[dst_rank[network]] - space.sender_index[src_rank[network]]
-    row_round[network] = shift % space.num_network
-    intra = np.flatnonzero(kind == int(TransferKind.INTRA))
-    shift = space.domain_index[dst_rank[intra]] - space.domain_index[src_rank[intra]]
-    shift %= space.domain_width
-    shift += space.num_network * (table["phase"][intra] == int(Phase.DELIVER))
-    row_round[intra] = shift
+    fan_out = table["phase"] == int(Phase.FAN_OUT)
+    deliver = np.flatnonzero((kind != int(TransferKind.LOCAL)) & ~fan_out)
+    shift = space.receiver_index[dst_rank[deliver]] - space.sender_index[src_rank[deliver]]
+    row_round[deliver] = shift % space.num_network
+    fan_out = np.flatnonzero(fan_out)
+    shift = space.domain_index[dst_rank[fan_out]] - space.domain_index[src_rank[fan_out]]
+    row_round[fan_out] = shift % space.domain_width
     if num_forward:
         forward = slice(kind.size - num_forward, kind.size)
         row_round[forward] = row_round[table["src_piece"][forward]]
