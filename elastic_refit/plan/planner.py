@@ -412,10 +412,12 @@ def _find_overlap(dst: Layout) -> None:
         members = order[starts[groups][:, None] + np.arange(size)[None, :]]  # [G, size]
         first, second = np.triu_indices(size, k=1)  # every pair of a buffer's pieces
         left, right = members[:, first].reshape(-1), members[:, second].reshape(-1)
-        start = np.maximum(dst.piece_local_offsets[left], dst.piece_local_offsets[right])
-        stop = np.minimum(dst.piece_local_offsets[left] + dst.piece_local_lengths[left],
-                          dst.piece_local_offsets[right] + dst.piece_local_lengths[right])
-        hit = np.flatnonzero(np.all(stop > start, axis=1))
+        overlap = np.ones(left.size, dtype=bool)
+        for dim in range(dst.piece_local_offsets.shape[1]):  # column by column: contiguous gathers
+            offsets = np.ascontiguousarray(dst.piece_local_offsets[:, dim])
+            ends = offsets + dst.piece_local_lengths[:, dim]
+            overlap &= np.minimum(ends[left], ends[right]) > np.maximum(offsets[left], offsets[right])
+        hit = np.flatnonzero(overlap)
         if hit.size:
             one, other = dst.piece(int(left[hit[0]])), dst.piece(int(right[hit[0]]))
             raise ValueError(
@@ -1206,13 +1208,13 @@ def _slot_bytes(weight, position, count, num_slots) -> np.ndarray:
     rest = count % num_slots
     start = position % num_slots
     end = start + rest
-    diff = np.bincount(start, weights=weight, minlength=num_slots + 1).astype(np.int64)
-    diff -= np.bincount(np.minimum(end, num_slots), weights=weight, minlength=num_slots + 1).astype(np.int64)
     wrap = end > num_slots
-    diff += np.bincount(np.zeros(int(wrap.sum()), dtype=np.int64), weights=weight[wrap],
-                        minlength=num_slots + 1).astype(np.int64)
-    diff -= np.bincount(end[wrap] - num_slots, weights=weight[wrap], minlength=num_slots + 1).astype(np.int64)
-    return whole + np.cumsum(diff[:num_slots])
+    # one difference array: +w at the start, -w past the end, and the same for what wraps
+    at = np.concatenate([start, np.minimum(end, num_slots), np.zeros(int(wrap.sum()), dtype=np.int64),
+                         end[wrap] - num_slots])
+    sign = np.concatenate([weight, -weight, weight[wrap], -weight[wrap]])
+    diff = np.bincount(at, weights=sign, minlength=num_slots + 1)  # whole bytes, exact below 2**53
+    return whole + np.cumsum(diff[:num_slots]).astype(np.int64)
 
 
 def _balance_lowers_busiest_nic(busiest_send, receiver, plain_load, weight, num_ranks) -> bool:
@@ -1238,10 +1240,11 @@ def _fill_holders(holders, holder_load, by_load, slot_bytes, total, weight, befo
     keeps it exact; a rank holding the region in two pieces counts once (its first piece).
     The runs (``weight``, ``before``, ``count``) give each room's bytes in closed form.
     """
-    loads = holder_load[by_load].tolist()
-    round_robin = max(load + added for load, added in zip(loads, slot_bytes.tolist(), strict=True))
-    if round_robin == loads[-1]:  # no NIC above the busiest one: nothing does better
+    sorted_load = holder_load[by_load]
+    round_robin = int((sorted_load + slot_bytes).max())
+    if round_robin == int(sorted_load[-1]):  # no NIC above the busiest one: nothing does better
         return None
+    loads = sorted_load.tolist()
     ranks = holders[by_load].tolist()
     distinct = [i for i in range(len(ranks)) if i == 0 or ranks[i] != ranks[i - 1]]  # equal ranks are adjacent
     filled, filled_load, best = 1, loads[distinct[0]], total + loads[distinct[0]]  # T * filled for j = 1
