@@ -401,22 +401,30 @@ def _check_destination_overlap(dst: Layout) -> None:
 
 
 def _find_overlap(dst: Layout) -> None:
-    # Only buffers of several pieces can overlap: sort just their pieces (most buffers hold one).
+    # Only buffers of several pieces can overlap (most hold one). A buffer of two pieces is its
+    # lowest and highest piece (ufunc.at, no sort); only larger buffers' pieces are sorted.
     counts = np.bincount(dst.piece_buffer, minlength=dst.num_buffers)
-    shared = np.flatnonzero(counts[dst.piece_buffer] > 1)
-    order = shared[_stable_order(dst.piece_buffer[shared])]
-    starts = np.zeros(dst.num_buffers, dtype=np.int64)
-    starts[counts > 1] = np.cumsum(counts[counts > 1]) - counts[counts > 1]
     for size in np.unique(counts[counts > 1]).tolist():
         groups = np.flatnonzero(counts == size)
-        members = order[starts[groups][:, None] + np.arange(size)[None, :]]  # [G, size]
-        first, second = np.triu_indices(size, k=1)  # every pair of a buffer's pieces
-        left, right = members[:, first].reshape(-1), members[:, second].reshape(-1)
+        if size == 2:
+            pair = np.flatnonzero(counts[dst.piece_buffer] == 2)
+            left = np.full(dst.num_buffers, dst.num_pieces, dtype=np.int64)
+            right = np.full(dst.num_buffers, -1, dtype=np.int64)
+            np.minimum.at(left, dst.piece_buffer[pair], pair)
+            np.maximum.at(right, dst.piece_buffer[pair], pair)
+            left, right = left[groups], right[groups]
+        else:
+            of_size = np.flatnonzero(counts[dst.piece_buffer] == size)
+            members = of_size[_stable_order(dst.piece_buffer[of_size])].reshape(-1, size)  # [G, size]
+            first, second = np.triu_indices(size, k=1)  # every pair of a buffer's pieces
+            left, right = members[:, first].reshape(-1), members[:, second].reshape(-1)
+        left_start, right_start = dst.piece_local_offsets[left], dst.piece_local_offsets[right]
+        left_end = left_start + dst.piece_local_lengths[left]
+        right_end = right_start + dst.piece_local_lengths[right]
         overlap = np.ones(left.size, dtype=bool)
-        for dim in range(dst.piece_local_offsets.shape[1]):  # column by column: contiguous gathers
-            offsets = np.ascontiguousarray(dst.piece_local_offsets[:, dim])
-            ends = offsets + dst.piece_local_lengths[:, dim]
-            overlap &= np.minimum(ends[left], ends[right]) > np.maximum(offsets[left], offsets[right])
+        for dim in range(left_start.shape[1]):
+            overlap &= np.minimum(left_end[:, dim], right_end[:, dim]) > np.maximum(left_start[:, dim],
+                                                                                  right_start[:, dim])
         hit = np.flatnonzero(overlap)
         if hit.size:
             one, other = dst.piece(int(left[hit[0]])), dst.piece(int(right[hit[0]]))

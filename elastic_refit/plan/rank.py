@@ -171,6 +171,11 @@ class _Shared:
         self.atom_pair = self.atom_pair.reshape(-1)
         nets = [np.setdiff1d(dst_sets[p // len(src_sets)], src_sets[p % len(src_sets)], assume_unique=True)
                 for p in pairs.tolist()]
+        helds = [np.intersect1d(dst_sets[p // len(src_sets)], src_sets[p % len(src_sets)], assume_unique=True)
+                 for p in pairs.tolist()]
+        self.held_count = np.array([h.size for h in helds], dtype=np.int64)
+        self.held_start = np.cumsum(self.held_count) - self.held_count
+        self.held_domain = np.concatenate(helds) if helds else np.zeros(0, dtype=np.int64)
         self.net_count = np.array([n.size for n in nets], dtype=np.int64)
         self.net_start = np.cumsum(self.net_count) - self.net_count
         self.net_domain = np.concatenate(nets) if nets else np.zeros(0, dtype=np.int64)
@@ -216,29 +221,45 @@ class _Shared:
     def receivers_may_relay(self) -> bool:
         """``relay="auto"`` relays only where some receiver (rotating over each demand's needers)
         gets more network bytes than the busiest sender; False when none does. Summed per
-        (destination region, atom domain pair, network domain): a demand whose domain has one
-        needer goes to it whatever the atom; only domains with several needers rotate by atom."""
+        (destination region, domain): a demand whose domain has one needer goes to it whatever
+        the atom, so such a needer receives its region's network bytes less those its domain
+        holds; only domains with several needers rotate by atom."""
         if self.senders.run_atom.size == 0:
             return False
         busiest_send = int(self.senders.load.max())
         run_atom = self.senders.run_atom
+        num_regions = self.dst_atom_start.size
+        # per (region, domain) needer group: its first needer and how many
+        new = np.append(True, self.rd_key[1:] != self.rd_key[:-1])
+        group_first = np.flatnonzero(new)
+        group_key = self.rd_key[group_first]
+        group_count = np.diff(np.append(group_first, self.rd_key.size))
+        region_bytes = np.bincount(self.atom_dst[run_atom], weights=self.atom_weight[run_atom],
+                                   minlength=num_regions).astype(np.int64)  # whole bytes, exact
+        group_bytes = region_bytes[group_key // self.num_domains]
+        # less what the group's domain holds: (region, atom pair) sums over the held domains
         num_pairs = self.net_count.size
         key = self.atom_dst[run_atom] * num_pairs + self.atom_pair[run_atom]
         order, sorted_key = _stable_sort(key)
-        group_first = np.flatnonzero(np.append(True, sorted_key[1:] != sorted_key[:-1]))
-        group_weight = np.add.reduceat(self.atom_weight[run_atom[order]], group_first)
-        group_pair, group_region = sorted_key[group_first] % num_pairs, sorted_key[group_first] // num_pairs
-        group, at = _expand(self.net_start[group_pair], self.net_count[group_pair])
-        first, count = self._needers(group_region[group], self.net_domain[at])
-        load = np.zeros(self.num_ranks, dtype=np.int64)
-        one = count == 1
-        np.add.at(load, self.d_rank[first[one]], group_weight[group[one]])
+        first = np.flatnonzero(np.append(True, sorted_key[1:] != sorted_key[:-1]))
+        pair_bytes = np.add.reduceat(self.atom_weight[run_atom[order]], first)
+        pair, region = sorted_key[first] % num_pairs, sorted_key[first] // num_pairs
+        owner, at = _expand(self.held_start[pair], self.held_count[pair])
+        held = np.searchsorted(group_key, region[owner] * self.num_domains + self.held_domain[at])
+        np.subtract.at(group_bytes, held, pair_bytes[owner])
+        one = group_count == 1
+        load = np.bincount(self.d_rank[group_first[one]], weights=group_bytes[one],
+                           minlength=self.num_ranks).astype(np.int64)
         rotating = np.flatnonzero(~one)
-        if rotating.size:  # every atom of the group, to the needer its id rotates to
-            group_count = np.diff(np.append(group_first, order.size))
-            owner, member = _expand(group_first[group[rotating]], group_count[group[rotating]])
-            atom = run_atom[order[member]]
-            receiver = first[rotating][owner] + atom % count[rotating][owner]
+        if rotating.size:  # every network atom of the region, to the needer its id rotates to
+            region = group_key[rotating] // self.num_domains
+            domain = group_key[rotating] % self.num_domains
+            owner, at = _expand(self.dst_atom_start[region], self.dst_atom_count[region])
+            atom = self.atoms_by_dst[at]
+            domain = domain[owner]
+            network = (self.run_of_atom[atom] >= 0) & (self._holders(self.atom_src[atom], domain)[1] == 0)
+            owner, atom = owner[network], atom[network]
+            receiver = group_first[rotating][owner] + atom % group_count[rotating][owner]
             np.add.at(load, self.d_rank[receiver], self.atom_weight[atom])
         return int(load.max()) > busiest_send
 
