@@ -14,7 +14,10 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    network exactly once, into one receiver, then fans out inside the domain. So
    cross-domain bytes equal the lower bound by construction (invariant 2).
 4. *Senders* among replicas are chosen greedily, replica group by replica group, to
-   keep the busiest NIC as idle as possible (invariant 3). With ``PlanOptions.relay``,
+   keep the busiest NIC as idle as possible (invariant 3). A group's demands are runs (an
+   atom's demands share its weight), so the group decisions are made from the runs in
+   closed form (``_Senders``), and any demand's sender follows from its place in the
+   group's stream. With ``PlanOptions.relay``,
    *receivers* are balanced too: any participating rank of the destination domain may
    receive a demand over its NIC (a relay when it needs none of it), so that no NIC of
    the domain takes more than the domain's share plus one region; every other needer
@@ -23,7 +26,8 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    plan's busiest NIC, else plans as without relay.
 5. *Schedule*: per phase, transfers between the same (src, dst) form a message; message
    rounds follow a shift schedule, so in a round every rank sends to at most one peer
-   and receives from at most one peer. Boxes larger than half a bucket are split;
+   and receives from at most one peer; a row's round depends on its two ranks only
+   (``_RoundSpace``). Boxes larger than half a bucket are split;
    buckets hold whole boxes and never exceed ``bucket_bytes``.
 
 Everything is planned once per *tensor class* (tensors laid out alike on both sides), and
@@ -38,9 +42,10 @@ unchanged at block granularity and every figure counts FP8 bytes and scales; blo
 across source shards add a partial-amax exchange, counted in the figures. Plans whose
 formats are all ``bf16`` are the plans (and fingerprints) of before.
 
-Per-rank plans (``elastic_refit.plan.rank``) make every decision of stages 1-4 and the rounds
-of stage 5 with this same code (``_plan_rows``, ``_rounds``), so they agree with the full plan
-and with each other, then keep one rank's rows: only those get boxes and messages.
+Per-rank plans (``elastic_refit.plan.rank``) share stages 1-2 (``_inputs``, ``_atom_stage``),
+the sender decisions (``_network_senders``) and the rounds (``_rounds``) with this code, and
+build only their own rows from the regions' needers and holders with the rules of stages
+3-4 (property tests check every rank's view against the full plan's slice).
 """
 
 from __future__ import annotations
