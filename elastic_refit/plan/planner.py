@@ -1191,6 +1191,7 @@ def _network_senders(run_atom, run_region, run_weight, run_count, src_regions, s
         run_before[order] = before - np.repeat(before[group_start], group_size)
         totals = np.add.reduceat(nbytes, group_start)
         group_order = np.lexsort((sorted_region[group_start], -totals))
+        rank_limit = (1 << 62) // max(num_ranks, 1)
         by_load_of = [None] * group_start.size
         fill_of = [None] * group_start.size
         for g in group_order.tolist():
@@ -1198,7 +1199,11 @@ def _network_senders(run_atom, run_region, run_weight, run_count, src_regions, s
             first, count = int(holder_start[runs[0]]), int(num_holders[runs[0]])
             holders = holder_rank[first : first + count]
             holder_load = load[holders]
-            by_load = np.lexsort((np.arange(count), holders, holder_load))
+            # holders by (load, rank, index): one stable sort of a packed key where it fits
+            if int(holder_load.max()) < rank_limit:
+                by_load = np.argsort(holder_load * num_ranks + holders, kind="stable")
+            else:
+                by_load = np.lexsort((np.arange(count), holders, holder_load))
             weight, position, before, size = run_weight[runs], run_position[runs], run_before[runs], run_count[runs]
             slot_bytes = _slot_bytes(weight, position, size, count)
             fill = _fill_holders(holders, holder_load, by_load, slot_bytes, int(totals[g]), weight, before, size)
