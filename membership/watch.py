@@ -143,7 +143,7 @@ class RangeWatcher:
         milliseconds to decode: once per change, not once per member)."""
         with self._cond:
             memo = self._decoded.get(kv.key)
-            if memo is not None and memo[0] == kv.mod_revision and memo[1] is decode:
+            if memo is not None and memo[0] == kv.mod_revision and memo[1] == decode:  # bound methods: ==
                 return memo[2]  # type: ignore[return-value]
         value = decode(kv.value)
         with self._cond:

@@ -41,6 +41,9 @@ from typing import Any
 import numpy as np
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.membership.keys import AttemptKeys
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction, next_action
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
 
@@ -190,8 +193,6 @@ class _Worker:
 
     def _on_store(self, reset: bool, events, snap) -> None:
         """An attempt appeared: each of this process's participants takes its part."""
-        from elastic_refit.runtime.attempt import AttemptSpec
-
         for ev in events:
             if ev.kind != "put":
                 continue
@@ -213,9 +214,6 @@ class _Worker:
                                      member_id in destinations)
 
     def _take_part(self, member_id: str, epoch: int, seq: int, version: int, destination: bool) -> None:
-        from elastic_refit.membership.keys import AttemptKeys
-        from elastic_refit.runtime.attempt import DONE_OK
-
         membership = self.members[member_id]
         try:
             if destination:  # it "received" the version: nothing moves in this bench
@@ -226,8 +224,6 @@ class _Worker:
                 self.errors.append(f"{member_id} attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
 
     def _store(self, epoch: int):
-        from elastic_refit.membership.store import EtcdStore
-
         with self.lock:
             store = self.__dict__.setdefault("_stores", {}).get(epoch)
             if store is None:
@@ -249,9 +245,6 @@ class _Worker:
 
     # -- the coordinator: the runtime's decisions, woken by watch events
     def _coordinator(self) -> None:
-        from elastic_refit.membership.keys import AttemptKeys
-        from elastic_refit.runtime.attempt import AttemptSpec, CommitAction, next_action
-
         epoch, seq, pending = -1, 0, None  # pending: the attempt proposed last (seq - 1)
         while not self.stop.is_set():
             self.wake.wait(0.5)
