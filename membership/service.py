@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put, TxnResult
@@ -172,9 +172,10 @@ class Membership:
         """Guard: my member key still exists on my lease."""
         return Compare(self.member_key, "lease", "==", self.lease_id)
 
-    def fenced_put(self, key: str, value: bytes) -> TxnResult:
-        """Write ``key`` only while this member owns its key; else :class:`MembershipLost`."""
-        return self._fenced(Put(key, value), "fenced write")
+    def fenced_put(self, key: str, value: bytes, *, also: Sequence[Put] = ()) -> TxnResult:
+        """Write ``key`` (and the puts ``also``, in the same transaction) only while this
+        member owns its key; else :class:`MembershipLost`."""
+        return self._fenced(Put(key, value), "fenced write", also)
 
     def request_reform(self) -> None:
         """Ask the leader for a new epoch with the same members (and so a new communicator):
@@ -191,9 +192,9 @@ class Membership:
         self._fenced(Put(self.member_key, self.record.encode(), self.lease_id), "record update")
         return self.record
 
-    def _fenced(self, put: Put, what: str) -> TxnResult:
+    def _fenced(self, put: Put, what: str, also: Sequence[Put] = ()) -> TxnResult:
         # Guarded only by our own lease, so a retry through an etcd outage is safe.
-        res = self.client.txn([self.ownership_compare()], [put], idempotent=True)
+        res = self.client.txn([self.ownership_compare()], [put, *also], idempotent=True)
         if not res.succeeded:
             self.fenced_writes += 1
             self._mark_lost(f"{what} rejected: member key no longer on our lease")

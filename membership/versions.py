@@ -269,12 +269,17 @@ class VersionStore:
                   "regions": {str(k): v for k, v in (regions or {}).items()}}
         membership.fenced_put(self.keys.source(version, membership.record.member_id), json.dumps(record).encode())
 
-    def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
-        """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""
+    def ack(self, membership: Membership, version: int, epoch: int, digest: str,
+            done: tuple[str, bytes] | None = None) -> None:
+        """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease).
+
+        ``done``: ``(key, value)`` of the attempt's done key, written in the same transaction
+        (one etcd write per destination and attempt, not two: at 1,024 ranks the writes of
+        one round are what etcd spends its time on)."""
         record = membership.record
         membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
             {"incarnation": record.incarnation, "epoch": epoch, "digest": digest,
-             "layout": record.layout}).encode())
+             "layout": record.layout}).encode(), also=[Put(*done)] if done is not None else ())
 
     def retract(self, membership: Membership, state: VersionState) -> int:
         """Withdraw this member's acks: its buffers are about to be overwritten, so it must

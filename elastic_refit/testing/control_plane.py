@@ -216,9 +216,12 @@ class _Worker:
     def _take_part(self, member_id: str, epoch: int, seq: int, version: int, destination: bool) -> None:
         membership = self.members[member_id]
         try:
-            if destination:  # it "received" the version: nothing moves in this bench
-                self.versions.ack(membership, version, epoch, f"{member_id}@{version}")
-            self._store(epoch).set(AttemptKeys(seq).done(member_id), DONE_OK)
+            done = AttemptKeys(seq).done(member_id)
+            if destination:  # it "received" the version (nothing moves here): ack and done, one write
+                self.versions.ack(membership, version, epoch, f"{member_id}@{version}",
+                                  done=(self._store(epoch).prefix + done, DONE_OK.encode()))
+            else:
+                self._store(epoch).set(done, DONE_OK)
         except Exception as exc:
             with self.lock:
                 self.errors.append(f"{member_id} attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
