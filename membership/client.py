@@ -252,7 +252,8 @@ class _Connection(aetcd.Client):
                          password=config.password, timeout=config.request_timeout_s,
                          options=options)
         self._config = config
-        self.keepalive_stream: _KeepAliveStream | None = None  # opened by the first keepalive
+        # opened by the first keepalive of a lease that maps to each
+        self.keepalive_streams: list[_KeepAliveStream | None] = [None] * _KEEPALIVE_STREAMS
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -299,6 +300,9 @@ class _Connection(aetcd.Client):
                                                                password=self._config.password),
                                        timeout=self._timeout)
         self.metadata = (("token", resp.token),)
+
+
+_KEEPALIVE_STREAMS = 8
 
 
 class _KeepAliveStream:
@@ -626,14 +630,17 @@ class EtcdClient:
     async def arefresh_lease(self, lease_id: int, *, deadline_s: float | None = None) -> int:
         """Send one keepalive; returns the new TTL, ``0`` when the lease no longer exists.
 
-        Every lease of this client shares one keepalive stream per connection: a stream
+        The leases of this client share a few keepalive streams per connection: a stream
         opened per keepalive costs a gRPC call set-up each time (thousands a second for a
         process hosting many members, enough to starve the loop and let leases expire)."""
 
         async def fn(c: _Connection):
-            stream = c.keepalive_stream
+            # A few streams, each lease always on the same one: etcd serves the requests of
+            # one stream one after another, so a single stream caps a process's keepalives.
+            index = lease_id % _KEEPALIVE_STREAMS
+            stream = c.keepalive_streams[index]
             if stream is None or stream.broken is not None:
-                stream = c.keepalive_stream = _KeepAliveStream(c, self._tasks)
+                stream = c.keepalive_streams[index] = _KeepAliveStream(c, self._tasks)
             return await stream.refresh(lease_id, self.config.request_timeout_s)
 
         return await self.call("lease keepalive", fn, deadline_s=deadline_s)

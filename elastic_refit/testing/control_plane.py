@@ -45,7 +45,8 @@ from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction, next_action
 
-_TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
+_TIMEOUT_S = 120.0
+NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)  # one step of the driver (a startup, a round, a kill) gives up after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +102,23 @@ class _WorkerSpec:
 
 
 def member_specs(cfg: ControlPlaneConfig) -> tuple[list[list[_MemberSpec]], list[_MemberSpec]]:
-    """(members of each worker process, the members to be killed), pure. Trainers come
-    first (the epoch's rank 0, its coordinator, is a trainer); each worker's first member is
-    a leader candidate; the victims are inference ranks, not candidates."""
+    """(members of each process, the members to be killed), pure. The first process holds
+    the ``NUM_CANDIDATES`` leader candidates (trainers) and nobody else: in a job every rank
+    is a process of its own, and the leader's work (decoding every member record on each
+    change) must not delay the keepalives of hundreds of members that merely share its
+    process here. Trainers come first (the epoch's rank 0, its coordinator, is a trainer);
+    the victims are inference ranks, each alone in its process."""
     trainers = [f"t{i:04d}" for i in range(cfg.trainers)]
     num_inference = cfg.num_members - cfg.trainers - cfg.num_kills
     everyone = ([_MemberSpec("trainer", m, False) for m in trainers]
                 + [_MemberSpec("inference", f"i{i:04d}", False) for i in range(num_inference)])
+    num_candidates = min(NUM_CANDIDATES, cfg.trainers)
+    leaders = [_MemberSpec(s.role, s.member_id, True) for s in everyone[:num_candidates]]
     workers: list[list[_MemberSpec]] = [[] for _ in range(cfg.num_processes)]
-    for k, spec in enumerate(everyone):
+    for k, spec in enumerate(everyone[num_candidates:]):
         workers[k % cfg.num_processes].append(spec)
-    workers = [[_MemberSpec(s.role, s.member_id, j == 0) for j, s in enumerate(w)] for w in workers if w]
     victims = [_MemberSpec("inference", f"v{i:04d}", False) for i in range(cfg.num_kills)]
-    return workers, victims
+    return [leaders] + [w for w in workers if w], victims
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -154,6 +159,8 @@ class _Worker:
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.members: dict[str, Any] = {}
+        self.loop_lag_max_s = 0.0
+        self.samples: Any = None
         for m in spec.members:
             record = MemberRecord(role=m.role, member_id=m.member_id, incarnation=f"{os.getpid()}-{m.member_id}",
                                   host=f"h{os.getpid()}", domain=f"d{os.getpid()}", device="cpu")
@@ -165,14 +172,47 @@ class _Worker:
     # -- start-up
     def start(self) -> float:
         t0 = time.monotonic()
+        self.client.spawn(self._watch_lag(), name="lag-monitor")
+        if os.environ.get("ELASTIC_REFIT_CP_SAMPLE"):  # diagnostics: where the loop thread spends its time
+            threading.Thread(target=self._sample_loop, name="sampler", daemon=True).start()
         self.control.start()
         self.tracker.start()
         self.store_hub.start()
         for member_id, membership in self.members.items():
             membership.on_view(lambda old, new, me=member_id: self._on_view(me, new))
-            membership.start()
+        # Concurrently: each start waits for its own key to come back through the shared
+        # watch, and one after another that adds up to minutes while etcd is busy.
+        for future in [self.pool.submit(m.start) for m in self.members.values()]:
+            future.result()
         threading.Thread(target=self._coordinator, name="coordinator", daemon=True).start()
         return time.monotonic() - t0
+
+    async def _watch_lag(self) -> None:
+        """How late the client loop runs a 50 ms timer (a busy loop delays keepalives and watches)."""
+        import asyncio
+
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.05)
+            lag = time.monotonic() - t - 0.05
+            if lag > self.loop_lag_max_s:
+                self.loop_lag_max_s = lag
+
+    def _sample_loop(self) -> None:
+        import collections
+        import sys
+
+        counts: collections.Counter = collections.Counter()
+        ident = self.client._thread.ident
+        while not self.stop.is_set():
+            frame = sys._current_frames().get(ident)
+            names = set()
+            while frame is not None:
+                names.add(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            counts.update(names)
+            self.samples = counts
+            time.sleep(0.01)
 
     def _on_view(self, member_id: str, view) -> None:
         now = time.time()
@@ -314,6 +354,8 @@ class _Worker:
     def report(self) -> dict[str, Any]:
         with self.lock:
             return {"phases": {v: dict(p) for v, p in self.phases.items()}, "errors": list(self.errors),
+                    "loop_lag_max_s": self.loop_lag_max_s,
+                    "samples": self.samples.most_common(30) if self.samples else [],
                     "lost": [m for m, ms in self.members.items() if ms.lost.is_set()]}
 
     def close(self) -> None:
@@ -331,6 +373,7 @@ class _Worker:
 def _worker_main(spec: _WorkerSpec, conn) -> None:
     """One worker process: serve the driver's commands over ``conn`` until ``close``."""
     import logging
+    import sys
 
     from elastic_refit.log import configure_logging
 
@@ -360,6 +403,9 @@ def _worker_main(spec: _WorkerSpec, conn) -> None:
         with contextlib.suppress(Exception):
             conn.send({"error": f"{type(exc).__name__}: {exc}"[:1000]})
     finally:
+        if worker is not None and worker.samples:
+            print(json.dumps({"pid": os.getpid(), "loop_lag_max_s": worker.loop_lag_max_s,
+                              "samples": worker.samples.most_common(40)}), file=sys.stderr, flush=True)
         if worker is not None:
             worker.close()
         with contextlib.suppress(Exception):
@@ -420,7 +466,7 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
                 procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads)))
             for victim in victims:
                 victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
-            started = [p.receive() for p in procs + victim_procs]
+            started = [p.receive(timeout_s=3 * _TIMEOUT_S) for p in procs + victim_procs]
             everyone = {m.member_id for p in procs + victim_procs for m in p.spec.members}
             epoch, _ = _wait_epoch(procs, everyone, "every member")
             startup_s = time.monotonic() - t0
