@@ -120,6 +120,26 @@ class JobKeys:
         """Prefix of every attempt record of ``epoch``."""
         return f"{self.store(epoch)}attempts/"
 
+    def parse_attempt_key(self, key: str) -> tuple[int, int] | None:
+        """``(epoch, seq)`` of an attempt record's key (:meth:`attempt`), else ``None``."""
+        if not key.startswith(self.store_root):
+            return None
+        parts = key[len(self.store_root):].split("/")
+        if len(parts) != 3 or parts[1] != "attempts" or not parts[0].isdigit() or not parts[2].isdigit():
+            return None
+        return int(parts[0]), int(parts[2])
+
+    def parse_done_key(self, key: str) -> tuple[int, int, str] | None:
+        """``(epoch, seq, member_id)`` of a participant's ``done`` key of an attempt
+        (:meth:`AttemptKeys.done` inside the epoch's store), else ``None``."""
+        if not key.startswith(self.store_root):
+            return None
+        parts = key[len(self.store_root):].split("/")
+        if (len(parts) != 5 or parts[1] != "attempt" or parts[3] != "done" or not parts[0].isdigit()
+                or not parts[2].isdigit()):
+            return None
+        return int(parts[0]), int(parts[2]), parts[4]
+
     def parse_version_key(self, key: str) -> tuple[int, str, str | None] | None:
         """``(version, kind, member_id)`` of a key under ``versions/`` (kind ``sources``,
         ``acks``, ``committed`` or ``failed``; member_id None for the last two), else ``None``."""

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put, TxnResult
@@ -25,7 +25,13 @@ from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, Membe
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.leader import LeaderLoop
 from elastic_refit.membership.view import MemberRecord, MembershipView, diff
-from elastic_refit.membership.watch import RangeSnapshot, RangeWatcher, WatchEvent
+from elastic_refit.membership.watch import (
+    RangeSnapshot,
+    RangeWatcher,
+    SharedRange,
+    WatchEvent,
+    WatchHub,
+)
 
 from elastic_refit.log import get_logger
 
@@ -34,7 +40,10 @@ class Membership:
     """Register ``record`` under job ``job`` and follow the job's epochs."""
 
     def __init__(self, client: EtcdClient, job: str, record: MemberRecord,
-                 config: MembershipConfig | None = None):
+                 config: MembershipConfig | None = None, *, watch_hub: WatchHub | None = None):
+        """``watch_hub``: a :class:`~membership.watch.WatchHub` of the job's control range
+        shared with other members of this process (one stream for all), else a watch of
+        this member's own."""
         self.client = client
         self.keys = JobKeys(job)
         self.record = record
@@ -56,10 +65,11 @@ class Membership:
         self._last_keepalive = 0.0
         self._outage_logged = False
         self._known_members: set[str] = set()
+        self._epoch_mod_revision = -1  # the epoch key's last decoded mod_revision
         start, end = self.keys.control_range
-        self.watcher = RangeWatcher(client, start, end, name="control",
-                                    progress_interval_s=self.config.progress_interval_s,
-                                    stall_timeout_s=self.config.stall_timeout_s)
+        self.watcher: RangeWatcher | SharedRange = watch_hub.view() if watch_hub is not None else RangeWatcher(
+            client, start, end, name="control", progress_interval_s=self.config.progress_interval_s,
+            stall_timeout_s=self.config.stall_timeout_s)
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> Membership:
@@ -76,9 +86,11 @@ class Membership:
             # its lease now frees what it held (e.g. the leader key) without waiting its TTL.
             self.client.revoke_lease(previous.lease)
             self.log.info("membership.member.replaced", previous_lease_id=previous.lease)
-        self.watcher.add_listener(self._on_change)
-        self.watcher.start()
+        # Keepalive first: a process starting many members (or a slow first list) must not
+        # let the lease run out before the watch is in place.
         self.client.spawn(self._keepalive(), name="keepalive")
+        self.watcher.add_listener(self._on_change)
+        self.watcher.start(revision=res.revision)
         if self.config.candidate:
             self.client.spawn(self._leader.run(), name="leader")
         return self
@@ -160,9 +172,10 @@ class Membership:
         """Guard: my member key still exists on my lease."""
         return Compare(self.member_key, "lease", "==", self.lease_id)
 
-    def fenced_put(self, key: str, value: bytes) -> TxnResult:
-        """Write ``key`` only while this member owns its key; else :class:`MembershipLost`."""
-        return self._fenced(Put(key, value), "fenced write")
+    def fenced_put(self, key: str, value: bytes, *, also: Sequence[Put] = ()) -> TxnResult:
+        """Write ``key`` (and the puts ``also``, in the same transaction) only while this
+        member owns its key; else :class:`MembershipLost`."""
+        return self._fenced(Put(key, value), "fenced write", also)
 
     def request_reform(self) -> None:
         """Ask the leader for a new epoch with the same members (and so a new communicator):
@@ -179,9 +192,9 @@ class Membership:
         self._fenced(Put(self.member_key, self.record.encode(), self.lease_id), "record update")
         return self.record
 
-    def _fenced(self, put: Put, what: str) -> TxnResult:
+    def _fenced(self, put: Put, what: str, also: Sequence[Put] = ()) -> TxnResult:
         # Guarded only by our own lease, so a retry through an etcd outage is safe.
-        res = self.client.txn([self.ownership_compare()], [put], idempotent=True)
+        res = self.client.txn([self.ownership_compare()], [put, *also], idempotent=True)
         if not res.succeeded:
             self.fenced_writes += 1
             self._mark_lost(f"{what} rejected: member key no longer on our lease")
@@ -230,21 +243,37 @@ class Membership:
             self._last_keepalive = time.monotonic()
 
     def _on_change(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
-        # Member arrivals and departures, logged once per process for the timeline.
-        members_now = {k for k in snap.items if self.keys.parse_member_key(k)}
-        for key in sorted(members_now - self._known_members):
+        # Member arrivals and departures for the timeline, from the events (a full pass over
+        # the range only after a relist): O(change), not O(members), per member and change.
+        if reset:
+            members_now = {k for k in snap.items if self.keys.parse_member_key(k)}
+            joined, gone = members_now - self._known_members, self._known_members - members_now
+            self._known_members = members_now
+        else:
+            joined, gone = set(), set()
+            for ev in events:
+                if not self.keys.parse_member_key(ev.key):
+                    continue
+                if ev.kind == "put" and ev.key not in self._known_members:
+                    self._known_members.add(ev.key)
+                    joined.add(ev.key)
+                elif ev.kind == "delete" and ev.key in self._known_members:
+                    self._known_members.discard(ev.key)
+                    gone.add(ev.key)
+        for key in sorted(joined):
             self.log.info("membership.member.joined", key=key, revision=snap.revision)
-        for key in sorted(self._known_members - members_now):
+        for key in sorted(gone):
             self.log.info("membership.member.gone", key=key, revision=snap.revision)
-        self._known_members = members_now
         mine = snap.items.get(self.member_key)
         if not self.closing and mine is None:
             self._mark_lost("member key deleted (lease expired or revoked)")
         elif not self.closing and mine.lease != self.lease_id:
             self._mark_lost(f"member key taken over by lease {mine.lease}")
         epoch_kv = snap.items.get(self.keys.epoch)
-        if epoch_kv is not None:
-            new = MembershipView.decode(epoch_kv.value)
+        if epoch_kv is not None and epoch_kv.mod_revision != self._epoch_mod_revision:
+            # Decoded once per epoch write (and, through a shared watch, once per process).
+            self._epoch_mod_revision = epoch_kv.mod_revision
+            new = self.watcher.decoded(epoch_kv, MembershipView.decode)
             with self._view_cond:
                 old = self._view
                 if old is None or new.epoch > old.epoch:

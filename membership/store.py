@@ -21,6 +21,7 @@ from elastic_refit.membership.keys import JobKeys
 
 _POLL_MIN_S = 0.002
 _POLL_MAX_S = 0.05
+_GETS_PER_TXN = 64  # etcd refuses transactions of more than --max-txn-ops (128) operations
 
 
 class EtcdStore(dist.Store):
@@ -88,7 +89,18 @@ class EtcdStore(dist.Store):
         return current[0].value if current else expected
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._client.get(self._k(key)) is not None for key in keys)
+        return not self._missing(keys)
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        """The keys of ``keys`` not set yet, in a few transactions of reads (one etcd request
+        per ``_GETS_PER_TXN`` keys, not one per key: a coordinator checks every participant's
+        done key)."""
+        missing: list[str] = []
+        for start in range(0, len(keys), _GETS_PER_TXN):
+            chunk = keys[start:start + _GETS_PER_TXN]
+            res = self._client.txn([], [Get(self._k(key)) for key in chunk], idempotent=True)
+            missing += [key for key, kvs in zip(chunk, res.gets, strict=True) if not kvs]
+        return missing
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = self._timeout_s(timeout)
@@ -96,7 +108,7 @@ class EtcdStore(dist.Store):
         pending = list(keys)
         delay = _POLL_MIN_S
         while pending:
-            pending = [key for key in pending if self._client.get(self._k(key)) is None]
+            pending = self._missing(pending)
             if not pending:
                 return
             if time.monotonic() >= deadline:

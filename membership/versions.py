@@ -25,15 +25,19 @@ does every snapshot read.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastic_refit.membership.client import Compare, Delete, EtcdClient, Put
+from elastic_refit.membership.client import Compare, Delete, EtcdClient, KeyValue, Put, _prefix_end
 from elastic_refit.membership.keys import AttemptKeys, JobKeys
 from elastic_refit.membership.service import Membership
+from elastic_refit.membership.view import MembershipView
+from elastic_refit.membership.watch import RangeWatcher, WatchEvent, WatchHub
 
 from elastic_refit._validate import is_integer
+from elastic_refit.log import get_logger
 
 # Committed and failed records of this many versions before the latest committed one stay in
 # etcd (a trainer restarted a few versions back gets their commits back; anything older is
@@ -89,6 +93,135 @@ class VersionState:
         return max(self.committed) if self.committed else None
 
 
+def record_version_key(state: VersionState, keys: JobKeys, kv: KeyValue) -> None:
+    """Add one key under ``versions/`` to ``state`` (anything else is ignored)."""
+    parsed = keys.parse_version_key(kv.key)
+    if parsed is None:
+        return
+    version, kind, member_id = parsed
+    data = json.loads(kv.value)
+    if kind == "sources":
+        state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
+        if data.get("digest"):
+            state.source_digests.setdefault(version, {})[member_id] = str(data["digest"])  # type: ignore[index]
+        if data.get("layout"):
+            state.source_layouts.setdefault(version, {})[member_id] = str(data["layout"])  # type: ignore[index]
+        if data.get("regions"):
+            state.source_regions.setdefault(version, {})[member_id] = {  # type: ignore[index]
+                int(k): str(v) for k, v in data["regions"].items()}
+    elif kind == "acks":
+        state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
+            str(data["incarnation"]), int(data["epoch"]), str(data["digest"]), str(data.get("layout", "")))
+    elif kind == "failed":
+        state.failed[version] = Failure(int(data["version"]), str(data["cause"]),
+                                        int(data["num_attempts"]), int(data["epoch"]))
+    else:
+        state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
+
+
+def forget_version_key(state: VersionState, keys: JobKeys, key: str) -> None:
+    """Remove a deleted key under ``versions/`` from ``state``."""
+    parsed = keys.parse_version_key(key)
+    if parsed is None:
+        return
+    version, kind, member_id = parsed
+    if kind in ("sources", "acks"):
+        tables = ((state.sources, state.source_digests, state.source_layouts, state.source_regions)
+                  if kind == "sources" else (state.acks,))
+        for table in tables:
+            per_member = table.get(version)
+            if per_member is not None:
+                per_member.pop(member_id, None)  # type: ignore[arg-type]
+                if not per_member:
+                    del table[version]
+    elif kind == "failed":
+        state.failed.pop(version, None)
+    else:
+        state.committed.pop(version, None)
+
+
+def _copy_state(state: VersionState) -> VersionState:
+    def per_version(table: dict) -> dict:
+        return {v: dict(inner) for v, inner in table.items()}
+
+    return VersionState(state.revision, per_version(state.sources), per_version(state.source_digests),
+                        {v: {m: dict(r) for m, r in inner.items()} for v, inner in state.source_regions.items()},
+                        per_version(state.source_layouts), per_version(state.acks), dict(state.committed),
+                        dict(state.failed))
+
+
+class VersionTracker:
+    """The job's :class:`VersionState`, kept current by a list-then-watch of ``versions/``.
+
+    Each key is parsed once, when it arrives, instead of re-reading and decoding the whole
+    prefix on every change (O(ranks) per read, and so O(ranks^2) per version once every
+    ack wakes every reader). Give several trackers of one process the same ``hub`` (a
+    :class:`~membership.watch.WatchHub` of the versions prefix) to share one stream.
+
+    ``on_change(callback)``: ``callback(reset, events)`` on the client loop thread after
+    the state took the change in (it must not block).
+    """
+
+    def __init__(self, client: EtcdClient, job: str, *, hub: WatchHub | None = None) -> None:
+        self.keys = JobKeys(job)
+        prefix = self.keys.versions_prefix
+        self.watcher = hub.view() if hub is not None else RangeWatcher(
+            client, prefix, _prefix_end(prefix.encode()).decode(), name="versions")
+        self._lock = threading.Lock()
+        self._state = VersionState(revision=0)
+        self._callbacks: list[Callable[[bool, list[WatchEvent]], None]] = []
+        self.watcher.add_listener(self._apply)
+
+    def start(self, timeout_s: float = 10.0) -> VersionTracker:
+        self.watcher.start(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        self.watcher.stop()
+
+    def on_change(self, callback: Callable[[bool, list[WatchEvent]], None]) -> None:
+        self._callbacks.append(callback)
+
+    def state(self) -> VersionState:
+        """A copy of the current state (no etcd read; no JSON decoded)."""
+        with self._lock:
+            return _copy_state(self._state)
+
+    @property
+    def revision(self) -> int:
+        with self._lock:
+            return self._state.revision
+
+    def num_acks(self, version: int) -> int:
+        """How many inference ranks acked ``version`` (any incarnation): O(1)."""
+        with self._lock:
+            return len(self._state.acks.get(version, ()))
+
+    def committed(self, version: int) -> Commit | None:
+        with self._lock:
+            return self._state.committed.get(version)
+
+    def _apply(self, reset: bool, events: list[WatchEvent], snap) -> None:
+        with self._lock:
+            if reset:
+                fresh = VersionState(revision=snap.revision)
+                for kv in snap.items.values():
+                    record_version_key(fresh, self.keys, kv)
+                self._state = fresh
+            else:
+                for ev in events:
+                    if ev.kind == "put":
+                        record_version_key(self._state, self.keys, ev.kv)  # type: ignore[arg-type]
+                    else:
+                        forget_version_key(self._state, self.keys, ev.key)
+                self._state = replace(self._state, revision=snap.revision)  # the tables stay shared
+        for callback in list(self._callbacks):
+            try:
+                callback(reset, events)
+            except Exception:  # a consumer's bug must not stop the tracking
+                get_logger(component="versions").exception("membership.versions.callback_failed")
+
+
 class VersionStore:
     """Reads and fenced writes of version state for one job."""
 
@@ -102,28 +235,7 @@ class VersionStore:
         result = self.client.get_prefix(self.keys.versions_prefix)
         state = VersionState(revision=result.revision)
         for kv in result.kvs:
-            parsed = self.keys.parse_version_key(kv.key)
-            if parsed is None:
-                continue
-            version, kind, member_id = parsed
-            data = json.loads(kv.value)
-            if kind == "sources":
-                state.sources.setdefault(version, {})[member_id] = str(data["incarnation"])  # type: ignore[index]
-                if data.get("digest"):
-                    state.source_digests.setdefault(version, {})[member_id] = str(data["digest"])  # type: ignore[index]
-                if data.get("layout"):
-                    state.source_layouts.setdefault(version, {})[member_id] = str(data["layout"])  # type: ignore[index]
-                if data.get("regions"):
-                    state.source_regions.setdefault(version, {})[member_id] = {  # type: ignore[index]
-                        int(k): str(v) for k, v in data["regions"].items()}
-            elif kind == "acks":
-                state.acks.setdefault(version, {})[member_id] = Ack(  # type: ignore[index]
-                    str(data["incarnation"]), int(data["epoch"]), str(data["digest"]), str(data.get("layout", "")))
-            elif kind == "failed":
-                state.failed[version] = Failure(int(data["version"]), str(data["cause"]),
-                                                int(data["num_attempts"]), int(data["epoch"]))
-            else:
-                state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
+            record_version_key(state, self.keys, kv)
         return state
 
     def attempt(self, epoch: int, seq: int) -> dict[str, Any] | None:
@@ -157,12 +269,17 @@ class VersionStore:
                   "regions": {str(k): v for k, v in (regions or {}).items()}}
         membership.fenced_put(self.keys.source(version, membership.record.member_id), json.dumps(record).encode())
 
-    def ack(self, membership: Membership, version: int, epoch: int, digest: str) -> None:
-        """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease)."""
+    def ack(self, membership: Membership, version: int, epoch: int, digest: str,
+            done: tuple[str, bytes] | None = None) -> None:
+        """This inference rank holds ``version``, verified: it is a holder (fenced on its own lease).
+
+        ``done``: ``(key, value)`` of the attempt's done key, written in the same transaction
+        (one etcd write per destination and attempt, not two: at 1,024 ranks the writes of
+        one round are what etcd spends its time on)."""
         record = membership.record
         membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
             {"incarnation": record.incarnation, "epoch": epoch, "digest": digest,
-             "layout": record.layout}).encode())
+             "layout": record.layout}).encode(), also=[Put(*done)] if done is not None else ())
 
     def retract(self, membership: Membership, state: VersionState) -> int:
         """Withdraw this member's acks: its buffers are about to be overwritten, so it must
@@ -178,8 +295,11 @@ class VersionStore:
 
     def _epoch_guard(self, membership: Membership, epoch: int) -> list[Compare]:
         """Guards for coordinator writes: I still own my key, and ``epoch`` is still current."""
-        kv = self.client.get(self.keys.epoch)
-        if kv is None or json.loads(kv.value).get("epoch") != epoch:
+        # The member's watched copy of the epoch key, decoded once per epoch write: reading
+        # and decoding the key here cost O(members) per coordinator write. A stale copy is
+        # harmless: the guard compares its mod_revision, so the write is refused.
+        kv = membership.watcher.snapshot().items.get(self.keys.epoch)
+        if kv is None or membership.watcher.decoded(kv, MembershipView.decode).epoch != epoch:
             return []
         return [membership.ownership_compare(), Compare(self.keys.epoch, "mod", "==", kv.mod_revision)]
 

@@ -213,8 +213,27 @@ class ViewDiff:
         return bool(self.added) and not self.removed
 
 
+# The last few diffs by the identity of their (immutable) views: the members of one
+# process share each decoded view (one watch, one decode), and each of them asks for the
+# same diff on every epoch; O(members) each, so O(members^2) per epoch without this.
+_DIFFS: dict[tuple[int, int], tuple[MembershipView | None, MembershipView, ViewDiff]] = {}
+_DIFFS_KEPT = 8
+
+
 def diff(old: MembershipView | None, new: MembershipView) -> ViewDiff:
     """What changed from ``old`` to ``new``; ``old=None`` means everything is added."""
+    key = (id(old), id(new))
+    hit = _DIFFS.get(key)
+    if hit is not None and hit[0] is old and hit[1] is new:
+        return hit[2]
+    result = _diff(old, new)
+    if len(_DIFFS) >= _DIFFS_KEPT:
+        _DIFFS.pop(next(iter(_DIFFS)))
+    _DIFFS[key] = (old, new, result)  # the views are kept: their ids cannot be reused meanwhile
+    return result
+
+
+def _diff(old: MembershipView | None, new: MembershipView) -> ViewDiff:
     old_ids = old.identities if old is not None else frozenset()
     new_ids = new.identities
     added = tuple(m for m in new.members if m.identity not in old_ids)

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aetcd.exceptions as aetcd_exc
 import grpc
@@ -55,6 +56,8 @@ class _Compacted(Exception):
         self.compact_revision = compact_revision
 
 
+T = TypeVar("T")
+
 Listener = Callable[[bool, list[WatchEvent], RangeSnapshot], None]
 
 
@@ -82,6 +85,12 @@ class RangeWatcher:
         self._progress_interval_s = progress_interval_s
         self._stall_timeout_s = stall_timeout_s
         self._items: dict[str, KeyValue] = {}
+        # The snapshot of the current revision, built once and shared by every reader until
+        # the next change (a copy per reader is O(keys) each: O(members^2) per change when
+        # many members share one watch).
+        self._snap: RangeSnapshot | None = None
+        # key -> (mod_revision, decoder, decoded value): see decoded()
+        self._decoded: dict[str, tuple[int, Callable[[bytes], object], object]] = {}
         # A caller may resume from a revision it saved; None lists first.
         self._revision = start_revision - 1 if start_revision else 0
         self._need_list = start_revision is None
@@ -101,12 +110,15 @@ class RangeWatcher:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def start(self, timeout_s: float = 10.0) -> RangeWatcher:
-        """Start watching; returns once the first list (or resume) is in place."""
+    def start(self, timeout_s: float = 10.0, *, revision: int = 0) -> RangeWatcher:
+        """Start watching; returns once the first list (or resume) is in place and, given a
+        ``revision`` of a write inside the range, once the cache includes it."""
         self._task = self._client.spawn(self._run(), name=f"watch:{self.name}")
         if not self._ready.wait(timeout_s):
             raise EtcdUnavailable(self._client.config.targets, f"watch {self.name} start",
                                   None)
+        if revision:
+            self.wait_for(lambda snap: snap.revision >= revision, timeout_s)
         return self
 
     def stop(self) -> None:
@@ -120,15 +132,40 @@ class RangeWatcher:
             return self._revision
 
     def snapshot(self) -> RangeSnapshot:
+        """The cached range now. Shared with other readers until the next change: treat
+        its ``items`` as read-only."""
         with self._cond:
-            return RangeSnapshot(self._revision, dict(self._items))
+            return self._current()
+
+    def decoded(self, kv: KeyValue, decode: Callable[[bytes], T]) -> T:
+        """``decode(kv.value)``, computed once per key and ``mod_revision`` and shared by
+        every caller (a large value, such as an epoch naming 1,024 members, costs
+        milliseconds to decode: once per change, not once per member)."""
+        with self._cond:
+            memo = self._decoded.get(kv.key)
+            if memo is not None and memo[0] == kv.mod_revision and memo[1] == decode:  # bound methods: ==
+                return memo[2]  # type: ignore[return-value]
+        value = decode(kv.value)
+        with self._cond:
+            self._decoded[kv.key] = (kv.mod_revision, decode, value)
+        return value
+
+    def _current(self) -> RangeSnapshot:
+        # (under _cond)
+        if self._snap is None or self._snap.revision != self._revision:
+            self._snap = RangeSnapshot(self._revision, dict(self._items))
+        return self._snap
+
+    def _changed(self) -> None:
+        # (under _cond) the items changed: the next snapshot is a new copy
+        self._snap = None
 
     def wait_for(self, predicate: Callable[[RangeSnapshot], bool], timeout_s: float) -> RangeSnapshot:
         """Block until ``predicate(snapshot)`` holds; ``TimeoutError`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                snap = RangeSnapshot(self._revision, dict(self._items))
+                snap = self._current()
                 if predicate(snap):
                     return snap
                 left = deadline - time.monotonic()
@@ -140,7 +177,7 @@ class RangeWatcher:
     # ---------------------------------------------------------------- internals
     def _notify(self, reset: bool, events: list[WatchEvent]) -> None:
         with self._cond:
-            snap = RangeSnapshot(self._revision, dict(self._items))
+            snap = self._current()
             self._cond.notify_all()
         for listener in list(self._listeners):
             try:
@@ -153,6 +190,7 @@ class RangeWatcher:
         with self._cond:
             self._items = {kv.key: kv for kv in res.kvs}
             self._revision = res.revision
+            self._changed()
         self.relists += 1
         self._log.info("membership.watch.listed", keys=len(res.kvs), revision=res.revision)
         self._notify(True, [])
@@ -277,5 +315,126 @@ class RangeWatcher:
                     events.append(WatchEvent("delete", key, None, rev))
             if events:
                 self._revision = max(self._revision, max(e.revision for e in events))
+                self._changed()
         if events:
             self._notify(False, events)
+
+
+class WatchHub:
+    """One list-then-watch stream of ``[start, end)`` shared by many consumers of one
+    process (e.g. every member a process simulates, or several agents of one host).
+
+    Each consumer takes a :meth:`view`, which looks like a :class:`RangeWatcher` (listeners,
+    ``snapshot``, ``revision``, ``wait_for``, ``decoded``) but costs no stream, no list and
+    no copy of its own: etcd sends each change once per process, not once per consumer.
+    Stopping a view detaches it; :meth:`close` stops the stream.
+    """
+
+    def __init__(self, client: EtcdClient, start: str, end: str, *, name: str = "hub",
+                 progress_interval_s: float = 1.0, stall_timeout_s: float = 3.0):
+        self._client = client
+        self.watcher = RangeWatcher(client, start, end, name=name, progress_interval_s=progress_interval_s,
+                                    stall_timeout_s=stall_timeout_s)
+        self.watcher.add_listener(self._dispatch)
+        # Replaced, never mutated, on the loop thread: dispatch iterates a stable tuple.
+        self._views: tuple[SharedRange, ...] = ()
+        self._start_lock = threading.Lock()
+        self._started = False
+
+    def view(self) -> SharedRange:
+        """A new consumer of this stream (detached until its ``start``)."""
+        return SharedRange(self)
+
+    def start(self, timeout_s: float = 10.0) -> WatchHub:
+        """Start the stream (once); returns when its first list is in place."""
+        with self._start_lock:
+            if not self._started:
+                self.watcher.start(timeout_s)
+                self._started = True
+        return self
+
+    def close(self) -> None:
+        self.watcher.stop()
+        self._views = ()
+
+    @property
+    def num_views(self) -> int:
+        return len(self._views)
+
+    def _dispatch(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
+        for view in self._views:
+            view._deliver(reset, events, snap)
+
+    def _attach(self, view: SharedRange) -> None:
+        # On the loop thread, so no change can land between the first snapshot a view sees
+        # and the first event it is given.
+        self._views = (*self._views, view)
+        view._deliver(True, [], self.watcher.snapshot())
+
+    def _detach(self, view: SharedRange) -> None:
+        self._views = tuple(v for v in self._views if v is not view)
+
+
+class SharedRange:
+    """One consumer's handle on a :class:`WatchHub` (see there)."""
+
+    def __init__(self, hub: WatchHub):
+        self._hub = hub
+        self._listeners: list[Listener] = []
+        self._stopped = False
+        self.name = hub.watcher.name
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def start(self, timeout_s: float = 10.0, *, revision: int = 0) -> SharedRange:
+        """Attach to the hub (starting it if needed); listeners first see a reset with the
+        current snapshot, on the client loop thread, before this returns. ``revision``: a
+        write inside the range (e.g. this member's own key) the first snapshot must include:
+        the shared stream may not have delivered it yet, where a watch of one's own lists
+        after it."""
+        self._hub.start(timeout_s)
+        if revision:
+            self._hub.watcher.wait_for(lambda snap: snap.revision >= revision, timeout_s)
+        client = self._hub._client
+
+        async def attach() -> None:
+            self._hub._attach(self)
+
+        client.run(attach(), timeout_s=timeout_s)
+        return self
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._hub._client.loop.call_soon_threadsafe(self._hub._detach, self)
+
+    def _deliver(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
+        if self._stopped:
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(reset, events, snap)
+            except Exception:  # one consumer's bug must not starve the others
+                self._hub.watcher._log.exception("membership.watch.listener_failed")
+
+    # The read side of RangeWatcher, served from the shared cache.
+    @property
+    def revision(self) -> int:
+        return self._hub.watcher.revision
+
+    def snapshot(self) -> RangeSnapshot:
+        return self._hub.watcher.snapshot()
+
+    def wait_for(self, predicate: Callable[[RangeSnapshot], bool], timeout_s: float) -> RangeSnapshot:
+        return self._hub.watcher.wait_for(predicate, timeout_s)
+
+    def decoded(self, kv: KeyValue, decode: Callable[[bytes], T]) -> T:
+        return self._hub.watcher.decoded(kv, decode)
+
+    @property
+    def relists(self) -> int:
+        return self._hub.watcher.relists
+
+    @property
+    def reconnects(self) -> int:
+        return self._hub.watcher.reconnects

@@ -1,4 +1,4 @@
-"""`elastic-refit bench ...`: data-path benchmarks, `bench membership` and `bench soak`."""
+"""`elastic-refit bench ...`: data-path benchmarks, `bench membership`, `bench soak` and `bench control-plane`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["register"]
 
 # Sub-benchmarks that register themselves as `bench <name>`; each module defines
 # `register(bench_subparsers)`.
-_BENCH_MODULES: tuple[str, ...] = ("bench_membership", "bench_soak")
+_BENCH_MODULES: tuple[str, ...] = ("bench_membership", "bench_soak", "bench_control_plane")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,168 @@
+"""The control plane at scale, on a real etcd: shared watches, watched version state, the bench.
+
+- ``WatchHub``: many consumers of one stream each see every change, a stopped one no more;
+  members of one process registered through one hub follow epochs and notice a peer's
+  expired lease like members with watches of their own.
+- ``VersionTracker``: the version state it keeps from watch events equals a fresh read.
+- ``EtcdStore.check``: more keys than one transaction may read.
+- ``elastic-refit bench control-plane`` (8 members): its JSON keys, and the SIGKILLed
+  member's epoch was seen by every survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from elastic_refit.membership.config import MembershipConfig
+from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.service import Membership
+from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.versions import VersionStore, VersionTracker
+from elastic_refit.membership.view import MemberRecord
+from elastic_refit.membership.watch import WatchHub
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _record(member_id: str, role: str = "inference") -> MemberRecord:
+    return MemberRecord(role=role, member_id=member_id, incarnation=f"{os.getpid()}-{member_id}", host="h",
+                        domain="d", device="cpu")
+
+
+def test_every_view_of_a_hub_sees_each_change_and_a_stopped_one_no_more(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    client.put(f"/{job}/w/a", b"1")
+    hub = WatchHub(client, f"/{job}/w/", f"/{job}/w0", name="test")
+    seen: dict[int, list[tuple[bool, list[str]]]] = {0: [], 1: []}
+    views = [hub.view() for _ in seen]
+    for i, view in enumerate(views):
+        view.add_listener(lambda reset, events, snap, i=i: seen[i].append((reset, [e.key for e in events])))
+        view.start()
+    # Each view starts with a reset that holds what was there before it attached.
+    assert all(seen[i][0][0] and not seen[i][0][1] for i in seen)
+    assert f"/{job}/w/a" in views[0].snapshot().items
+    revision = client.put(f"/{job}/w/b", b"2")
+    views[0].wait_for(lambda s: s.revision >= revision, 10.0)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and not all(any(f"/{job}/w/b" in keys for _, keys in seen[i]) for i in seen):
+        time.sleep(0.01)
+    assert all(any(f"/{job}/w/b" in keys for _, keys in seen[i]) for i in seen), seen
+    views[1].stop()
+    time.sleep(0.2)  # the detach runs on the client loop
+    before = len(seen[1])
+    revision = client.put(f"/{job}/w/c", b"3")
+    views[0].wait_for(lambda s: f"/{job}/w/c" in s.items, 10.0)
+    time.sleep(0.2)
+    assert len(seen[1]) == before, "a stopped view was still given changes"
+    assert hub.num_views == 1
+    # One stream and one snapshot for all: the views read the same object until a change.
+    assert views[0].snapshot() is views[0].snapshot()
+    hub.close()
+
+
+def test_members_on_one_hub_follow_epochs_and_see_a_peer_expire(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    keys = JobKeys(job)
+    start, end = keys.control_range
+    hub = WatchHub(client, start, end, name="control")
+    config = MembershipConfig(ttl_s=2)
+    members = [Membership(client, job, _record(f"i{k}"), MembershipConfig(ttl_s=2, candidate=k == 0),
+                          watch_hub=hub).start() for k in range(3)]
+    # The member that will "crash" has a client and a watch of its own (its own process).
+    other = make_client(etcd_server.endpoints)
+    victim = Membership(other, job, _record("v0"), MembershipConfig(ttl_s=2, candidate=False)).start()
+    try:
+        views = [m.wait_for_view(lambda v: v.num_ranks == 4, timeout_s=20) for m in members]
+        assert {v.epoch for v in views} == {views[0].epoch}
+        # Shared decode: every member of the hub holds the very same view object.
+        assert all(m.view is members[0].view for m in members)
+        other.close()  # the victim's keepalives stop: its lease runs out, as in a crash
+        killed = time.monotonic()
+        after = [m.wait_for_view(lambda v: "v0" not in v, after_epoch=views[0].epoch, timeout_s=20)
+                 for m in members]
+        assert time.monotonic() - killed < config.ttl_s + 3.0
+        assert all(v.member_ids == after[0].member_ids for v in after) and len(after[0].members) == 3
+        assert not any(m.lost.is_set() for m in members)
+    finally:
+        victim.closing = True
+        for m in members:
+            m.close()
+        hub.close()
+
+
+def test_the_tracked_version_state_equals_a_fresh_read(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    keys = JobKeys(job)
+    membership = Membership(client, job, _record("t0", role="trainer"), MembershipConfig(ttl_s=2)).start()
+    acker = Membership(client, job, _record("i0"), MembershipConfig(ttl_s=2, candidate=False)).start()
+    store = VersionStore(client, job)
+    tracker = VersionTracker(client, job).start()
+    seen: list[int] = []
+    tracker.on_change(lambda reset, events: seen.append(len(events)))
+    try:
+        view = membership.wait_for_view(lambda v: v.num_ranks == 2, timeout_s=20)
+        epoch_store = EtcdStore(client, job, view.epoch)
+        for version in (1, 2, 3):
+            store.publish_source(membership, version, digest=f"d{version}")
+            store.ack(acker, version, view.epoch, f"a{version}", done=(epoch_store.prefix + "attempt/0/done/i0", b"ok"))
+            assert store.commit(membership, version, view.epoch, f"c{version}")
+        store.prune(membership, view.epoch, store.snapshot(), 3)
+        fresh = store.snapshot()
+
+        def same() -> bool:  # the revisions differ: the read's is the store's, the watch's its last event's
+            return replace(tracker.state(), revision=fresh.revision) == fresh
+
+        deadline = time.monotonic() + 10
+        while not same() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert same(), (tracker.state(), fresh)
+        assert 0 < tracker.revision <= fresh.revision
+        assert tracker.num_acks(3) == 1 and tracker.num_acks(1) == 0  # pruned: gone from both
+        assert tracker.committed(3) is not None and seen
+        # The ack's done key went in the ack's transaction.
+        assert client.get(epoch_store.prefix + "attempt/0/done/i0").value == b"ok"
+        assert keys.parse_done_key(epoch_store.prefix + "attempt/0/done/i0") == (view.epoch, 0, "i0")
+    finally:
+        tracker.stop()
+        acker.close()
+        membership.close()
+
+
+def test_store_check_reads_more_keys_than_one_transaction_may(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    store = EtcdStore(client, job, 1)
+    names = [f"k{i:03d}" for i in range(150)]  # etcd's --max-txn-ops is 128
+    for name in names[:-1]:
+        store.set(name, b"x")
+    assert not store.check(names)
+    assert store._missing(names) == [names[-1]]
+    store.set(names[-1], b"x")
+    assert store.check(names)
+    store.wait(names)
+
+
+def test_bench_control_plane_json_and_the_kill_seen_by_all(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "elastic_refit.cli", "bench", "control-plane", "--members", "8",
+                           "--versions", "2", "--processes", "2", "--idle", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    for key in ("members", "epoch_convergence_p99_s", "commit_round_p50_s", "commit_round_p99_s",
+                "etcd_requests_per_s_per_member", "etcd_db_bytes"):
+        assert key in result, key
+    assert result["members"] == 8 and result["versions"] == 2 and result["kills"] == 1
+    assert result["kill_seen_by_all"] and not result["members_lost"] and result["num_errors"] == 0
+    (kill,) = result["per_kill"]
+    assert kill["seen_by_all"] and kill["victims"] == ["v0000"]
+    # The survivors saw the epoch without the victim after its lease could expire, not before.
+    assert 0 < result["epoch_convergence_p99_s"] < 30
+    assert result["commit_round_p50_s"] > 0 and result["etcd_db_bytes"] > 0
+    assert result["etcd_requests_per_s_per_member"] > 0  # at least the lease keepalives
+    assert "LeaseKeepAlive" in result["etcd_requests_by_method"]
