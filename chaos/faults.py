@@ -27,7 +27,7 @@ Phases (chaos vocabulary -> runtime hook):
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "FaultPlan",
     "Scenario",
     "build_matrix",
+    "matrix_fault_names",
     "runtime_phase",
 ]
 
@@ -307,14 +308,26 @@ def _in_quick(victim: str, fault: str, phase: str) -> bool:
     return any(victim == v and fault == f and phase.startswith(p) for v, f, p in QUICK_CELLS)
 
 
+def matrix_fault_names(etcd_nodes: int = 1) -> tuple[str, ...]:
+    """Every fault name a matrix cell carries (``kill``, ``kill+kill``, ``stop>ttl``, ...)."""
+    names: dict[str, None] = {}
+    for _victim, fault, _phase, _plan in _templates(random.Random(0), 3, etcd_nodes):
+        names.setdefault(fault, None)
+    return tuple(names)
+
+
 def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, versions: int = 3,
-                 num_inference: int = 2, etcd_nodes: int = 1) -> list[Scenario]:
+                 num_inference: int = 2, etcd_nodes: int = 1,
+                 faults: Sequence[str] | None = None) -> list[Scenario]:
     """The scenarios of matrix ``name`` (``quick``: one trial of a dozen cells; ``full``:
     every cell, repeated with fresh seeds until ``trials`` (default 200) are reached).
 
     ``etcd_nodes=3`` runs every scenario against a 3-node etcd cluster and adds the cells
     that need one (an etcd member down for the rest of the trial); the quick matrix is
     then the cells whose victim is etcd, plus a rank kill.
+
+    ``faults`` keeps only the cells of those fault names (exact: ``kill`` is not
+    ``kill+kill``); the full matrix then repeats them until ``trials`` are reached.
 
     The same arguments give the same scenarios: every random choice (version, victim rank,
     chunk) comes from ``random.Random(seed)`` and the trial index."""
@@ -324,6 +337,16 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
         require_at_least("trials", trials, 1)
     if etcd_nodes not in (1, 3):
         raise ValueError(f"etcd_nodes must be 1 or 3, got {etcd_nodes}")
+    known = matrix_fault_names(etcd_nodes)
+    if faults is not None:
+        faults = tuple(faults)
+        unknown = [f for f in faults if f not in known]
+        if not faults or unknown:
+            raise ValueError(f"faults must be a non-empty subset of {known}, got {list(faults)}")
+
+    def kept(fault: str) -> bool:
+        return faults is None or fault in faults
+
     rng = random.Random(seed)
     suffix = "" if etcd_nodes == 1 else f" (etcd x{etcd_nodes})"
 
@@ -335,8 +358,9 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
     if name == "quick":
         def wanted(victim: str, fault: str, phase: str) -> bool:
             if etcd_nodes > 1:
-                return victim == "etcd" or (victim, fault, phase.split("[")[0]) == ("inference", "kill", "transfer")
-            return _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED
+                return kept(fault) and (victim == "etcd" or (victim, fault, phase.split("[")[0])
+                                        == ("inference", "kill", "transfer"))
+            return kept(fault) and _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED
 
         scenarios = [scenario(*cell) for cell in _templates(rng, versions, etcd_nodes) if wanted(*cell[:3])]
         # One of each quick cell (the first template matching it).
@@ -353,6 +377,8 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
     rnd = 0
     while len(scenarios) < target:
         for cell in _templates(random.Random(seed * 1_000_003 + rnd), versions, etcd_nodes):
+            if not kept(cell[1]):
+                continue
             scenarios.append(scenario(*cell))
             if len(scenarios) >= target:
                 break

@@ -19,6 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="quick: one trial per key cell (CI); full: every cell, repeated (default quick)")
     parser.add_argument("--trials", type=int, default=None,
                         help="number of trials (full: default 200; quick: at most this many)")
+    parser.add_argument("--faults", default=None,
+                        help="keep only cells of these fault names, comma-separated (e.g. kill or kill+kill,"
+                             "restart<ttl); the full matrix repeats them until --trials")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--inference", type=int, default=2, help="inference ranks per trial (default 2)")
     parser.add_argument("--etcd-cluster", action="store_true", help="run against a 3-node etcd cluster (adds cells with an etcd member down for the rest of a trial)")
@@ -43,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(level=logging.WARNING)
     if args.inference < 2:
         raise ValueError(f"--inference must be >= 2 (a replica makes recovery possible), got {args.inference}")
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()] if args.faults is not None else None
     scenarios = build_matrix(args.matrix, trials=args.trials, seed=args.seed, num_inference=args.inference,
-                             etcd_nodes=3 if args.etcd_cluster else 1)
+                             etcd_nodes=3 if args.etcd_cluster else 1, faults=faults)
     summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
                           results_path=args.results, backend=args.backend)
     if args.json:
