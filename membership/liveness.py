@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -269,18 +270,33 @@ async def probe_dead(probe: str, *, settle_s: float = 0.05, connect_timeout_s: f
     except OSError:
         return None
     finally:
-        with contextlib.suppress(Exception):
-            writer.close()
-
+        await _close_writer(writer)
 
 
 DeathCallback = Callable[[str, int, str, str], None]  # (member_id, lease, evidence, detail)
+_CLOSE_WAIT_S = 1.0  # aclose: how long to wait for our sockets to be closed by the loop
+
+
+async def _close_writer(writer: asyncio.StreamWriter, timeout_s: float = _CLOSE_WAIT_S) -> bool:
+    """Close ``writer`` and wait until its socket is closed (``close()`` alone only schedules
+    that on the loop: a loop stopped before it runs leaves the socket open, in CLOSE_WAIT
+    once the peer hangs up). Returns whether it closed within ``timeout_s``."""
+    try:
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), timeout_s)
+    except (TimeoutError, RuntimeError):
+        return False
+    except OSError:
+        pass  # closed with an error (reset): closed all the same
+    return True
 
 
 class _Link:
-    """One ring connection: its writer (to say goodbye) and the task reading it."""
+    """One ring connection: its socket from the moment it exists, its writer once a
+    stream wraps it (to say goodbye), and the task reading it."""
 
     def __init__(self) -> None:
+        self.sock: socket.socket | None = None  # an accepted socket not wrapped yet
         self.writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Task | None = None
         self.leaving = False  # we close it on purpose: its end is no evidence
@@ -289,7 +305,16 @@ class _Link:
 class LivenessRing:
     """This member's end of the liveness ring: a listener that peers connect to, and one
     connection to its successor. ``on_dead(member_id, lease, evidence, detail)`` runs on
-    the loop when a ring connection ends without a goodbye or a connect is refused."""
+    the loop when a ring connection ends without a goodbye or a connect is refused.
+
+    Every socket the ring opens or accepts is registered the moment it exists (before any
+    task reads it), and :meth:`aclose` returns once all of them are closed. The listener
+    is a plain socket that this class accepts on itself, synchronously, rather than an
+    ``asyncio.Server``: on Python 3.11 a connection the server had accepted when it was
+    closed fails to become a transport (``Server._attach`` asserts, silently outside debug
+    mode) and its socket stays open with no owner until a garbage collection, in
+    CLOSE_WAIT once the peer hangs up -- the leak the chaos matrix found on members that
+    closed while a ring neighbour was reconnecting to them."""
 
     def __init__(self, host: str, member_id: str, lease: int, incarnation: str, on_dead: DeathCallback,
                  log) -> None:
@@ -298,19 +323,28 @@ class LivenessRing:
         self.on_dead = on_dead
         self.log = log
         self.address = ""
-        self._server: asyncio.AbstractServer | None = None
-        self._incoming: set[_Link] = set()
+        self._listener: socket.socket | None = None
+        self._links: set[_Link] = set()  # every open connection, incoming and outgoing
         self._successor: RingPeer | None = None
         self._out: _Link | None = None
         self._closing = False
 
     async def start(self) -> str:
         """Listen on a free port of ``host``; returns ``host:port`` (the record's probe)."""
-        self._server = await asyncio.start_server(self._accepted, self.host, 0)
-        port = self._server.sockets[0].getsockname()[1]
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.create_server((self.host.strip("[]"), 0), family=family, backlog=64)
+        listener.setblocking(False)
+        asyncio.get_running_loop().add_reader(listener.fileno(), self._accept_ready)
+        self._listener = listener
+        port = listener.getsockname()[1]
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.address = f"{host}:{port}"
         return self.address
+
+    def open_sockets(self) -> int:
+        """How many sockets the ring holds now: connections (incoming and outgoing) whose
+        close has not completed yet."""
+        return sum(1 for link in self._links if link.writer is not None or link.sock is not None)
 
     def follow(self, peer: RingPeer | None) -> None:
         """Watch ``peer`` from now on (loop thread); a change says goodbye to the old one."""
@@ -321,24 +355,29 @@ class LivenessRing:
             self._leave(old)
         if peer is not None:
             link = _Link()
+            self._links.add(link)
             link.task = asyncio.ensure_future(self._follow(peer, link))
             self._out = link
 
     async def aclose(self) -> None:
-        """Say goodbye on every connection and stop listening (after the lease is revoked,
-        so that no goodbye-less end can be read as this member's death while it is still
-        a member)."""
+        """Stop listening, say goodbye on every connection and close it; returns once every
+        socket of the ring is closed (called after the lease is revoked, so that no
+        goodbye-less end can be read as this member's death while it is still a member)."""
         self._closing = True
-        links = list(self._incoming) + ([self._out] if self._out is not None else [])
+        if self._listener is not None:  # first: nothing new is accepted while we close the rest
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+        links = list(self._links)
         for link in links:
             self._leave(link)
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
         tasks = [link.task for link in links if link.task is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+        for link in list(self._links):  # what the tasks did not close (or had not started)
+            await self._forget(link)
+        still_open = self.open_sockets()
+        self.log.info("membership.ring.closed", links=len(links), still_open=still_open)
 
     # ---- internals
     def _leave(self, link: _Link) -> None:
@@ -366,29 +405,51 @@ class LivenessRing:
         if not link.leaving and not self._closing:
             self.on_dead(member_id, lease, evidence, detail)
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = _Link()
-        link.writer = writer
-        link.task = asyncio.current_task()
-        self._incoming.add(link)
+    async def _forget(self, link: _Link) -> None:
+        """Close ``link``'s socket and drop it once it is closed."""
+        if link.writer is not None:
+            if not await _close_writer(link.writer):
+                return  # still closing: counted by open_sockets
+        elif link.sock is not None:
+            link.sock.close()  # accepted, never wrapped in a stream (or the wrap failed)
+        link.sock = None
+        self._links.discard(link)
+
+    def _accept_ready(self) -> None:
+        """The listener is readable (loop thread): accept every pending connection, each
+        registered as a link before anything can be cancelled or fail."""
+        while self._listener is not None and not self._closing:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # ECONNABORTED, out of descriptors: the peer retries
+                self.log.warning("membership.ring.accept_failed", error=repr(exc)[:200])
+                return
+            conn.setblocking(False)
+            link = _Link()
+            link.sock = conn
+            self._links.add(link)
+            link.task = asyncio.ensure_future(self._serve(link))
+
+    async def _serve(self, link: _Link) -> None:
         try:
+            reader, link.writer = await asyncio.open_connection(sock=link.sock)
+            link.sock = None  # the stream owns it now
             line = await asyncio.wait_for(reader.readline(), _HELLO_TIMEOUT_S)
             hello = json.loads(line)
             member_id, lease = str(hello["member_id"]), int(hello["lease"])
             await self._watch(reader, link, member_id, lease)
-        except (asyncio.CancelledError, TimeoutError, ValueError, KeyError, OSError):
+        except (asyncio.CancelledError, TimeoutError, ValueError, KeyError, TypeError, OSError):
             pass  # not a ring peer, or it went before saying who it is: nothing to report
         finally:
-            self._incoming.discard(link)
-            with contextlib.suppress(Exception):
-                writer.close()
+            await self._forget(link)
 
     async def _follow(self, peer: RingPeer, link: _Link) -> None:
         host, _, port = peer.probe.rpartition(":")
-        writer = None
         try:
             try:
-                reader, writer = await asyncio.wait_for(
+                reader, link.writer = await asyncio.wait_for(
                     asyncio.open_connection(host.strip("[]"), int(port)), _CONNECT_TIMEOUT_S)
             except ConnectionRefusedError as exc:
                 if not link.leaving and not self._closing:
@@ -398,15 +459,12 @@ class LivenessRing:
                 # Unreachable or slow is not dead: the TTL stays this peer's bound.
                 self.log.info("membership.ring.unreachable", peer=peer.member_id, error=repr(exc)[:200])
                 return
-            link.writer = writer
-            if link.leaving:
+            if link.leaving or self._closing:
                 return
-            writer.write(self.hello)
-            await writer.drain()
+            link.writer.write(self.hello)
+            await link.writer.drain()
             await self._watch(reader, link, peer.member_id, peer.lease)
         except (asyncio.CancelledError, OSError):
             pass
         finally:
-            if writer is not None:
-                with contextlib.suppress(Exception):
-                    writer.close()
+            await self._forget(link)

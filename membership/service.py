@@ -128,18 +128,21 @@ class Membership:
         if self.closing:
             return
         self.closing = True
-        self._leader.changed_threadsafe(self.client)
-        self.watcher.stop()
-        if self.lease_id and not self.lost.is_set():
-            with contextlib.suppress(EtcdUnavailable):
-                self.client.revoke_lease(self.lease_id)
-                self.log.info("membership.member.left", lease_id=self.lease_id)
-        self._poke_suspicions_threadsafe()
-        if self._ring is not None:
-            # After the revoke: our ring neighbours' connections end with a goodbye, and
-            # any report of a goodbye-less end no longer matches a member key anyway.
-            with contextlib.suppress(Exception):
-                self.client.run(self._ring.aclose(), timeout_s=3)
+        try:
+            self._leader.changed_threadsafe(self.client)
+            self.watcher.stop()
+            if self.lease_id and not self.lost.is_set():
+                with contextlib.suppress(EtcdUnavailable):
+                    self.client.revoke_lease(self.lease_id)
+                    self.log.info("membership.member.left", lease_id=self.lease_id)
+            self._poke_suspicions_threadsafe()
+        finally:
+            if self._ring is not None:
+                # After the revoke: our ring neighbours' connections end with a goodbye, and
+                # any report of a goodbye-less end no longer matches a member key anyway.
+                # Whatever failed above, the ring's sockets must not outlive the member.
+                with contextlib.suppress(Exception):
+                    self.client.run(self._ring.aclose(), timeout_s=3)
 
     def __enter__(self) -> Membership:
         return self.start()
