@@ -42,6 +42,7 @@ __all__ = [
     "Scenario",
     "build_matrix",
     "matrix_fault_names",
+    "no_fault_scenarios",
     "runtime_phase",
 ]
 
@@ -316,11 +317,39 @@ def matrix_fault_names(etcd_nodes: int = 1) -> tuple[str, ...]:
     return tuple(names)
 
 
+NO_FAULT_VERSIONS = 6  # a no-fault trial: long enough for the ring and the detector to be busy
+NO_FAULT_SLOW_S = 0.2  # the slow-rank fault's delay per message (the full matrix's)
+
+
+def no_fault_scenarios(trials: int, *, seed: int = 0, num_inference: int = 2, etcd_nodes: int = 1) -> list[Scenario]:
+    """Trials in which nothing dies: every other one has no fault at all, the rest a slow
+    rank (every transfer message delayed by the slow fault's 0.2 s) on a random trainer or
+    inference rank. Run on a loaded machine they check the crash detector for false
+    positives: the oracle fails a trial in which any member was fenced
+    (``unsafe/no_live_member_fenced``)."""
+    require_at_least("trials", trials, 1)
+    rng = random.Random(seed)
+    suffix = "" if etcd_nodes == 1 else f" (etcd x{etcd_nodes})"
+    out = []
+    for i in range(trials):
+        if i % 2 == 0:
+            victim, fault, phase, plan = "none", "none", "-", FaultPlan()
+        else:
+            victim = rng.choice(("trainer", "inference"))
+            fault, phase = "slow", "transfer"
+            plan = FaultPlan().slow(role=victim, rank=rng.randint(0, 1), version=rng.randint(2, NO_FAULT_VERSIONS),
+                                    duration_s=NO_FAULT_SLOW_S)
+        out.append(Scenario(f"{victim} x {fault} x {phase}{suffix}", victim, fault, phase, plan,
+                            rng.randrange(1 << 30), NO_FAULT_VERSIONS, num_inference, etcd_nodes))
+    return out
+
+
 def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, versions: int = 3,
                  num_inference: int = 2, etcd_nodes: int = 1,
                  faults: Sequence[str] | None = None) -> list[Scenario]:
     """The scenarios of matrix ``name`` (``quick``: one trial of a dozen cells; ``full``:
-    every cell, repeated with fresh seeds until ``trials`` (default 200) are reached).
+    every cell, repeated with fresh seeds until ``trials`` (default 200) are reached;
+    ``none``: :func:`no_fault_scenarios`, ``trials`` of them, default 20).
 
     ``etcd_nodes=3`` runs every scenario against a 3-node etcd cluster and adds the cells
     that need one (an etcd member down for the rest of the trial); the quick matrix is
@@ -331,12 +360,16 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
 
     The same arguments give the same scenarios: every random choice (version, victim rank,
     chunk) comes from ``random.Random(seed)`` and the trial index."""
-    if name not in ("quick", "full"):
-        raise ValueError(f"matrix must be 'quick' or 'full', got {name!r}")
+    if name not in ("quick", "full", "none"):
+        raise ValueError(f"matrix must be 'quick', 'full' or 'none', got {name!r}")
     if trials is not None:
         require_at_least("trials", trials, 1)
     if etcd_nodes not in (1, 3):
         raise ValueError(f"etcd_nodes must be 1 or 3, got {etcd_nodes}")
+    if name == "none":
+        if faults is not None:
+            raise ValueError(f"the 'none' matrix has no fault cells to keep, got faults={list(faults)}")
+        return no_fault_scenarios(trials or 20, seed=seed, num_inference=num_inference, etcd_nodes=etcd_nodes)
     known = matrix_fault_names(etcd_nodes)
     if faults is not None:
         faults = tuple(faults)

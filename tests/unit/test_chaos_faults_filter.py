@@ -25,3 +25,14 @@ def test_faults_filter_rejects_unknown_names():
         build_matrix("full", trials=3, faults=["kil"])
     with pytest.raises(ValueError, match="faults must be"):
         build_matrix("full", trials=3, faults=[])
+
+
+def test_the_no_fault_matrix_kills_nothing():
+    scenarios = build_matrix("none", trials=9, seed=3)
+    assert len(scenarios) == 9 and scenarios == build_matrix("none", trials=9, seed=3)
+    kinds = {f.kind for s in scenarios for f in s.plan.faults}
+    assert kinds == {"slow"}, kinds  # nothing that kills, stops or stalls
+    assert sum(1 for s in scenarios if not s.plan.faults) == 5  # every other trial: no fault at all
+    assert all(f.duration_s == 0.2 for s in scenarios for f in s.plan.faults)
+    with pytest.raises(ValueError, match="no fault cells"):
+        build_matrix("none", trials=3, faults=["kill"])
