@@ -474,7 +474,8 @@ class Membership:
             self._leader.confirmed(res.revision)
         was_leader = leader_kv is not None and leader_kv.lease == s.lease
         self.log.warning("membership.suspect.confirmed", suspect=s.suspect, suspect_lease=s.lease,
-                         incarnation=s.incarnation, reporter=s.reporter, evidence=s.evidence, leader=was_leader, revision=res.revision)
+                         incarnation=s.incarnation, reporter=s.reporter, evidence=s.evidence, leader=was_leader,
+                         revision=res.revision)
         # Frees whatever else the suspect held (the leader key): a takeover needs no TTL.
         for _ in range(3):
             try:
