@@ -12,7 +12,8 @@ then builds the layouts and times ``make_rank_plan`` for its rank, cold (the fir
 the process; wall and CPU seconds, the latter being what one core
 spends when other work shares it), warm (again, on layouts that have memoised their tensor layout groups and
 no-overlap check, as derived layouts of a re-plan inherit them), then once more under
-tracemalloc for its peak. The goal is checked on the cold time. Layout fingerprints (which the
+tracemalloc for its peak. The goal is checked on the cold CPU seconds (what one core spends
+whatever else shares the machine; wall seconds are shown beside them). Layout fingerprints (which the
 ranks compare through ``plan_input_fingerprint`` and the runtime has computed when it
 published its layout) are taken before the clock starts and shown on their own.
 
@@ -104,10 +105,11 @@ def rank_worker(case: str, rank: int) -> dict:
     del view
     # again on the same layouts: what they memoise (tensor layout groups, no-overlap, ranks)
     # is known, as for a re-plan on derived layouts, which inherit it
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     view = make_rank_plan(*args, rank=rank)
-    warm_seconds = time.perf_counter() - t0
+    warm_seconds, warm_cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     figures = {"seconds": seconds, "cpu_seconds": cpu_seconds, "warm_seconds": warm_seconds,
+               "warm_cpu_seconds": warm_cpu_seconds,
                "fingerprint_s": fingerprint_s,
                "rows": len(view.transfers), **view.bytes_by_kind()}
     del view
@@ -144,29 +146,31 @@ def main() -> int:
                 print(f"{case}: {label} rank {full[label + '_rank']} ...", file=sys.stderr, flush=True)
             ranks[label] = {"rank": full[label + "_rank"], **_run(args.cpu, case, str(full[label + "_rank"]))}
         goal = GOALS[case]
-        worst = max(ranks.values(), key=lambda r: r["seconds"])
+        worst = max(ranks.values(), key=lambda r: r["cpu_seconds"])
+        # CPU seconds: what one core spends, whatever else shares it (the machine is shared)
         results[case] = {"full": full, **ranks, "goal": goal,
-                         "meets_goal": all(r["seconds"] <= goal["seconds"] and r["peak_bytes"] <= goal["peak_bytes"]
+                         "meets_goal": all(r["cpu_seconds"] <= goal["seconds"] and r["peak_bytes"] <= goal["peak_bytes"]
                                            for r in ranks.values()),
-                         "speedup_worst_rank": full["seconds"] / max(worst["seconds"], 1e-9)}
+                         "speedup_worst_rank": full["cpu_seconds"] / max(worst["cpu_seconds"], 1e-9)}
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))
         return 0
     print(f"{'case':<12} {'plan':<16} {'rank':>5} {'rows':>9} {'cold s':>8} {'cpu s':>8} {'warm s':>8} "
-          f"{'peak MiB':>9}  note")
+          f"{'warm cpu':>8} {'peak MiB':>9}  note")
     for case, r in results.items():
         full = r["full"]
         ratio = full["cross_domain_bytes"] / max(full["lower_bound_bytes"], 1)
         print(f"{case:<12} {'full':<16} {'-':>5} {full['rows']:>9} {full['seconds']:>8.2f} "
-              f"{full.get('cpu_seconds', float('nan')):>8.2f} {'':>8} "
+              f"{full.get('cpu_seconds', float('nan')):>8.2f} {'':>8} {'':>8} "
               f"{full['peak_bytes'] / 2**20:>9.0f}  cross-domain / bound {ratio:.3f}, "
               f"views == slices: {full['views_equal_slices']}")
         for label in ("busiest", "typical"):
             rank = r[label]
             print(f"{'':<12} {'rank (' + label + ')':<16} {rank['rank']:>5} {rank['rows']:>9} {rank['seconds']:>8.2f} "
-                  f"{rank.get('cpu_seconds', float('nan')):>8.2f} {rank['warm_seconds']:>8.2f} {rank['peak_bytes'] / 2**20:>9.0f}")
-        print(f"{'':<12} goal <= {r['goal']['seconds']} s, <= {r['goal']['peak_bytes'] >> 20} MiB per rank: "
-              f"{'met' if r['meets_goal'] else 'NOT met'}; worst rank {r['speedup_worst_rank']:.1f}x faster than "
+                  f"{rank.get('cpu_seconds', float('nan')):>8.2f} {rank['warm_seconds']:>8.2f} "
+                  f"{rank.get('warm_cpu_seconds', float('nan')):>8.2f} {rank['peak_bytes'] / 2**20:>9.0f}")
+        print(f"{'':<12} goal <= {r['goal']['seconds']} CPU s, <= {r['goal']['peak_bytes'] >> 20} MiB per rank: "
+              f"{'met' if r['meets_goal'] else 'NOT met'}; worst rank {r['speedup_worst_rank']:.1f}x less CPU than "
               f"the full plan; layout fingerprints {full['fingerprint_s']:.2f} s (not counted)")
     return 0
 

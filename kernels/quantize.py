@@ -177,6 +177,52 @@ def _expand(per_block: torch.Tensor, shape: Sequence[int], block: tuple[int, int
     return full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
 
 
+# Elements per slab of the two functions below: their float32 temporaries are a few times a
+# slab, so a multi-GB expert piece needs tens of MB, not tens of GB (and a CPU's caches hold
+# them); on CUDA a slab is large enough that launches stay a small part of the time.
+_SLAB_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+
+
+def _slabs(shape: Sequence[int], block: tuple[int, int], origin: tuple[int, int],
+           max_elements: int):
+    """Cut a box of ``shape`` at ``origin`` into slabs of at most about ``max_elements``
+    elements that never cut a block: runs of the first dim while a box has more than two,
+    then whole block rows (never less than one block row). Yields ``(element index, block
+    index, slab origin)``: the slab's index into the box and into its block grid."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if n <= max_elements:
+        yield (), (), origin
+        return
+    if len(shape) > 2:
+        inner = n // int(shape[0])
+        if inner <= max_elements:
+            step = max_elements // inner
+            for start in range(0, int(shape[0]), step):
+                run = slice(start, min(start + step, int(shape[0])))
+                yield (run,), (run,), origin
+        else:
+            for i in range(int(shape[0])):
+                for e, b, o in _slabs(shape[1:], block, origin, max_elements):
+                    yield (i, *e), (i, *b), o
+        return
+    rows, cols = int(shape[0]), int(shape[1])
+    br = block[0]
+    step = max(1, max_elements // (cols * br)) * br  # rows of a slab, in whole blocks
+    start = 0
+    while start < rows:
+        first = origin[0] + start  # the slab's first row, counted from its first block's top
+        end = min(rows, (first // br) * br + step - origin[0])
+        yield ((slice(start, end),), (slice(first // br, -(-(origin[0] + end) // br)),),
+               (first % br, origin[1]))
+        start = end
+
+
+def _slab_elements(x: torch.Tensor) -> int:
+    return _SLAB_ELEMENTS["cuda" if x.device.type == "cuda" else "cpu"]
+
+
 def block_amax(x: torch.Tensor, fmt: object, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Per-block absolute maximum (float32) of the box ``x``, whose first element sits at
     ``origin`` (row, col) inside its first block; shape :func:`scale_shape`. A block with a
@@ -185,6 +231,16 @@ def block_amax(x: torch.Tensor, fmt: object, origin: tuple[int, int] = (0, 0)) -
     _check_origin(origin, scheme.block_shape)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"block quantization takes bfloat16/float16/float32, got {x.dtype}")
+    max_elements = _slab_elements(x)
+    if x.numel() <= max_elements:
+        return _block_amax(x, scheme, origin)
+    out = torch.empty(scale_shape(x.shape, scheme, origin), dtype=torch.float32, device=x.device)
+    for e, b, o in _slabs(x.shape, scheme.block_shape, origin, max_elements):
+        out[b] = _block_amax(x[e], scheme, o)
+    return out
+
+
+def _block_amax(x: torch.Tensor, scheme: BlockScheme, origin: tuple[int, int]) -> torch.Tensor:
     # |x| with subnormals flushed, by integer ops on the float32 bits (exact everywhere);
     # NaN and Inf stay, so a block's max is non-finite exactly when it holds one: one pass,
     # no mask of its own. Reduced along the contiguous block columns first, then the rows
@@ -213,7 +269,9 @@ def scales_from_amax(amax: torch.Tensor, fmt: object) -> torch.Tensor:
     amax = amax.float()
     bad = torch.isnan(amax)
     if scheme.kind == "fp8-block":
-        scale = torch.clamp_min(amax / E4M3_MAX, FP32_MIN_NORMAL)
+        # A tensor divisor, not a Python scalar: CUDA torch turns division by a CPU scalar into
+        # a multiplication by its rounded reciprocal, one bit off the IEEE quotient at times.
+        scale = torch.clamp_min(amax / torch.full_like(amax, E4M3_MAX), FP32_MIN_NORMAL)
         scale = torch.where(amax == 0, torch.ones_like(scale), scale)
         nan = torch.full_like(amax, 0).view(torch.int32).fill_(_F32_NAN_BITS).view(torch.float32)
         return torch.where(bad, nan, scale)
@@ -239,6 +297,16 @@ def quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, fmt: object,
     if tuple(scales.shape) != want or scales.dtype != scheme.scale_dtype:
         raise ValueError(f"scales must be {scheme.scale_dtype} of shape {want} for a box of shape "
                          f"{tuple(x.shape)} at origin {origin}, got {scales.dtype} {tuple(scales.shape)}")
+    max_elements = _slab_elements(x)
+    if x.numel() <= max_elements:
+        return _quantize(x, scales, scheme, origin)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    for e, b, o in _slabs(x.shape, scheme.block_shape, origin, max_elements):
+        out[e] = _quantize(x[e], scales[b], scheme, o)
+    return out
+
+
+def _quantize(x: torch.Tensor, scales: torch.Tensor, scheme: BlockScheme, origin: tuple[int, int]) -> torch.Tensor:
     values, _ = _widen(x)
     # Broadcast each block's scale over its elements in the blocked view (no per-element copy).
     blocks = _blocks(values, scheme.block_shape, origin)

@@ -14,7 +14,10 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    network exactly once, into one receiver, then fans out inside the domain. So
    cross-domain bytes equal the lower bound by construction (invariant 2).
 4. *Senders* among replicas are chosen greedily, replica group by replica group, to
-   keep the busiest NIC as idle as possible (invariant 3). With ``PlanOptions.relay``,
+   keep the busiest NIC as idle as possible (invariant 3). A group's demands are runs (an
+   atom's demands share its weight), so the group decisions are made from the runs in
+   closed form (``_Senders``), and any demand's sender follows from its place in the
+   group's stream. With ``PlanOptions.relay``,
    *receivers* are balanced too: any participating rank of the destination domain may
    receive a demand over its NIC (a relay when it needs none of it), so that no NIC of
    the domain takes more than the domain's share plus one region; every other needer
@@ -23,7 +26,8 @@ DeepSeek-V3 plan (~700k transfers) is built without a per-transfer Python loop:
    plan's busiest NIC, else plans as without relay.
 5. *Schedule*: per phase, transfers between the same (src, dst) form a message; message
    rounds follow a shift schedule, so in a round every rank sends to at most one peer
-   and receives from at most one peer. Boxes larger than half a bucket are split;
+   and receives from at most one peer; a row's round depends on its two ranks only
+   (``_RoundSpace``). Boxes larger than half a bucket are split;
    buckets hold whole boxes and never exceed ``bucket_bytes``.
 
 Everything is planned once per *tensor class* (tensors laid out alike on both sides), and
@@ -38,9 +42,10 @@ unchanged at block granularity and every figure counts FP8 bytes and scales; blo
 across source shards add a partial-amax exchange, counted in the figures. Plans whose
 formats are all ``bf16`` are the plans (and fingerprints) of before.
 
-Per-rank plans (``elastic_refit.plan.rank``) make every decision of stages 1-4 and the rounds
-of stage 5 with this same code (``_plan_rows``, ``_rounds``), so they agree with the full plan
-and with each other, then keep one rank's rows: only those get boxes and messages.
+Per-rank plans (``elastic_refit.plan.rank``) share stages 1-2 (``_inputs``, ``_atom_stage``),
+the sender decisions (``_network_senders``) and the rounds (``_rounds``) with this code, and
+build only their own rows from the regions' needers and holders with the rules of stages
+3-4 (property tests check every rank's view against the full plan's slice).
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ from elastic_refit.plan.types import (
 __all__ = ["PLANNER_VERSION", "gather_broadcast_bytes", "make_plan", "tensor_classes"]
 
 # 2: fingerprints hash columns in their narrowest dtypes; 3: replica senders water-filled
-# (egress balance), so plans of the same inputs differ from version 2's
-PLANNER_VERSION = "3"
+# (egress balance), so plans of the same inputs differ from version 2's; 4: rounds follow from
+# a row's two ranks only (``_RoundSpace``), so a rank computes its own rows' rounds alone
+PLANNER_VERSION = "4"
 
 
 # --------------------------------------------------------------------------------------
@@ -400,17 +406,31 @@ def _check_destination_overlap(dst: Layout) -> None:
 
 
 def _find_overlap(dst: Layout) -> None:
-    order = _stable_order(dst.piece_buffer)
-    starts, counts = _group_bounds(dst.piece_buffer[order], dst.num_buffers)
+    # Only buffers of several pieces can overlap (most hold one). A buffer of two pieces is its
+    # lowest and highest piece (ufunc.at, no sort); only larger buffers' pieces are sorted.
+    counts = np.bincount(dst.piece_buffer, minlength=dst.num_buffers)
     for size in np.unique(counts[counts > 1]).tolist():
         groups = np.flatnonzero(counts == size)
-        members = order[starts[groups][:, None] + np.arange(size)[None, :]]  # [G, size]
-        first, second = np.triu_indices(size, k=1)  # every pair of a buffer's pieces
-        left, right = members[:, first].reshape(-1), members[:, second].reshape(-1)
-        start = np.maximum(dst.piece_local_offsets[left], dst.piece_local_offsets[right])
-        stop = np.minimum(dst.piece_local_offsets[left] + dst.piece_local_lengths[left],
-                          dst.piece_local_offsets[right] + dst.piece_local_lengths[right])
-        hit = np.flatnonzero(np.all(stop > start, axis=1))
+        if size == 2:
+            pair = np.flatnonzero(counts[dst.piece_buffer] == 2)
+            left = np.full(dst.num_buffers, dst.num_pieces, dtype=np.int64)
+            right = np.full(dst.num_buffers, -1, dtype=np.int64)
+            np.minimum.at(left, dst.piece_buffer[pair], pair)
+            np.maximum.at(right, dst.piece_buffer[pair], pair)
+            left, right = left[groups], right[groups]
+        else:
+            of_size = np.flatnonzero(counts[dst.piece_buffer] == size)
+            members = of_size[_stable_order(dst.piece_buffer[of_size])].reshape(-1, size)  # [G, size]
+            first, second = np.triu_indices(size, k=1)  # every pair of a buffer's pieces
+            left, right = members[:, first].reshape(-1), members[:, second].reshape(-1)
+        left_start, right_start = dst.piece_local_offsets[left], dst.piece_local_offsets[right]
+        left_end = left_start + dst.piece_local_lengths[left]
+        right_end = right_start + dst.piece_local_lengths[right]
+        overlap = np.ones(left.size, dtype=bool)
+        for dim in range(left_start.shape[1]):
+            overlap &= np.minimum(left_end[:, dim], right_end[:, dim]) > np.maximum(left_start[:, dim],
+                                                                                  right_start[:, dim])
+        hit = np.flatnonzero(overlap)
         if hit.size:
             one, other = dst.piece(int(left[hit[0]])), dst.piece(int(right[hit[0]]))
             raise ValueError(
@@ -458,7 +478,8 @@ def make_plan(
     num_ranks = topology.num_ranks
     table, num_forward = _atom_columns(rows.table, rows.atoms), rows.num_forward
     del rows
-    table, counts = _schedule(table, options.bucket_bytes, instances, num_ranks, num_forward)
+    space = _round_space(source, destination, domain_of_rank, relayed)
+    table, counts = _schedule(table, options.bucket_bytes, instances, space, num_ranks, num_forward)
 
     stats, per_rank = _stats(
         table, counts, classes, source, destination, tensor_map, domain_of_rank, num_ranks,
@@ -569,14 +590,7 @@ def _plan_rows(source: Layout, destination: Layout, topology: Topology, options:
                figures: bool = True) -> _Rows:
     """Validate the inputs and decide every row (everything but the schedule). Without
     ``figures`` (per-rank plans), the egress group of the cost bound is not computed."""
-    tensor_map = _match_tensors(source, destination)
-    _check_ranks(source, topology, "source")
-    _check_ranks(destination, topology, "destination")
-    _check_destination_overlap(destination)
-
-    domain_of_rank = np.unique(topology.domain_array(), return_inverse=True)[1].astype(np.int64)
-    classes = tensor_classes(source, destination, tensor_map)
-    instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
+    tensor_map, classes, instances, domain_of_rank = _inputs(source, destination, topology)
     # The rows' many intermediates die with _transfer_rows, before the schedule allocates:
     # it reuses their memory instead of faulting in fresh pages (~1 us per 4 KiB here).
     table, atoms, lower_bound_bytes, num_forward, egress_group, relayed = _transfer_rows(
@@ -585,15 +599,27 @@ def _plan_rows(source: Layout, destination: Layout, topology: Topology, options:
                  egress_group, relayed)
 
 
-def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, tensor_map: np.ndarray,
-                   classes: TensorClasses, instances: np.ndarray, domain_of_rank: np.ndarray, figures: bool = True):
-    """The table's rows (stages 1-4 of the module docstring) and the lower bound in bytes."""
+def _inputs(source: Layout, destination: Layout, topology: Topology):
+    """Validate the inputs: (tensor map, tensor classes, members per class of every
+    destination tensor, dense domain of every rank)."""
+    tensor_map = _match_tensors(source, destination)
+    _check_ranks(source, topology, "source")
+    _check_ranks(destination, topology, "destination")
+    _check_destination_overlap(destination)
+    domain_of_rank = np.unique(topology.domain_array(), return_inverse=True)[1].astype(np.int64)
+    classes = tensor_classes(source, destination, tensor_map)
+    instances = np.diff(classes.start)[classes.class_of]  # members per class, per tensor
+    return tensor_map, classes, instances, domain_of_rank
+
+
+def _atom_stage(source: Layout, destination: Layout, options: PlanOptions, tensor_map: np.ndarray,
+                classes: TensorClasses):
+    """Stages 1-2 for the representative tensors: (source piece rows, destination piece rows,
+    source regions, destination regions, atoms split to fit a bucket as (tensor, offsets,
+    lengths, source region, destination region, nbytes))."""
     ndim = max(source.ndim, destination.ndim)
-    num_domains = int(domain_of_rank.max()) + 1
-    num_ranks = domain_of_rank.size
     is_representative = np.zeros(len(destination.tensors), dtype=bool)
     is_representative[classes.representative] = True
-
     # Pieces of representative tensors only; source pieces are renumbered into destination
     # tensor ids (tensors the destination does not hold are dropped).
     dst_id_of_src = np.full(len(source.tensors), -1, dtype=np.int64)
@@ -607,8 +633,19 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     atoms = _atoms(src_regions, dst_regions, ndim)
     _check_coverage(atoms, dst_regions, dst_rows, destination)
     # Boxes above half a bucket are split here, once per atom rather than once per transfer.
-    atom_tensor, atom_offsets, atom_lengths, atom_src_region, atom_dst_region, atom_nbytes = _split_oversized(
-        atoms, destination.tensor_itemsize, options.max_transfer_bytes)
+    atoms = _split_oversized(atoms, destination.tensor_itemsize, options.max_transfer_bytes)
+    return src_rows, dst_rows, src_regions, dst_regions, atoms
+
+
+def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, tensor_map: np.ndarray,
+                   classes: TensorClasses, instances: np.ndarray, domain_of_rank: np.ndarray, figures: bool = True):
+    """The table's rows (stages 1-4 of the module docstring) and the lower bound in bytes."""
+    num_domains = int(domain_of_rank.max()) + 1
+    num_ranks = domain_of_rank.size
+    src_rows, dst_rows, src_regions, dst_regions, atoms = _atom_stage(source, destination, options, tensor_map,
+                                                                      classes)
+    atom_tensor, atom_offsets, atom_lengths, atom_src_region, atom_dst_region, atom_nbytes = atoms
+    del atoms
     atom_weight = atom_nbytes * instances[atom_tensor]  # bytes of one copy, times the class's members
 
     # Needers: (atom, destination piece) incidence rows.
@@ -659,13 +696,18 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
                     if figures else (0, 1))
     sender_at = receivers = None
     if network_demands.size:
-        sender_at = _network_senders(network_region, network_weight, src_regions, src_rows, source, num_ranks)
+        network_atom = demand_atom[network_demands]
+        run_atom, run_first, run_count = _runs(network_atom)
+        senders = _network_senders(run_atom, atom_src_region[run_atom], atom_weight[run_atom], run_count,
+                                   src_regions, src_rows, source, num_ranks)
+        run_of = np.repeat(np.arange(run_atom.size), run_count)
+        sender_at = src_regions.piece_start[network_region] + senders.all_choices(
+            run_of, np.arange(network_atom.size) - run_first[run_of])
+        del network_atom, run_of
     if options.relay != "off" and network_demands.size:
         busiest_send = -1
         if options.relay == "auto":  # the senders are the same with or without relay
-            sender_rank = source.piece_rank[src_rows[src_regions.pieces[sender_at]]]
-            busiest_send = int(np.bincount(sender_rank, weights=network_weight, minlength=num_ranks).max())
-            del sender_rank
+            busiest_send = int(senders.load.max())
         receiver, receiver_row, plain_load = _choose_receivers(
             network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank, domain_of_rank,
             _participants(source, destination), busiest_send)
@@ -995,12 +1037,202 @@ def _egress_group(region, weight, src_regions, src_rows, source, domain_of_rank)
     return best_bytes, max(best_ranks, 1)
 
 
-def _network_senders(region, nbytes, src_regions, src_rows, source, num_ranks) -> np.ndarray:
-    """The sender of every network demand (``region``: its source region, ``nbytes``: its
-    weight), as an index into ``src_regions.pieces``."""
-    holder_start, num_holders = src_regions.piece_start[region], src_regions.piece_count[region]
-    return holder_start + _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_rows, source,
-                                          num_ranks)
+def _runs(atom: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of equal values in ``atom`` (ascending): each value, its first index and count."""
+    first = np.flatnonzero(np.append(True, atom[1:] != atom[:-1])) if atom.size else atom
+    return atom[first], first, np.diff(np.append(first, atom.size))
+
+
+@dataclass(frozen=True, eq=False)
+class _Senders:
+    """Egress balance (invariant 3), decided per replica group (one source region) from runs:
+    a run is an atom's network demands, which share its weight and sit next to each other in
+    the group's stream, so the decisions cost O(atoms + holders), not O(demands), and any
+    demand's sender is found from its place in the stream (``choice``).
+
+    Per run (atoms with network demands, in atom order): its group (-1: a single holder, the
+    sender of all of it), the position of its first demand in the group's stream and the
+    bytes before it. Per group: the holders by load (round-robin) or the water-filled rooms.
+    """
+
+    run_atom: np.ndarray  # [U] atom of each run
+    run_group: np.ndarray  # [U] its group, -1 when its region has one holder
+    run_position: np.ndarray  # [U] stream position of the run's first demand
+    run_before: np.ndarray  # [U] stream bytes before the run
+    run_weight: np.ndarray  # [U] bytes of each demand of the run (class members counted)
+    run_count: np.ndarray  # [U] demands in the run
+    num_holders: np.ndarray  # [U] holders of the run's region
+    by_load: tuple  # per group: holder indices by load (slot i -> by_load[i]) or None (filled)
+    fill: tuple  # per group: (under, room_end, filled) where water filling won, else None
+    load: np.ndarray  # [num_ranks] network bytes each rank sends
+
+    def choice(self, run: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Index into its region's holders of the sender of demand ``j`` of run ``run``."""
+        out = np.zeros(run.size, dtype=np.int64)
+        group = self.run_group[run]
+        position = self.run_position[run] + j
+        for g in np.unique(group[group >= 0]).tolist():
+            at = np.flatnonzero(group == g)
+            out[at] = self._group_choice(g, run[at], j[at], position[at])
+        return out
+
+    def all_choices(self, run: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """``choice`` for every demand at once (the full plan): one gather for the groups that
+        kept round-robin, a loop over the water-filled ones only."""
+        group = self.run_group[run]
+        if not self.by_load:
+            return np.zeros(run.size, dtype=np.int64)
+        sizes = np.array([0 if b is None else b.size for b in self.by_load], dtype=np.int64)
+        offset = np.cumsum(sizes) - sizes
+        flat = np.concatenate([np.zeros(1, np.int64)] + [b for b in self.by_load if b is not None])
+        # flat[0] = 0 stands for single holders and water-filled groups (done below)
+        round_robin = np.append(sizes > 0, False)[group]  # group -1 reads the appended False
+        index = offset[group] + (self.run_position[run] + j) % np.maximum(self.num_holders[run], 1) + 1
+        out = flat[np.where(round_robin, index, 0)]
+        filled = np.flatnonzero(sizes == 0)
+        if filled.size:
+            in_fill = np.flatnonzero(np.isin(group, filled))
+            out[in_fill] = self.choice(run[in_fill], j[in_fill])
+        return out
+
+    def _group_choice(self, g: int, run: np.ndarray, j: np.ndarray, position: np.ndarray) -> np.ndarray:
+        by_load = self.by_load[g]
+        if by_load is not None:
+            return by_load[position % by_load.size]
+        under, room_end, filled = self.fill[g]
+        weight = self.run_weight[run]
+        middle2 = 2 * self.run_before[run] + (2 * j + 1) * weight  # twice the demand's middle
+        at = np.searchsorted(room_end, middle2 * filled // 2, side="right")
+        return under[np.minimum(at, filled - 1)]
+
+    def runs_sent_by(self, g: int, holder_indices: np.ndarray, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(run, j) of every demand of group ``g``'s ``runs`` whose sender is one of
+        ``holder_indices`` (indices into the group's holders)."""
+        count, position = self.run_count[runs], self.run_position[runs]
+        by_load = self.by_load[g]
+        if by_load is not None:
+            k = by_load.size
+            slots = np.flatnonzero(np.isin(by_load, holder_indices))
+            # per (run, slot): the first j with (position + j) % k == slot, then every k-th
+            owner_run = np.repeat(runs, slots.size)
+            first = (np.tile(slots, runs.size) - np.repeat(position, slots.size)) % k
+            num = np.maximum(-(-(np.repeat(count, slots.size) - first) // k), 0)
+            owner, step = _expand(np.zeros(num.size, dtype=np.int64), num)
+            return owner_run[owner], first[owner] + step * k
+        under, room_end, filled = self.fill[g]
+        counts = self._fill_counts(runs, room_end, filled)  # [runs, filled + 1]
+        mine = np.flatnonzero(np.isin(under, holder_indices))
+        start = counts[:, mine].reshape(-1)
+        stop = counts[:, mine + 1].reshape(-1)
+        owner_run = np.repeat(runs, mine.size)
+        owner, j = _expand(start, stop - start)
+        return owner_run[owner], j
+
+    def _fill_counts(self, runs: np.ndarray, room_end: np.ndarray, filled: int) -> np.ndarray:
+        """Per run, how many of its demands go to the first u water-filled holders, u = 0..filled:
+        a demand goes past room ``u`` when its (scaled) middle reaches ``room_end[u]``."""
+        weight, before, count = self.run_weight[runs], self.run_before[runs], self.run_count[runs]
+        return _fill_counts(weight, before, count, room_end, filled)
+
+
+def _fill_counts(weight, before, count, room_end, filled) -> np.ndarray:
+    """[runs, filled + 1]: demands of each run (``count`` of ``weight`` bytes after ``before``
+    bytes of its stream) whose room index ``min(searchsorted(room_end, middle2 * filled // 2,
+    "right"), filled - 1)`` is below u. ``middle2 * filled // 2 < E`` is ``middle2 * filled <
+    2 E`` for integers: j < (2 E - (2 before + weight) filled) / (2 weight filled)."""
+    out = np.zeros((weight.size, filled + 1), dtype=np.int64)
+    if filled > 1:
+        ends = room_end[: filled - 1][None, :]
+        excess = 2 * ends - (2 * before + weight)[:, None] * filled
+        step = (2 * weight * filled)[:, None]
+        out[:, 1:filled] = np.clip(-(-excess // step), 0, count[:, None])
+    out[:, filled] = count
+    return out
+
+
+def _network_senders(run_atom, run_region, run_weight, run_count, src_regions, src_rows, source,
+                     num_ranks) -> _Senders:
+    """Senders of every network demand, decided per replica group (see ``_Senders``).
+
+    Single-holder demands are forced. Replica groups (the demands of one source region) are
+    then visited from the heaviest down. Each assigns its demands (largest first) round-robin
+    over its holders ordered by current load, which is greedy least-loaded for equal sizes
+    and loads; unless filling the holders' NICs like water (``_fill_holders``: a holder that
+    earlier groups loaded takes less) leaves the group's busiest holder less loaded, as it
+    does for unequal loads or sizes. Ties keep round-robin (and the plans of before). A
+    group's stream is its runs, largest first, in atom order among equals; each run's demands
+    in demand order. The slot bytes of round-robin and the bytes of water filling follow from
+    the runs in closed form.
+    """
+    holder_start, num_holders = src_regions.piece_start[run_region], src_regions.piece_count[run_region]
+    load = np.zeros(num_ranks, dtype=np.int64)
+    holder_rank = source.piece_rank[src_rows[src_regions.pieces]]
+    forced = num_holders == 1
+    run_bytes = run_weight * run_count
+    np.add.at(load, holder_rank[holder_start[forced]], run_bytes[forced])
+    run_group = np.full(run_atom.size, -1, dtype=np.int64)
+    run_position = np.zeros(run_atom.size, dtype=np.int64)
+    run_before = np.zeros(run_atom.size, dtype=np.int64)
+    replicated = np.flatnonzero(~forced)
+    by_load_of: list = []
+    fill_of: list = []
+    if replicated.size:
+        # by region, then largest first (a stable sort keeps atom order among equals)
+        largest = int(run_weight[replicated].max())
+        order = replicated[_stable_order(run_region[replicated] * (largest + 1) + (largest - run_weight[replicated]))]
+        sorted_region = run_region[order]
+        group_start = np.append(0, np.flatnonzero(np.diff(sorted_region)) + 1)
+        group_size = np.diff(np.append(group_start, order.size))
+        group_of = np.repeat(np.arange(group_start.size), group_size)
+        run_group[order] = group_of
+        counts, nbytes = run_count[order], run_bytes[order]
+        position, before = np.cumsum(counts) - counts, np.cumsum(nbytes) - nbytes
+        run_position[order] = position - np.repeat(position[group_start], group_size)
+        run_before[order] = before - np.repeat(before[group_start], group_size)
+        totals = np.add.reduceat(nbytes, group_start)
+        group_order = np.lexsort((sorted_region[group_start], -totals))
+        rank_limit = (1 << 62) // max(num_ranks, 1)
+        by_load_of = [None] * group_start.size
+        fill_of = [None] * group_start.size
+        for g in group_order.tolist():
+            runs = order[group_start[g] : group_start[g] + group_size[g]]
+            first, count = int(holder_start[runs[0]]), int(num_holders[runs[0]])
+            holders = holder_rank[first : first + count]
+            holder_load = load[holders]
+            # holders by (load, rank, index): one stable sort of a packed key where it fits
+            if int(holder_load.max()) < rank_limit:
+                by_load = np.argsort(holder_load * num_ranks + holders, kind="stable")
+            else:
+                by_load = np.lexsort((np.arange(count), holders, holder_load))
+            weight, position, before, size = run_weight[runs], run_position[runs], run_before[runs], run_count[runs]
+            slot_bytes = _slot_bytes(weight, position, size, count)
+            fill = _fill_holders(holders, holder_load, by_load, slot_bytes, int(totals[g]), weight, before, size)
+            if fill is None:
+                by_load_of[g] = by_load
+                holder_bytes = np.zeros(count, dtype=np.int64)
+                holder_bytes[by_load] = slot_bytes
+            else:
+                fill_of[g], holder_bytes = fill[:3], fill[3]
+            np.add.at(load, holders, holder_bytes)  # onto the (possibly repeated) ranks
+    return _Senders(run_atom, run_group, run_position, run_before, run_weight, run_count, num_holders,
+                    tuple(by_load_of), tuple(fill_of), load)
+
+
+def _slot_bytes(weight, position, count, num_slots) -> np.ndarray:
+    """Bytes round-robin gives each slot: demand p of a group's stream goes to slot p mod the
+    holders; a run of ``count`` demands of ``weight`` bytes from ``position`` adds
+    ``count // num_slots`` to every slot and one more to the next ``count % num_slots``."""
+    whole = int((weight * (count // num_slots)).sum())
+    rest = count % num_slots
+    start = position % num_slots
+    end = start + rest
+    wrap = end > num_slots
+    # one difference array: +w at the start, -w past the end, and the same for what wraps
+    at = np.concatenate([start, np.minimum(end, num_slots), np.zeros(int(wrap.sum()), dtype=np.int64),
+                         end[wrap] - num_slots])
+    sign = np.concatenate([weight, -weight, weight[wrap], -weight[wrap]])
+    diff = np.bincount(at, weights=sign, minlength=num_slots + 1)  # whole bytes, exact below 2**53
+    return whole + np.cumsum(diff[:num_slots]).astype(np.int64)
 
 
 def _balance_lowers_busiest_nic(busiest_send, receiver, plain_load, weight, num_ranks) -> bool:
@@ -1011,76 +1243,26 @@ def _balance_lowers_busiest_nic(busiest_send, receiver, plain_load, weight, num_
     return max(busiest_send, balanced) < max(busiest_send, int(plain_load.max(initial=0)))
 
 
-def _choose_senders(region, holder_start, num_holders, nbytes, src_regions, src_rows, source, num_ranks):
-    """Index (into each region's holders) of the sender of every network demand.
-
-    Single-holder demands are forced. Replica groups (the demands of one source region) are
-    then visited from the heaviest down. Each assigns its demands (largest first) round-robin
-    over its holders ordered by current load, which is greedy least-loaded for equal sizes
-    and loads; unless filling the holders' NICs like water (``_fill_holders``: a holder that
-    earlier groups loaded takes less) leaves the group's busiest holder less loaded, as it
-    does for unequal loads or sizes. Ties keep round-robin (and the plans of before).
-    """
-    choice = np.zeros(region.size, dtype=np.int64)
-    load = np.zeros(num_ranks, dtype=np.int64)
-    holder_rank = source.piece_rank[src_rows[src_regions.pieces]]
-    forced = num_holders == 1
-    np.add.at(load, holder_rank[holder_start[forced]], nbytes[forced])
-    replicated = np.flatnonzero(~forced)
-    if replicated.size == 0:
-        return choice
-    # by region, then largest first (a stable sort keeps demand order among equals)
-    largest = int(nbytes[replicated].max())
-    order = replicated[_stable_order(region[replicated] * (largest + 1) + (largest - nbytes[replicated]))]
-    sorted_region = region[order]
-    group_start = np.append(0, np.flatnonzero(np.diff(sorted_region)) + 1)
-    group_end = np.append(group_start[1:], order.size)
-    weight = nbytes[order]
-    totals = np.add.reduceat(weight, group_start)
-    group_order = np.lexsort((sorted_region[group_start], -totals))
-    del sorted_region, replicated, forced  # arrays of every demand: free them before the next ones
-    for g in group_order.tolist():
-        rows = slice(int(group_start[g]), int(group_end[g]))
-        first, count = int(holder_start[order[rows.start]]), int(num_holders[order[rows.start]])
-        holders = holder_rank[first : first + count]
-        holder_load = load[holders]
-        by_load = np.lexsort((np.arange(count), holders, holder_load))
-        # Per demand of the group (one region, so one holder count): its round-robin slot (its
-        # place in the group modulo the holders) and twice its middle in the group's stream;
-        # per slot, the bytes round-robin gives it. Group by group, so that no array of every
-        # demand is allocated for them.
-        group_weight = weight[rows]
-        slot = np.arange(group_weight.size, dtype=np.int64) % count
-        middle2 = 2 * np.cumsum(group_weight) - group_weight
-        slot_bytes = np.bincount(slot, weights=group_weight, minlength=count).astype(np.int64)
-        picks = _fill_holders(holders, holder_load, by_load, slot_bytes, int(totals[g]), middle2, group_weight)
-        if picks is None:
-            picks = by_load[slot]
-        choice[order[rows]] = picks
-        # per holder, then onto the (possibly repeated) ranks: sums of whole bytes, exact
-        np.add.at(load, holders, np.bincount(picks, weights=group_weight, minlength=count).astype(np.int64))
-    return choice
-
-
-def _fill_holders(holders, holder_load, by_load, slot_bytes, total, middle2, nbytes) -> np.ndarray | None:
-    """The senders of one group's demands (indices into ``holders``) by water filling, or
-    None where round-robin over ``by_load`` (the holders by load; slot ``i`` has
-    ``slot_bytes[i]``) leaves the busiest holder no more loaded.
+def _fill_holders(holders, holder_load, by_load, slot_bytes, total, weight, before, count):
+    """Water filling of one group, or None where round-robin over ``by_load`` (the holders by
+    load; slot ``i`` has ``slot_bytes[i]``) leaves the busiest holder no more loaded; else
+    (under, room_end, filled, bytes per holder index).
 
     Water filling: the level ``T`` is the least with sum over holders of max(0, T - load)
     equal to the group's ``total``, ``min over j of (total + the j lowest loads) / j``; the
     demands are laid in order (largest first) along the holders' free room below ``T``,
-    least loaded first, each going to the holder in whose room its middle falls
-    (``middle2``: twice the middle), so the largest demand goes to the idlest NIC and no
-    holder ends more than one demand above ``T``. No choice leaves the busiest holder below
-    ``max(T, the busiest load)``: round-robin that reaches it is kept. Integer arithmetic
-    (scaled by the number of filled holders) keeps it exact; a rank holding the region in
-    two pieces counts once (its first piece).
+    least loaded first, each going to the holder in whose room its middle falls, so the
+    largest demand goes to the idlest NIC and no holder ends more than one demand above
+    ``T``. No choice leaves the busiest holder below ``max(T, the busiest load)``: round-robin
+    that reaches it is kept. Integer arithmetic (scaled by the number of filled holders)
+    keeps it exact; a rank holding the region in two pieces counts once (its first piece).
+    The runs (``weight``, ``before``, ``count``) give each room's bytes in closed form.
     """
-    loads = holder_load[by_load].tolist()
-    round_robin = max(load + added for load, added in zip(loads, slot_bytes.tolist(), strict=True))
-    if round_robin == loads[-1]:  # no NIC above the busiest one: nothing does better
+    sorted_load = holder_load[by_load]
+    round_robin = int((sorted_load + slot_bytes).max())
+    if round_robin == int(sorted_load[-1]):  # no NIC above the busiest one: nothing does better
         return None
+    loads = sorted_load.tolist()
     ranks = holders[by_load].tolist()
     distinct = [i for i in range(len(ranks)) if i == 0 or ranks[i] != ranks[i - 1]]  # equal ranks are adjacent
     filled, filled_load, best = 1, loads[distinct[0]], total + loads[distinct[0]]  # T * filled for j = 1
@@ -1092,11 +1274,12 @@ def _fill_holders(holders, holder_load, by_load, slot_bytes, total, middle2, nby
     if round_robin <= max(loads[-1], -(-best // filled)):
         return None
     under = by_load[distinct[:filled]]
-    room_end = np.cumsum([max(best - filled * loads[i], 0) for i in distinct[:filled]])
-    at = np.searchsorted(room_end, middle2 * filled // 2, side="right")
-    picks = under[np.minimum(at, filled - 1)]
-    if int((holder_load + np.bincount(picks, weights=nbytes, minlength=holders.size)).max()) < round_robin:
-        return picks
+    room_end = np.cumsum([max(best - filled * loads[i], 0) for i in distinct[:filled]]).astype(np.int64)
+    per_room = np.diff(_fill_counts(weight, before, count, room_end, filled), axis=1)  # [runs, filled]
+    holder_bytes = np.zeros(holders.size, dtype=np.int64)
+    holder_bytes[under] = (per_room * weight[:, None]).sum(axis=0)
+    if int((holder_load + holder_bytes).max()) < round_robin:
+        return under, room_end, filled, holder_bytes
     return None
 
 
@@ -1131,62 +1314,88 @@ def _split_oversized(atoms, itemsize: np.ndarray, limit: int):
         lengths[position, chunk_dim] = np.minimum(per_chunk[owner], big_lengths[owner, chunk_dim] - start)
 
 
-def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.ndarray,
+def _schedule(table: dict[str, np.ndarray], bucket_bytes: int, instances: np.ndarray, space: _RoundSpace,
               num_ranks: int, num_forward: int = 0) -> tuple[TransferTable, dict[str, int]]:
     """Canonical order, messages, shift-schedule rounds and buckets; and the counts of
-    messages, buckets and rounds (``num_messages``, ``num_buckets``, ``num_rounds``).
+    messages, buckets and rounds (``num_messages``, ``num_buckets``, ``num_rounds``: the
+    (phase, round) pairs that hold a message).
 
     The last ``num_forward`` rows are forwards (relayed plans): they take no part in the
     shift schedule, inherit the round and stream offset of their network row, and form
     messages of their own (one per round, relay and needer)."""
-    row_round, num_rounds = _rounds(table, num_ranks, num_forward)
-    return _messages(table, row_round, num_rounds, bucket_bytes, instances, num_ranks, num_forward)
+    row_round = _rounds(table, space, num_forward)
+    table, counts = _messages(table, row_round, space.num_rounds, bucket_bytes, instances, num_ranks, num_forward)
+    scheduled = slice(0, len(table) - num_forward)
+    used = np.zeros(len(Phase) * (space.num_rounds + 1), dtype=bool)
+    used[table.phase[scheduled] * (space.num_rounds + 1) + table.round[scheduled] + 1] = True
+    used[:: space.num_rounds + 1] = False  # round -1: local copies
+    counts["num_rounds"] = int(np.count_nonzero(used))
+    return table, counts
 
 
-def _rounds(table: dict[str, np.ndarray], num_ranks: int, num_forward: int = 0) -> tuple[np.ndarray, int]:
-    """The shift-schedule round of every row (-1: a local copy) and the number of rounds.
+@dataclass(frozen=True, slots=True)
+class _RoundSpace:
+    """The shift schedule's rounds as a function of a row's two ranks only, so that any set of
+    rows (one rank's) gets the rounds the full plan gives them (PLANNER_VERSION 4).
 
-    A round depends on the senders, receivers and (sender, receiver) pairs of the whole
-    phase, so it is computed over every row, from the rows' ranks, phases and kinds only
-    (a per-rank plan keeps just those columns of the rows it does not take part in)."""
-    phase, src_rank, dst_rank = table["phase"], table["src_rank"], table["dst_rank"]
-    is_local = table["kind"] == int(TransferKind.LOCAL)
-    num_rows = src_rank.size
-    forward = slice(num_rows - num_forward, num_rows)
-    parent = table["src_piece"][forward]
-    unscheduled = is_local
+    Phase DELIVER (network rows and copies from source pieces): senders are numbered among
+    the source ranks, receivers among the destination ranks (in relayed plans: every
+    participant of a domain holding destination ranks, the ranks that may relay), and a row's
+    round is its shift (receiver - sender) modulo ``num_network``, the larger count. FAN_OUT
+    (inside a domain): ranks are numbered inside their domain and the round is the shift
+    modulo the largest domain. Either way a round has every rank send to at most one peer
+    and receive from at most one.
+    """
+
+    sender_index: np.ndarray  # [num_ranks] index among the network senders (-1: none)
+    receiver_index: np.ndarray  # [num_ranks] index among the network receivers (-1: none)
+    num_network: int
+    domain_index: np.ndarray  # [num_ranks] index among the ranks of its domain
+    domain_width: int  # ranks of the largest domain
+
+    @property
+    def num_rounds(self) -> int:
+        """Rounds of the schedule, empty ones included: what every rank walks."""
+        return self.num_network + self.domain_width
+
+
+def _round_space(source: Layout, destination: Layout, domain_of_rank: np.ndarray, relayed: bool) -> _RoundSpace:
+    num_ranks = domain_of_rank.size
+
+    def index_of(ranks: np.ndarray) -> np.ndarray:
+        index = np.full(num_ranks, -1, dtype=np.int64)
+        index[ranks] = np.arange(ranks.size)
+        return index
+
+    senders = np.asarray(source.ranks, dtype=np.int64)
+    receivers = np.asarray(destination.ranks, dtype=np.int64)
+    if relayed:  # any participant of a destination domain may receive (a relay)
+        participants = _participants(source, destination)
+        receivers = participants[np.isin(domain_of_rank[participants], domain_of_rank[receivers])]
+    order, sorted_domain = _stable_sort(domain_of_rank)
+    starts, counts = _group_bounds(sorted_domain, int(domain_of_rank.max(initial=0)) + 1)
+    domain_index = np.empty(num_ranks, dtype=np.int64)
+    domain_index[order] = np.arange(num_ranks) - np.repeat(starts, counts)
+    return _RoundSpace(index_of(senders), index_of(receivers), max(senders.size, receivers.size, 1), domain_index,
+                       int(counts.max(initial=1)))
+
+
+def _rounds(table: dict[str, np.ndarray], space: _RoundSpace, num_forward: int = 0) -> np.ndarray:
+    """The round of every row (-1: a local copy), from its phase, kind and two ranks
+    (``_RoundSpace``); a forward travels with its network row's bucket, so takes its round."""
+    kind, src_rank, dst_rank = table["kind"], table["src_rank"], table["dst_rank"]
+    row_round = np.full(kind.size, -1, dtype=np.int64)
+    fan_out = table["phase"] == int(Phase.FAN_OUT)
+    deliver = np.flatnonzero((kind != int(TransferKind.LOCAL)) & ~fan_out)
+    shift = space.receiver_index[dst_rank[deliver]] - space.sender_index[src_rank[deliver]]
+    row_round[deliver] = shift % space.num_network
+    fan_out = np.flatnonzero(fan_out)
+    shift = space.domain_index[dst_rank[fan_out]] - space.domain_index[src_rank[fan_out]]
+    row_round[fan_out] = shift % space.domain_width
     if num_forward:
-        unscheduled = is_local.copy()
-        unscheduled[forward] = True
-
-    # Per phase, senders and receivers are numbered densely and a message's round is its
-    # shift (receiver - sender) modulo the width; local copies need no peer (round -1).
-    # All phases at once: a phase's ids are counted within its row of a [phase, id] table.
-    num_phases = len(Phase)
-    peer_rows = np.flatnonzero(~unscheduled) if unscheduled.any() else None
-
-    def dense_in_phase(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per row, the rank of its id among the ids its phase uses; and per phase, how many."""
-        slot = phase * size
-        slot += ids
-        present = np.zeros((num_phases, size), dtype=bool)
-        present.reshape(-1)[slot if peer_rows is None else slot[peer_rows]] = True
-        return np.take((np.cumsum(present, axis=1) - 1).reshape(-1), slot), present.sum(axis=1)
-
-    sender_index, num_senders = dense_in_phase(src_rank, num_ranks)
-    receiver_index, num_receivers = dense_in_phase(dst_rank, num_ranks)
-    width = np.maximum(np.maximum(num_senders, num_receivers), 1)
-    shift = receiver_index - sender_index
-    shift += width[phase] * (shift < 0)  # modulo the width, without a division
-    if peer_rows is not None:
-        shift[unscheduled] = 0  # no peer: their ids are not counted, their shift is meaningless
-    row_round, rounds_per_phase = dense_in_phase(shift, int(width.max()))
-    num_rounds = int(rounds_per_phase.sum())
-    if peer_rows is not None:
-        row_round[is_local] = -1
-    if num_forward:
-        row_round[forward] = row_round[parent]  # a forward travels with its network bucket
-    return row_round, num_rounds
+        forward = slice(kind.size - num_forward, kind.size)
+        row_round[forward] = row_round[table["src_piece"][forward]]
+    return row_round
 
 
 def _messages(table: dict[str, np.ndarray], row_round: np.ndarray, num_rounds: int, bucket_bytes: int,

@@ -332,8 +332,10 @@ class RankPlan(_ClassRows):
     ``message`` numbers this rank's messages only (in (phase, round, src, dst) order, as the
     full plan numbers all of them). ``fingerprint`` is the fingerprint of the plan's inputs
     (``plan_input_fingerprint``): a rank cannot hash rows it never built, so the ranks agree
-    on the inputs, which determine every row. ``num_rounds`` counts the rounds of the whole
-    plan (every rank walks the same rounds).
+    on the inputs, which determine every row. ``num_rounds`` is the plan's round space, empty
+    rounds included (every rank walks the same rounds; a rank cannot know which are empty
+    elsewhere), at least the full plan's ``PlanStats.num_rounds``, which counts the rounds
+    that hold a message.
     """
 
     rank: int

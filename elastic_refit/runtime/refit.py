@@ -1,6 +1,8 @@
 """``ElasticRefit``: the context every trainer and inference rank runs.
 
-Each rank runs an agent thread that follows the job's epochs. Per epoch it reconfigures
+Each rank runs an agent thread that follows the job's epochs: its decisions are the pure
+state machine of ``runtime.agent`` (``decide``, and ``coordinator_tidy`` / ``coordinate``
+for the coordinator); ``_agent_loop`` executes them. Per epoch it reconfigures
 the refit communicator (shrink / grow / rebuild, in ``membership``), then works through
 the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes each attempt
 (a version, its sources, holders and destinations) in etcd, fenced by its lease and the epoch;
@@ -67,11 +69,39 @@ from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
 from elastic_refit.membership.wakeup import ChangeSignal
 from elastic_refit.plan import Plan, PlanOptions
+from elastic_refit.runtime.agent import (
+    Action,
+    AgentInputs,
+    AgentSettings,
+    AgentState,
+    AttemptRan,
+    AwaitEpoch,
+    AwaitMembership,
+    Backoff,
+    CommunicatorFailed,
+    ConnectAhead,
+    Connected,
+    Entered,
+    EnterEpoch,
+    Fail,
+    Faulted,
+    Idle,
+    Lost,
+    NextAttempt,
+    Observe,
+    Observed,
+    Outcome,
+    Propose,
+    Refuse,
+    RunAttempt,
+    coordinate,
+    coordinator_tidy,
+    decide,
+)
 from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
-    REFIT,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -79,9 +109,7 @@ from elastic_refit.runtime.attempt import (
     check_publish,
     count_failure,
     fault_cause,
-    next_action,
     plan_attempt,
-    reform_due_in,
     source_layout_disagreement,
     steady_refit,
 )
@@ -520,101 +548,128 @@ class ElasticRefit:
             transport.close()
 
     def _agent_loop(self) -> None:
-        me = self.config.member_id
-        view: MembershipView | None = None
-        seq = 0
-        broken_epoch = -1  # an epoch whose communicator could not be formed, or broke
-        broken_at = 0.0  # when it broke (monotonic)
-        reform_asked = True  # whether a rebuild with the same members was asked for it
-        while not self._stop.is_set():
-            try:
-                changed = self._changes.token()  # before any read: a change after it wakes the wait below
-                latest = self.membership.view
-                # An epoch that lists this member under an earlier incarnation (a restart
-                # inside the old lease's TTL) is not ours: wait for the one that lists us.
-                if latest is None or me not in latest or latest.member(me).incarnation != self.config.incarnation:
-                    self.membership.check()  # a member whose lease expired is out for good
-                    self._stop.wait(self.config.poll_s)
-                    continue
-                if latest.epoch == broken_epoch:
-                    # This epoch's communicator is unusable: wait for the next epoch (the
-                    # leader's, without a dead peer), asking for a reform once no such epoch
-                    # came in time (see reform_due).
-                    due_in = reform_due_in(time.monotonic() - broken_at, self.config.ttl_s)
-                    if not reform_asked and due_in == 0.0:
-                        reform_asked = True
-                        self._request_reform(broken_epoch)
-                    wait_s = self.config.epoch_deadline_s if reform_asked else max(self.config.poll_s, due_in)
-                    with contextlib.suppress(EpochTimeout):
-                        self.membership.wait_for_view(after_epoch=broken_epoch, timeout_s=wait_s)
-                    continue
-                if view is None or latest.epoch != view.epoch:
-                    self._count_left_attempt(latest)
-                    self._hook("comm.reconfiguring", epoch=latest.epoch, first=view is None)
-                    # The manager's watchdog must hold the last reference to the old process
-                    # group, so that its destructor never runs (and blocks) on this thread.
-                    self._release_transport()
-                    try:
-                        result = self.manager.reconfigure(view, latest, broken=view is not None
-                                                          and view.epoch == broken_epoch)
-                    except CommunicatorError:
-                        broken_epoch, broken_at, reform_asked = latest.epoch, time.monotonic(), True
-                        view = None  # nothing of the old communicator survives a failed rebuild
-                        self.log.warning("refit.communicator.broken", epoch=broken_epoch)
-                        self._request_reform(latest.epoch)
-                        raise
-                    self._transport = HOOKS.wrap_transport(result.transport)
-                    self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
-                    view, seq = latest, 0
-                    self._changes.watch("epoch", self.versions.keys.store(view.epoch))
-                    self.stats["reconfigurations"] += 1
-                    self.log.info("refit.epoch.entered", epoch=view.epoch, rank=result.rank,
-                                  num_ranks=result.num_ranks, path=result.path, seconds=result.seconds)
-                    del result  # the manager and self._transport keep the only references
-                    if not self._connect_ahead(view, self._transport):  # type: ignore[arg-type]
-                        broken_epoch, broken_at, view, reform_asked = self._broke(view)
-                        continue
-                state = self.versions.snapshot()
-                self._observe(state)
-                if view.members[0].member_id == me:
-                    self._coordinate(view, seq, state)
-                found = self.versions.next_attempt(view.epoch, seq)
-                if found is None:
-                    # Nothing to do until a key changes; the timeout only bounds what a lost
-                    # watch event could cost (the watches resume and relist themselves).
-                    self._changes.wait_after(changed, self.config.idle_wake_s)
-                    continue
-                seq, record = found  # later than seq: this rank took no part in the pruned ones
-                spec = AttemptSpec.from_json(record)
-                if me in spec.participants and not self._run_attempt_locked(view, self._transport, seq, spec):  # type: ignore[arg-type]
-                    broken_epoch, broken_at, view, reform_asked = self._broke(view)
-                seq += 1
-            except MembershipLost as exc:
-                self.log.error("fault.detected", kind="membership_lost", error=str(exc))
-                self._fail(exc)
+        """The driver of the agent's state machine (:func:`~elastic_refit.runtime.agent.decide`):
+        each turn it reads the latest view, lets ``decide`` pick the action, executes it and
+        feeds back what came of it. Every decision is there; here are only side effects."""
+        settings = AgentSettings.of(self.config)
+        state, outcome = AgentState(), None
+        lost: MembershipLost | None = None
+        changed = self._changes.token()
+        while not self._stop.is_set() or isinstance(outcome, Lost):  # a lost membership fails waiters even when closing
+            if not isinstance(outcome, Observed):
+                # Before any read: a change after it wakes an idle wait. After an Observe the
+                # token taken before its reads stays (an older token can only wake sooner).
+                changed = self._changes.token()
+            action, state = decide(state, AgentInputs(settings, self.membership.view, outcome), time.monotonic())
+            if isinstance(action, Fail):
+                self.log.error("fault.detected", kind="membership_lost", error=action.reason)
+                self._fail(lost if lost is not None else MembershipLost(action.reason))
                 return
-            except Exception as exc:  # a fault of this attempt: back off until something changes
-                self.stats["failed_attempts"] += 1
-                self._note_fault(fault_cause(exc))
-                self.log.warning("fault.detected", kind=type(exc).__name__,
-                                 error=(str(exc).splitlines() or [""])[0][:300],
-                                 epoch=view.epoch if view else None, seq=seq)
-                seq += 1
-                with contextlib.suppress(Exception):
-                    self.membership.wait_for_view(after_epoch=view.epoch if view else 0,
-                                                  timeout_s=self.config.collective_timeout_s)
+            try:
+                outcome = self._execute(action, state, changed)
+            except MembershipLost as exc:
+                lost, outcome = exc, Lost(str(exc))
+            except Exception as exc:  # a fault outside an attempt: back off until something changes
+                self._fault_detected(exc, state.epoch, state.seq)
+                outcome = Faulted(fault_cause(exc))
 
-    def _broke(self, view: MembershipView) -> tuple[int, float, MembershipView | None, bool]:
-        """An operation broke this epoch's transport: it cannot be used again. Returns the
-        agent's (broken epoch, when, view, whether a reform was asked)."""
+    def _execute(self, action: Action, state: AgentState, changed: int) -> Outcome | None:
+        """Carry out one action of the agent in ``state`` (the state ``decide`` left);
+        returns what came of it, None after a wait. ``changed``: the change token an idle
+        wait waits after."""
+        if isinstance(action, AwaitMembership):
+            self.membership.check()  # a member whose lease expired is out for good
+            self._stop.wait(action.timeout_s)
+        elif isinstance(action, AwaitEpoch):
+            if action.request_reform:
+                self._request_reform(action.after_epoch)
+            with contextlib.suppress(EpochTimeout):
+                self.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        elif isinstance(action, EnterEpoch):
+            return self._enter_epoch(action)
+        elif isinstance(action, ConnectAhead):
+            view = self._entered(state, action.epoch)
+            if self._connect_ahead(view, self._transport):  # type: ignore[arg-type]
+                return Connected(action.epoch)
+            return Connected(action.epoch, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Observe):
+            return self._look_for_attempt(self._entered(state, action.epoch), action)
+        elif isinstance(action, RunAttempt):
+            view = self._entered(state, action.epoch)
+            if self._run_attempt_locked(view, self._transport, action.seq, action.spec):  # type: ignore[arg-type]
+                return AttemptRan(action.epoch, action.seq)
+            return AttemptRan(action.epoch, action.seq, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Idle):
+            # Nothing to do until a key changes; the timeout only bounds what a lost watch
+            # event could cost (the watches resume and relist themselves).
+            self._changes.wait_after(changed, action.timeout_s)
+        elif isinstance(action, Backoff):
+            with contextlib.suppress(Exception):  # a fault while backing off must not stack on the fault
+                self.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        else:
+            raise TypeError(f"the agent has no way to execute {action!r}")
+        return None
+
+    @staticmethod
+    def _entered(state: AgentState, epoch: int) -> MembershipView:
+        if state.view is None or state.view.epoch != epoch:
+            raise RefitError(f"agent bug: an action for epoch {epoch} while in epoch {state.epoch}")
+        return state.view
+
+    def _enter_epoch(self, action: EnterEpoch) -> Outcome:
+        """Reconfigure the communicator from ``action.previous`` to ``action.view`` (shrink /
+        grow / rebuild, see ``CommunicatorManager``)."""
+        latest = action.view
+        self._count_left_attempt(latest)
+        self._hook("comm.reconfiguring", epoch=latest.epoch, first=action.previous is None)
+        # The manager's watchdog must hold the last reference to the old process group, so
+        # that its destructor never runs (and blocks) on this thread.
+        self._release_transport()
+        try:
+            result = self.manager.reconfigure(action.previous, latest, broken=action.broken)
+        except CommunicatorError as exc:
+            self.log.warning("refit.communicator.broken", epoch=latest.epoch)
+            self._fault_detected(exc, None, 0)  # nothing of the old communicator survives
+            return CommunicatorFailed(latest.epoch)
+        self._transport = HOOKS.wrap_transport(result.transport)
+        self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
+        # The communicator is formed: the epoch is entered whatever follows (a fault of the
+        # watch below costs only wakeups, which the idle timeout bounds).
+        try:
+            self._changes.watch("epoch", self.versions.keys.store(latest.epoch))
+        except Exception as exc:
+            self._fault_detected(exc, latest.epoch, 0)
+        self.stats["reconfigurations"] += 1
+        self.log.info("refit.epoch.entered", epoch=latest.epoch, rank=result.rank, num_ranks=result.num_ranks,
+                      path=result.path, seconds=result.seconds)
+        del result  # the manager and self._transport keep the only references
+        return Entered(latest)
+
+    def _look_for_attempt(self, view: MembershipView, action: Observe) -> Observed:
+        """Read the version state (serve what committed), coordinate as the epoch's rank 0,
+        then look for attempt ``action.seq`` or a later one."""
+        state = self.versions.snapshot()
+        self._observe(state)
+        if action.coordinate:
+            self._coordinate(view, action.seq, state)
+        found = self.versions.next_attempt(view.epoch, action.seq)
+        if found is None:
+            return Observed(action.epoch, None)
+        seq, record = found
+        return Observed(action.epoch, NextAttempt(seq, AttemptSpec.from_json(record)))
+
+    def _broke(self, view: MembershipView) -> bool:
+        """An operation broke this epoch's transport: it cannot be used again. Returns
+        whether it can shrink (then the communicator stays with the manager)."""
         self.log.warning("refit.communicator.broken", epoch=view.epoch)
-        if self._transport is not None and self._transport.capabilities.can_shrink:
-            # The communicator stays with the manager: the next epoch shrinks it (a dead
-            # peer) or rebuilds it (a reform, once one is due).
-            return view.epoch, time.monotonic(), view, False
-        # Nothing to shrink (gloo): every rank of the epoch rebuilds, now.
-        self._request_reform(view.epoch)
-        return view.epoch, time.monotonic(), None, True
+        return self._transport is not None and self._transport.capabilities.can_shrink
+
+    def _fault_detected(self, exc: Exception, epoch: int | None, seq: int) -> None:
+        """A fault of the agent outside any attempt: counted, noted for timeouts, logged."""
+        self.stats["failed_attempts"] += 1
+        self._note_fault(fault_cause(exc))
+        self.log.warning("fault.detected", kind=type(exc).__name__, error=(str(exc).splitlines() or [""])[0][:300],
+                         epoch=epoch, seq=seq)
 
     def _plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
         """``plan_attempt`` of ``spec`` in ``view``, memoised: every refit of an epoch with the
@@ -692,47 +747,46 @@ class ElasticRefit:
             self.membership.request_reform()
 
     def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:
-        """Rank 0 of the epoch: commit what is complete, else propose the next attempt."""
-        if seq > 0:
-            if not self._attempt_finished(view, seq - 1):
-                return
-            pending = self._uncounted
-            if pending is not None and pending[0].epoch == view.epoch and pending[1] == seq - 1:
-                self._uncounted = None
-                self._count_attempt(view, pending[1], pending[2], self.manager.store, view)
-            if seq >= 2 and self._attempts_pruned != (view.epoch, seq - 2) and self.manager.store is not None:
-                # Attempt seq - 1 was proposed once seq - 2 had finished everywhere: nobody
-                # reads seq - 2 again (a member that fell behind skips to the next one).
-                self.versions.prune_attempt(view.epoch, seq - 2, self.manager.store.prefix)
-                self._attempts_pruned = (view.epoch, seq - 2)
-            # Acks land before the done keys: a snapshot taken before the previous attempt
-            # finished may miss the last ones and propose a redundant catch-up attempt.
+        """Rank 0 of the epoch: commit what is complete, else propose the next attempt (or
+        refuse a version whose sources disagree), as ``coordinator_tidy`` and ``coordinate``
+        decide."""
+        store = self.manager.store
+        pending = self._uncounted
+        tidy = coordinator_tidy(view.epoch, seq, previous_finished=seq == 0 or self._attempt_finished(view, seq - 1),
+                                uncounted=(pending[0].epoch, pending[1]) if pending is not None else None,
+                                pruned=self._attempts_pruned, has_store=store is not None)
+        if not tidy.proceed:
+            return
+        if tidy.count is not None and pending is not None:
+            self._uncounted = None
+            self._count_attempt(view, pending[1], pending[2], store, view)
+        if tidy.prune is not None and store is not None:
+            self.versions.prune_attempt(view.epoch, tidy.prune, store.prefix)
+            self._attempts_pruned = (view.epoch, tidy.prune)
+        if tidy.reread:
             state = self.versions.snapshot()
         self._prune_tallies(state)
-        action = next_action(view, state, feasible=lambda spec: self._feasible(view, spec))
-        if isinstance(action, AttemptSpec) and action.kind == REFIT and self.config.check_replicas:
-            disagreement = self._replica_disagreement(view, state, action)
-            if disagreement is not None:
-                # Nothing has moved: the version is refused before any attempt.
-                cause = f"ValueError: {disagreement}"
-                if self.versions.fail(self.membership, action.version, view.epoch, cause, 0):
-                    self.log.error("refit.version.refused", version=action.version, cause=disagreement)
-                return
-        if isinstance(action, CommitAction):
-            self._hook("commit.before", version=action.version, epoch=view.epoch)
-            if self.versions.commit(self.membership, action.version, view.epoch, action.digest):
-                self.log.info("refit.version.committed", version=action.version, epoch=view.epoch,
-                              digest=action.digest)
+        move = coordinate(view, seq, state, feasible=lambda spec: self._feasible(view, spec),
+                          disagreement=(lambda spec: self._replica_disagreement(view, state, spec))
+                          if self.config.check_replicas else None)
+        if isinstance(move, Refuse):
+            if self.versions.fail(self.membership, move.version, view.epoch, move.cause, 0):
+                self.log.error("refit.version.refused", version=move.version, cause=move.reason)
+        elif isinstance(move, CommitAction):
+            self._hook("commit.before", version=move.version, epoch=view.epoch)
+            if self.versions.commit(self.membership, move.version, view.epoch, move.digest):
+                self.log.info("refit.version.committed", version=move.version, epoch=view.epoch, digest=move.digest)
                 # etcd holds O(ranks) version keys however long the job runs (VersionStore.prune)
-                num_versions = self.versions.prune(self.membership, view.epoch, state, action.version)
+                num_versions = self.versions.prune(self.membership, view.epoch, state, move.version)
                 if num_versions:
-                    self.log.info("refit.versions.pruned", below=action.version, num_versions=num_versions)
-        elif (isinstance(action, AttemptSpec) and self.versions.attempt(view.epoch, seq) is None
-              and self.versions.propose_attempt(self.membership, view.epoch, seq, action.to_json())):
-                self._uncounted = (view, seq, action)
-                self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=seq, version=action.version,
-                              kind=action.kind, sources=len(action.sources), holders=len(action.holders),
-                              destinations=len(action.destinations))
+                    self.log.info("refit.versions.pruned", below=move.version, num_versions=num_versions)
+        elif (isinstance(move, Propose) and self.versions.attempt(view.epoch, move.seq) is None
+              and self.versions.propose_attempt(self.membership, view.epoch, move.seq, move.spec.to_json())):
+            spec = move.spec
+            self._uncounted = (view, move.seq, spec)
+            self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=move.seq, version=spec.version,
+                          kind=spec.kind, sources=len(spec.sources), holders=len(spec.holders),
+                          destinations=len(spec.destinations))
 
     def _replica_regions(self, layout: Layout) -> tuple[ReplicaRegion, ...]:
         """The replica regions of training layout ``layout`` (memoised for the latest one)."""

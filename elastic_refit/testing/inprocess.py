@@ -241,7 +241,7 @@ def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any]
         sid = src.tensor_index(fmt.scale_name(src.tensors[tid].name))
         for p in np.flatnonzero(src.piece_tensor == sid).tolist():
             nd = len(src.tensors[sid].shape)
-            scale_piece[(int(src.piece_rank[p]), _buffer_key(src, p)[1], tuple(src.piece_offsets[p, :nd].tolist()),
+            scale_piece[(sid, int(src.piece_rank[p]), _buffer_key(src, p)[1], tuple(src.piece_offsets[p, :nd].tolist()),
                          tuple(src.piece_lengths[p, :nd].tolist()))] = p
 
     def piece_data(p: int):
@@ -271,7 +271,8 @@ def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any]
             if ranks is not None and rank not in ranks:
                 continue
             b_off, b_len = block_box(p, fmt)
-            s_piece = scale_piece.get((rank, _buffer_key(src, p)[1] + fmt.scale_suffix, tuple(b_off.tolist()),
+            s_piece = scale_piece.get((src.tensor_index(fmt.scale_name(name)), rank,
+                                       _buffer_key(src, p)[1] + fmt.scale_suffix, tuple(b_off.tolist()),
                                        tuple(b_len.tolist())))
             if p not in sending and s_piece not in sending:
                 continue  # a holder that sends nothing of it quantizes nothing

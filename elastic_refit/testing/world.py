@@ -267,7 +267,9 @@ def quantized_problems(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], 
     reference quantizer (``kernels.quantize.quantize_reference``) of the blocks it touches:
     FP8 bytes and scales (the sources of quantized tensors hold ``finite_pattern``); plain
     tensors against the pattern. The blocks a piece touches, taken whole, quantize as they
-    do inside the whole tensor, so no rank needs a whole tensor."""
+    do inside the whole tensor, so no rank needs a whole tensor; they are checked in slices
+    of whole blocks (``_CHECK_ELEMENTS``), so multi-GB expert pieces need no multi-GB
+    temporaries."""
     from elastic_refit.kernels.quantize import quantize_reference
     from elastic_refit.testing.pattern import _local_view
 
@@ -276,41 +278,48 @@ def quantized_problems(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], 
     element_of = {scale: name for name, scale in q.scale_tensor.items()}
     quantized = frozenset(q.scale_tensor) | frozenset(element_of)
     problems = pattern_pieces(dst, rank, buffers, seed, write=False, limit=limit, skip=quantized)
+    k = dst.ndim
     for p in np.flatnonzero(dst.piece_rank == rank).tolist():
         t = dst.tensors[int(dst.piece_tensor[p])]
         if t.name not in quantized:
             continue
+        is_scale = t.name in element_of
         name = element_of.get(t.name, t.name)
         fmt = q.format_of(name)
         logical = q.logical_destination.tensor(name)
         nd = len(logical.shape)
         off = [int(v) for v in dst.piece_offsets[p, :nd]]
         ln = [int(v) for v in dst.piece_lengths[p, :nd]]
-        if t.name in element_of:  # a scale piece: its box is in blocks
-            b_off, b_len = off, ln
-        else:
-            b_off, b_len = fmt.block_box(off, ln)
-        # the elements of those blocks, clipped to the tensor
-        e_off = [*b_off[:-2], *(o * b for o, b in zip(b_off[-2:], fmt.block_shape, strict=True))]
-        e_end = [*(o + n for o, n in zip(b_off[:-2], b_len[:-2], strict=True)),
-                 *(min((o + n) * b, s) for o, n, b, s in zip(b_off[-2:], b_len[-2:], fmt.block_shape,
-                                                            logical.shape[-2:], strict=True))]
-        e_len = [e - o for o, e in zip(e_off, e_end, strict=True)]
-        values = finite_pattern(name, logical.shape, e_off, e_len, seed, "cpu")
-        fp8, scales = quantize_reference(values, fmt, name=name)
+        # a scale piece's box is in blocks already
+        p_boff, p_blen = (off, ln) if is_scale else fmt.block_box(off, ln)
+        block_elements = fmt.block_shape[0] * fmt.block_shape[1]
         b = int(dst.piece_buffer[p])
         buf = buffers[dst.buffer_names[int(dst.buffer_name[b])]]
         bnd = int(dst.buffer_ndim[b])
-        region = _local_view(buf, dst.piece_local_offsets[p, :bnd], dst.piece_local_lengths[p, :bnd], t.itemsize)
-        if t.name in element_of:
-            want = scales
-        else:
-            want = fp8[tuple(slice(o - e, o - e + n) for o, e, n in zip(off, e_off, ln, strict=True))]
-        want = want.contiguous().view(torch.uint8).reshape(-1)
-        got = region.cpu().reshape(-1)
-        if not torch.equal(got, want):
+        wrong = 0
+        for b_off, b_len in split_box(list(p_boff), list(p_blen), max(1, _CHECK_ELEMENTS // block_elements)):
+            # the elements of these blocks, clipped to the tensor
+            e_off = [*b_off[:-2], *(o * s for o, s in zip(b_off[-2:], fmt.block_shape, strict=True))]
+            e_end = [*(o + n for o, n in zip(b_off[:-2], b_len[:-2], strict=True)),
+                     *(min((o + n) * s, d) for o, n, s, d in zip(b_off[-2:], b_len[-2:], fmt.block_shape,
+                                                                logical.shape[-2:], strict=True))]
+            e_len = [e - o for o, e in zip(e_off, e_end, strict=True)]
+            fp8, scales = quantize_reference(finite_pattern(name, logical.shape, e_off, e_len, seed, "cpu"),
+                                             fmt, name=name)
+            if is_scale:
+                sub_off, sub_len, want = b_off, b_len, scales
+            else:  # the piece's elements among these blocks
+                sub_off = [max(a, o) for a, o in zip(e_off, off, strict=True)]
+                sub_len = [min(a + n, o + m) - s for a, n, o, m, s in zip(e_off, e_len, off, ln, sub_off, strict=True)]
+                want = fp8[tuple(slice(s - a, s - a + n) for s, a, n in zip(sub_off, e_off, sub_len, strict=True))]
+            lo, ll = dst.local_regions(np.array([p]), np.array([list(sub_off) + [0] * (k - nd)]),
+                                       np.array([list(sub_len) + [1] * (k - nd)]))
+            region = _local_view(buf, lo[0, :bnd], ll[0, :bnd], t.itemsize)
+            want = want.contiguous().view(torch.uint8).reshape(-1)
+            wrong += int((region.cpu().reshape(-1) != want).sum())
+        if wrong:
             problems.append(f"rank {rank} tensor {t.name!r} piece {dst.piece(p).box}: "
-                            f"{int((got != want).sum())} bytes differ from the reference quantizer")
+                            f"{wrong} bytes differ from the reference quantizer")
             if len(problems) >= limit:
                 break
     return problems

@@ -558,11 +558,13 @@ class _SourceQuantizer:
         quantized = {src.tensor_index(n): q.format_of(n) for n in q.scale_tensor if n in src._tensor_index}
         scale_ids = {src.tensor_index(q.scale_tensor[src.tensors[tid].name]) for tid in quantized}
         mine = np.flatnonzero(src.piece_rank == rank)
+        # A scale piece by its tensor, buffer and block box: tensors fused in one buffer (q, k
+        # and v; gate and up) share a scale buffer, and equal shapes give equal block boxes.
         scale_piece = {}
         for p in mine.tolist():
             if int(src.piece_tensor[p]) in scale_ids:
                 nd = len(src.tensors[int(src.piece_tensor[p])].shape)
-                scale_piece[(self._buffer(src, p), tuple(src.piece_offsets[p, :nd].tolist()),
+                scale_piece[(int(src.piece_tensor[p]), self._buffer(src, p), tuple(src.piece_offsets[p, :nd].tolist()),
                              tuple(src.piece_lengths[p, :nd].tolist()))] = p
         self.work = []  # (piece, fmt, name, dtype, element slices, scale piece slices | None, block offsets, origin)
         self.buffers: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
@@ -574,7 +576,8 @@ class _SourceQuantizer:
             nd = len(src.tensors[tid].shape)
             b_off, b_len = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
             name = self._buffer(src, p)
-            s_piece = scale_piece.get((name + fmt.scale_suffix, b_off, b_len))
+            s_piece = scale_piece.get((src.tensor_index(q.scale_tensor[src.tensors[tid].name]), name + fmt.scale_suffix,
+                                       b_off, b_len))
             b = int(src.piece_buffer[p])
             self.buffers[name] = (q.logical_source.tensor(src.tensors[tid].name).dtype,
                                   tuple(int(v) for v in src.buffer_shape[b, : int(src.buffer_ndim[b])]),

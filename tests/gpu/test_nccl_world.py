@@ -16,7 +16,9 @@ from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 from tests.integration.test_executor import (
     ALL_CASES,
+    FP8_SPEC,
     TINY_DENSE,
+    _fp8_refit,
     _world_size,
     assert_bit_exact_with_planned_bytes,
 )
@@ -48,6 +50,16 @@ def test_nccl_refit_at_4_and_8_ranks_with_digests(backend, num_ranks):
     results = run_local_world(refit_rank, num_ranks,
                               (case, WorkerOptions(backend=backend, timeout_s=60, verify=True, repeat=2)),
                               timeout_s=240, rank_env=nccl_rank_env)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nccl_fp8_refit_is_bit_exact_with_the_cpu_reference_quantizer(backend):
+    """Senders quantize on the GPU (split blocks through the partial-amax exchange, MX blocks,
+    a plain tensor beside), receivers hold the CPU reference's FP8 bytes and scales."""
+    results = run_local_world(_fp8_refit, 5, (FP8_SPEC, True, backend), timeout_s=240, rank_env=nccl_rank_env)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
         assert r.value["problems"] == [], r.value["problems"]

@@ -163,3 +163,28 @@ def test_tuning_knobs_do_not_change_bytes(chunk_rows, num_warps):
     prog.pack([t.to(DEV) for t in cpu], buf)
     sync()
     assert torch.equal(buf.cpu(), reference_bucket(cpu, regions, FP8_BLOCK128, torch.zeros(prog.nbytes, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torch_reference_on_cuda_matches_cpu(fmt, seed):
+    """The plain-torch quantizer run on the GPU (what a sender of a quantized plan runs, in
+    slabs once a box is large) gives the CPU reference's bytes and scales, every BF16 value
+    among them; in particular the scale is an IEEE quotient on CUDA too (torch multiplies by
+    a rounded reciprocal when the divisor is a Python scalar)."""
+    import elastic_refit.kernels.quantize as quantize
+
+    x = torch.cat([every_bf16(), weights((1536, 128), seed)], dim=0)
+    want_q, want_s = quantize_reference(x, fmt, nonfinite="propagate")
+    got_q, got_s = quantize_reference(x.to(DEV), fmt, nonfinite="propagate")
+    sync()
+    assert torch.equal(u8(got_s).cpu(), u8(want_s)), "scales differ"
+    assert torch.equal(u8(got_q).cpu(), u8(want_q)), "bytes differ"
+    saved = dict(quantize._SLAB_ELEMENTS)
+    try:  # the same in slabs
+        quantize._SLAB_ELEMENTS.update(cuda=x.numel() // 5)
+        q, s = quantize_reference(x.to(DEV), fmt, nonfinite="propagate")
+        sync()
+        assert torch.equal(u8(q).cpu(), u8(want_q)) and torch.equal(u8(s).cpu(), u8(want_s))
+    finally:
+        quantize._SLAB_ELEMENTS.update(saved)

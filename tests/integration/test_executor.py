@@ -240,9 +240,10 @@ def _finite_bf16(name: str, shape):
     return x.to(torch.bfloat16)
 
 
-def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool) -> dict:
+def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, backend: str = "gloo") -> dict:
     """One rank of a quantized refit: BF16 sources in, FP8 weights and scales out, compared
-    byte for byte with the reference quantizer of every whole tensor."""
+    byte for byte with the CPU reference quantizer of every whole tensor. On an NCCL
+    ``backend`` the buffers live on the rank's GPU (the senders quantize there)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -259,14 +260,14 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool) 
     plan = make_plan(spec.source, spec.destination, spec.topology, formats=spec.destination_formats)
     q = plan.quantization
     tensors = {t.name: _finite_bf16(t.name, t.shape) for t in q.logical_source.tensors}
-    src = allocate(q.logical_source, rank, fill=0)
+    transport = make_transport(dist.PrefixStore("fp8", store), rank, world_size, backend, 20.0)
+    src = allocate(q.logical_source, rank, fill=0, device=transport.device)
     for p in np.flatnonzero(q.logical_source.piece_rank == rank).tolist():
         (_, buffer), global_slices, local_slices = piece_slices(q.logical_source, p)
         name = q.logical_source.tensors[int(q.logical_source.piece_tensor[p])].name
         region = src[buffer][local_slices]
         region.copy_(tensors[name][global_slices].reshape(region.shape))
-    dst = allocate(plan.destination, rank, fill=SENTINEL)
-    transport = make_transport(dist.PrefixStore("fp8", store), rank, world_size, "gloo", 20.0)
+    dst = allocate(plan.destination, rank, fill=SENTINEL, device=transport.device)
     try:
         report = Executor(plan, transport, ExecutorOptions(staging_bytes=1 << 20, verify=verify)).run(src, dst)
     finally:
@@ -276,7 +277,7 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool) 
     for p in np.flatnonzero(plan.destination.piece_rank == rank).tolist():
         (_, buffer), global_slices, local_slices = piece_slices(plan.destination, p)
         name = plan.destination.tensors[int(plan.destination.piece_tensor[p])].name
-        got = byte_view(dst[buffer][local_slices].contiguous()).numpy()
+        got = byte_view(dst[buffer][local_slices].contiguous()).cpu().numpy()
         expected = np.ascontiguousarray(want[name][global_slices]).view(np.uint8).reshape(got.shape)
         if not np.array_equal(got, expected):
             problems.append(f"rank {rank} {name} {plan.destination.piece(p).box}: {int((got != expected).sum())} bytes")
@@ -307,3 +308,23 @@ def test_fp8_refit_over_gloo_is_bit_exact_with_the_reference_quantizer(verify):
     if verify:
         nonlocal_copies = int(plan.transfers.instances[plan.transfers.kind != int(TransferKind.LOCAL)].sum())
         assert sum(r.value["report"]["num_verified_boxes"] for r in results) == nonlocal_copies
+
+
+def test_fp8_bench_of_a_fused_moe_preset_is_verified():
+    """``elastic-refit bench --destination-format`` on a Megatron -> vLLM MoE preset (q, k
+    and v fused in one buffer, gate and up too, so their scale buffers are shared): every
+    FP8 byte and scale each destination rank holds is the reference quantizer's."""
+    import dataclasses
+
+    from elastic_refit.layout.presets import checkpoint_formats
+    from elastic_refit.testing.world import BenchOptions, bench_rank
+
+    case = RefitCase(model=TINY_MOE, source="tp=2,pp=2,ep=2", destination="tp=2,dp=2", domain_size=8,
+                     bucket_bytes=8192)
+    case = dataclasses.replace(case, formats_json=checkpoint_formats(TINY_MOE, "fp8-block16").to_json())
+    options = BenchOptions(backend="gloo", timeout_s=60, repeat=1, warmup=0, p2p_bytes=1 << 16)
+    results = run_local_world(bench_rank, _world_size(case), (case, options), timeout_s=240)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["reshard_fp8"]["problems"] == [], r.value["reshard_fp8"]["problems"]
+        assert r.value["reshard"]["problems"] == [], r.value["reshard"]["problems"]

@@ -138,6 +138,24 @@ def run_fp8_plan(plan, seed: int = 0):
     return tensors, destination
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block16", "mxfp8"])
+def test_fp8_plans_of_fused_buffers_reproduce_the_reference_quantizer(fmt):
+    """Model presets fuse tensors into one buffer (q, k and v; gate and up), so their scale
+    buffers are shared too, and k and v have equal block boxes: each tensor's scales must
+    land in its own scale piece."""
+    from elastic_refit.layout.presets import checkpoint_formats
+    from elastic_refit.layout.refit import model_refit_spec
+    from tests.integration.test_executor import TINY_MOE
+
+    spec = model_refit_spec(TINY_MOE, "tp=2,pp=2,ep=2", "tp=2,dp=2")
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=8192),
+                     formats=checkpoint_formats(TINY_MOE, fmt))
+    fused = {plan.source.buffer_names[int(b)] for b in plan.source.buffer_name}
+    assert any("linear_qkv.weight" in n for n in fused) and any("linear_fc1" in n for n in fused), sorted(fused)
+    tensors, destination = run_fp8_plan(plan)
+    assert check_pieces(plan.destination, reference_destination(plan, tensors), destination) == []
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fp8_cases())
 def test_fp8_plans_reproduce_the_reference_quantizer(case):

@@ -212,6 +212,46 @@ def test_split_blocks_combine_to_the_whole_block_quantization(data, fmt, poison)
     assert torch.equal(got, u8(want_q))
 
 
+def assert_slabs_match_whole(x, fmt, origin, slab):
+    """``x`` reduced and quantized in slabs of at most ``slab`` elements equals one piece."""
+    import elastic_refit.kernels.quantize as quantize
+
+    whole_amax = block_amax(x, fmt, origin)
+    scales = scales_from_amax(whole_amax, fmt)
+    whole_q = quantize_with_scales(x, scales, fmt, origin)
+    saved = dict(quantize._SLAB_ELEMENTS)
+    try:
+        quantize._SLAB_ELEMENTS.update(cpu=slab)
+        assert torch.equal(u8(block_amax(x, fmt, origin)), u8(whole_amax))
+        assert torch.equal(u8(quantize_with_scales(x, scales, fmt, origin)), u8(whole_q))
+    finally:
+        quantize._SLAB_ELEMENTS.update(saved)
+
+
+@SETTINGS
+@given(data=st.data(), fmt=st.sampled_from([FP8_16, MXFP8]), poison=st.booleans())
+def test_large_boxes_quantize_in_slabs_bit_for_bit(data, fmt, poison):
+    """Boxes over the slab size are reduced and quantized in slabs of whole block rows (and
+    runs of leading dims): the same amax, scales and bytes as in one piece, at any origin."""
+    br, bc = fmt.block_shape
+    lead = tuple(data.draw(st.sampled_from([(), (3,), (2, 2)])))
+    shape = (*lead, data.draw(st.integers(1, 70)), data.draw(st.integers(1, 70)))
+    origin = (data.draw(st.integers(0, br - 1)), data.draw(st.integers(0, bc - 1)))
+    x = weights(shape, data.draw(st.integers(0, 2**31 - 1)))
+    if poison:
+        x.view(-1)[data.draw(st.integers(0, x.numel() - 1))] = float("inf")
+    assert_slabs_match_whole(x, fmt, origin, data.draw(st.integers(1, max(1, x.numel() - 1))))
+
+
+@pytest.mark.parametrize(("shape", "origin", "slab"), [
+    ((70, 5), (5, 3), 2 * 16 * 5),  # slabs of two block rows, the first cut short by the origin
+    ((3, 40, 9), (15, 0), 9),  # one expert at a time, then single block rows
+    ((2, 2, 33, 20), (1, 7), 33 * 20 * 3),  # runs of the leading dims
+])
+def test_slab_cuts_of_known_boxes(shape, origin, slab):
+    assert_slabs_match_whole(weights(shape, 7), FP8_16, origin, slab)
+
+
 # -- pack and unpack programs ----------------------------------------------------------------
 def aligned_box(draw, shape, block):
     """A box of ``shape`` on block boundaries (ending on one or at the edge)."""
