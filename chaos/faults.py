@@ -27,7 +27,7 @@ Phases (chaos vocabulary -> runtime hook):
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ __all__ = [
     "FaultPlan",
     "Scenario",
     "build_matrix",
+    "matrix_fault_names",
+    "no_fault_scenarios",
     "runtime_phase",
 ]
 
@@ -307,23 +309,77 @@ def _in_quick(victim: str, fault: str, phase: str) -> bool:
     return any(victim == v and fault == f and phase.startswith(p) for v, f, p in QUICK_CELLS)
 
 
+def matrix_fault_names(etcd_nodes: int = 1) -> tuple[str, ...]:
+    """Every fault name a matrix cell carries (``kill``, ``kill+kill``, ``stop>ttl``, ...)."""
+    names: dict[str, None] = {}
+    for _victim, fault, _phase, _plan in _templates(random.Random(0), 3, etcd_nodes):
+        names.setdefault(fault, None)
+    return tuple(names)
+
+
+NO_FAULT_VERSIONS = 6  # a no-fault trial: long enough for the ring and the detector to be busy
+NO_FAULT_SLOW_S = 0.2  # the slow-rank fault's delay per message (the full matrix's)
+
+
+def no_fault_scenarios(trials: int, *, seed: int = 0, num_inference: int = 2, etcd_nodes: int = 1) -> list[Scenario]:
+    """Trials in which nothing dies: every other one has no fault at all, the rest a slow
+    rank (every transfer message delayed by the slow fault's 0.2 s) on a random trainer or
+    inference rank. Run on a loaded machine they check the crash detector for false
+    positives: the oracle fails a trial in which any member was fenced
+    (``unsafe/no_live_member_fenced``)."""
+    require_at_least("trials", trials, 1)
+    rng = random.Random(seed)
+    suffix = "" if etcd_nodes == 1 else f" (etcd x{etcd_nodes})"
+    out = []
+    for i in range(trials):
+        if i % 2 == 0:
+            victim, fault, phase, plan = "none", "none", "-", FaultPlan()
+        else:
+            victim = rng.choice(("trainer", "inference"))
+            fault, phase = "slow", "transfer"
+            plan = FaultPlan().slow(role=victim, rank=rng.randint(0, 1), version=rng.randint(2, NO_FAULT_VERSIONS),
+                                    duration_s=NO_FAULT_SLOW_S)
+        out.append(Scenario(f"{victim} x {fault} x {phase}{suffix}", victim, fault, phase, plan,
+                            rng.randrange(1 << 30), NO_FAULT_VERSIONS, num_inference, etcd_nodes))
+    return out
+
+
 def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, versions: int = 3,
-                 num_inference: int = 2, etcd_nodes: int = 1) -> list[Scenario]:
+                 num_inference: int = 2, etcd_nodes: int = 1,
+                 faults: Sequence[str] | None = None) -> list[Scenario]:
     """The scenarios of matrix ``name`` (``quick``: one trial of a dozen cells; ``full``:
-    every cell, repeated with fresh seeds until ``trials`` (default 200) are reached).
+    every cell, repeated with fresh seeds until ``trials`` (default 200) are reached;
+    ``none``: :func:`no_fault_scenarios`, ``trials`` of them, default 20).
 
     ``etcd_nodes=3`` runs every scenario against a 3-node etcd cluster and adds the cells
     that need one (an etcd member down for the rest of the trial); the quick matrix is
     then the cells whose victim is etcd, plus a rank kill.
 
+    ``faults`` keeps only the cells of those fault names (exact: ``kill`` is not
+    ``kill+kill``); the full matrix then repeats them until ``trials`` are reached.
+
     The same arguments give the same scenarios: every random choice (version, victim rank,
     chunk) comes from ``random.Random(seed)`` and the trial index."""
-    if name not in ("quick", "full"):
-        raise ValueError(f"matrix must be 'quick' or 'full', got {name!r}")
+    if name not in ("quick", "full", "none"):
+        raise ValueError(f"matrix must be 'quick', 'full' or 'none', got {name!r}")
     if trials is not None:
         require_at_least("trials", trials, 1)
     if etcd_nodes not in (1, 3):
         raise ValueError(f"etcd_nodes must be 1 or 3, got {etcd_nodes}")
+    if name == "none":
+        if faults is not None:
+            raise ValueError(f"the 'none' matrix has no fault cells to keep, got faults={list(faults)}")
+        return no_fault_scenarios(trials or 20, seed=seed, num_inference=num_inference, etcd_nodes=etcd_nodes)
+    known = matrix_fault_names(etcd_nodes)
+    if faults is not None:
+        faults = tuple(faults)
+        unknown = [f for f in faults if f not in known]
+        if not faults or unknown:
+            raise ValueError(f"faults must be a non-empty subset of {known}, got {list(faults)}")
+
+    def kept(fault: str) -> bool:
+        return faults is None or fault in faults
+
     rng = random.Random(seed)
     suffix = "" if etcd_nodes == 1 else f" (etcd x{etcd_nodes})"
 
@@ -335,8 +391,9 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
     if name == "quick":
         def wanted(victim: str, fault: str, phase: str) -> bool:
             if etcd_nodes > 1:
-                return victim == "etcd" or (victim, fault, phase.split("[")[0]) == ("inference", "kill", "transfer")
-            return _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED
+                return kept(fault) and (victim == "etcd" or (victim, fault, phase.split("[")[0])
+                                        == ("inference", "kill", "transfer"))
+            return kept(fault) and _in_quick(victim, fault, phase) and (victim, fault, phase) not in QUICK_EXCLUDED
 
         scenarios = [scenario(*cell) for cell in _templates(rng, versions, etcd_nodes) if wanted(*cell[:3])]
         # One of each quick cell (the first template matching it).
@@ -353,6 +410,8 @@ def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, version
     rnd = 0
     while len(scenarios) < target:
         for cell in _templates(random.Random(seed * 1_000_003 + rnd), versions, etcd_nodes):
+            if not kept(cell[1]):
+                continue
             scenarios.append(scenario(*cell))
             if len(scenarios) >= target:
                 break

@@ -13,7 +13,10 @@ violation has a category that the runner counts:
 - ``leaked``: etcd leases outlived every member, processes outlived the trial, or a
   member's process kept TCP sockets or threads after it closed.
 - ``unsafe``: epochs did not strictly increase, participants of one attempt planned
-  different fingerprints, or a rank moved bytes / acked / committed in a stale epoch.
+  different fingerprints, a rank moved bytes / acked / committed in a stale epoch, or a
+  member was fenced as a confirmed suspect although no fault killed its process (a false
+  positive of the crash detector: stopped, stalled, slow and loaded members keep their
+  lease TTL as their bound).
 - ``error``: a member that no fault touched failed.
 
 The checks never excuse a fault: a victim (an incarnation a fault fired in) may die or
@@ -248,6 +251,33 @@ def check_members(evidence: TrialEvidence) -> list[Violation]:
     return out
 
 
+# Faults that end the victim's process: only their victims may be fenced as confirmed
+# suspects (SIGKILL closes every socket of the process at once).
+_KILLING_FAULTS = ("kill", "restart")
+
+
+def killed_incarnations(evidence: TrialEvidence) -> frozenset[str]:
+    """Incarnations a killing fault fired in (fault records name member and life; an
+    incarnation is ``{member_id}-L{life}-...``)."""
+    prefixes = {f"{f.get('member_id')}-L{f.get('life', 0)}-" for f in evidence.faults
+                if f.get("kind") in _KILLING_FAULTS}
+    return frozenset(inc for inc in evidence.logs if any(inc.startswith(p) for p in prefixes))
+
+
+def check_no_live_member_fenced(evidence: TrialEvidence) -> list[Violation]:
+    """Every member fenced as a confirmed suspect (``membership.suspect.confirmed``) was an
+    incarnation a fault killed: a live member (slow, stopped, loaded) is never fenced."""
+    killed = killed_incarnations(evidence)
+    out = []
+    for incarnation, e in _events(evidence, "membership.suspect.confirmed"):
+        suspect = e.get("incarnation")
+        if suspect not in killed:
+            out.append(Violation("unsafe", "no_live_member_fenced",
+                                 f"{incarnation} fenced {e.get('suspect')} (incarnation {suspect}, evidence "
+                                 f"{e.get('evidence')}), which no fault killed"))
+    return out
+
+
 # What a member may still hold after its close: (report key, check, what it is, how many a
 # violation quotes).
 _MEMBER_LEFTOVERS = (
@@ -282,7 +312,7 @@ def check_faults_fired(evidence: TrialEvidence) -> list[Violation]:
 
 
 CHECKS = (check_epochs, check_one_plan, check_no_stale_epoch, check_bit_exact, check_no_version_lost,
-          check_hung, check_members, check_leaks, check_faults_fired)
+          check_hung, check_members, check_leaks, check_faults_fired, check_no_live_member_fenced)
 
 
 def recovery_times(evidence: TrialEvidence) -> list[float]:

@@ -33,6 +33,7 @@ from elastic_refit.chaos.inject import FaultHook, Killer, read_fault_records
 from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all
 from elastic_refit.chaos.worker import worker_main
 
+from elastic_refit._validate import require_at_least
 from elastic_refit.testing.logs import read_logs
 from elastic_refit.testing.processes import pid_alive
 
@@ -231,6 +232,7 @@ class ChaosRun:
     deadline_s: float = 60.0
     progress: Callable[[str], None] = lambda _m: None
     backend: str = "gloo"  # members' communicators: gloo on the CPU, or NCCL on GPU 0
+    cpu_burners: int = 0  # processes that spin for the whole run (a loaded machine)
 
     def __post_init__(self) -> None:
         from elastic_refit.transport.protocol import Backend
@@ -241,6 +243,11 @@ class ChaosRun:
         self.killer = Killer()
         self.pool = WorkerPool(self.killer, gpu=self.backend != "gloo")
         self._etcd: dict[int, _Etcd] = {}
+        require_at_least("cpu_burners", self.cpu_burners, 0)
+        self._burners = [mp.get_context("spawn").Process(target=_burn, daemon=True, name="chaos-burner")
+                         for _ in range(self.cpu_burners)]
+        for proc in self._burners:
+            proc.start()
 
     def _device_config(self) -> dict[str, Any]:
         if self.backend == "gloo":
@@ -255,6 +262,9 @@ class ChaosRun:
     def close(self) -> list[int]:
         """Stop workers and etcd; returns pids that survived (should be none)."""
         left = self.pool.close()
+        for proc in self._burners:  # ours, by their process objects
+            proc.terminate()
+            proc.join(5)
         pids: list[int] = []
         for e in self._etcd.values():
             pids += list(e.pids)
@@ -433,7 +443,8 @@ class ChaosRun:
         worker_pids = {w.pid for w in self.pool.workers}
         stray = [p for p in _children_of(worker_pids)]
         stray += [p for p in _children_of({os.getpid()}) if p not in worker_pids and p not in
-                  {pid for e in self._etcd.values() for pid in e.pids} and not _is_mp_helper(p)]
+                  {pid for e in self._etcd.values() for pid in e.pids} and not _is_mp_helper(p)
+                  and p not in {b.pid for b in self._burners}]
         faults = tuple(read_fault_records(trial_dir))
         evidence = TrialEvidence(
             logs=read_logs(trial_dir), committed=committed, reports=reports, last_version=versions[-1],
@@ -539,6 +550,12 @@ class _Narrator:
         self.client.close()
 
 
+def _burn() -> None:
+    """A CPU burner: spin until terminated."""
+    while True:
+        pass
+
+
 def _is_mp_helper(pid: int) -> bool:
     """multiprocessing's resource tracker (started by spawn) or fork server (started by the
     harness's local worlds, elastic_refit.testing.processes), identified by their pids."""
@@ -583,6 +600,10 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
         "recovery_p99_s": _percentile(recovery, 0.99),
         "recovery_max_s": max(recovery) if recovery else None,
         "faults_fired": sum(t.verdict.faults_fired for t in results),
+        # Members fenced as confirmed suspects, and those of them no fault had killed.
+        "fenced": sum(1 for t in results if t.evidence is not None for events in t.evidence.logs.values()
+                      for e in events if e.get("event") == "membership.suspect.confirmed"),
+        "fenced_live": sum(1 for t in results for v in t.verdict.violations if v.check == "no_live_member_fenced"),
         "wall_s": round(wall_s, 1),
         "cells": sorted(rows, key=lambda r: (r["victim"], r["fault"], r["phase"])),
         "failures": [t.to_json() for t in results if not t.verdict.passed],
@@ -595,18 +616,23 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
 
 def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | None = None,
                deadline_s: float = 60.0, keep_logs: bool = False, results_path: str | None = None,
-               backend: str = "gloo") -> dict[str, Any]:
+               backend: str = "gloo", cpu_burners: int = 0, until_s: float | None = None) -> dict[str, Any]:
     """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`.
+    ``cpu_burners``: processes spinning on the CPU for the whole run; ``until_s``: start
+    no trial after this many seconds (the rest of ``scenarios`` is left out).
     ``results_path``: append each trial's verdict there as one JSON line as it finishes;
     ``backend``: the members' communicators (``nccl`` / ``nccl4py``: every member on GPU 0)."""
     say = progress or (lambda _m: None)
-    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s, backend=backend)
+    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s, backend=backend, cpu_burners=cpu_burners)
     results: list[TrialResult] = []
     t0 = time.monotonic()
     leaked: list[int] = []
     try:
         say(f"chaos: {len(scenarios)} trials, logs under {run.root}")
         for i, scenario in enumerate(scenarios):
+            if until_s is not None and time.monotonic() - t0 >= until_s:
+                say(f"chaos: {until_s:.0f} s spent, {len(scenarios) - i} trials left out")
+                break
             result = run.run_trial(scenario, i)
             results.append(result)
             if results_path:
@@ -615,7 +641,7 @@ def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | N
             bad = [v for v in result.verdict.violations]
             mark = "ok" if not bad else "FAIL " + "; ".join(f"{v.category}/{v.check}: {v.detail}"[:200] for v in bad[:3])
             rec = ", ".join(f"{r:.2f}" for r in result.verdict.recovery_s)
-            say(f"[{i + 1}/{len(scenarios)}] {scenario.name}: {mark} ({result.wall_s:.1f} s; recovery {rec or '-'})"
+            say(f"[{i + 1}/{len(scenarios) if until_s is None else '-'}] {scenario.name}: {mark} ({result.wall_s:.1f} s; recovery {rec or '-'})"
                 + (f" logs: {result.log_dir}" if result.log_dir and bad else ""))
     finally:
         if any(not r.verdict.passed for r in results):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.client import Compare, Delete, EtcdClient
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import CommunicatorError, MembershipLost, StoreTimeout
 from elastic_refit.membership.store import EtcdStore
@@ -49,6 +49,9 @@ BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
 NCCL_MIN_SHRINK = (2, 27, 0)
 NCCL_MIN_GROW = (2, 29, 2)
+# etcd allows 128 operations per transaction by default (--max-txn-ops): a barrier of more
+# ranks cannot be read in one transaction, and falls back to leaving by a plain delete.
+_MAX_BARRIER_COMPARES = 100
 
 
 # --------------------------------------------------------------------- probing
@@ -452,14 +455,33 @@ class CommunicatorManager:
         peer. Past this barrier every peer is here and connects within moments."""
         store = self._store(view, namespace)
         mine = f"arrived/{self.member_id}/{view.member(self.member_id).incarnation}"
+        keys = [f"arrived/{m.member_id}/{m.incarnation}" for m in view.members]
         store.set(mine, "1")
-        try:
-            store.wait([f"arrived/{m.member_id}/{m.incarnation}" for m in view.members])
-        except StoreTimeout:
-            # Peers still waiting must not count this rank as arrived.
-            with contextlib.suppress(Exception):
-                store.delete_key(mine)
-            raise
+        consistent = len(keys) <= _MAX_BARRIER_COMPARES
+        while True:
+            try:
+                store.wait(keys)
+            except StoreTimeout:
+                if consistent and self._barrier_complete(store, keys, leave=mine):
+                    return  # everyone arrived before we could leave: a peer may be connecting
+                if not consistent:  # peers still waiting must not count this rank as arrived
+                    with contextlib.suppress(Exception):
+                        store.delete_key(mine)
+                raise
+            # The wait read the keys one by one: a peer may have left between two reads.
+            # Pass only on one consistent read, so that a peer's leave (below) and our pass
+            # can never both happen.
+            if not consistent or self._barrier_complete(store, keys):
+                return
+
+    def _barrier_complete(self, store: EtcdStore, keys: list[str], *, leave: str | None = None) -> bool:
+        """One transaction: are all ``keys`` there (at one revision)? With ``leave``, delete
+        that key in the same transaction when they are not: a rank leaves the barrier only
+        when no peer can have seen it complete, so nobody is stranded in gloo's connect (a
+        peer that passed it waits there for the whole connect timeout)."""
+        res = self.client.txn([Compare(store._k(k), "create", ">", 0) for k in keys], [],
+                              [Delete(store._k(leave))] if leave is not None else [])
+        return res.succeeded
 
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)

@@ -25,6 +25,20 @@ class MembershipConfig:
     progress_interval_s: float = 1.0
     stall_timeout_s: float = 3.0
     candidate: bool = True
+    # Suspicion (SWIM-style, with refutation): a live suspect deletes the suspicion on its
+    # own key within this window, from its membership loop (not the agent thread, which may
+    # be busy); unrefuted, the suspect is fenced. Far below the TTL, above a loop's reaction
+    # time on a loaded host (a watch event plus one transaction: milliseconds). Short because
+    # a reporter checks its evidence first (the suspect's listener refuses or drops a new
+    # connection): a live member is practically never suspected, so the window is a net.
+    refute_window_s: float = 0.1
+    # The liveness ring: every member listens on this host and holds one TCP connection to
+    # its successor in member-key order (and so one from its predecessor). A connection that
+    # ends without a goodbye (EOF, reset) or a refused connect is evidence that the process
+    # is dead. Multi-host jobs set the address peers reach this member at; a loopback host
+    # is only used by peers on the same ``host``. None: no ring (TTL expiry, and suspicions
+    # from transport failures, remain).
+    liveness_host: str | None = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ttl_s, int) or self.ttl_s < 2:
@@ -50,6 +64,13 @@ class MembershipConfig:
                 f"abort_timeout_s must be in (0, epoch_deadline_s={self.epoch_deadline_s}], "
                 f"got {self.abort_timeout_s}"
             )
+        if not 0 < self.refute_window_s < self.ttl_s / 2:
+            raise ValueError(
+                f"refute_window_s must be in (0, ttl_s/2) = (0, {self.ttl_s / 2}): a crash must be "
+                f"confirmed well before its lease would expire, got {self.refute_window_s}"
+            )
+        if self.liveness_host is not None and not (isinstance(self.liveness_host, str) and self.liveness_host):
+            raise ValueError(f"liveness_host must be a non-empty host or None, got {self.liveness_host!r}")
         if not 0 < self.progress_interval_s < self.stall_timeout_s:
             raise ValueError(
                 f"need 0 < progress_interval_s < stall_timeout_s, got {self.progress_interval_s}"

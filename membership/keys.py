@@ -57,6 +57,27 @@ class JobKeys:
         return self.prefix + "leader"
 
     @property
+    def suspects_prefix(self) -> str:
+        """``health/suspects/``: inside the control range ('e' < 'h' < 'l' < 'm'), so the
+        one control watch every member already holds carries suspicions and refutations
+        (no extra stream per member, none per pair)."""
+        return self.prefix + "health/suspects/"
+
+    def suspect(self, member_id: str) -> str:
+        """A suspicion that ``member_id`` died, on the reporter's lease: JSON ``{lease,
+        incarnation, reporter, reporter_lease, evidence, detail}`` (``lease``: the suspect's
+        lease the suspicion is about). Created only if absent; the suspect deletes it to
+        refute, the confirmer deletes it with the suspect's member key to fence."""
+        return self.suspects_prefix + check_name("member_id", member_id)
+
+    def parse_suspect_key(self, key: str) -> str | None:
+        """The suspect's member id of a suspicion key, else ``None``."""
+        if not key.startswith(self.suspects_prefix):
+            return None
+        rest = key[len(self.suspects_prefix):]
+        return rest if rest and "/" not in rest else None
+
+    @property
     def epoch(self) -> str:
         return self.prefix + "epoch"
 
@@ -156,9 +177,10 @@ class JobKeys:
 
     @property
     def control_range(self) -> tuple[str, str]:
-        """``[start, end)`` covering ``epoch``, ``leader`` and ``members/...``.
+        """``[start, end)`` covering ``epoch``, ``health/suspects/...``, ``leader`` and
+        ``members/...`` (and ``layouts/...``, which sorts among them).
 
-        The three keys sort together ('e' < 'l' < 'm'), so one watch stream carries all
+        These keys sort together ('e' < 'h' < 'l' < 'm'), so one watch stream carries all
         control-plane changes and none of the store or version traffic.
         """
         return self.epoch, self.prefix + "members0"  # '0' sorts right after '/'

@@ -5,6 +5,12 @@ vanishes with the member. Its ``create_revision`` is the fencing token: every ep
 is a transaction that compares the token and the epoch's ``mod_revision``, so a stale
 leader (frozen past its TTL, then resumed) cannot write, and two leaders can never
 publish the same epoch number twice. Epoch numbers only ever go up by one.
+
+Membership changes are debounced (a host losing 8 ranks becomes one epoch), except a death
+the leader itself just confirmed (``membership/liveness.py``): that epoch goes out at once.
+While a suspicion is pending (for at most two refute windows) the leader publishes nothing:
+the survivors of a crash ask for a reform as their transfers fail, and an epoch that still
+lists the dead member would only strand their rendezvous.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ from typing import TYPE_CHECKING
 
 from elastic_refit.membership.client import Compare, Get, Put
 from elastic_refit.membership.errors import EtcdUnavailable, LeadershipLost
-from elastic_refit.membership.view import MemberRecord, MembershipView, next_member_order
+from elastic_refit.membership.liveness import Suspicion
+from elastic_refit.membership.view import (
+    MemberRecord,
+    MembershipView,
+    needs_new_epoch,
+    next_member_order,
+)
 
 if TYPE_CHECKING:
     from elastic_refit.membership.service import Membership
@@ -67,6 +79,15 @@ class LeaderLoop:
         self.last_token: int | None = None  # kept after losing leadership (fencing probes)
         self.epochs_published = 0
         self.changed = asyncio.Event()
+        # Revision of a fencing this leader just did (0: none pending): until the epoch
+        # without that member is out, changes are not debounced.
+        self.urgent_revision = 0
+        self._pending_since: dict[tuple[str, int], float] = {}  # suspicion -> first seen (monotonic)
+
+    def confirmed(self, revision: int) -> None:
+        """A suspect was fenced at ``revision`` (loop thread): publish without debounce."""
+        self.urgent_revision = max(self.urgent_revision, revision)
+        self.changed.set()
 
     def poke(self) -> None:
         """Called on the loop thread after each control-range change."""
@@ -118,6 +139,27 @@ class LeaderLoop:
             return res.revision  # the create_revision of the key just written
         return None
 
+    def suspicion_hold_s(self, snap, now: float) -> float:
+        """Seconds to hold back the next epoch for pending suspicions of members in
+        ``snap`` (0: none): a suspicion resolves (refuted, confirmed or dropped) within a
+        refute window; two windows bound the hold if its confirmer is slow or gone."""
+        m = self.m
+        bound = 2 * m.config.refute_window_s + 0.05
+        pending: dict[tuple[str, int], float] = {}
+        for key, kv in snap.items.items():
+            if m.keys.parse_suspect_key(key) is None:
+                continue
+            try:
+                s = Suspicion.decode(kv.value)
+            except (ValueError, KeyError):
+                continue
+            member = snap.items.get(m.keys.member(s.role, s.suspect))
+            if member is not None and member.lease == s.lease:
+                ident = (s.suspect, kv.create_revision)
+                pending[ident] = self._pending_since.get(ident, now)
+        self._pending_since = pending
+        return max(0.0, max((first + bound - now for first in pending.values()), default=0.0))
+
     def _still_leader(self, snap, token: int) -> bool:
         kv = snap.items.get(self.m.keys.leader)
         return kv is not None and kv.create_revision == token
@@ -132,15 +174,25 @@ class LeaderLoop:
             epoch_kv = snap.items.get(m.keys.epoch)
             current = MembershipView.decode(epoch_kv.value) if epoch_kv else None
             desired = next_member_order(current, alive_members(m, snap.items))
-            if desired and (current is None or desired != current.members):
+            if self.urgent_revision and snap.revision >= self.urgent_revision:
+                self.urgent_revision = 0  # the fenced member is out of this evaluation
+            if needs_new_epoch(current, desired):
+                hold = self.suspicion_hold_s(snap, time.monotonic())
+                if hold > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), hold)
+                    self.changed.clear()
+                    continue
                 await self._publish(token, current, epoch_kv, desired, snap.revision)
                 continue  # re-evaluate against the watcher's view of our own write
             await self.changed.wait()
             self.changed.clear()
+            if self.urgent_revision:
+                continue  # a confirmed death: no debounce
             # Debounce: let a burst of changes (one host losing 8 ranks) settle into one
             # epoch, but never wait more than max_debounce_s in total.
             started = time.monotonic()
-            while time.monotonic() - started < cfg.max_debounce_s:
+            while time.monotonic() - started < cfg.max_debounce_s and not self.urgent_revision:
                 try:
                     await asyncio.wait_for(self.changed.wait(), cfg.debounce_s)
                     self.changed.clear()

@@ -4,7 +4,11 @@
 >>> view = m.wait_for_view(lambda v: v.num_ranks == 4, timeout_s=10)   # doctest: +SKIP
 >>> m.close()   # clean exit: the lease is revoked, the member key vanishes at once
 
-A crash lets the lease expire after its TTL; the leader then publishes a new epoch.
+A crash is confirmed without waiting for the lease (``membership/liveness.py``): a ring
+neighbour or a transfer peer reports a suspicion, the suspect refutes it if alive, and an
+unrefuted suspect is fenced and dropped from the next epoch at once. A stopped or hung
+process keeps its lease TTL as its bound: the lease expires and the leader publishes a
+new epoch.
 A member that finds its lease gone (or its key taken by a newer incarnation) is *lost*:
 ``lost`` is set, ``on_lost`` callbacks run, and every fenced write raises
 :class:`~membership.errors.MembershipLost`. It never silently re-joins.
@@ -19,11 +23,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from elastic_refit.membership.client import Compare, EtcdClient, Get, Put, TxnResult
+from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.leader import LeaderLoop
+from elastic_refit.membership.liveness import (
+    LivenessRing,
+    RingPeer,
+    Suspicion,
+    dead_peer_evidence,
+    decide_suspicions,
+    probe_dead,
+    reachable_probe,
+    ring_successor,
+)
 from elastic_refit.membership.view import MemberRecord, MembershipView, diff
 from elastic_refit.membership.watch import (
     RangeSnapshot,
@@ -66,6 +80,18 @@ class Membership:
         self._outage_logged = False
         self._known_members: set[str] = set()
         self._epoch_mod_revision = -1  # the epoch key's last decoded mod_revision
+        self._ring: LivenessRing | None = None
+        self._suspicions_changed: asyncio.Event | None = None  # made on the loop
+        self._suspicions_seen: dict[tuple[str, int], float] = {}
+        self._suspicions_acting: set[tuple[str, int]] = set()  # refute/confirm in flight
+        self._suspicions_checked: set[tuple[str, int]] = set()  # our own evidence check started
+        self._suspicions_verified: set[tuple[str, int]] = set()  # ... and found the suspect dead
+        # Reports that found another reporter's suspicion in place: raised again if that one
+        # vanishes (its reporter died too) while the suspect's key is still on that lease.
+        self._pending_reports: dict[str, tuple[int, str, str]] = {}
+        self.suspicions_reported = 0
+        self.suspicions_refuted = 0
+        self.suspicions_confirmed = 0
         start, end = self.keys.control_range
         self.watcher: RangeWatcher | SharedRange = watch_hub.view() if watch_hub is not None else RangeWatcher(
             client, start, end, name="control", progress_interval_s=self.config.progress_interval_s,
@@ -75,8 +101,21 @@ class Membership:
     def start(self) -> Membership:
         """Grant the lease, write the member key, start keepalive, watch and leader loop."""
         self.lease_id, granted = self.client.grant_lease(self.config.ttl_s)
-        res = self.client.txn([], [Get(self.member_key),
-                                   Put(self.member_key, self.record.encode(), self.lease_id)])
+        if self.config.liveness_host is not None:
+            # Listening before registering: a peer that finds the probe in the record can
+            # connect, and a refused connect then always means this process is gone.
+            self._ring = LivenessRing(self.config.liveness_host, self.record.member_id, self.lease_id,
+                                      self.record.incarnation, self._on_ring_death, self.log)
+            probe = self.client.run(self._ring.start(), timeout_s=10)
+            self.record = replace(self.record, probe=probe)
+        try:
+            res = self.client.txn([], [Get(self.member_key),
+                                       Put(self.member_key, self.record.encode(), self.lease_id)])
+        except BaseException:
+            if self._ring is not None:  # not a member: its listener must not outlive the call
+                with contextlib.suppress(Exception):
+                    self.client.run(self._ring.aclose(), timeout_s=3)
+            raise
         self._last_keepalive = time.monotonic()
         self.log.info("membership.member.registered", lease_id=self.lease_id, ttl_s=granted,
                       revision=res.revision)
@@ -90,6 +129,7 @@ class Membership:
         # let the lease run out before the watch is in place.
         self.client.spawn(self._keepalive(), name="keepalive")
         self.watcher.add_listener(self._on_change)
+        self.client.spawn(self._suspicion_loop(), name="suspicions")
         self.watcher.start(revision=res.revision)
         if self.config.candidate:
             self.client.spawn(self._leader.run(), name="leader")
@@ -100,12 +140,21 @@ class Membership:
         if self.closing:
             return
         self.closing = True
-        self._leader.changed_threadsafe(self.client)
-        self.watcher.stop()
-        if self.lease_id and not self.lost.is_set():
-            with contextlib.suppress(EtcdUnavailable):
-                self.client.revoke_lease(self.lease_id)
-                self.log.info("membership.member.left", lease_id=self.lease_id)
+        try:
+            self._leader.changed_threadsafe(self.client)
+            self.watcher.stop()
+            if self.lease_id and not self.lost.is_set():
+                with contextlib.suppress(EtcdUnavailable):
+                    self.client.revoke_lease(self.lease_id)
+                    self.log.info("membership.member.left", lease_id=self.lease_id)
+            self._poke_suspicions_threadsafe()
+        finally:
+            if self._ring is not None:
+                # After the revoke: our ring neighbours' connections end with a goodbye, and
+                # any report of a goodbye-less end no longer matches a member key anyway.
+                # Whatever failed above, the ring's sockets must not outlive the member.
+                with contextlib.suppress(Exception):
+                    self.client.run(self._ring.aclose(), timeout_s=3)
 
     def __enter__(self) -> Membership:
         return self.start()
@@ -180,8 +229,79 @@ class Membership:
     def request_reform(self) -> None:
         """Ask the leader for a new epoch with the same members (and so a new communicator):
         this rank's communicator of the current epoch broke although nobody left."""
-        self.update_record(reform=self.record.reform + 1)
+        latest = self.view
+        self.update_record(reform=self.record.reform + 1, reform_epoch=latest.epoch if latest else 0)
         self.log.info("membership.reform.requested", reform=self.record.reform)
+
+    def report_peer_failure(self, member_id: str, incarnation: str, message: str) -> bool:
+        """A transfer with ``member_id`` (incarnation ``incarnation``) failed with
+        ``message``: if that is evidence of the peer's death (reset, closed, refused, NCCL's
+        remote exit; never a timeout), report a suspicion of it. Returns whether one is
+        reported; never blocks (the report is a transaction on the client loop)."""
+        evidence = dead_peer_evidence(message)
+        if evidence is None or self.closing or self.lost.is_set() or member_id == self.record.member_id:
+            return False
+        self.client.loop.call_soon_threadsafe(
+            self._spawn_here, self.asuspect(member_id, evidence, message.splitlines()[0][:300],
+                                            incarnation=incarnation), "suspect")
+        return True
+
+    async def asuspect(self, member_id: str, evidence: str, detail: str = "", *, lease: int | None = None,
+                       incarnation: str | None = None) -> bool:
+        """Report a suspicion that ``member_id`` died (on this member's lease, so it goes
+        with us). It names the suspect's lease as the snapshot shows it (or ``lease``,
+        when the evidence is about a known lease): a suspicion about an incarnation that is
+        gone already is not written. Returns whether this call created it (False: not a
+        member any more, already suspected, or we are not a member)."""
+        if self.closing or self.lost.is_set():
+            return False
+        snap = self.watcher.snapshot()
+        found = None
+        for key, kv in snap.items.items():
+            parsed = self.keys.parse_member_key(key)
+            if parsed is not None and parsed[1] == member_id:
+                found = (key, kv, parsed[0])
+        if found is None:
+            return False
+        member_key, kv, role = found
+        if lease is not None and kv.lease != lease:
+            return False  # that incarnation is gone already
+        try:
+            record = MemberRecord.decode(kv.value)
+        except (ValueError, KeyError):
+            return False
+        if incarnation is not None and record.incarnation != incarnation:
+            return False
+        if record.probe and reachable_probe(record.probe, record.host, self.record.host):
+            # Evidence checked before it is reported: a connection that failed because the
+            # peer aborted it, or one that ended while the process lives on, is no death.
+            verdict = await probe_dead(record.probe)
+            if verdict is None:
+                self.log.info("membership.suspect.dismissed", suspect=member_id, evidence=evidence,
+                              detail=detail[:200])
+                return False
+            detail = f"{detail[:200]}; its listener: {verdict}"
+            if self.closing or self.lost.is_set():
+                return False
+        suspicion = Suspicion(member_id, role, kv.lease, record.incarnation, self.record.member_id,
+                              self.lease_id, evidence, detail)
+        key = self.keys.suspect(member_id)
+        try:
+            res = await self.client.atxn(
+                [Compare(key, "create", "==", 0), Compare(member_key, "lease", "==", kv.lease),
+                 self.ownership_compare()],
+                [Put(key, suspicion.encode(), self.lease_id)])
+        except Exception as exc:  # etcd trouble: the TTL stays the bound
+            self.log.warning("membership.suspect.report_failed", suspect=member_id, error=repr(exc)[:200])
+            return False
+        if not res.succeeded:
+            self._pending_reports[member_id] = (kv.lease, evidence, detail)
+        else:
+            self._pending_reports.pop(member_id, None)
+            self.suspicions_reported += 1
+            self.log.info("membership.suspect.reported", suspect=member_id, suspect_lease=kv.lease,
+                          evidence=evidence, detail=detail[:200], revision=res.revision)
+        return res.succeeded
 
     def update_record(self, **changes: object) -> MemberRecord:
         """Rewrite this member's record (same lease, same incarnation), e.g. a new layout
@@ -214,6 +334,173 @@ class Membership:
             with contextlib.suppress(Exception):
                 cb(reason)
         self._leader.changed_threadsafe(self.client)
+
+    def _spawn_here(self, coro, name: str) -> None:
+        """Start a task on the client loop, from the loop thread (``client.spawn`` waits
+        for the loop, so it would deadlock here)."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self.client._tasks.add(task)
+        task.add_done_callback(self.client._tasks.discard)
+
+    def _poke_suspicions(self) -> None:
+        if self._suspicions_changed is not None:
+            self._suspicions_changed.set()
+
+    def _poke_suspicions_threadsafe(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
+            self.client.loop.call_soon_threadsafe(self._poke_suspicions)
+
+    def _on_ring_death(self, member_id: str, lease: int, evidence: str, detail: str) -> None:
+        """The ring saw ``member_id``'s connection end without a goodbye (loop thread)."""
+        if not self.closing and not self.lost.is_set():
+            self._spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
+
+    def _update_ring(self, snap: RangeSnapshot) -> None:
+        if self._ring is None or self.closing or self.lost.is_set():
+            return
+        peers = []
+        for key, kv in snap.items.items():
+            if self.keys.parse_member_key(key) is None:
+                continue
+            with contextlib.suppress(ValueError, KeyError):
+                record = MemberRecord.decode(kv.value)
+                if record.probe:
+                    peers.append(RingPeer(key, record.member_id, kv.lease, record.probe, record.host))
+        self._ring.follow(ring_successor(self.member_key, peers, self.record.host))
+
+    def _suspicions_in(self, snap: RangeSnapshot) -> list[Suspicion]:
+        out = []
+        for key, kv in snap.items.items():
+            if self.keys.parse_suspect_key(key) is None:
+                continue
+            try:
+                out.append(Suspicion.decode(kv.value, kv.create_revision))
+            except (ValueError, KeyError):
+                self.log.warning("membership.suspect.bad_record", key=key)
+        return out
+
+    async def _suspicion_loop(self) -> None:
+        """Refute suspicions of ourselves; confirm (fence) or drop the ones we confirm.
+        Woken by control changes and by the end of a pending window."""
+        self._suspicions_changed = asyncio.Event()
+        wake: float | None = None
+        while not self.closing and not self.lost.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._suspicions_changed.wait(), wake)
+            self._suspicions_changed.clear()
+            if self.closing or self.lost.is_set():
+                return
+            snap = self.watcher.snapshot()
+            leases = {}
+            for key, kv in snap.items.items():
+                parsed = self.keys.parse_member_key(key)
+                if parsed is not None:
+                    leases[parsed[1]] = kv.lease
+            leader = snap.items.get(self.keys.leader)
+            decision = decide_suspicions(
+                time.monotonic(), self._suspicions_in(snap), self._suspicions_seen, my_lease=self.lease_id,
+                member_leases=leases, leader_lease=leader.lease if leader is not None else None,
+                refute_window_s=self.config.refute_window_s, verified=frozenset(self._suspicions_verified))
+            self._suspicions_seen = dict(decision.seen or {})
+            live = set(self._suspicions_seen)
+            self._suspicions_checked &= live
+            self._suspicions_verified &= live
+            for s in decision.pending:
+                if (s.suspect, s.revision) not in self._suspicions_checked:
+                    self._suspicions_checked.add((s.suspect, s.revision))
+                    self._spawn_here(self._check_evidence(s, snap), "suspicion-check")
+            wake = decision.wake_in_s
+            for s in decision.refute:
+                self._act(s, self._refute(s))
+            for s in decision.confirm:
+                self._act(s, self._confirm(s, leader))
+            for s in decision.drop:
+                self._act(s, self._drop(s))
+            self._retry_reports(snap, leases)
+
+    def _retry_reports(self, snap: RangeSnapshot, leases: dict[str, int]) -> None:
+        for member_id, (lease, evidence, detail) in list(self._pending_reports.items()):
+            if leases.get(member_id) != lease:
+                del self._pending_reports[member_id]  # that incarnation is gone: done
+            elif self.keys.suspect(member_id) not in snap.items:
+                del self._pending_reports[member_id]
+                self._spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
+
+    async def _check_evidence(self, s: Suspicion, snap: RangeSnapshot) -> None:
+        """The confirmer's own look at the suspect's listener: a refusal (or a drop) is a
+        second observation of the death, and the suspect is confirmed without waiting."""
+        kv = snap.items.get(self.keys.member(s.role, s.suspect))
+        if kv is None or kv.lease != s.lease:
+            return
+        with contextlib.suppress(ValueError, KeyError):
+            record = MemberRecord.decode(kv.value)
+            if record.probe and reachable_probe(record.probe, record.host, self.record.host) \
+                    and await probe_dead(record.probe) is not None:
+                self._suspicions_verified.add((s.suspect, s.revision))
+                self._poke_suspicions()
+
+    def _act(self, s: Suspicion, coro) -> None:
+        """Run one refute / confirm / drop of ``s`` at a time (the next decision may see
+        the suspicion again before our own write comes back through the watch)."""
+        key = (s.suspect, s.revision)
+        if key in self._suspicions_acting:
+            coro.close()
+            return
+        self._suspicions_acting.add(key)
+
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as exc:  # etcd trouble: the next change (or the TTL) decides
+                self.log.warning("membership.suspect.action_failed", suspect=s.suspect, error=repr(exc)[:200])
+            finally:
+                self._suspicions_acting.discard(key)
+                self._poke_suspicions()
+
+        self._spawn_here(run(), "suspicion")
+
+    async def _refute(self, s: Suspicion) -> None:
+        # Guarded by our own lease: a suspect fenced first cannot refute afterwards.
+        res = await self.client.atxn([Compare(self.keys.suspect(s.suspect), "create", "==", s.revision),
+                                      self.ownership_compare()],
+                                     [Delete(self.keys.suspect(s.suspect))])
+        if res.succeeded:
+            self.suspicions_refuted += 1
+            self.log.info("membership.suspect.refuted", reporter=s.reporter, evidence=s.evidence,
+                          revision=res.revision)
+
+    async def _confirm(self, s: Suspicion, leader_kv) -> None:
+        member_key = self.keys.member(s.role, s.suspect)
+        suspect_key = self.keys.suspect(s.suspect)
+        # One transaction: the same suspicion, still unrefuted, about the incarnation still
+        # on that lease, and we are still a member. Deleting the member key here (not only
+        # revoking the lease after) is what makes refutation and fencing exclusive.
+        res = await self.client.atxn(
+            [Compare(suspect_key, "create", "==", s.revision), Compare(member_key, "lease", "==", s.lease),
+             self.ownership_compare()],
+            [Delete(member_key), Delete(suspect_key)])
+        if not res.succeeded:
+            return
+        self.suspicions_confirmed += 1
+        if self.is_leader:
+            self._leader.confirmed(res.revision)
+        was_leader = leader_kv is not None and leader_kv.lease == s.lease
+        self.log.warning("membership.suspect.confirmed", suspect=s.suspect, suspect_lease=s.lease,
+                         incarnation=s.incarnation, reporter=s.reporter, evidence=s.evidence, leader=was_leader,
+                         revision=res.revision)
+        # Frees whatever else the suspect held (the leader key): a takeover needs no TTL.
+        for _ in range(3):
+            try:
+                await self.client.arevoke_lease(s.lease)
+                return
+            except Exception as exc:
+                self.log.warning("membership.suspect.revoke_failed", suspect=s.suspect, error=repr(exc)[:200])
+                await asyncio.sleep(0.05)
+
+    async def _drop(self, s: Suspicion) -> None:
+        await self.client.atxn([Compare(self.keys.suspect(s.suspect), "create", "==", s.revision)],
+                               [Delete(self.keys.suspect(s.suspect))])
 
     async def _keepalive(self) -> None:
         interval = self.config.keepalive_interval
@@ -266,7 +553,7 @@ class Membership:
             self.log.info("membership.member.gone", key=key, revision=snap.revision)
         mine = snap.items.get(self.member_key)
         if not self.closing and mine is None:
-            self._mark_lost("member key deleted (lease expired or revoked)")
+            self._mark_lost("member key deleted (lease expired or revoked, or fenced as a confirmed suspect)")
         elif not self.closing and mine.lease != self.lease_id:
             self._mark_lost(f"member key taken over by lease {mine.lease}")
         epoch_kv = snap.items.get(self.keys.epoch)
@@ -292,6 +579,8 @@ class Membership:
                         cb(old, new)
                     except Exception:
                         self.log.exception("membership.view.callback_failed")
+        self._update_ring(snap)
+        self._poke_suspicions()
         self._leader.poke()
 
     def after_publish(self, view: MembershipView) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic_refit.membership.keys import ROLES, check_name, check_role
@@ -36,6 +36,13 @@ class MemberRecord:
     # Bumped to ask for a new epoch with the same members: this rank's communicator broke
     # (gloo closes a pair for good once it times out or its peer resets it).
     reform: int = 0
+    # The latest epoch this member knew of when it asked for the reform: a request made
+    # before a newer epoch reached it (a peer's death already replaced the communicator) is
+    # stale, and no reason for another epoch.
+    reform_epoch: int = 0
+    # ``host:port`` of this incarnation's liveness listener ("" for none): the ring's peers
+    # hold a connection to it, and its end without a goodbye is evidence of death.
+    probe: str = ""
 
     def __post_init__(self) -> None:
         check_role(self.role)
@@ -43,6 +50,8 @@ class MemberRecord:
             raise ValueError(f"layout_rank must be an int >= -1, got {self.layout_rank!r}")
         if isinstance(self.reform, bool) or not isinstance(self.reform, int) or self.reform < 0:
             raise ValueError(f"reform must be an int >= 0, got {self.reform!r}")
+        if isinstance(self.reform_epoch, bool) or not isinstance(self.reform_epoch, int) or self.reform_epoch < 0:
+            raise ValueError(f"reform_epoch must be an int >= 0, got {self.reform_epoch!r}")
         check_name("member_id", self.member_id)
         if not self.incarnation:
             raise ValueError(f"incarnation must be non-empty, got {self.incarnation!r}")
@@ -52,6 +61,8 @@ class MemberRecord:
             raise ValueError(f"domain must be non-empty, got {self.domain!r}")
         if not self.device:
             raise ValueError(f"device must be non-empty, got {self.device!r}")
+        if not isinstance(self.probe, str):
+            raise ValueError(f"probe must be a host:port string, got {self.probe!r}")
         if not isinstance(self.layout, str):
             raise ValueError(f"layout must be a fingerprint string, got {self.layout!r}")
         if self.state not in MEMBER_STATES:
@@ -75,6 +86,8 @@ class MemberRecord:
             "layout_rank": self.layout_rank,
             "layout": self.layout,
             "reform": self.reform,
+            "reform_epoch": self.reform_epoch,
+            "probe": self.probe,
         }
 
     def encode(self) -> bytes:
@@ -94,6 +107,8 @@ class MemberRecord:
             layout_rank=int(data.get("layout_rank", -1)),
             layout=str(data.get("layout", "")),
             reform=int(data.get("reform", 0)),
+            reform_epoch=int(data.get("reform_epoch", 0)),
+            probe=str(data.get("probe", "")),
         )
 
     @classmethod
@@ -239,6 +254,29 @@ def _diff(old: MembershipView | None, new: MembershipView) -> ViewDiff:
     added = tuple(m for m in new.members if m.identity not in old_ids)
     removed = tuple(m for m in old.members if m.identity not in new_ids) if old else ()
     return ViewDiff(added=added, removed=removed)
+
+
+def needs_new_epoch(current: MembershipView | None, desired: tuple[MemberRecord, ...]) -> bool:
+    """Whether ``desired`` (the next member order) calls for an epoch after ``current``:
+    members or records changed, except reform requests made before ``current`` reached
+    their member (``reform_epoch < current.epoch``): ``current`` already replaced the
+    communicator they gave up on. Pure."""
+    if not desired:
+        return False
+    if current is None:
+        return True
+    if tuple(m.identity for m in desired) != tuple(m.identity for m in current.members):
+        return True
+    for new, old in zip(desired, current.members, strict=True):
+        if new == old:
+            continue
+        stale_reform = new.reform != old.reform and new.reform_epoch < current.epoch
+        if not stale_reform:
+            return True
+        # Only the reform counter moved (stale): any other change still needs an epoch.
+        if replace(new, reform=old.reform, reform_epoch=old.reform_epoch) != old:
+            return True
+    return False
 
 
 def next_member_order(

@@ -15,10 +15,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the chaos matrix (victim x fault x phase) against a real etcd and local member "
                     "processes (2 trainer replicas, inference replicas, tiny tensors); the oracle checks "
                     "members' logs and etcd: no torn, lost or hung version, nothing leaked.")
-    parser.add_argument("--matrix", choices=("quick", "full"), default="quick",
-                        help="quick: one trial per key cell (CI); full: every cell, repeated (default quick)")
+    parser.add_argument("--matrix", choices=("quick", "full", "none"), default="quick",
+                        help="quick: one trial per key cell (CI); full: every cell, repeated; none: nothing "
+                             "dies (no fault, or a slow rank) on a loaded machine, fails if any member is fenced "
+                             "(default quick)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="none: run trials for this long (default: --trials, 20)")
+    parser.add_argument("--burn", type=int, default=None,
+                        help="CPU burner processes for the whole run (default: one per core with --matrix none, "
+                             "else 0)")
     parser.add_argument("--trials", type=int, default=None,
                         help="number of trials (full: default 200; quick: at most this many)")
+    parser.add_argument("--faults", default=None,
+                        help="keep only cells of these fault names, comma-separated (e.g. kill or kill+kill,"
+                             "restart<ttl); the full matrix repeats them until --trials")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--inference", type=int, default=2, help="inference ranks per trial (default 2)")
     parser.add_argument("--etcd-cluster", action="store_true", help="run against a 3-node etcd cluster (adds cells with an etcd member down for the rest of a trial)")
@@ -35,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the matrix; exit status 0 only if every trial passed."""
     import logging
+    import os
 
     from elastic_refit.chaos.faults import build_matrix
     from elastic_refit.chaos.runner import run_matrix
@@ -43,10 +54,21 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(level=logging.WARNING)
     if args.inference < 2:
         raise ValueError(f"--inference must be >= 2 (a replica makes recovery possible), got {args.inference}")
-    scenarios = build_matrix(args.matrix, trials=args.trials, seed=args.seed, num_inference=args.inference,
-                             etcd_nodes=3 if args.etcd_cluster else 1)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()] if args.faults is not None else None
+    if args.minutes is not None and (args.matrix != "none" or args.minutes <= 0):
+        raise ValueError(f"--minutes is for --matrix none and must be > 0, got {args.minutes} with {args.matrix}")
+    burn = args.burn if args.burn is not None else (os.cpu_count() or 1) if args.matrix == "none" else 0
+    if burn < 0:
+        raise ValueError(f"--burn must be >= 0, got {burn}")
+    trials = args.trials
+    if args.minutes is not None and trials is None:
+        trials = max(1, int(args.minutes * 60))  # more than fit: the time budget ends the run
+    scenarios = build_matrix(args.matrix, trials=trials, seed=args.seed, num_inference=args.inference,
+                             etcd_nodes=3 if args.etcd_cluster else 1, faults=faults)
     summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
-                          results_path=args.results, backend=args.backend)
+                          results_path=args.results, backend=args.backend, cpu_burners=burn,
+                          until_s=None if args.minutes is None else args.minutes * 60)
+    summary["cpu_burners"] = burn
     if args.json:
         print_json(summary)
     else:
@@ -70,6 +92,7 @@ def render_summary(summary: dict) -> str:
         ["torn / lost / hung / leaked", f"{summary['torn']} / {summary['lost']} / {summary['hung']} / "
                                         f"{summary['leaked']}"],
         ["unsafe / member errors", f"{summary['unsafe']} / {summary['error']}"],
+        ["members fenced / of them live", f"{summary.get('fenced', 0)} / {summary.get('fenced_live', 0)}"],
         ["recovery p50 / p99 / max", f"{_s(summary['recovery_p50_s'])} / {_s(summary['recovery_p99_s'])} / "
                                      f"{_s(summary['recovery_max_s'])} s"],
         ["wall time", f"{summary['wall_s']:.0f} s"],

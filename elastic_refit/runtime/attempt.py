@@ -130,9 +130,10 @@ def next_action(view: MembershipView, state: VersionState,
                 feasible: Callable[[AttemptSpec], bool] | None = None) -> AttemptSpec | CommitAction | None:
     """What the epoch's coordinator does next (pure).
 
-    1. The newest published version newer than every committed one, once every live
-       trainer has published it: commit it if every live inference rank holds it, else an
-       attempt to move it from its sources (every live trainer) and its holders. Older
+    1. The newest published version newer than every committed one: commit it as soon as
+       every live inference rank holds it (and a live trainer published it in its current
+       incarnation); else, once every live trainer has published it, an attempt to move it
+       from its sources (every live trainer) and its holders. Older
        uncommitted versions are superseded (by a failed one too); a failed version is
        never proposed nor committed.
     2. Otherwise, inference ranks without the latest committed version catch up from its
@@ -150,6 +151,13 @@ def next_action(view: MembershipView, state: VersionState,
     if pending and max(pending) not in state.failed:
         version = max(pending)
         published = state.sources[version]
+        if inference and any(published.get(t.member_id) == t.incarnation for t in trainers) \
+                and all(holds(state, version, m) for m in inference):
+            # Complete: every live inference rank holds it, verified against the digests
+            # taken when it was published. A trainer restarted since (a new incarnation that
+            # has not published it yet) moves no byte of it: the commit does not wait for it,
+            # and its own publish then finds the version committed (same data, or refused).
+            return CommitAction(version, version_digest(state, version, inference))
         if trainers and all(published.get(t.member_id) == t.incarnation for t in trainers):
             holders = tuple(sorted(m.member_id for m in inference if holds(state, version, m)))
             destinations = tuple(sorted(m.member_id for m in inference if not holds(state, version, m)))

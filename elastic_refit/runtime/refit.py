@@ -1007,6 +1007,12 @@ class ElasticRefit:
                 store.set(AttemptKeys(seq).done(me), value)
             if isinstance(exc, MembershipLost):
                 raise
+            if isinstance(exc, TransportAborted) and exc.peer is not None and 0 <= exc.peer < view.num_ranks:
+                # A reset or closed connection is evidence the peer died: suspect it now
+                # (it refutes if alive) instead of waiting for its lease to expire.
+                peer = view.members[exc.peer]
+                with contextlib.suppress(Exception):
+                    self.membership.report_peer_failure(peer.member_id, peer.incarnation, str(exc))
             if (isinstance(exc, TransportAborted) and not isinstance(exc, TransferRefused)) or transport.aborted:
                 return False
             # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):

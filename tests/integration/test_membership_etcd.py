@@ -97,7 +97,7 @@ def test_clean_leave_revokes_the_lease_at_once(etcd_server, make_client, agents,
     assert b.find("membership.member.left")
 
 
-def test_sigkill_member_is_removed_when_its_lease_expires(etcd_server, make_client, agents, job):
+def test_sigkill_member_is_removed_at_once_by_a_confirmed_suspicion(etcd_server, make_client, agents, job):
     client = make_client(etcd_server.endpoints)
     a = agents(etcd_server.endpoints, job, "t0")
     wait_epoch(client, job, lambda v: v.num_ranks == 1, what="t0 leads")
@@ -105,9 +105,11 @@ def test_sigkill_member_is_removed_when_its_lease_expires(etcd_server, make_clie
     before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
     lease = client.get(JobKeys(job).member("trainer", "t1")).lease
     b.kill()
-    after = wait_epoch(client, job, lambda v: "t1" not in v, timeout_s=EXPIRY_WAIT_S, what="t1 expired")
+    after = wait_epoch(client, job, lambda v: "t1" not in v, timeout_s=EXPIRY_WAIT_S, what="t1 removed")
     assert after.epoch == before.epoch + 1
-    # Removed because its lease expired: the survivor saw it gone, and the lease is no more.
+    # Its ring neighbour saw the connection end without a goodbye; the leader fenced it
+    # (member key deleted, lease revoked) instead of waiting for the lease to expire.
+    assert a.wait_event(lambda e: e.get("event") == "membership.suspect.confirmed")["suspect"] == "t1"
     assert a.find("membership.member.gone")
     assert client.lease_ttl(lease) == -1
 
@@ -118,7 +120,7 @@ def test_a_restart_ends_its_predecessors_lease_and_takes_over_without_waiting_th
     client = make_client(etcd_server.endpoints)
     a = agents(etcd_server.endpoints, job, "t0", ttl=ttl)
     wait_epoch(client, job, lambda v: v.num_ranks == 1, what="t0 leads")
-    agents(etcd_server.endpoints, job, "t1", ttl=ttl, candidate=False)
+    b = agents(etcd_server.endpoints, job, "t1", ttl=ttl, candidate=False)
     before = wait_epoch(client, job, lambda v: v.num_ranks == 2, what="2 members")
     old_incarnation = before.member("t0").incarnation
     old_lease = client.get(JobKeys(job).member("trainer", "t0")).lease
@@ -126,8 +128,13 @@ def test_a_restart_ends_its_predecessors_lease_and_takes_over_without_waiting_th
     a.kill()  # the leader dies holding the leader key; a new incarnation starts at once
     killed = time.monotonic()
     a.start()
-    replaced = a.wait_event(lambda e: e.get("event") == "membership.member.replaced", timeout_s=30.0)
-    assert replaced["previous_lease_id"] == old_lease
+    registered = a.wait_event(lambda e: e.get("event") == "membership.member.registered"
+                              and e.get("incarnation") != old_incarnation, timeout_s=30.0)
+    # Whichever came first ended the old lease: the new incarnation replacing it, or the
+    # survivor fencing the dead leader on its ring evidence (then nothing is left to replace).
+    replaced = a.find("membership.member.replaced")
+    fenced = b.find("membership.suspect.confirmed", suspect="t0")
+    assert (replaced and replaced[0]["previous_lease_id"] == old_lease) or fenced, registered
     after = wait_epoch(client, job, lambda v: "t0" in v and v.member("t0").incarnation != old_incarnation,
                        timeout_s=ttl, what="t0's new incarnation in an epoch")
     assert after.num_ranks == 2 and after.epoch > before.epoch
@@ -166,6 +173,9 @@ def test_frozen_member_and_leader_are_fenced_after_resume(etcd_server, make_clie
     assert current.member_ids == ("t1",)
     leader = json.loads(client.get(keys.leader).value)
     assert leader["member_id"] == "t1"
+    # A stopped process keeps its sockets open: no evidence of death, so nobody fenced it
+    # early; the lease TTL was its bound.
+    assert not other.find("membership.suspect.reported") and not other.find("membership.suspect.confirmed")
 
 
 def test_watches_resume_after_etcd_restart(etcd_server, make_client, agents, job):

@@ -177,3 +177,22 @@ def test_cluster_matrix_runs_every_scenario_on_three_nodes_and_adds_member_down_
     assert {s.fault for s in quick if s.victim == "etcd"} >= {"etcd_restart<ttl", "etcd_member_down"}
     with pytest.raises(ValueError, match="etcd_nodes"):
         build_matrix("quick", etcd_nodes=2)
+
+
+def test_only_killed_incarnations_may_be_fenced():
+    """A confirmed suspicion of an incarnation no fault killed is a false positive of the
+    crash detector (unsafe/no_live_member_fenced); of a killed one it is the fast path."""
+    e = clean()
+    kill = {"index": 0, "t": T0 + 0.7, "kind": "kill", "member_id": "i1", "life": 0}
+    e = replace(e, faults=(kill,), logs={**e.logs, "i1-L0-ab12": e.logs["i1-L0"]})
+
+    def fenced(incarnation: str) -> TrialEvidence:
+        confirmed = ev("membership.suspect.confirmed", 0.8, suspect=incarnation.split("-")[0],
+                       incarnation=incarnation, evidence="closed")
+        return replace(e, logs=dict(e.logs, **{"t0-L0": e.logs["t0-L0"] + [confirmed]}))
+
+    assert ("unsafe", "no_live_member_fenced") not in categories(fenced("i1-L0-ab12"))
+    assert ("unsafe", "no_live_member_fenced") in categories(fenced("i0-L0-cd34"))
+    # A slow (or stopped) rank is no killed one.
+    slow = replace(fenced("i1-L0-ab12"), faults=(dict(kill, kind="slow"),))
+    assert ("unsafe", "no_live_member_fenced") in categories(slow)
