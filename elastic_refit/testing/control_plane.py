@@ -532,14 +532,15 @@ def members_digest(member_ids) -> str:
     return hashlib.blake2b("\n".join(sorted(member_ids)).encode(), digest_size=8).hexdigest()
 
 
-def _wait_epoch(procs: list[_Process], members: set[str], what: str) -> tuple[int, float]:
-    """The first epoch of exactly ``members`` that every member of every process saw:
-    (epoch, when the last member saw it)."""
+def _wait_epoch(procs: list[_Process], members: set[str], what: str, after: int = -1) -> tuple[int, float]:
+    """The first epoch after ``after`` of exactly ``members`` that every member of every
+    process saw: (epoch, when the last member saw it). (The survivors of a kill may have
+    had an epoch of their own before the victim joined.)"""
     want = members_digest(members)
     deadline = time.monotonic() + _TIMEOUT_S
     while True:
         reports = [p.ask("epochs") for p in procs]
-        candidates = sorted({e for r in reports for e, x in r["epochs"].items() if x["digest"] == want})
+        candidates = sorted({e for r in reports for e, x in r["epochs"].items() if x["digest"] == want and e > after})
         for epoch in candidates:
             entries = [r["epochs"].get(epoch) for r in reports]
             if all(x is not None and x["num_seen"] == r["num_members"] for x, r in zip(entries, reports, strict=True)):
@@ -599,11 +600,12 @@ def _kill_trial(procs: list[_Process], victim: _Process, everyone: set[str],
                 progress: Callable[[str], None]) -> dict[str, Any]:
     """SIGKILL ``victim`` (no clean leave: its lease runs out); time each member's view."""
     gone = {m.member_id for m in victim.spec.members}
+    before, _ = _wait_epoch(procs, everyone, "every member")  # the epoch the kill ends
     t_kill = time.time()
     victim.proc.kill()
     victim.proc.join(5.0)
     survivors = everyone - gone
-    epoch, _ = _wait_epoch(procs, survivors, f"the survivors of {sorted(gone)}")
+    epoch, _ = _wait_epoch(procs, survivors, f"the survivors of {sorted(gone)}", after=before)
     per_member = [t - t_kill for p in procs for t in p.ask("epoch_times", epoch)["times"]]
     result = {"victims": sorted(gone), "epoch": epoch, "per_member_s": per_member,
               "seen_by_all": len(per_member) == len(survivors),
