@@ -133,7 +133,9 @@ def next_action(view: MembershipView, state: VersionState,
     1. The newest published version newer than every committed one: commit it as soon as
        every live inference rank holds it (and a live trainer published it in its current
        incarnation); else, once every live trainer has published it, an attempt to move it
-       from its sources (every live trainer) and its holders. Older
+       from its sources (every live trainer) and its holders. A trainer restarted since it
+       published (an earlier incarnation's publish) is left out of the sources when the
+       others cover the version, instead of waited for. Older
        uncommitted versions are superseded (by a failed one too); a failed version is
        never proposed nor committed.
     2. Otherwise, inference ranks without the latest committed version catch up from its
@@ -158,14 +160,19 @@ def next_action(view: MembershipView, state: VersionState,
             # has not published it yet) moves no byte of it: the commit does not wait for it,
             # and its own publish then finds the version committed (same data, or refused).
             return CommitAction(version, version_digest(state, version, inference))
-        if trainers and all(published.get(t.member_id) == t.incarnation for t in trainers):
+        current = tuple(sorted(t.member_id for t in trainers if published.get(t.member_id) == t.incarnation))
+        # A trainer that published it in an earlier incarnation has restarted since: its
+        # buffers may not hold it. The others send without it when they cover every byte
+        # (``feasible``), rather than wait for its start-up and its publish again.
+        restarted = [t for t in trainers if t.member_id in published and published[t.member_id] != t.incarnation]
+        if current and len(current) + len(restarted) == len(trainers):
             holders = tuple(sorted(m.member_id for m in inference if holds(state, version, m)))
             destinations = tuple(sorted(m.member_id for m in inference if not holds(state, version, m)))
             if not inference:
                 return None
             if not destinations:
                 return CommitAction(version, version_digest(state, version, inference))
-            sources = tuple(sorted(t.member_id for t in trainers))
+            sources = current
             spec = AttemptSpec(version, REFIT, sources, holders, destinations,
                                attempt_layouts(view, state, version, sources, holders + destinations))
             return spec if feasible(spec) else None
