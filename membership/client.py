@@ -312,15 +312,12 @@ class _KeepAliveStream:
     so each answer resolves the oldest waiter of its lease. A broken stream fails every
     waiter with its error (the caller's retry opens a new stream)."""
 
-    def __init__(self, conn: _Connection, tasks: set[asyncio.Task]):
+    def __init__(self, conn: _Connection, spawn_here: Callable[[Awaitable[Any], str], asyncio.Task]):
         self.broken: BaseException | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._waiters: dict[int, collections.deque[asyncio.Future]] = {}
         self._call = conn.leasestub.LeaseKeepAlive(self._requests(), metadata=conn.metadata)
-        self._reader = asyncio.ensure_future(self._read())
-        self._reader.set_name("lease-keepalive-stream")
-        tasks.add(self._reader)
-        self._reader.add_done_callback(tasks.discard)
+        self._reader = spawn_here(self._read(), "lease-keepalive-stream")
 
     async def _requests(self):
         while True:
@@ -444,13 +441,18 @@ class EtcdClient:
         """Start a background task on the client loop; it is cancelled by :meth:`close`."""
 
         async def _start() -> asyncio.Task:
-            task = asyncio.ensure_future(coro)
-            task.set_name(name)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return task
+            return self.spawn_here(coro, name)
 
         return asyncio.run_coroutine_threadsafe(_start(), self._loop).result(5)
+
+    def spawn_here(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        """:meth:`spawn` from the loop thread itself (``spawn`` waits for the loop, so it
+        would deadlock there)."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def connection(self) -> _Connection:
         if self._conn_lock is None:
@@ -640,7 +642,7 @@ class EtcdClient:
             index = lease_id % _KEEPALIVE_STREAMS
             stream = c.keepalive_streams[index]
             if stream is None or stream.broken is not None:
-                stream = c.keepalive_streams[index] = _KeepAliveStream(c, self._tasks)
+                stream = c.keepalive_streams[index] = _KeepAliveStream(c, self.spawn_here)
             return await stream.refresh(lease_id, self.config.request_timeout_s)
 
         return await self.call("lease keepalive", fn, deadline_s=deadline_s)

@@ -242,7 +242,7 @@ class Membership:
         if evidence is None or self.closing or self.lost.is_set() or member_id == self.record.member_id:
             return False
         self.client.loop.call_soon_threadsafe(
-            self._spawn_here, self.asuspect(member_id, evidence, message.splitlines()[0][:300],
+            self.client.spawn_here, self.asuspect(member_id, evidence, message.splitlines()[0][:300],
                                             incarnation=incarnation), "suspect")
         return True
 
@@ -335,14 +335,6 @@ class Membership:
                 cb(reason)
         self._leader.changed_threadsafe(self.client)
 
-    def _spawn_here(self, coro, name: str) -> None:
-        """Start a task on the client loop, from the loop thread (``client.spawn`` waits
-        for the loop, so it would deadlock here)."""
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self.client._tasks.add(task)
-        task.add_done_callback(self.client._tasks.discard)
-
     def _poke_suspicions(self) -> None:
         if self._suspicions_changed is not None:
             self._suspicions_changed.set()
@@ -354,7 +346,7 @@ class Membership:
     def _on_ring_death(self, member_id: str, lease: int, evidence: str, detail: str) -> None:
         """The ring saw ``member_id``'s connection end without a goodbye (loop thread)."""
         if not self.closing and not self.lost.is_set():
-            self._spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
+            self.client.spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
 
     def _update_ring(self, snap: RangeSnapshot) -> None:
         if self._ring is None or self.closing or self.lost.is_set():
@@ -364,7 +356,7 @@ class Membership:
             if self.keys.parse_member_key(key) is None:
                 continue
             with contextlib.suppress(ValueError, KeyError):
-                record = MemberRecord.decode(kv.value)
+                record = self.watcher.decoded(kv, MemberRecord.decode)  # once per record write, per process
                 if record.probe:
                     peers.append(RingPeer(key, record.member_id, kv.lease, record.probe, record.host))
         self._ring.follow(ring_successor(self.member_key, peers, self.record.host))
@@ -409,7 +401,7 @@ class Membership:
             for s in decision.pending:
                 if (s.suspect, s.revision) not in self._suspicions_checked:
                     self._suspicions_checked.add((s.suspect, s.revision))
-                    self._spawn_here(self._check_evidence(s, snap), "suspicion-check")
+                    self.client.spawn_here(self._check_evidence(s, snap), "suspicion-check")
             wake = decision.wake_in_s
             for s in decision.refute:
                 self._act(s, self._refute(s))
@@ -425,7 +417,7 @@ class Membership:
                 del self._pending_reports[member_id]  # that incarnation is gone: done
             elif self.keys.suspect(member_id) not in snap.items:
                 del self._pending_reports[member_id]
-                self._spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
+                self.client.spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
 
     async def _check_evidence(self, s: Suspicion, snap: RangeSnapshot) -> None:
         """The confirmer's own look at the suspect's listener: a refusal (or a drop) is a
@@ -458,7 +450,7 @@ class Membership:
                 self._suspicions_acting.discard(key)
                 self._poke_suspicions()
 
-        self._spawn_here(run(), "suspicion")
+        self.client.spawn_here(run(), "suspicion")
 
     async def _refute(self, s: Suspicion) -> None:
         # Guarded by our own lease: a suspect fenced first cannot refute afterwards.
@@ -579,7 +571,8 @@ class Membership:
                         cb(old, new)
                     except Exception:
                         self.log.exception("membership.view.callback_failed")
-        self._update_ring(snap)
+        if reset or any(self.keys.parse_member_key(ev.key) for ev in events):  # the ring follows members only
+            self._update_ring(snap)
         self._poke_suspicions()
         self._leader.poke()
 
@@ -593,6 +586,4 @@ class Membership:
                     for e in range(max(1, view.epoch - 4), view.epoch - 1):
                         await self.client.adelete(f"{old_root}{e}/", prefix=True)
 
-            task = asyncio.ensure_future(_purge())
-            self.client._tasks.add(task)
-            task.add_done_callback(self.client._tasks.discard)
+            self.client.spawn_here(_purge(), "purge-stores")
