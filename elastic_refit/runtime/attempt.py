@@ -153,28 +153,23 @@ def next_action(view: MembershipView, state: VersionState,
     if pending and max(pending) not in state.failed:
         version = max(pending)
         published = state.sources[version]
-        if inference and any(published.get(t.member_id) == t.incarnation for t in trainers) \
-                and all(holds(state, version, m) for m in inference):
-            # Complete: every live inference rank holds it, verified against the digests
-            # taken when it was published. A trainer restarted since (a new incarnation that
-            # has not published it yet) moves no byte of it: the commit does not wait for it,
-            # and its own publish then finds the version committed (same data, or refused).
-            return CommitAction(version, version_digest(state, version, inference))
+        # Trainers that published it in their current incarnation; one that published it in
+        # an earlier incarnation has restarted since, and its buffers may not hold it.
         current = tuple(sorted(t.member_id for t in trainers if published.get(t.member_id) == t.incarnation))
-        # A trainer that published it in an earlier incarnation has restarted since: its
-        # buffers may not hold it. The others send without it when they cover every byte
-        # (``feasible``), rather than wait for its start-up and its publish again.
-        restarted = [t for t in trainers if t.member_id in published and published[t.member_id] != t.incarnation]
-        if current and len(current) + len(restarted) == len(trainers):
-            holders = tuple(sorted(m.member_id for m in inference if holds(state, version, m)))
-            destinations = tuple(sorted(m.member_id for m in inference if not holds(state, version, m)))
-            if not inference:
-                return None
-            if not destinations:
-                return CommitAction(version, version_digest(state, version, inference))
-            sources = current
-            spec = AttemptSpec(version, REFIT, sources, holders, destinations,
-                               attempt_layouts(view, state, version, sources, holders + destinations))
+        num_restarted = sum(1 for t in trainers if published.get(t.member_id, t.incarnation) != t.incarnation)
+        holders = tuple(sorted(m.member_id for m in inference if holds(state, version, m)))
+        destinations = tuple(sorted(m.member_id for m in inference if not holds(state, version, m)))
+        if current and inference and not destinations:
+            # Complete: every live inference rank holds it, verified against the digests
+            # taken when it was published. A restarted trainer moves no byte of it: the
+            # commit does not wait for it, and its own publish then finds the version
+            # committed (same data, or refused).
+            return CommitAction(version, version_digest(state, version, inference))
+        if current and inference and len(current) + num_restarted == len(trainers):
+            # The restarted trainers are not waited for (their start-up and their publish
+            # again) when the others cover every byte (``feasible``).
+            spec = AttemptSpec(version, REFIT, current, holders, destinations,
+                               attempt_layouts(view, state, version, current, holders + destinations))
             return spec if feasible(spec) else None
     if latest is not None and inference:
         holders = tuple(sorted(m.member_id for m in inference if holds(state, latest, m)))
