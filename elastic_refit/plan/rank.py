@@ -191,14 +191,16 @@ class _Shared:
     # ---- lookups -----------------------------------------------------------------------
     def _needers(self, region, domain):
         """(first, count) of the needers of (destination region, domain) in the d_* arrays."""
-        key = region * self.num_domains + domain
-        first = np.searchsorted(self.rd_key, key, side="left")
-        return first, np.searchsorted(self.rd_key, key, side="right") - first
+        return self._run(self.rd_key, region, domain)
 
     def _holders(self, region, domain):
+        """(first, count) of the holders of (source region, domain) in the s_* arrays."""
+        return self._run(self.sd_key, region, domain)
+
+    def _run(self, sorted_key, region, domain):
         key = region * self.num_domains + domain
-        first = np.searchsorted(self.sd_key, key, side="left")
-        return first, np.searchsorted(self.sd_key, key, side="right") - first
+        first = np.searchsorted(sorted_key, key, side="left")
+        return first, np.searchsorted(sorted_key, key, side="right") - first
 
     def _local_piece(self, region, rank):
         """The first piece of ``region`` on ``rank`` (-1: none)."""

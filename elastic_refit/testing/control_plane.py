@@ -6,7 +6,7 @@ own lease and keepalive, its record, its epoch view; the members of one process 
 one watch stream per key range (:class:`~membership.watch.WatchHub`), as agents of one
 host would. Versions go through the runtime's own pieces: trainers publish sources
 (:class:`~membership.versions.VersionStore`, fenced), the epoch's coordinator (rank 0)
-decides with :func:`~elastic_refit.runtime.attempt.next_action` and proposes the attempt,
+decides with :func:`~elastic_refit.runtime.agent.coordinate` and proposes the attempt,
 every participant sees it through a watch, destinations ack (fenced) and every
 participant writes its ``done`` key in the epoch's store, the coordinator counts the acks
 from watch events (:class:`~membership.versions.VersionTracker`) and commits (fenced), and
@@ -38,15 +38,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from elastic_refit._validate import require_at_least
 from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.store import EtcdStore
-from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction, next_action
+from elastic_refit.runtime.agent import Propose, coordinate
+from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction
+from elastic_refit.testing.membership_bench import percentile
 
-_TIMEOUT_S = 120.0
-NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)  # one step of the driver (a startup, a round, a kill) gives up after this
+_TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
+NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +121,6 @@ def member_specs(cfg: ControlPlaneConfig) -> tuple[list[list[_MemberSpec]], list
     return [leaders] + [w for w in workers if w], victims
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
 # ---------------------------------------------------------------- worker process
 class _Worker:
     """The members of one process, and (when one of them is rank 0) the coordinator."""
@@ -159,6 +155,7 @@ class _Worker:
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.members: dict[str, Any] = {}
+        self._stores: dict[int, EtcdStore] = {}  # epoch -> its rendezvous store
         self.loop_lag_max_s = 0.0
         self.samples: Any = None
         for m in spec.members:
@@ -268,7 +265,7 @@ class _Worker:
 
     def _store(self, epoch: int):
         with self.lock:
-            store = self.__dict__.setdefault("_stores", {}).get(epoch)
+            store = self._stores.get(epoch)
             if store is None:
                 store = self._stores[epoch] = EtcdStore(self.client, self.spec.job, epoch)
         return store
@@ -313,18 +310,18 @@ class _Worker:
                     if not self._store(epoch).check(keys):
                         continue
                 state = self.tracker.state()
-                action = next_action(view, state)
-                if isinstance(action, CommitAction):
-                    if self.versions.commit(me, action.version, epoch, action.digest):
-                        self._phase(action.version, "committed")
-                        self.versions.prune(me, epoch, state, action.version)
+                move = coordinate(view, seq, state)
+                if isinstance(move, CommitAction):
+                    if self.versions.commit(me, move.version, epoch, move.digest):
+                        self._phase(move.version, "committed")
+                        self.versions.prune(me, epoch, state, move.version)
                     pending = None
-                elif (isinstance(action, AttemptSpec) and action != pending
-                      and self.versions.propose_attempt(me, epoch, seq, action.to_json())):
-                    self._phase(action.version, "proposed")
+                elif (isinstance(move, Propose) and move.spec != pending
+                      and self.versions.propose_attempt(me, epoch, seq, move.spec.to_json())):
+                    self._phase(move.spec.version, "proposed")
                     if seq >= 2:  # as the runtime does: nobody reads attempt seq - 2 again
                         self.versions.prune_attempt(epoch, seq - 2, self._store(epoch).prefix)
-                    pending, seq = action, seq + 1
+                    pending, seq = move.spec, seq + 1
             except Exception as exc:
                 with self.lock:
                     self.errors.append(f"coordinator: {type(exc).__name__}: {exc}"[:300])
@@ -503,12 +500,12 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
         "versions": len(steady),
         "kills": len(kills),
         "startup_s": startup_s,
-        "commit_round_p50_s": _pct(steady, 50),
-        "commit_round_p99_s": _pct(steady, 99),
+        "commit_round_p50_s": percentile(steady, 50),
+        "commit_round_p99_s": percentile(steady, 99),
         "commit_round_max_s": max(steady),
         "commit_round_after_kill_s": [r["round_s"] for r in rounds if r.get("after_kill")],
-        "epoch_convergence_p50_s": _pct(convergence, 50),
-        "epoch_convergence_p99_s": _pct(convergence, 99),
+        "epoch_convergence_p50_s": percentile(convergence, 50),
+        "epoch_convergence_p99_s": percentile(convergence, 99),
         "epoch_convergence_max_s": max(convergence) if convergence else float("nan"),
         "kill_seen_by_all": all(k["seen_by_all"] for k in kills),
         "goal_epoch_convergence_s": cfg.ttl_s + 0.5,
@@ -609,7 +606,7 @@ def _kill_trial(procs: list[_Process], victim: _Process, everyone: set[str],
     per_member = [t - t_kill for p in procs for t in p.ask("epoch_times", epoch)["times"]]
     result = {"victims": sorted(gone), "epoch": epoch, "per_member_s": per_member,
               "seen_by_all": len(per_member) == len(survivors),
-              "first_s": min(per_member), "max_s": max(per_member), "p99_s": _pct(per_member, 99)}
+              "first_s": min(per_member), "max_s": max(per_member), "p99_s": percentile(per_member, 99)}
     progress(f"killed {sorted(gone)}: epoch {epoch} seen by all {len(per_member)} survivors "
              f"{result['first_s']:.3f}-{result['max_s']:.3f} s after the kill")
     return result

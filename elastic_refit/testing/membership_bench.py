@@ -59,7 +59,8 @@ class Trial:
     epoch: int
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (NaN for none): the benches' p50 / p99."""
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
@@ -142,17 +143,17 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
         "members": cfg.members,
         "trials": len(trials),
         "ttl_s": cfg.ttl_s,
-        "detect_p50_s": _pct(detect, 50),
-        "detect_p99_s": _pct(detect, 99),
-        "epoch_p50_s": _pct(epoch_t, 50),
-        "epoch_p99_s": _pct(epoch_t, 99),
+        "detect_p50_s": percentile(detect, 50),
+        "detect_p99_s": percentile(detect, 99),
+        "epoch_p50_s": percentile(epoch_t, 50),
+        "epoch_p99_s": percentile(epoch_t, 99),
         "epoch_max_s": max(epoch_t),
-        "rebuild_p50_s": _pct(rebuild, 50),
-        "rebuild_p99_s": _pct(rebuild, 99),
-        "ready_p50_s": _pct(ready, 50),
-        "ready_p99_s": _pct(ready, 99),
+        "rebuild_p50_s": percentile(rebuild, 50),
+        "rebuild_p99_s": percentile(rebuild, 99),
+        "ready_p50_s": percentile(ready, 50),
+        "ready_p99_s": percentile(ready, 99),
         "goal_epoch_p99_s": cfg.ttl_s + 0.5,
-        "goal_met": _pct(epoch_t, 99) <= cfg.ttl_s + 0.5,
+        "goal_met": percentile(epoch_t, 99) <= cfg.ttl_s + 0.5,
         "leases_left": leases_left,
         "last_epoch": epoch,
         "per_trial": [asdict(t) for t in trials],
