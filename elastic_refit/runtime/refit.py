@@ -1092,7 +1092,9 @@ class ElasticRefit:
         deadline = time.monotonic() + self.config.epoch_deadline_s
         while True:
             changed = self._changes.token()  # the epoch's store is watched: a key written wakes us
-            if store.check(keys):
+            # The watch's copy, not a read: the key that woke us is in it.
+            known = self._epoch_keys(epoch) if store.epoch == epoch else None
+            if len(store.read(keys, known)) == len(set(keys)):
                 return
             latest = self.membership.view
             if latest is not None and latest.epoch != epoch:
