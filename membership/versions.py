@@ -73,8 +73,9 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class VersionState:
-    """A consistent snapshot (one etcd read) of every version's sources, acks, commits and
-    failures."""
+    """A consistent view of every version's sources, acks, commits and failures at
+    ``revision``: one etcd read (:meth:`VersionStore.snapshot`) or a watched copy
+    (:meth:`VersionTracker.state`, what the runtime uses)."""
 
     revision: int
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation

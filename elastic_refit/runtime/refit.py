@@ -9,6 +9,13 @@ the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes eac
 participants plan it (pure), agree on the plan's fingerprint, move the bytes, verify them,
 and ack. Once every live inference rank holds a version, the coordinator commits it.
 
+Reads come from watches, not etcd: the version state from a ``VersionTracker`` (each key
+parsed once, when it lands), attempts and their plan and done keys from the watch of the
+epoch's store. An ack is written in one transaction with its done key, so the coordinator
+that saw every done key knows the revision its version state must reach before it decides
+again. Per version a member writes its plan key and its done key (with the ack) and reads
+the plan keys once; the coordinator adds the propose, the commit and the prunes.
+
 A fault (a dead peer, a timeout, a membership change) fails the attempt everywhere; the
 next attempt of the same or of the next epoch retries the same version with the
 survivors, with the inference ranks that already hold it serving as holders next to the
