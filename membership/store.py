@@ -11,11 +11,11 @@ holds it, the pybind trampoline loses its Python half and every call fails.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
-from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
+from elastic_refit.membership.client import Compare, EtcdClient, Get, KeyValue, Put
 from elastic_refit.membership.errors import StoreTimeout
 from elastic_refit.membership.keys import JobKeys
 
@@ -47,6 +47,10 @@ class EtcdStore(dist.Store):
 
     def _k(self, key: str) -> str:
         return self.prefix + key
+
+    def etcd_key(self, key: str) -> str:
+        """The etcd key that store key ``key`` lives at (for a write in another transaction)."""
+        return self._k(key)
 
     def _timeout_s(self, override: timedelta | None = None) -> float:
         t = override if override is not None else self.timeout
@@ -91,16 +95,25 @@ class EtcdStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return not self._missing(keys)
 
-    def _missing(self, keys: list[str]) -> list[str]:
-        """The keys of ``keys`` not set yet, in a few transactions of reads (one etcd request
-        per ``_GETS_PER_TXN`` keys, not one per key: a coordinator checks every participant's
-        done key)."""
-        missing: list[str] = []
+    def read(self, keys: list[str], known: Mapping[str, KeyValue] | None = None) -> dict[str, KeyValue]:
+        """The keys of ``keys`` that are set, with their values and revisions, in a few
+        transactions of reads (one etcd request per ``_GETS_PER_TXN`` keys, not one per key:
+        a coordinator reads every participant's done key, a participant every plan key).
+        ``known``: etcd key -> KeyValue as a watch of the store holds them, looked up
+        instead of reading etcd."""
+        if known is not None:
+            return {key: known[self._k(key)] for key in keys if self._k(key) in known}
+        found: dict[str, KeyValue] = {}
         for start in range(0, len(keys), _GETS_PER_TXN):
             chunk = keys[start:start + _GETS_PER_TXN]
             res = self._client.txn([], [Get(self._k(key)) for key in chunk], idempotent=True)
-            missing += [key for key, kvs in zip(chunk, res.gets, strict=True) if not kvs]
-        return missing
+            found.update((key, kvs[0]) for key, kvs in zip(chunk, res.gets, strict=True) if kvs)
+        return found
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        """The keys of ``keys`` not set yet."""
+        found = self.read(keys)
+        return [key for key in keys if key not in found]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = self._timeout_s(timeout)
@@ -130,7 +143,13 @@ class EtcdStore(dist.Store):
         return self._client.count_prefix(self.prefix)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        """Every key's value, waiting for those not set yet (read together: one request
+        when all are there, as after a wait for them)."""
+        found = self.read(keys)
+        while len(found) < len(set(keys)):
+            self.wait([key for key in keys if key not in found])
+            found = self.read(keys)  # a key may vanish between wait and read: wait again
+        return [found[key].value for key in keys]
 
     def multi_set(self, keys: list[str], values: list) -> None:
         for k, v in zip(keys, values, strict=True):

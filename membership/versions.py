@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -73,8 +73,9 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class VersionState:
-    """A consistent snapshot (one etcd read) of every version's sources, acks, commits and
-    failures."""
+    """A consistent view of every version's sources, acks, commits and failures at
+    ``revision``: one etcd read (:meth:`VersionStore.snapshot`) or a watched copy
+    (:meth:`VersionTracker.state`, what the runtime uses)."""
 
     revision: int
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> member -> incarnation
@@ -162,12 +163,15 @@ class VersionTracker:
     the state took the change in (it must not block).
     """
 
-    def __init__(self, client: EtcdClient, job: str, *, hub: WatchHub | None = None) -> None:
+    def __init__(self, client: EtcdClient, job: str, *, hub: WatchHub | None = None,
+                 progress_interval_s: float = 1.0, stall_timeout_s: float = 3.0) -> None:
         self.keys = JobKeys(job)
         prefix = self.keys.versions_prefix
         self.watcher = hub.view() if hub is not None else RangeWatcher(
-            client, prefix, _prefix_end(prefix.encode()).decode(), name="versions")
+            client, prefix, _prefix_end(prefix.encode()).decode(), name="versions",
+            progress_interval_s=progress_interval_s, stall_timeout_s=stall_timeout_s)
         self._lock = threading.Lock()
+        self._applied = threading.Condition(self._lock)  # see state_at
         self._state = VersionState(revision=0)
         self._callbacks: list[Callable[[bool, list[WatchEvent]], None]] = []
         self.watcher.add_listener(self._apply)
@@ -185,6 +189,16 @@ class VersionTracker:
     def state(self) -> VersionState:
         """A copy of the current state (no etcd read; no JSON decoded)."""
         with self._lock:
+            return _copy_state(self._state)
+
+    def state_at(self, revision: int, timeout_s: float) -> VersionState | None:
+        """A copy of the state once it took in every change up to etcd ``revision``, which
+        must be the revision of a write under ``versions/`` (e.g. an ack, written in one
+        transaction with the done key a reader saw): the watch delivers that write, so the
+        wait ends. ``None`` after ``timeout_s`` (a stalled stream: read etcd instead)."""
+        with self._applied:
+            if not self._applied.wait_for(lambda: self._state.revision >= revision, timeout_s):
+                return None
             return _copy_state(self._state)
 
     @property
@@ -215,6 +229,7 @@ class VersionTracker:
                     else:
                         forget_version_key(self._state, self.keys, ev.key)
                 self._state = replace(self._state, revision=snap.revision)  # the tables stay shared
+            self._applied.notify_all()
         for callback in list(self._callbacks):
             try:
                 callback(reset, events)
@@ -238,14 +253,26 @@ class VersionStore:
             record_version_key(state, self.keys, kv)
         return state
 
-    def attempt(self, epoch: int, seq: int) -> dict[str, Any] | None:
-        kv = self.client.get(self.keys.attempt(epoch, seq))
+    def attempt(self, epoch: int, seq: int, known: Mapping[str, KeyValue] | None = None) -> dict[str, Any] | None:
+        """Attempt ``seq`` of ``epoch``; ``known``: as in :meth:`next_attempt`."""
+        key = self.keys.attempt(epoch, seq)
+        kv = known.get(key) if known is not None else self.client.get(key)
         return json.loads(kv.value) if kv else None
 
-    def next_attempt(self, epoch: int, seq: int) -> tuple[int, dict[str, Any]] | None:
+    def next_attempt(self, epoch: int, seq: int,
+                     known: Mapping[str, KeyValue] | None = None) -> tuple[int, dict[str, Any]] | None:
         """The first attempt of ``epoch`` numbered ``seq`` or later, as ``(seq, attempt)``:
         a member that fell behind skips the attempts the coordinator pruned (every one of
-        their participants had finished them, so it took no part)."""
+        their participants had finished them, so it took no part). ``known``: the keys of
+        the epoch's store as a watch of it holds them, searched instead of reading etcd."""
+        if known is not None:
+            found = [(parsed[1], kv) for kv in known.values()
+                     if (parsed := self.keys.parse_attempt_key(kv.key)) is not None
+                     and parsed[0] == epoch and parsed[1] >= seq]
+            if not found:
+                return None
+            first, kv = min(found, key=lambda item: item[0])
+            return first, json.loads(kv.value)
         prefix = self.keys.attempts(epoch)
         kv = self.client.first(self.keys.attempt(epoch, seq), prefix[:-1] + "0")  # '0' follows '/'
         if kv is None:
@@ -281,11 +308,13 @@ class VersionStore:
             {"incarnation": record.incarnation, "epoch": epoch, "digest": digest,
              "layout": record.layout}).encode(), also=[Put(*done)] if done is not None else ())
 
-    def retract(self, membership: Membership, state: VersionState) -> int:
+    def retract(self, membership: Membership, state: VersionState, also: Iterable[int] = ()) -> int:
         """Withdraw this member's acks: its buffers are about to be overwritten, so it must
-        not be chosen to serve those versions. Fenced like every member write."""
+        not be chosen to serve those versions. Fenced like every member write. ``also``:
+        versions this member acked that ``state`` (a watched copy) may not show yet."""
         member_id = membership.record.member_id
-        keys = [self.keys.ack(v, member_id) for v, acks in state.acks.items() if member_id in acks]
+        versions = {v for v, acks in state.acks.items() if member_id in acks} | set(also)
+        keys = [self.keys.ack(v, member_id) for v in sorted(versions)]
         if keys:
             result = self.client.txn([membership.ownership_compare()], [Delete(k) for k in keys], idempotent=True)
             if not result.succeeded:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 
 from elastic_refit.membership.client import EtcdClient, _prefix_end
-from elastic_refit.membership.watch import RangeWatcher
+from elastic_refit.membership.watch import RangeSnapshot, RangeWatcher
 
 __all__ = ["ChangeSignal"]
 
@@ -33,8 +33,8 @@ class ChangeSignal:
             raise ValueError(f"need 0 < progress_interval_s < stall_timeout_s, got {progress_interval_s} "
                              f"and {stall_timeout_s}")
         self._client = client
-        self._progress_interval_s = progress_interval_s
-        self._stall_timeout_s = stall_timeout_s
+        self.progress_interval_s = progress_interval_s  # other watches of the waiter use the same
+        self.stall_timeout_s = stall_timeout_s
         self._cond = threading.Condition()
         self._count = 0
         self._watches: dict[str, tuple[str, RangeWatcher]] = {}
@@ -48,13 +48,19 @@ class ChangeSignal:
             return
         self.unwatch(name)
         watcher = RangeWatcher(self._client, prefix, _prefix_end(prefix.encode()).decode(), name=f"wake:{name}",
-                               progress_interval_s=self._progress_interval_s,
-                               stall_timeout_s=self._stall_timeout_s)
+                               progress_interval_s=self.progress_interval_s,
+                               stall_timeout_s=self.stall_timeout_s)
         # A stopped watch may still deliver what it had in flight: only the current one counts.
         watcher.add_listener(lambda _reset, _events, _snap: self._bump_from(name, watcher))
         self._watches[name] = (prefix, watcher)
         watcher.start()
         self.bump()  # what changed before the watch started is read by the next pass anyway
+
+    def snapshot(self, name: str, prefix: str) -> RangeSnapshot | None:
+        """The keys watch ``name`` holds, if it watches ``prefix`` now (else ``None``): what
+        woke a waiter is in it, read without a request. Treat its items as read-only."""
+        entry = self._watches.get(name)
+        return entry[1].snapshot() if entry is not None and entry[0] == prefix else None
 
     def unwatch(self, name: str) -> None:
         entry = self._watches.pop(name, None)

@@ -54,6 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     print(render_table(["", "first", "last", "last/first"], rows))
     print(f"etcd keys of the job: at most {result['etcd_keys_max']}, {result['etcd_keys_final']} at the end; "
           f"verified {result['verified']} of {result['versions']} versions, {result['problems']} problems")
+    if "etcd_requests_per_version" in result:
+        print(f"etcd requests: {result['etcd_requests_per_version']:.1f} per version (all members, the whole run)")
     if "idle_requests_per_member_s" in result:
         methods = ", ".join(f"{m} {r:.2f}" for m, r in result["idle_requests_by_method"].items())
         print(f"idle member: {result['idle_requests_per_member_s']:.2f} etcd requests/s over "

@@ -9,6 +9,13 @@ the epoch's attempts in order. The epoch's coordinator (its rank 0) proposes eac
 participants plan it (pure), agree on the plan's fingerprint, move the bytes, verify them,
 and ack. Once every live inference rank holds a version, the coordinator commits it.
 
+Reads come from watches, not etcd: the version state from a ``VersionTracker`` (each key
+parsed once, when it lands), attempts and their plan and done keys from the watch of the
+epoch's store. An ack is written in one transaction with its done key, so the coordinator
+that saw every done key knows the revision its version state must reach before it decides
+again. Per version a member writes its plan key and its done key (with the ack) and reads
+the plan keys once; the coordinator adds the propose, the commit and the prunes.
+
 A fault (a dead peer, a timeout, a membership change) fails the attempt everywhere; the
 next attempt of the same or of the next epoch retries the same version with the
 survivors, with the inference ranks that already hold it serving as holders next to the
@@ -63,10 +70,17 @@ from elastic_refit.membership import (
     MembershipLost,
     MembershipView,
 )
+from elastic_refit.membership.client import KeyValue
 from elastic_refit.membership.keys import AttemptKeys, connect_key
 from elastic_refit.membership.layouts import LayoutStore, LayoutUnavailable
 from elastic_refit.membership.store import EtcdStore
-from elastic_refit.membership.versions import Commit, Failure, VersionState, VersionStore
+from elastic_refit.membership.versions import (
+    Commit,
+    Failure,
+    VersionState,
+    VersionStore,
+    VersionTracker,
+)
 from elastic_refit.membership.wakeup import ChangeSignal
 from elastic_refit.plan import Plan, PlanOptions
 from elastic_refit.runtime.agent import (
@@ -213,6 +227,7 @@ class ElasticRefit:
         self._published: dict[int, tuple[dict[str, torch.Tensor], str]] = {}  # version -> (buffers, layout)
         self._copies: dict[int, int] = {}  # version -> bytes of its snapshot copy (publish(wait=False))
         self._sent: set[int] = set()  # versions this trainer's sends completed for (bounded in _observe)
+        self._acked: set[int] = set()  # versions this rank acked and has not retracted since
         self._last_published: tuple[int, str] | None = None  # (version, digest) of this trainer's latest publish
         self._snapshots: dict[int, dict[str, int]] = {}  # version -> buffer digests taken at publish
         self._regions: tuple[str, tuple[ReplicaRegion, ...]] | None = None  # (training layout, its replica regions)
@@ -268,9 +283,14 @@ class ElasticRefit:
         self.layout_cache.publish(self.membership, self._layout)
         self.versions = VersionStore(self.client, c.job)
         # The agent reads version state and its epoch's keys when they change, not on a
-        # timer: an idle member costs etcd its keepalive and a few watch streams.
+        # timer: an idle member costs etcd its keepalive and a few watch streams. The version
+        # state is the tracker's, kept from its watch (each key parsed once, when it lands),
+        # not read whole from etcd on every wakeup.
         self._changes = ChangeSignal(self.client)
-        self._changes.watch("versions", self.versions.keys.versions_prefix)
+        self.tracker = VersionTracker(self.client, c.job, progress_interval_s=self._changes.progress_interval_s,
+                                      stall_timeout_s=self._changes.stall_timeout_s)
+        self.tracker.on_change(lambda _reset, _events: self._changes.bump())
+        self.tracker.start()
         self._changes.watch("layouts", self.versions.keys.layouts_prefix)  # a peer's layout unblocks a plan
         self.membership.on_view(lambda _old, _new: self._changes.bump())
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
@@ -302,6 +322,9 @@ class ElasticRefit:
             self._thread.join(timeout=self.config.epoch_deadline_s)
         if changes is not None:
             changes.close()
+        tracker = getattr(self, "tracker", None)
+        if tracker is not None:
+            tracker.stop()
         for closer in (getattr(self, "manager", None), getattr(self, "membership", None), getattr(self, "client", None)):
             if closer is not None:
                 with contextlib.suppress(Exception):
@@ -335,7 +358,8 @@ class ElasticRefit:
         timeout_s = check_timeout("timeout_s", timeout_s)
         tensors = tensors_of(tensors)
         layout = self._layout
-        state = self.versions.snapshot()
+        # The watched state: it holds every commit this trainer's earlier publishes returned.
+        state = self.tracker.state()
         # Bad input fails here, in the caller, never as attempts retried until they give up.
         # The version is failed for the whole job too (every live trainer must source it),
         # so peers waiting for it raise at once.
@@ -646,17 +670,31 @@ class ElasticRefit:
         return Entered(latest)
 
     def _look_for_attempt(self, view: MembershipView, action: Observe) -> Observed:
-        """Read the version state (serve what committed), coordinate as the epoch's rank 0,
-        then look for attempt ``action.seq`` or a later one."""
-        state = self.versions.snapshot()
+        """Take in the version state (serve what committed), coordinate as the epoch's rank
+        0, then look for attempt ``action.seq`` or a later one. No etcd read unless the
+        coordinator moves: the state is the tracker's, the attempts the epoch watch's."""
+        state = self.tracker.state()
         self._observe(state)
         if action.coordinate:
-            self._coordinate(view, action.seq, state)
-        found = self.versions.next_attempt(view.epoch, action.seq)
+            proposed = self._coordinate(view, action.seq, state)
+            if proposed is not None:  # no need to wait for the watch to bring it back
+                return Observed(action.epoch, proposed)
+        found = self._next_attempt(view.epoch, action.seq)
         if found is None:
             return Observed(action.epoch, None)
         seq, record = found
         return Observed(action.epoch, NextAttempt(seq, AttemptSpec.from_json(record)))
+
+    def _epoch_keys(self, epoch: int) -> dict[str, KeyValue] | None:
+        """The keys of ``epoch``'s store as its watch holds them (attempts, plan and done
+        keys), or None while the watch is not on that epoch (then read etcd)."""
+        snap = self._changes.snapshot("epoch", self.versions.keys.store(epoch))
+        return snap.items if snap is not None else None
+
+    def _next_attempt(self, epoch: int, seq: int) -> tuple[int, dict[str, Any]] | None:
+        """The first attempt of ``epoch`` numbered ``seq`` or later, from the epoch watch
+        when it is on the epoch (else etcd)."""
+        return self.versions.next_attempt(epoch, seq, known=self._epoch_keys(epoch))
 
     def _broke(self, view: MembershipView) -> bool:
         """An operation broke this epoch's transport: it cannot be used again. Returns
@@ -746,25 +784,27 @@ class ElasticRefit:
         if not self._superseded(epoch):
             self.membership.request_reform()
 
-    def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> None:
+    def _coordinate(self, view: MembershipView, seq: int, state: VersionState) -> NextAttempt | None:
         """Rank 0 of the epoch: commit what is complete, else propose the next attempt (or
         refuse a version whose sources disagree), as ``coordinator_tidy`` and ``coordinate``
-        decide."""
+        decide. Returns the attempt it proposed, if it did."""
         store = self.manager.store
         pending = self._uncounted
-        tidy = coordinator_tidy(view.epoch, seq, previous_finished=seq == 0 or self._attempt_finished(view, seq - 1),
+        previous = self._finished_attempt(view, seq - 1) if seq > 0 else None
+        tidy = coordinator_tidy(view.epoch, seq, previous_finished=seq == 0 or previous is not None,
                                 uncounted=(pending[0].epoch, pending[1]) if pending is not None else None,
                                 pruned=self._attempts_pruned, has_store=store is not None)
         if not tidy.proceed:
-            return
+            return None
         if tidy.count is not None and pending is not None:
             self._uncounted = None
-            self._count_attempt(view, pending[1], pending[2], store, view)
+            self._count_attempt(view, pending[1], pending[2], store, view,
+                                done=previous[0] if previous is not None and pending[1] == seq - 1 else None)
         if tidy.prune is not None and store is not None:
             self.versions.prune_attempt(view.epoch, tidy.prune, store.prefix)
             self._attempts_pruned = (view.epoch, tidy.prune)
-        if tidy.reread:
-            state = self.versions.snapshot()
+        if tidy.reread and previous is not None:
+            state = self._state_including(previous[1])
         self._prune_tallies(state)
         move = coordinate(view, seq, state, feasible=lambda spec: self._feasible(view, spec),
                           disagreement=(lambda spec: self._replica_disagreement(view, state, spec))
@@ -780,13 +820,26 @@ class ElasticRefit:
                 num_versions = self.versions.prune(self.membership, view.epoch, state, move.version)
                 if num_versions:
                     self.log.info("refit.versions.pruned", below=move.version, num_versions=num_versions)
-        elif (isinstance(move, Propose) and self.versions.attempt(view.epoch, move.seq) is None
-              and self.versions.propose_attempt(self.membership, view.epoch, move.seq, move.spec.to_json())):
+        # The proposal is created only if absent (its transaction compares): no read first.
+        elif isinstance(move, Propose) and self.versions.propose_attempt(self.membership, view.epoch, move.seq,
+                                                                         move.spec.to_json()):
             spec = move.spec
             self._uncounted = (view, move.seq, spec)
             self.log.info("refit.attempt.proposed", epoch=view.epoch, seq=move.seq, version=spec.version,
                           kind=spec.kind, sources=len(spec.sources), holders=len(spec.holders),
                           destinations=len(spec.destinations))
+            return NextAttempt(move.seq, spec)
+        return None
+
+    def _state_including(self, revision: int) -> VersionState:
+        """The tracked version state once it holds etcd ``revision`` (the acks of the attempt
+        that just finished: a state without them would propose a redundant catch-up); read
+        from etcd if the watch does not bring it within a collective timeout."""
+        state = self.tracker.state_at(revision, self.config.collective_timeout_s)
+        if state is None:
+            self.log.warning("refit.versions.lagging", revision=revision, tracked_revision=self.tracker.revision)
+            state = self.versions.snapshot()
+        return state
 
     def _replica_regions(self, layout: Layout) -> tuple[ReplicaRegion, ...]:
         """The replica regions of training layout ``layout`` (memoised for the latest one)."""
@@ -811,15 +864,16 @@ class ElasticRefit:
 
     # ---- giving up on a version (coordinator) ---------------------------------------------
     def _count_attempt(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,
-                       current: MembershipView) -> None:
-        """Count attempt ``seq`` of ``view``'s epoch from its participants' done values; give
-        ``spec.version`` up once ``max_attempts`` consecutive attempts failed for one cause.
-        ``current`` is the epoch the ``failed`` record is written under (fenced).
+                       current: MembershipView, done: Mapping[str, str] | None = None) -> None:
+        """Count attempt ``seq`` of ``view``'s epoch from its participants' done values
+        (``done`` when read already, else read here); give ``spec.version`` up once
+        ``max_attempts`` consecutive attempts failed for one cause. ``current`` is the epoch
+        the ``failed`` record is written under (fenced).
 
         Best effort: a fault while counting (etcd) loses one count, never the agent's place
         in the epoch's attempts."""
         try:
-            self._count_attempt_once(view, seq, spec, store, current)
+            self._count_attempt_once(view, seq, spec, store, current, done)
         except MembershipLost:
             raise
         except Exception as exc:
@@ -827,10 +881,11 @@ class ElasticRefit:
                              error=(str(exc).splitlines() or [""])[0][:300])
 
     def _count_attempt_once(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,
-                            current: MembershipView) -> None:
+                            current: MembershipView, done: Mapping[str, str] | None) -> None:
         if store is None or store.epoch != view.epoch:
             return
-        done = self._read_done(store, seq, spec.participants)
+        if done is None:
+            done = {m: kv.value.decode() for m, kv in self._read_done(store, seq, spec.participants).items()}
         if len(done) == len(spec.participants) and all(v == DONE_OK for v in done.values()):
             self._tallies.pop(spec.version, None)
             return
@@ -870,14 +925,13 @@ class ElasticRefit:
                 time.sleep(self.config.poll_s)
         self._count_attempt(old, seq, spec, store, latest)
 
-    def _read_done(self, store: EtcdStore, seq: int, participants: tuple[str, ...]) -> dict[str, str]:
-        """Participant -> done value, for those that wrote one."""
-        out = {}
-        for member_id in participants:
-            key = AttemptKeys(seq).done(member_id)
-            if store.check([key]):
-                out[member_id] = store.get(key).decode()
-        return out
+    def _read_done(self, store: EtcdStore, seq: int, participants: tuple[str, ...],
+                   known: Mapping[str, KeyValue] | None = None) -> dict[str, KeyValue]:
+        """Participant -> its done key of attempt ``seq``, for those that wrote one (one
+        read; none with ``known``, the epoch watch's keys)."""
+        keys = {member_id: AttemptKeys(seq).done(member_id) for member_id in participants}
+        found = store.read(list(keys.values()), known)
+        return {member_id: found[key] for member_id, key in keys.items() if key in found}
 
     def _prune_tallies(self, state: VersionState) -> None:
         latest = state.latest_committed
@@ -904,15 +958,25 @@ class ElasticRefit:
                 cache.pop(next(iter(cache)))
         return cache[key]
 
-    def _attempt_finished(self, view: MembershipView, seq: int) -> bool:
-        record = self.versions.attempt(view.epoch, seq)
+    def _finished_attempt(self, view: MembershipView, seq: int) -> tuple[dict[str, str], int] | None:
+        """Attempt ``seq`` of the epoch is over (absent, or every participant wrote its done
+        key): the done values and the etcd revision that the version state must include to
+        hold the acks of its destinations (written with their done keys; 0: none). None
+        while a participant is still in it. Read from the epoch watch when it is on the epoch."""
+        known = self._epoch_keys(view.epoch)
+        record = self.versions.attempt(view.epoch, seq, known)
         if record is None:
-            return True
+            return {}, 0
         store = self.manager.store
         if store is None:
-            return False
-        keys = [AttemptKeys(seq).done(m) for m in AttemptSpec.from_json(record).participants]
-        return store.check(keys)
+            return None
+        spec = AttemptSpec.from_json(record)
+        done = self._read_done(store, seq, spec.participants, known)
+        if len(done) < len(spec.participants):
+            return None
+        revision = max((kv.mod_revision for m, kv in done.items()
+                        if m in spec.destinations and kv.value.decode() == DONE_OK), default=0)
+        return {m: kv.value.decode() for m, kv in done.items()}, revision
 
     def _run_attempt_locked(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec) -> bool:
         with self._attempt_lock:  # a layout change waits for the attempt (and vice versa)
@@ -955,7 +1019,9 @@ class ElasticRefit:
             if me in spec.destinations:
                 self._begin_apply()
                 # From here on this rank's buffers are being overwritten: it holds nothing.
-                self.versions.retract(self.membership, self.versions.snapshot())
+                # Its own latest acks may not be in the watched state yet: they are named.
+                self.versions.retract(self.membership, self.tracker.state(), also=self._acked)
+                self._acked.clear()
             self._hook("transfer.before", epoch=view.epoch, seq=seq, version=spec.version,
                        executor=executor, transport=transport)
             with self._cond:
@@ -979,12 +1045,18 @@ class ElasticRefit:
             log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                      network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
                      local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
+            done = AttemptKeys(seq).done(me)
             if me in spec.destinations:
                 self._hook("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
                 value = self._digest()
-                self.versions.ack(self.membership, spec.version, view.epoch, value)
+                # One transaction: the coordinator that sees the done key knows the ack's
+                # revision, which its watched version state then waits for.
+                self.versions.ack(self.membership, spec.version, view.epoch, value,
+                                  done=(store.etcd_key(done), DONE_OK.encode()))
+                self._acked.add(spec.version)
                 log.info("refit.version.acked", digest=value)
-            store.set(AttemptKeys(seq).done(me), DONE_OK)
+            else:
+                store.set(done, DONE_OK)
             return True
         except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
             self.stats["failed_attempts"] += 1
@@ -1027,7 +1099,9 @@ class ElasticRefit:
         deadline = time.monotonic() + self.config.epoch_deadline_s
         while True:
             changed = self._changes.token()  # the epoch's store is watched: a key written wakes us
-            if store.check(keys):
+            # The watch's copy, not a read: the key that woke us is in it.
+            known = self._epoch_keys(epoch) if store.epoch == epoch else None
+            if len(store.read(keys, known)) == len(set(keys)):
                 return
             latest = self.membership.view
             if latest is not None and latest.epoch != epoch:

@@ -8,7 +8,8 @@ byte for byte. While the job runs, a sampler reads the job's etcd key count, etc
 and every member's resident memory. The per-version overhead is a trainer's publish ->
 commit seconds (there is no training step in between). After the last version the members
 stay in the job, idle, for ``idle_s``: the etcd requests they make meanwhile (etcd's own
-gRPC counters, the sampler paused) are what an idle member costs etcd.
+gRPC counters, the sampler paused) are what an idle member costs etcd. Those counters also
+give the etcd requests of the whole run per version (start-up and the sampler included).
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     paused = threading.Event()  # the sampler's own requests stay out of the idle window
     release = ctx.Event()
     idle: dict[str, Any] = {}
+    requests: dict[str, float] = {}  # etcd's gRPC messages received: before the members, after the last version
     with EtcdServer(name="soak") as etcd:
         endpoints = tuple(etcd.endpoints)
+        requests["start"] = sum(etcd_requests(endpoints[0]).values())
         spec = spec_json(len(INFERENCE))
         procs: dict[str, Any] = {}
         for rank, member_id in enumerate(TRAINERS + INFERENCE):
@@ -145,6 +148,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                     report = results.get(timeout=1.0)
                     reports[report["member_id"]] = report
                 if not release.is_set() and (samples and samples[-1]["version"] >= config.num_versions):
+                    requests["run"] = sum(etcd_requests(endpoints[0]).values())
                     idle.update(_measure_idle(endpoints[0], config.idle_s, paused, len(procs)))
                     release.set()
                 if any(not p.is_alive() and m not in reports for m, p in procs.items()):
@@ -168,7 +172,10 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     errors = {m: r["error"] for m, r in reports.items() if "error" in r}
     if missing or errors:
         raise RuntimeError(f"soak failed: members {missing} did not report; errors {errors}")
-    return summarize(config, reports, samples, final_keys, idle)
+    figures = summarize(config, reports, samples, final_keys, idle)
+    if "run" in requests:  # everything of the run (start-up, the sampler's reads) over its versions
+        figures["etcd_requests_per_version"] = (requests["run"] - requests["start"]) / config.num_versions
+    return figures
 
 
 def _measure_idle(endpoint: str, idle_s: float, paused: threading.Event, num_members: int) -> dict[str, Any]:

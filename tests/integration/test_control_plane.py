@@ -166,3 +166,71 @@ def test_bench_control_plane_json_and_the_kill_seen_by_all(tmp_path):
     assert result["commit_round_p50_s"] > 0 and result["etcd_db_bytes"] > 0
     assert result["etcd_requests_per_s_per_member"] > 0  # at least the lease keepalives
     assert "LeaseKeepAlive" in result["etcd_requests_by_method"]
+
+
+def test_the_tracker_waits_for_a_revision_of_a_write_it_watches(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    membership = Membership(client, job, _record("t0", role="trainer"), MembershipConfig(ttl_s=2)).start()
+    acker = Membership(client, job, _record("i0"), MembershipConfig(ttl_s=2, candidate=False)).start()
+    store = VersionStore(client, job)
+    tracker = VersionTracker(client, job).start()
+    try:
+        view = membership.wait_for_view(lambda v: v.num_ranks == 2, timeout_s=20)
+        epoch_store = EtcdStore(client, job, view.epoch)
+        store.ack(acker, 1, view.epoch, "a1", done=(epoch_store.etcd_key("attempt/0/done/i0"), b"ok"))
+        done = epoch_store.read(["attempt/0/done/i0"])["attempt/0/done/i0"]
+        # The done key a coordinator reads names the revision its ack landed at.
+        state = tracker.state_at(done.mod_revision, timeout_s=10)
+        assert state is not None and "i0" in state.acks[1]
+        assert tracker.state_at(done.mod_revision + 1_000, timeout_s=0.2) is None  # no such write: it gives up
+    finally:
+        tracker.stop()
+        acker.close()
+        membership.close()
+
+
+def test_store_values_and_attempts_come_in_one_request_or_from_a_watch(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    membership = Membership(client, job, _record("t0", role="trainer"), MembershipConfig(ttl_s=2)).start()
+    calls: list[str] = []
+    for name in ("get", "txn", "first"):
+        method = getattr(client, name)
+        setattr(client, name, lambda *a, _m=method, _n=name, **kw: (calls.append(_n), _m(*a, **kw))[1])
+    try:
+        view = membership.wait_for_view(lambda v: v.num_ranks == 1, timeout_s=20)
+        store = EtcdStore(client, job, view.epoch, namespace="comm")
+        names = [f"plan/{i}" for i in range(5)]
+        for i, name in enumerate(names):
+            store.set(name, f"fp{i}")
+        calls.clear()
+        assert store.multi_get(names) == [f"fp{i}".encode() for i in range(5)]
+        assert calls == ["txn"]  # was a wait and a get per key
+        versions = VersionStore(client, job)
+        for seq in (3, 5):
+            assert versions.propose_attempt(membership, view.epoch, seq, {"seq": seq})
+        known = {kv.key: kv for kv in client.get_prefix(JobKeys(job).store(view.epoch)).kvs}
+        calls.clear()
+        for seq in (0, 3, 4, 6):
+            assert versions.next_attempt(view.epoch, seq, known) == versions.next_attempt(view.epoch, seq)
+            assert versions.attempt(view.epoch, seq, known) == versions.attempt(view.epoch, seq)
+        assert store.read(names, known) == store.read(names)
+        assert calls.count("txn") == 1 and calls.count("first") == 4 and calls.count("get") == 4  # known: none
+    finally:
+        membership.close()
+
+
+def test_retract_withdraws_acks_a_watched_state_does_not_show_yet(etcd_server, make_client, job):
+    client = make_client(etcd_server.endpoints)
+    membership = Membership(client, job, _record("t0", role="trainer"), MembershipConfig(ttl_s=2)).start()
+    acker = Membership(client, job, _record("i0"), MembershipConfig(ttl_s=2, candidate=False)).start()
+    store = VersionStore(client, job)
+    try:
+        view = membership.wait_for_view(lambda v: v.num_ranks == 2, timeout_s=20)
+        store.ack(acker, 1, view.epoch, "a1")
+        stale = store.snapshot()
+        store.ack(acker, 2, view.epoch, "a2")
+        assert store.retract(acker, stale, also={2}) == 2
+        assert not store.snapshot().acks
+    finally:
+        acker.close()
+        membership.close()
