@@ -16,10 +16,12 @@ box's leading dims), addresses resolved for one set of tensors and buffer:
 1   element offset of the slice's first element in its tensor
 2   the tensor's row stride in elements (its last dim)
 3   rows of the slice, 4 columns of the slice
-5   byte offset of the slice's FP8 bytes in the buffer (row-major, ``rows * cols``)
-6   byte offset of the slice's scales in the buffer (row-major over its block grid)
+5   byte offset of the slice's FP8 bytes in the buffer (rows ``p_stride`` bytes apart)
+6   byte offset of the slice's scales in the buffer (rows of its block grid ``s_stride`` apart)
 7   tiles per tile row of the slice, 8 first tile (program id) of the slice
 9   scale blocks per row of the slice (``ceil(cols / BC)``)
+10  ``p_stride``: bytes from one FP8 row to the next (``cols`` when packed)
+11  ``s_stride``: scales from one block row to the next (word 9 when packed)
 ==  ==============================================================================
 
 One program quantizes one tile of ``TR x TC`` elements (whole blocks). When a block is
@@ -41,7 +43,7 @@ if globals().get("_KERNELS_INTERPRET", False):
 else:
     _jit = triton.jit
 
-DESC_WORDS = 10
+DESC_WORDS = 12
 # Triton's CPU interpreter evaluates an FMA as a rounded multiply and a rounded add, which
 # breaks ``_divide``'s exactness; interpreted, the kernel divides (the same result, slower).
 _FUSED_FMA = tl.constexpr(not globals().get("_KERNELS_INTERPRET", False))
@@ -166,9 +168,9 @@ def _quantize(v, per, rcp, pow2, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.const
 
 
 @_jit
-def _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
+def _store_q(dst, p_off, p_stride, rows, cols, n_r, n_c, q, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
              ALIGNED: tl.constexpr):
-    p_row = p_off + rows.to(tl.int64) * n_c
+    p_row = p_off + rows.to(tl.int64) * p_stride
     if ALIGNED:
         p_row = tl.multiple_of(p_row, 16)
     ptrs = dst + p_row[:, None] + cols[None, :]
@@ -206,7 +208,7 @@ def quant_pack_kernel(
     """
     pid = tl.program_id(0)
     e = tl.load(tile_entry_ptr + pid).to(tl.int64)
-    d = desc_ptr + e * 10
+    d = desc_ptr + e * 12
     delta = tl.load(d)
     t_off = tl.load(d + 1)
     stride = tl.load(d + 2)
@@ -217,6 +219,8 @@ def quant_pack_kernel(
     tpr = tl.load(d + 7).to(tl.int32)
     tile0 = tl.load(d + 8).to(tl.int32)
     n_bc = tl.load(d + 9).to(tl.int32)
+    p_stride = tl.load(d + 10)
+    s_stride = tl.load(d + 11)
     t = pid - tile0
     tr = t // tpr
     tc = t - tr * tpr
@@ -242,7 +246,7 @@ def quant_pack_kernel(
         per_pow2 = tl.reshape(tl.broadcast_to(tl.reshape(pow2, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
         bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
         q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
-        _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
+        _store_q(dst, p_off, p_stride, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
         b_r = tr * NBR + tl.arange(0, NBR)
     else:
         # Blocks as tall as the tile (NBR == 1), read in CR-row chunks: amax, then quantize.
@@ -262,12 +266,12 @@ def quant_pack_kernel(
             rows = tr * TR + c * CR + tl.arange(0, CR)
             v, _mag, _nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
             q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
-            _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
+            _store_q(dst, p_off, p_stride, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
         stored = tl.reshape(stored, (1, NBC))
         b_r = tr + tl.arange(0, 1)
     b_c = tc * NBC + tl.arange(0, NBC)
     s_mask = (b_r < n_br)[:, None] & (b_c < n_bc)[None, :]
-    s_idx = b_r.to(tl.int64)[:, None] * n_bc + b_c[None, :]
+    s_idx = b_r.to(tl.int64)[:, None] * s_stride + b_c[None, :]
     if KIND == 0:
         s_ptr = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + s_off // 4
         tl.store(s_ptr + s_idx, stored, mask=s_mask)
