@@ -34,6 +34,7 @@ from .quantize import (
     NonFiniteBlockError,
     as_scheme,
     block_amax,
+    poisoned,
     quantize_with_scales,
     scales_from_amax,
 )
@@ -404,15 +405,14 @@ class QuantPackProgram:
         for i, r in enumerate(self.regions):
             if r.numel:
                 s = self.scales(buf, i)
-                flags.append((i, torch.isnan(s).any() if self.scheme.kind == "fp8-block" else (s == 255).any()))
+                flags.append((i, poisoned(s, self.scheme).any()))
         if not flags or not bool(torch.stack([f for _, f in flags]).any()):
             return
         for i, f in flags:
             if bool(f):
                 r = self.regions[i]
                 s = self.scales(buf, i)
-                bad = torch.isnan(s) if self.scheme.kind == "fp8-block" else s == 255
-                idx = [int(v) for v in torch.nonzero(bad)[0].tolist()]
+                idx = [int(v) for v in torch.nonzero(poisoned(s, self.scheme))[0].tolist()]
                 *lead, rb, cb = idx
                 block = (*(o + j for o, j in zip(r.offsets[:-2], lead, strict=True)),
                          r.offsets[-2] // br + rb, r.offsets[-1] // bc + cb)

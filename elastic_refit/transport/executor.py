@@ -21,10 +21,14 @@ and the needer checks every box where it landed before unpacking staging.
 Plans in a quantized destination format (``Plan.quantization``): the caller passes its BF16
 source buffers and the destination's FP8 ``weight`` and scale (``weight_scale_inv``) buffers
 (``plan.destination``'s). Before its first message a sender quantizes every source piece it
-sends from (``_SourceQuantizer``: the reference quantizer's plain torch ops,
-``elastic_refit.kernels.quantize``, on the rank's device), into FP8 and scale staging of the
-epoch, after the plan's partial-amax exchange for blocks split across source shards (one
-batch of small messages); the plan's rows then move FP8 bytes and scales like any others, and
+sends from (``_SourceQuantizer``) into FP8 and scale staging of the epoch (one uint8 arena),
+after the plan's partial-amax exchange for blocks split across source shards (one batch of
+small messages). Pieces whose blocks are whole go through the fused Triton kernel
+(``QuantPackProgram``, built once per epoch: one launch per group of boxes, writing straight
+into the staging; ``pack_backend`` "triton", or "auto" on CUDA with Triton installed);
+pieces with split blocks, and every piece with ``pack_backend="torch"``, through the
+reference quantizer's plain torch ops (``elastic_refit.kernels.quantize``) with the combined
+amax. Both give the same bytes. The plan's rows then move FP8 bytes and scales like any others, and
 the receiver's unpack places them into its weight and scale buffers. Digests (``verify``) are
 of those FP8 bytes and scales, taken on the quantizing sender. A block with NaN or Inf fails
 the refit on its sender (``NonFiniteBlockError`` naming the tensor and block).
@@ -45,7 +49,7 @@ import structlog
 import torch
 
 from elastic_refit.errors import TransferRefused, VerificationFailed
-from elastic_refit.kernels import BoxRegion, PackProgram
+from elastic_refit.kernels import BoxRegion, PackProgram, QuantPackProgram, QuantRegion
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan, SourceSide
@@ -304,7 +308,8 @@ class Executor:
                 f"concurrent_rounds, or give more staging"
             )
         self._staging: list[torch.Tensor] = []
-        self._quantizer = _SourceQuantizer(plan, self.rank, self.device) if plan.quantization is not None else None
+        self._quantizer = (_SourceQuantizer(plan, self.rank, self.device, self.options.pack_backend)
+                           if plan.quantization is not None else None)
         # Only the ranks with pieces in the plan take part (a catch-up refit may leave the
         # trainers out of an epoch's communicator).
         self.participants = tuple(sorted(set(plan.source.ranks) | set(plan.destination.ranks)))
@@ -533,6 +538,20 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
+def _aligned64(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta").stride())
+
+
+def _have_triton() -> bool:
+    from elastic_refit.kernels import _triton_backend
+
+    return _triton_backend.HAVE_TRITON
+
+
 def _windows(steps: tuple[Step, ...], concurrent_rounds: int) -> tuple[tuple[Step, ...], ...]:
     """This rank's steps cut into the plan's windows: ``concurrent_rounds`` consecutive rounds
     of one phase (numbered alike on every rank, so every rank opens the same windows)."""
@@ -548,7 +567,7 @@ class _SourceQuantizer:
     partial-amax exchange (``elastic_refit.plan.quantized``). ``run`` maps the caller's BF16
     source buffers to the buffers ``plan.source`` declares (FP8 and scales)."""
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, backend: str = "auto") -> None:
         q = plan.quantization
         src = plan.source
         self.rank, self.device, self.q = rank, device, q
@@ -600,7 +619,54 @@ class _SourceQuantizer:
             if amax.consumer[i] == rank:
                 self.by_consumer.setdefault(int(amax.consumer_piece[i]), []).append(i)
         self.src = src
+        # One arena holds every staging buffer (64-byte aligned), so the fused kernel writes
+        # FP8 bytes and scales straight into them: they are views of its one bucket.
+        self._arena_offset: dict[str, int] = {}
+        self.arena_bytes = 0
+        for name, (_dtype, shape, stage_dtype) in self.buffers.items():
+            self._arena_offset[name] = self.arena_bytes
+            self.arena_bytes += _aligned64(int(np.prod(shape)) * stage_dtype.itemsize)
+        self._arena: torch.Tensor | None = None
         self._staging: dict[str, torch.Tensor] = {}
+        self.fused, self.programs = self._fused_programs(backend)
+
+    def _fused_programs(self, backend: str) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[QuantPackProgram, tuple[str, ...]], ...]]:
+        """The work items the fused kernel quantizes (index into ``work`` -> its block grid,
+        the shape its scales are checked in) and one program
+        per format over the arena, with the source buffers each takes: pieces of BF16
+        buffers whose blocks are whole (no exchange row, starting on a block boundary) and
+        whose scales this rank stages. The rest (split blocks) keeps the torch path."""
+        if backend == "torch" or (backend == "auto" and (self.device.type != "cuda" or not _have_triton())):
+            return {}, ()
+        by_format: dict[str, tuple[object, list[str], list[QuantRegion]]] = {}
+        fused: dict[int, tuple[int, ...]] = {}
+        for k, (p, fmt, _name, (buffer, slices, lengths_nd), scale_at, _b_off, origin) in enumerate(self.work):
+            if scale_at is None or any(origin) or self.by_consumer.get(p) or self.buffers[buffer][0] != "bfloat16":
+                continue
+            s_buffer, s_slices, _ = scale_at
+            offsets = tuple(sl.start for sl in slices)
+            lengths = tuple(sl.stop - sl.start for sl in slices)
+            region = QuantRegion(0, offsets, lengths, 0, 0)
+            s_lengths = tuple(sl.stop - sl.start for sl in s_slices)
+            if s_lengths != region.block_lengths(fmt):
+                continue  # scales not laid out as the box's block grid: the torch path places them
+            shape, s_shape = self.buffers[buffer][1], self.buffers[s_buffer][1]
+            d_str, s_str = _dense_strides(shape), _dense_strides(s_shape)
+            _, names, regions = by_format.setdefault(fmt.name, (fmt, [], []))
+            if buffer not in names:
+                names.append(buffer)
+            itemsize = getattr(torch, fmt.scale_dtype).itemsize
+            regions.append(QuantRegion(
+                names.index(buffer), offsets, lengths,
+                self._arena_offset[buffer] + sum(o * st for o, st in zip(offsets, d_str, strict=True)),
+                self._arena_offset[s_buffer] + itemsize * sum(sl.start * st for sl, st in zip(s_slices, s_str, strict=True)),
+                data_strides=d_str, scale_strides=s_str))
+            fused[k] = tuple(fmt.block_box(self.src.piece_offsets[p, : len(lengths_nd)].tolist(), list(lengths_nd))[1])
+        programs = tuple(
+            (QuantPackProgram([self.buffers[n][1] for n in names], regions, fmt, device=self.device, backend="triton",
+                              names=names), tuple(names))
+            for fmt, names, regions in by_format.values())
+        return fused, programs
 
     @staticmethod
     def _buffer(layout, p: int) -> str:
@@ -655,19 +721,24 @@ class _SourceQuantizer:
         from elastic_refit.kernels.quantize import (
             check_scales,
             combine_amax,
+            poisoned,
             quantize_with_scales,
             scales_from_amax,
         )
 
         amax = self.q.amax
         out = {n: t for n, t in source.items() if n not in self.buffers}
+        if self._arena is None:
+            self._arena = torch.zeros(self.arena_bytes, dtype=torch.uint8, device=self.device)
         for name, (dtype, shape, stage_dtype) in self.buffers.items():
             if dtype and name in source and (source[name].dtype != getattr(torch, dtype) or tuple(source[name].shape) != shape):
                 raise ValueError(f"rank {self.rank}: source buffer {name!r} is {list(source[name].shape)} "
                                  f"{source[name].dtype}, the layout says {list(shape)} {dtype}")
             staged = self._staging.get(name)
             if staged is None:
-                staged = self._staging[name] = torch.zeros(shape, dtype=stage_dtype, device=self.device)
+                at = self._arena_offset[name]
+                nbytes = int(np.prod(shape)) * stage_dtype.itemsize
+                staged = self._staging[name] = self._arena[at : at + nbytes].view(stage_dtype).reshape(shape)
             out[name] = staged
         # The exchange: one batch of small messages, before any piece is quantized.
         received: dict[int, torch.Tensor] = {}
@@ -686,7 +757,21 @@ class _SourceQuantizer:
         if ops:
             for work, (peer, what) in zip(transport.post(ops), waits, strict=True):
                 transport.wait(work, peer, what)
-        for p, fmt, name, (buffer, slices, _lengths), scale_at, b_off, origin in self.work:
+        for program, names in self.programs:  # whole blocks: one launch per group, into the arena
+            missing = [n for n in names if n not in source]
+            if missing:
+                raise ValueError(f"rank {self.rank}: source buffer {missing[0]!r} is missing")
+            program.pack([source[n].contiguous() for n in names], self._arena)
+        # The fused pieces' scales, as the torch path would check them, in the same order (the
+        # first poisoned piece of ``work`` is named either way); one sync when none is.
+        fused_scales = {k: out[self.work[k][4][0]][self.work[k][4][1]].reshape(grid) for k, grid in self.fused.items()}
+        bad = bool(fused_scales) and bool(torch.stack([poisoned(v, self.work[k][1]).any()
+                                                       for k, v in fused_scales.items()]).any())
+        for k, (p, fmt, name, (buffer, slices, _lengths), scale_at, b_off, origin) in enumerate(self.work):
+            if k in fused_scales:
+                if bad:
+                    check_scales(fused_scales[k], fmt, name, b_off)
+                continue
             x = self._piece(source, p)
             blocks = self._block_amax(source, p, memo).clone()  # the memo's grid may be another row's partial
             for i in self.by_consumer.get(p, []):
