@@ -628,45 +628,117 @@ class _SourceQuantizer:
             self.arena_bytes += _aligned64(int(np.prod(shape)) * stage_dtype.itemsize)
         self._arena: torch.Tensor | None = None
         self._staging: dict[str, torch.Tensor] = {}
-        self.fused, self.programs = self._fused_programs(backend)
+        # Per work item: the parts of its block grid the torch path quantizes (block slices of
+        # the last two dims; the split blocks at its edges, or all of it), and the programs
+        # of the fused kernel for the whole blocks inside (one per format, over the arena).
+        self.parts, self.programs = self._partition(backend)
 
-    def _fused_programs(self, backend: str) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[QuantPackProgram, tuple[str, ...]], ...]]:
-        """The work items the fused kernel quantizes (index into ``work`` -> its block grid,
-        the shape its scales are checked in) and one program
-        per format over the arena, with the source buffers each takes: pieces of BF16
-        buffers whose blocks are whole (no exchange row, starting on a block boundary) and
-        whose scales this rank stages. The rest (split blocks) keeps the torch path."""
-        if backend == "torch" or (backend == "auto" and (self.device.type != "cuda" or not _have_triton())):
-            return {}, ()
+    @property
+    def num_fused_regions(self) -> int:
+        """Boxes of whole blocks the fused kernel quantizes per run."""
+        return sum(len(program.regions) for program, _ in self.programs)
+
+    def _partition(self, backend: str) -> tuple[list[tuple[tuple[slice, slice], ...]],
+                                                 tuple[tuple[QuantPackProgram, tuple[str, ...]], ...]]:
+        """Cut every work item into the torch path's parts and the fused kernel's box: with
+        the fused kernel (``backend`` "triton", or "auto" on CUDA with Triton), the blocks
+        of a piece of a BF16 buffer that lie whole inside it go to one region of the
+        format's program, writing strided into the staging; its edge blocks that other
+        shards share (split blocks) stay parts, quantized after the exchange."""
+        use_kernel = backend == "triton" or (backend == "auto" and self.device.type == "cuda" and _have_triton())
         by_format: dict[str, tuple[object, list[str], list[QuantRegion]]] = {}
-        fused: dict[int, tuple[int, ...]] = {}
-        for k, (p, fmt, _name, (buffer, slices, lengths_nd), scale_at, _b_off, origin) in enumerate(self.work):
-            if scale_at is None or any(origin) or self.by_consumer.get(p) or self.buffers[buffer][0] != "bfloat16":
-                continue
-            s_buffer, s_slices, _ = scale_at
-            offsets = tuple(sl.start for sl in slices)
-            lengths = tuple(sl.stop - sl.start for sl in slices)
-            region = QuantRegion(0, offsets, lengths, 0, 0)
-            s_lengths = tuple(sl.stop - sl.start for sl in s_slices)
-            if s_lengths != region.block_lengths(fmt):
-                continue  # scales not laid out as the box's block grid: the torch path places them
-            shape, s_shape = self.buffers[buffer][1], self.buffers[s_buffer][1]
-            d_str, s_str = _dense_strides(shape), _dense_strides(s_shape)
-            _, names, regions = by_format.setdefault(fmt.name, (fmt, [], []))
-            if buffer not in names:
-                names.append(buffer)
-            itemsize = getattr(torch, fmt.scale_dtype).itemsize
-            regions.append(QuantRegion(
-                names.index(buffer), offsets, lengths,
-                self._arena_offset[buffer] + sum(o * st for o, st in zip(offsets, d_str, strict=True)),
-                self._arena_offset[s_buffer] + itemsize * sum(sl.start * st for sl, st in zip(s_slices, s_str, strict=True)),
-                data_strides=d_str, scale_strides=s_str))
-            fused[k] = tuple(fmt.block_box(self.src.piece_offsets[p, : len(lengths_nd)].tolist(), list(lengths_nd))[1])
+        parts: list[tuple[tuple[slice, slice], ...]] = []
+        for p, fmt, _name, (buffer, slices, lengths), scale_at, _b_off, _origin in self.work:
+            nd = len(lengths)
+            grid = self._grid(p)
+            whole = (slice(0, grid[-2]), slice(0, grid[-1]))
+            inner = self._whole_blocks(p) if use_kernel and scale_at is not None else None
+            if inner is not None and self.buffers[buffer][0] == "bfloat16" \
+                    and tuple(sl.stop - sl.start for sl in scale_at[1])[-2:] == grid[-2:]:
+                (a, b), (c, d) = inner
+                parts.append(tuple(part for part in (
+                    (slice(0, a), whole[1]), (slice(b, grid[-2]), whole[1]),
+                    (slice(a, b), slice(0, c)), (slice(a, b), slice(d, grid[-1])),
+                ) if part[0].stop > part[0].start and part[1].stop > part[1].start))
+                rows_cols, _ = self._elements(p, (*self._lead(nd), slice(a, b), slice(c, d)))
+                offsets = (*(sl.start for sl in slices[:-2]), *(sl.start + e.start for sl, e in zip(slices[-2:], rows_cols[-2:], strict=True)))
+                box = (*(sl.stop - sl.start for sl in slices[:-2]), *(e.stop - e.start for e in rows_cols[-2:]))
+                s_buffer, s_slices, _ = scale_at
+                s_offsets = (*(sl.start for sl in s_slices[:-2]), s_slices[-2].start + a, s_slices[-1].start + c)
+                d_str, s_str = _dense_strides(self.buffers[buffer][1]), _dense_strides(self.buffers[s_buffer][1])
+                _, names, regions = by_format.setdefault(fmt.name, (fmt, [], []))
+                if buffer not in names:
+                    names.append(buffer)
+                itemsize = getattr(torch, fmt.scale_dtype).itemsize
+                regions.append(QuantRegion(
+                    names.index(buffer), offsets, box,
+                    self._arena_offset[buffer] + sum(o * st for o, st in zip(offsets, d_str, strict=True)),
+                    self._arena_offset[s_buffer] + itemsize * sum(o * st for o, st in zip(s_offsets, s_str, strict=True)),
+                    data_strides=d_str, scale_strides=s_str))
+            else:
+                parts.append((whole,))
         programs = tuple(
             (QuantPackProgram([self.buffers[n][1] for n in names], regions, fmt, device=self.device, backend="triton",
                               names=names), tuple(names))
             for fmt, names, regions in by_format.values())
-        return fused, programs
+        return parts, programs
+
+    def _grid(self, p: int) -> tuple[int, ...]:
+        """Piece ``p``'s block grid (lead dims in elements)."""
+        src = self.src
+        tid = int(src.piece_tensor[p])
+        nd = len(src.tensors[tid].shape)
+        fmt = self.q.format_of(src.tensors[tid].name)
+        return tuple(fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())[1])
+
+    def _lead(self, nd: int) -> tuple[slice, ...]:
+        return (slice(None),) * (nd - 2)
+
+    def _whole_blocks(self, p: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """Block rows and columns ``[a, b) x [c, d)`` of piece ``p``'s grid that lie whole in
+        it (clipped only by the tensor's edge), or None when there are none."""
+        src = self.src
+        tid = int(src.piece_tensor[p])
+        shape = src.tensors[tid].shape
+        nd = len(shape)
+        fmt = self.q.format_of(src.tensors[tid].name)
+        grid = self._grid(p)
+        out = []
+        for k, b in zip((nd - 2, nd - 1), fmt.block_shape, strict=True):
+            lo, n = int(src.piece_offsets[p, k]), int(src.piece_lengths[p, k])
+            first = 1 if lo % b else 0
+            last = grid[k] - (1 if (lo + n) % b and lo + n != shape[k] else 0)
+            if last <= first:
+                return None
+            out.append((first, last))
+        return out[0], out[1]
+
+    def _elements(self, p: int, at: tuple[slice, ...]) -> tuple[tuple[slice, ...], tuple[int, int]]:
+        """The element slices of piece ``p`` (its own coordinates) inside the blocks ``at``
+        of its grid (lead dims in elements, ``slice(None)``: all), and where they start
+        inside their first block."""
+        src = self.src
+        tid = int(src.piece_tensor[p])
+        nd = len(src.tensors[tid].shape)
+        fmt = self.q.format_of(src.tensors[tid].name)
+        out, origin = list(at[:-2]), []
+        for k, b, blocks in zip((nd - 2, nd - 1), fmt.block_shape, at[-2:], strict=True):
+            lo, n = int(src.piece_offsets[p, k]), int(src.piece_lengths[p, k])
+            first = lo // b
+            start, stop = max(lo, (first + blocks.start) * b), min(lo + n, (first + blocks.stop) * b)
+            out.append(slice(start - lo, stop - lo))
+            origin.append(start % b)
+        return tuple(out), (origin[0], origin[1])
+
+    def _amax(self, source, p: int, at: tuple[slice, ...]) -> torch.Tensor:
+        """Block amax of piece ``p``'s elements inside the blocks ``at`` of its grid."""
+        from elastic_refit.kernels.quantize import block_amax
+
+        elements, origin = self._elements(p, at)
+        return block_amax(self._piece(source, p)[elements], self.q.format_of(self._name(p)), origin)
+
+    def _name(self, p: int) -> str:
+        return self.src.tensors[int(self.src.piece_tensor[p])].name
 
     @staticmethod
     def _buffer(layout, p: int) -> str:
@@ -691,18 +763,6 @@ class _SourceQuantizer:
             raise ValueError(f"rank {self.rank}: source buffer {name!r} is missing")
         return source[name][slices].reshape(lengths)
 
-    def _block_amax(self, source, p: int, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Piece ``p``'s block amax grid, once per run (an exchange row and the piece's own
-        quantization both need it; callers must not modify it)."""
-        from elastic_refit.kernels.quantize import block_amax
-
-        if p not in memo:
-            src = self.src
-            tid = int(src.piece_tensor[p])
-            fmt = self.q.format_of(src.tensors[tid].name)
-            memo[p] = block_amax(self._piece(source, p), fmt, self._origin(src, p, len(src.tensors[tid].shape), fmt))
-        return memo[p]
-
     def _exchange_slices(self, i: int, p: int) -> tuple[slice, ...]:
         """Where exchange row ``i``'s blocks sit in piece ``p``'s block grid."""
         src, amax = self.src, self.q.amax
@@ -713,9 +773,9 @@ class _SourceQuantizer:
         lo, ln = amax.block_offsets[i, :nd], amax.block_lengths[i, :nd]
         return tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
 
-    def _partial(self, source, i: int, p: int, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _partial(self, source, i: int, p: int) -> torch.Tensor:
         """The partial amax of piece ``p`` over exchange row ``i``'s blocks."""
-        return self._block_amax(source, p, memo)[self._exchange_slices(i, p)].contiguous()
+        return self._amax(source, p, self._exchange_slices(i, p)).contiguous()
 
     def run(self, source: Mapping[str, torch.Tensor], transport: Transport) -> dict[str, torch.Tensor]:
         from elastic_refit.kernels.quantize import (
@@ -742,10 +802,9 @@ class _SourceQuantizer:
             out[name] = staged
         # The exchange: one batch of small messages, before any piece is quantized.
         received: dict[int, torch.Tensor] = {}
-        memo: dict[int, torch.Tensor] = {}
         ops, waits = [], []
         for i in self.sends:
-            payload = self._partial(source, i, int(amax.provider_piece[i]), memo)
+            payload = self._partial(source, i, int(amax.provider_piece[i]))
             ops.append(P2POp("send", payload.view(torch.uint8).reshape(-1), int(amax.consumer[i]), AMAX_TAG + i))
             waits.append((int(amax.consumer[i]), "send partial amax"))
         for i in self.recvs:
@@ -762,28 +821,40 @@ class _SourceQuantizer:
             if missing:
                 raise ValueError(f"rank {self.rank}: source buffer {missing[0]!r} is missing")
             program.pack([source[n].contiguous() for n in names], self._arena)
-        # The fused pieces' scales, as the torch path would check them, in the same order (the
-        # first poisoned piece of ``work`` is named either way); one sync when none is.
-        fused_scales = {k: out[self.work[k][4][0]][self.work[k][4][1]].reshape(grid) for k, grid in self.fused.items()}
-        bad = bool(fused_scales) and bool(torch.stack([poisoned(v, self.work[k][1]).any()
-                                                       for k, v in fused_scales.items()]).any())
-        for k, (p, fmt, name, (buffer, slices, _lengths), scale_at, b_off, origin) in enumerate(self.work):
-            if k in fused_scales:
-                if bad:
-                    check_scales(fused_scales[k], fmt, name, b_off)
-                continue
+        for (p, fmt, name, (buffer, slices, lengths), scale_at, b_off, _origin), parts in zip(self.work, self.parts, strict=True):
             x = self._piece(source, p)
-            blocks = self._block_amax(source, p, memo).clone()  # the memo's grid may be another row's partial
-            for i in self.by_consumer.get(p, []):
-                partial = received[i] if i in received else self._partial(source, i, int(amax.provider_piece[i]), memo)
-                at = self._exchange_slices(i, p)
-                blocks[at] = combine_amax(blocks[at], partial)
-            scales = scales_from_amax(blocks, fmt)
-            check_scales(scales, fmt, name, b_off)
-            region = out[buffer][slices]
-            region.copy_(quantize_with_scales(x, scales, fmt, origin).reshape(region.shape))
-            if scale_at is not None:
-                s_buffer, s_slices, _ = scale_at
-                region = out[s_buffer][s_slices]
-                region.copy_(scales.reshape(region.shape))
+            lead = self._lead(len(lengths))
+            for rows, cols in parts:
+                at = (*lead, rows, cols)
+                blocks = self._amax(source, p, at)
+                full = (*(slice(0, n) for n in lengths[:-2]), rows, cols)  # the part in the piece's grid
+                for i in self.by_consumer.get(p, []):
+                    # The row's blocks that fall in this part, in both grids.
+                    ex = self._exchange_slices(i, p)
+                    lo = [max(f.start, e.start) for f, e in zip(full, ex, strict=True)]
+                    hi = [min(f.stop, e.stop) for f, e in zip(full, ex, strict=True)]
+                    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                        continue
+                    mine = tuple(slice(low - f.start, h - f.start) for low, h, f in zip(lo, hi, full, strict=True))
+                    theirs = tuple(slice(low - e.start, h - e.start) for low, h, e in zip(lo, hi, ex, strict=True))
+                    partial = received[i] if i in received else self._partial(source, i, int(amax.provider_piece[i]))
+                    blocks[mine] = combine_amax(blocks[mine], partial[theirs])
+                scales = scales_from_amax(blocks, fmt)
+                elements, origin = self._elements(p, at)
+                if scale_at is None:  # nothing stages these scales: check them here
+                    check_scales(scales, fmt, name, tuple(o + s.start for o, s in zip(b_off, full, strict=True)))
+                region = out[buffer][slices][(..., *elements[-2:])]
+                region.copy_(quantize_with_scales(x[elements], scales, fmt, origin).reshape(region.shape))
+                if scale_at is not None:
+                    s_buffer, s_slices, _ = scale_at
+                    region = out[s_buffer][s_slices][..., rows, cols]
+                    region.copy_(scales.reshape(region.shape))
+        # Every staged piece's scales, as the torch path always checked them (the first
+        # poisoned block of the first poisoned piece in ``work`` is named, whichever path
+        # wrote it); one sync when none is.
+        staged = [(self.work[k], out[w[4][0]][w[4][1]].reshape(self._grid(w[0])))
+                  for k, w in enumerate(self.work) if w[4] is not None]
+        if staged and bool(torch.stack([poisoned(v, w[1]).any() for w, v in staged]).any()):
+            for (_p, fmt, name, _local, _scale_at, b_off, _origin), v in staged:
+                check_scales(v, fmt, name, b_off)
         return out

@@ -291,7 +291,7 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
         expected = np.ascontiguousarray(want[name][global_slices]).view(np.uint8).reshape(got.shape)
         if not np.array_equal(got, expected):
             problems.append(f"rank {rank} {name} {plan.destination.piece(p).box}: {int((got != expected).sum())} bytes")
-    return {"problems": problems, "fused": len(executor._quantizer.fused), "report": report.__dict__
+    return {"problems": problems, "fused": executor._quantizer.num_fused_regions, "report": report.__dict__
             if hasattr(report, "__dict__") else {f: getattr(report, f) for f in report.__dataclass_fields__}}
 
 
@@ -320,17 +320,21 @@ def test_fp8_refit_over_gloo_is_bit_exact_with_the_reference_quantizer(verify):
         assert sum(r.value["report"]["num_verified_boxes"] for r in results) == nonlocal_copies
 
 
-# Whole-block pieces (the fused kernel's) beside pieces whose blocks the shards cut (the
-# torch path's, after the exchange): 48 rows in 3 shards of 16, all-zero blocks in the
-# first half; 40 rows cut at 14 and 28.
+# Whole-block pieces (the fused kernel's) beside pieces whose blocks the shards cut: 48 rows
+# in 3 shards of 16, all-zero blocks in the first half; 56 rows cut at 19 and 38 and 40
+# columns cut at 14 and 28 (split blocks at a shard's top, bottom, left edge: the torch
+# path's, after the exchange; the whole blocks inside a shard: the kernel's).
 FP8_MIXED_SPEC = json.dumps({
     "domains": [0, 0, 1, 1, 2],
     "tensors": [
         {"name": "layers.0.zero_proj.weight", "shape": [48, 40], "dtype": "bfloat16",
          "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
          "destination": {"mesh": [3, 4], "placements": ["S(1)"], "format": "fp8-block16"}},
-        {"name": "layers.0.proj.weight", "shape": [40, 24], "dtype": "bfloat16",
+        {"name": "layers.0.proj.weight", "shape": [56, 24], "dtype": "bfloat16",
          "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(0)"], "format": "fp8-block16"}},
+        {"name": "layers.0.cols_proj.weight", "shape": [32, 40], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(1)"]},
          "destination": {"mesh": [3, 4], "placements": ["S(0)"], "format": "fp8-block16"}},
         {"name": "layers.0.experts.weight", "shape": [2, 8, 70], "dtype": "bfloat16",
          "source": {"mesh": [1, 2], "placements": ["S(0)"]},
@@ -350,15 +354,16 @@ def test_fp8_refit_with_the_fused_kernel_is_bit_exact():
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
         assert r.value["problems"] == [], r.value["problems"]
-    # ranks 0-2 each send a whole-block shard of zero_proj, ranks 1-2 an expert
-    assert [r.value["fused"] for r in results] == [1, 2, 2, 0, 0]
+    # ranks 0-2: a shard of zero_proj; ranks 1-2: an expert; ranks 0 and 2: the whole blocks
+    # of their proj shard; rank 2: those of its cols_proj shard
+    assert [r.value["fused"] for r in results] == [2, 2, 4, 0, 0]
 
 
 @needs_triton
 @pytest.mark.parametrize(("tensor", "element"), [("layers.0.zero_proj.weight", (40, 33)),
-                                                  ("layers.0.proj.weight", (15, 3))])
+                                                  ("layers.0.proj.weight", (17, 3))])
 def test_fp8_refit_refuses_a_nan_block_on_its_sender_alike_on_both_paths(tensor, element):
-    """A NaN in a fused piece or a split one: its sender raises ``NonFiniteBlockError``
+    """A NaN in a fused block or a split one: its sender raises ``NonFiniteBlockError``
     naming the tensor and block, with the torch backend's very message."""
     errors = {}
     for pack_backend in ("torch", "triton"):
