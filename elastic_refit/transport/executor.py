@@ -822,6 +822,8 @@ class _SourceQuantizer:
                 raise ValueError(f"rank {self.rank}: source buffer {missing[0]!r} is missing")
             program.pack([source[n].contiguous() for n in names], self._arena)
         for (p, fmt, name, (buffer, slices, lengths), scale_at, b_off, _origin), parts in zip(self.work, self.parts, strict=True):
+            if not parts:  # all of it in the fused kernel
+                continue
             x = self._piece(source, p)
             lead = self._lead(len(lengths))
             for rows, cols in parts:
