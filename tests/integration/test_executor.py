@@ -3,11 +3,11 @@ the plan, the staging budget, and failures that surface as TransportAborted ever
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 
 import pytest
+from elastic_refit.kernels import _triton_backend
 
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import TransferKind
@@ -342,7 +342,7 @@ FP8_MIXED_SPEC = json.dumps({
     ],
 })
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+needs_triton = pytest.mark.skipif(not _triton_backend.HAVE_TRITON, reason="triton not installed")
 
 
 @needs_triton
