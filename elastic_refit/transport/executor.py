@@ -546,6 +546,11 @@ def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(torch.empty(shape, device="meta").stride())
 
 
+def _all_lead(nd: int) -> tuple[slice, ...]:
+    """Every index of a box's leading dims (all but the last two)."""
+    return (slice(None),) * (nd - 2)
+
+
 def _have_triton() -> bool:
     from elastic_refit.kernels import _triton_backend
 
@@ -585,7 +590,7 @@ class _SourceQuantizer:
                 nd = len(src.tensors[int(src.piece_tensor[p])].shape)
                 scale_piece[(int(src.piece_tensor[p]), self._buffer(src, p), tuple(src.piece_offsets[p, :nd].tolist()),
                              tuple(src.piece_lengths[p, :nd].tolist()))] = p
-        self.work = []  # (piece, fmt, name, dtype, element slices, scale piece slices | None, block offsets, origin)
+        self.work = []  # (piece, fmt, name, (buffer, local slices, lengths), scale piece's | None, block offsets)
         self.buffers: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
         for p in mine.tolist():
             tid = int(src.piece_tensor[p])
@@ -609,8 +614,7 @@ class _SourceQuantizer:
             if p not in sending and s_piece not in sending:
                 continue
             self.work.append((p, fmt, src.tensors[tid].name, self._local(src, p, nd),
-                              None if s_piece is None else self._local(src, s_piece, nd), b_off,
-                              self._origin(src, p, nd, fmt)))
+                              None if s_piece is None else self._local(src, s_piece, nd), b_off))
         amax = q.amax
         self.sends = [i for i in range(len(amax)) if amax.provider[i] == rank and amax.kind[i] != 0]
         self.recvs = [i for i in range(len(amax)) if amax.consumer[i] == rank and amax.kind[i] != 0]
@@ -631,6 +635,7 @@ class _SourceQuantizer:
         # Per work item: the parts of its block grid the torch path quantizes (block slices of
         # the last two dims; the split blocks at its edges, or all of it), and the programs
         # of the fused kernel for the whole blocks inside (one per format, over the arena).
+        self.grids = [self._grid(w[0]) for w in self.work]
         self.parts, self.programs = self._partition(backend)
 
     @property
@@ -648,9 +653,8 @@ class _SourceQuantizer:
         use_kernel = backend == "triton" or (backend == "auto" and self.device.type == "cuda" and _have_triton())
         by_format: dict[str, tuple[object, list[str], list[QuantRegion]]] = {}
         parts: list[tuple[tuple[slice, slice], ...]] = []
-        for p, fmt, _name, (buffer, slices, lengths), scale_at, _b_off, _origin in self.work:
+        for (p, fmt, _name, (buffer, slices, lengths), scale_at, _b_off), grid in zip(self.work, self.grids, strict=True):
             nd = len(lengths)
-            grid = self._grid(p)
             whole = (slice(0, grid[-2]), slice(0, grid[-1]))
             inner = self._whole_blocks(p) if use_kernel and scale_at is not None else None
             if inner is not None and self.buffers[buffer][0] == "bfloat16" \
@@ -660,7 +664,7 @@ class _SourceQuantizer:
                     (slice(0, a), whole[1]), (slice(b, grid[-2]), whole[1]),
                     (slice(a, b), slice(0, c)), (slice(a, b), slice(d, grid[-1])),
                 ) if part[0].stop > part[0].start and part[1].stop > part[1].start))
-                rows_cols, _ = self._elements(p, (*self._lead(nd), slice(a, b), slice(c, d)))
+                rows_cols, _ = self._elements(p, (*_all_lead(nd), slice(a, b), slice(c, d)))
                 offsets = (*(sl.start for sl in slices[:-2]), *(sl.start + e.start for sl, e in zip(slices[-2:], rows_cols[-2:], strict=True)))
                 box = (*(sl.stop - sl.start for sl in slices[:-2]), *(e.stop - e.start for e in rows_cols[-2:]))
                 s_buffer, s_slices, _ = scale_at
@@ -690,9 +694,6 @@ class _SourceQuantizer:
         nd = len(src.tensors[tid].shape)
         fmt = self.q.format_of(src.tensors[tid].name)
         return tuple(fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())[1])
-
-    def _lead(self, nd: int) -> tuple[slice, ...]:
-        return (slice(None),) * (nd - 2)
 
     def _whole_blocks(self, p: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """Block rows and columns ``[a, b) x [c, d)`` of piece ``p``'s grid that lie whole in
@@ -751,10 +752,6 @@ class _SourceQuantizer:
         off, ln = layout.piece_local_offsets[p, :bnd], layout.piece_local_lengths[p, :bnd]
         return (_SourceQuantizer._buffer(layout, p), tuple(slice(int(o), int(o + n)) for o, n in zip(off, ln, strict=True)),
                 tuple(int(v) for v in layout.piece_lengths[p, :nd]))
-
-    @staticmethod
-    def _origin(layout, p: int, nd: int, fmt) -> tuple[int, int]:
-        return tuple(int(o) % b for o, b in zip(layout.piece_offsets[p, nd - 2 : nd], fmt.block_shape, strict=True))
 
     def _piece(self, source: Mapping[str, torch.Tensor], p: int) -> torch.Tensor:
         nd = len(self.src.tensors[int(self.src.piece_tensor[p])].shape)
@@ -821,11 +818,11 @@ class _SourceQuantizer:
             if missing:
                 raise ValueError(f"rank {self.rank}: source buffer {missing[0]!r} is missing")
             program.pack([source[n].contiguous() for n in names], self._arena)
-        for (p, fmt, name, (buffer, slices, lengths), scale_at, b_off, _origin), parts in zip(self.work, self.parts, strict=True):
+        for (p, fmt, name, (buffer, slices, lengths), scale_at, b_off), parts in zip(self.work, self.parts, strict=True):
             if not parts:  # all of it in the fused kernel
                 continue
             x = self._piece(source, p)
-            lead = self._lead(len(lengths))
+            lead = _all_lead(len(lengths))
             for rows, cols in parts:
                 at = (*lead, rows, cols)
                 blocks = self._amax(source, p, at)
@@ -854,9 +851,9 @@ class _SourceQuantizer:
         # Every staged piece's scales, as the torch path always checked them (the first
         # poisoned block of the first poisoned piece in ``work`` is named, whichever path
         # wrote it); one sync when none is.
-        staged = [(self.work[k], out[w[4][0]][w[4][1]].reshape(self._grid(w[0])))
-                  for k, w in enumerate(self.work) if w[4] is not None]
+        staged = [(w, out[w[4][0]][w[4][1]].reshape(grid)) for w, grid in zip(self.work, self.grids, strict=True)
+                  if w[4] is not None]
         if staged and bool(torch.stack([poisoned(v, w[1]).any() for w, v in staged]).any()):
-            for (_p, fmt, name, _local, _scale_at, b_off, _origin), v in staged:
+            for (_p, fmt, name, _local, _scale_at, b_off), v in staged:
                 check_scales(v, fmt, name, b_off)
         return out
