@@ -7,8 +7,8 @@ edge): its block grid starts at the box's first element. Packing writes the box'
 (row-major over the box's block grid ``[..., ceil(rows / BR), ceil(cols / BC)]``) at
 ``scale_offset_bytes`` of one uint8 bucket; a region with ``data_strides`` /
 ``scale_strides`` writes them strided instead (a box of a larger FP8 tensor and of its
-scale tensor, both views of the bucket: how the executor's senders quantize into staging). Unpacking places both into the destination's
-FP8 weight and scale tensors; that is two plain box copies per region, so it is a
+scale tensor, both views of the bucket: how the executor's senders quantize into their
+staging). Unpacking places both into the destination's FP8 weight and scale tensors; that is two plain box copies per region, so it is a
 :class:`PackProgram` over derived regions and reuses its kernel.
 
 A bucket may hold regions of several formats (and plain BF16 ones): one program per format
@@ -466,6 +466,8 @@ class QuantUnpackProgram:
         for k, r in enumerate(regions):
             if not isinstance(r, QuantRegion):
                 r = QuantRegion(*r)
+            if r.strided:
+                raise ValueError(f"region {k}: strided regions are for packing; unpacking reads packed ones")
             if r.tensor_index >= n:
                 raise ValueError(f"region {k}: tensor_index {r.tensor_index} out of range for {n} tensors")
             w = weights[r.tensor_index]

@@ -487,6 +487,9 @@ def test_strided_region_validation():
         QuantRegion(0, (0, 0), (4, 8), 0, 0, data_strides=(4, 1))
     with pytest.raises(ValueError, match="scale_strides"):
         QuantRegion(0, (0, 0), (4, 8), 0, 0, scale_strides=(1,))
+    with pytest.raises(ValueError, match="strided regions are for packing"):
+        QuantUnpackProgram([(16, 16)], [(1, 1)], [QuantRegion(0, (0, 0), (16, 16), 0, 256, data_strides=(16, 1))],
+                           FP8_16)
 
 
 @needs_triton
