@@ -26,7 +26,8 @@ Quantize on the way (``kernels.quantize``, ``kernels.quant_program``; formats in
 
 ``QuantRegion(tensor_index, offsets, lengths, packed_offset_bytes, scale_offset_bytes)``
     One box of a BF16 tensor whose blocks are whole; its E4M3 bytes and its scales go to
-    two ranges of the bucket.
+    two ranges of the bucket (or, with ``data_strides`` / ``scale_strides``, to boxes of
+    an FP8 tensor and its scale grid that live inside the bucket).
 ``QuantPackProgram(shapes, regions, fmt, ...)``
     Fused pack + quantize of many boxes (Triton on CUDA, one launch per group of similar
     boxes; the torch reference on CPU); ``check(buf)`` raises for NaN/Inf blocks.

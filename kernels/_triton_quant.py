@@ -16,10 +16,12 @@ box's leading dims), addresses resolved for one set of tensors and buffer:
 1   element offset of the slice's first element in its tensor
 2   the tensor's row stride in elements (its last dim)
 3   rows of the slice, 4 columns of the slice
-5   byte offset of the slice's FP8 bytes in the buffer (row-major, ``rows * cols``)
-6   byte offset of the slice's scales in the buffer (row-major over its block grid)
+5   byte offset of the slice's FP8 bytes in the buffer (rows ``p_stride`` bytes apart)
+6   byte offset of the slice's scales in the buffer (rows of its block grid ``s_stride`` apart)
 7   tiles per tile row of the slice, 8 first tile (program id) of the slice
 9   scale blocks per row of the slice (``ceil(cols / BC)``)
+10  ``p_stride``: bytes from one FP8 row to the next (``cols`` when packed)
+11  ``s_stride``: scales from one block row to the next (word 9 when packed)
 ==  ==============================================================================
 
 One program quantizes one tile of ``TR x TC`` elements (whole blocks). When a block is
@@ -41,7 +43,7 @@ if globals().get("_KERNELS_INTERPRET", False):
 else:
     _jit = triton.jit
 
-DESC_WORDS = 10
+DESC_WORDS = 12
 # Triton's CPU interpreter evaluates an FMA as a rounded multiply and a rounded add, which
 # breaks ``_divide``'s exactness; interpreted, the kernel divides (the same result, slower).
 _FUSED_FMA = tl.constexpr(not globals().get("_KERNELS_INTERPRET", False))
@@ -55,30 +57,42 @@ def _max(x, axis: tl.constexpr):
 
 
 @_jit
-def _row_mask(rows, n_r):
+def _rows(x, BLOCKS3: tl.constexpr):
+    """A per-row vector as a column of the tile: ``[R, 1]``, or ``[R, 1, 1]`` for tiles held
+    as ``(rows, blocks, block columns)``."""
+    if BLOCKS3:
+        return x[:, None, None]
+    else:
+        return x[:, None]
+
+
+@_jit
+def _row_mask(rows, n_r, BLOCKS3: tl.constexpr):
     """The mask of a tile cut across its rows only, as one column: tl.load/store broadcast it
     along the row, and a mask constant along a row keeps the row's accesses vectorised (a
     full 2-D mask, which Triton cannot prove constant over a vector, makes every access
     scalar: 2-3x slower for a [576, 7168] tensor measured on an H200)."""
-    return (rows < n_r)[:, None]
+    return _rows(rows < n_r, BLOCKS3)
 
 
 @_jit
 def _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
-          ALIGNED: tl.constexpr, EVICT: tl.constexpr):
+          ALIGNED: tl.constexpr, EVICT: tl.constexpr, BLOCKS3: tl.constexpr = False):
     """The tile's values as float32 (subnormals flushed to signed zero), their magnitudes
-    (0 for non-finite values) and the non-finite mask (int32). ``EVICT``: the cache policy
-    (``evict_last`` for a first pass whose bytes the second pass reads again)."""
+    (0 for non-finite values) and the non-finite mask (int32). ``rows``: the tile's rows (1-D),
+    ``cols``: its columns shaped as a row of the tile (``[1, TC]``, or ``[1, NBC, BC]`` with
+    ``BLOCKS3``). ``EVICT``: the cache policy (``evict_last`` for a first pass whose bytes
+    the second pass reads again)."""
     r_off = rows.to(tl.int64) * stride
     if ALIGNED:
         r_off = tl.multiple_of(r_off, 8)
-    ptrs = src + s_base + r_off[:, None] + cols[None, :]
+    ptrs = src + s_base + _rows(r_off, BLOCKS3) + cols
     if EVEN_ROWS and EVEN_COLS:
         x = tl.load(ptrs, eviction_policy=EVICT)
     elif EVEN_COLS:
-        x = tl.load(ptrs, mask=_row_mask(rows, n_r), other=0.0, eviction_policy=EVICT)
+        x = tl.load(ptrs, mask=_row_mask(rows, n_r, BLOCKS3), other=0.0, eviction_policy=EVICT)
     else:
-        mask = (rows < n_r)[:, None] & (cols < n_c)[None, :]
+        mask = _row_mask(rows, n_r, BLOCKS3) & (cols < n_c)
         x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
     bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     expo = bits & 0x7F800000
@@ -140,13 +154,17 @@ def _divide(v, unit, rcp, pow2):
     of BF16 value and BF16 block amax, and the float32 quotients wherever they matter."""
     x = v * pow2
     if _FUSED_FMA:
+        # Per-block operands may come as [1, NBC, 1] (BLOCKS3): shaped like x for the FMA,
+        # a broadcast in registers (a no-op for operands already shaped like x).
+        unit = tl.broadcast_to(unit, x.shape)
+        rcp = tl.broadcast_to(rcp, x.shape)
         q = x * rcp
         e = tl.fma(-q, unit, x)
         # A zero q keeps its sign (div_rn's -0 for a negative v whose quotient flushes);
         # the correction would turn it into +0.
         x = tl.where(q == 0.0, q, tl.fma(e, rcp, q))
     else:
-        x = tl.math.div_rn(x, unit)
+        x = tl.math.div_rn(x, tl.broadcast_to(unit, x.shape))
     return x
 
 
@@ -166,18 +184,19 @@ def _quantize(v, per, rcp, pow2, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.const
 
 
 @_jit
-def _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
-             ALIGNED: tl.constexpr):
-    p_row = p_off + rows.to(tl.int64) * n_c
+def _store_q(dst, p_off, p_stride, rows, cols, n_r, n_c, q, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
+             ALIGNED: tl.constexpr, BLOCKS3: tl.constexpr = False):
+    """Store E4M3 bytes ``q`` of the tile (``rows``, ``cols`` as for ``_load``)."""
+    p_row = p_off + rows.to(tl.int64) * p_stride
     if ALIGNED:
         p_row = tl.multiple_of(p_row, 16)
-    ptrs = dst + p_row[:, None] + cols[None, :]
+    ptrs = dst + _rows(p_row, BLOCKS3) + cols
     if EVEN_ROWS and EVEN_COLS:
         tl.store(ptrs, q.to(tl.int8))
     elif EVEN_COLS:
-        tl.store(ptrs, q.to(tl.int8), mask=_row_mask(rows, n_r))
+        tl.store(ptrs, q.to(tl.int8), mask=_row_mask(rows, n_r, BLOCKS3))
     else:
-        mask = (rows < n_r)[:, None] & (cols < n_c)[None, :]
+        mask = _row_mask(rows, n_r, BLOCKS3) & (cols < n_c)
         tl.store(ptrs, q.to(tl.int8), mask=mask)
 
 
@@ -196,17 +215,20 @@ def quant_pack_kernel(
     EVEN_COLS: tl.constexpr,
     ALIGNED: tl.constexpr,
     SOFT_CAST: tl.constexpr,
+    BLOCKS3: tl.constexpr = False,
 ):
     """One program quantizes one ``TR x TC`` tile of one slice into the buffer.
 
     ``KIND`` 0: fp8-block (float32 scale_inv), 1: mxfp8 (E8M0 codes). ``EVEN_ROWS`` /
     ``EVEN_COLS``: every slice of the launch is whole tiles down / across (no mask there); ``ALIGNED``: every address and row is
     16-byte aligned (vector accesses); ``SOFT_CAST``: integer E4M3 conversion instead of
-    the hardware one (the interpreter's is inexact for E4M3 subnormals).
+    the hardware one (the interpreter's is inexact for E4M3 subnormals); ``BLOCKS3``: the
+    CR-row path (``CR < TR``) holds its chunks as ``(CR, NBC, BC)`` (a variant to time
+    against the [CR, TC] one; same bytes).
     """
     pid = tl.program_id(0)
     e = tl.load(tile_entry_ptr + pid).to(tl.int64)
-    d = desc_ptr + e * 10
+    d = desc_ptr + e * 12
     delta = tl.load(d)
     t_off = tl.load(d + 1)
     stride = tl.load(d + 2)
@@ -217,6 +239,8 @@ def quant_pack_kernel(
     tpr = tl.load(d + 7).to(tl.int32)
     tile0 = tl.load(d + 8).to(tl.int32)
     n_bc = tl.load(d + 9).to(tl.int32)
+    p_stride = tl.load(d + 10)
+    s_stride = tl.load(d + 11)
     t = pid - tile0
     tr = t // tpr
     tc = t - tr * tpr
@@ -233,7 +257,7 @@ def quant_pack_kernel(
     if CR == TR:
         # One pass: the tile holds NBR x NBC whole blocks.
         rows = tr * TR + tl.arange(0, TR)
-        v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
+        v, mag, nf = _load(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
         amax = _max(_max(tl.reshape(mag, (NBR, BR, NBC, BC)), axis=3), axis=1)
         bad = _max(_max(tl.reshape(nf, (NBR, BR, NBC, BC)), axis=3), axis=1)
         scale, rcp, pow2, stored = _scales(amax, bad, KIND)
@@ -242,15 +266,42 @@ def quant_pack_kernel(
         per_pow2 = tl.reshape(tl.broadcast_to(tl.reshape(pow2, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
         bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (NBR, 1, NBC, 1)), (NBR, BR, NBC, BC)), (TR, TC))
         q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
-        _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
+        _store_q(dst, p_off, p_stride, rows, cols[None, :], n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
         b_r = tr * NBR + tl.arange(0, NBR)
+    elif BLOCKS3:
+        # As below, with the tile held as (CR, NBC, BC) throughout: loads, reductions and
+        # stores in that shape, and each block's scale, reciprocal, power of two and poison
+        # flag as [1, NBC, 1], broadcast by the arithmetic (no [CR, TC] copies of them, no
+        # reshapes between layouts).
+        cols3 = tc * TC + (tl.arange(0, NBC) * BC)[None, :, None] + tl.arange(0, BC)[None, None, :]
+        amax = tl.full((NBC,), 0.0, tl.float32)
+        bad = tl.full((NBC,), 0, tl.int32)
+        for c in tl.range(TR // CR):
+            rows = tr * TR + c * CR + tl.arange(0, CR)
+            _v, mag, nf = _load(src, s_base, stride, rows, cols3, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last",
+                                True)
+            amax = tl.maximum(amax, _max(_max(mag, axis=2), axis=0))
+            bad = tl.maximum(bad, _max(_max(nf, axis=2), axis=0))
+        scale, rcp, pow2, stored = _scales(amax, bad, KIND)
+        scale3 = tl.reshape(scale, (1, NBC, 1))
+        rcp3 = tl.reshape(rcp, (1, NBC, 1))
+        pow2_3 = tl.reshape(pow2, (1, NBC, 1))
+        bad3 = tl.reshape(bad, (1, NBC, 1))
+        for c in tl.range(TR // CR):
+            rows = tr * TR + c * CR + tl.arange(0, CR)
+            v, _mag, _nf = _load(src, s_base, stride, rows, cols3, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first",
+                                 True)
+            q = _quantize(v, scale3, rcp3, pow2_3, bad3, KIND, SOFT_CAST)
+            _store_q(dst, p_off, p_stride, rows, cols3, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED, True)
+        stored = tl.reshape(stored, (1, NBC))
+        b_r = tr + tl.arange(0, 1)
     else:
         # Blocks as tall as the tile (NBR == 1), read in CR-row chunks: amax, then quantize.
         amax = tl.full((NBC,), 0.0, tl.float32)
         bad = tl.full((NBC,), 0, tl.int32)
         for c in tl.range(TR // CR):
             rows = tr * TR + c * CR + tl.arange(0, CR)
-            _v, mag, nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last")
+            _v, mag, nf = _load(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last")
             amax = tl.maximum(amax, _max(_max(tl.reshape(mag, (CR, NBC, BC)), axis=2), axis=0))
             bad = tl.maximum(bad, _max(_max(tl.reshape(nf, (CR, NBC, BC)), axis=2), axis=0))
         scale, rcp, pow2, stored = _scales(amax, bad, KIND)
@@ -260,14 +311,14 @@ def quant_pack_kernel(
         bad_el = tl.reshape(tl.broadcast_to(tl.reshape(bad, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
         for c in tl.range(TR // CR):
             rows = tr * TR + c * CR + tl.arange(0, CR)
-            v, _mag, _nf = _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
+            v, _mag, _nf = _load(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
             q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
-            _store_q(dst, p_off, rows, cols, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
+            _store_q(dst, p_off, p_stride, rows, cols[None, :], n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
         stored = tl.reshape(stored, (1, NBC))
         b_r = tr + tl.arange(0, 1)
     b_c = tc * NBC + tl.arange(0, NBC)
     s_mask = (b_r < n_br)[:, None] & (b_c < n_bc)[None, :]
-    s_idx = b_r.to(tl.int64)[:, None] * n_bc + b_c[None, :]
+    s_idx = b_r.to(tl.int64)[:, None] * s_stride + b_c[None, :]
     if KIND == 0:
         s_ptr = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + s_off // 4
         tl.store(s_ptr + s_idx, stored, mask=s_mask)

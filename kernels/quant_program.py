@@ -5,8 +5,10 @@ cuts boxes on block boundaries of the global tensor; partial blocks only at the 
 edge): its block grid starts at the box's first element. Packing writes the box's E4M3 bytes
 (row-major box order, one byte per element) at ``packed_offset_bytes`` and its scales
 (row-major over the box's block grid ``[..., ceil(rows / BR), ceil(cols / BC)]``) at
-``scale_offset_bytes`` of one uint8 bucket. Unpacking places both into the destination's
-FP8 weight and scale tensors; that is two plain box copies per region, so it is a
+``scale_offset_bytes`` of one uint8 bucket; a region with ``data_strides`` /
+``scale_strides`` writes them strided instead (a box of a larger FP8 tensor and of its
+scale tensor, both views of the bucket: how the executor's senders quantize into their
+staging). Unpacking places both into the destination's FP8 weight and scale tensors; that is two plain box copies per region, so it is a
 :class:`PackProgram` over derived regions and reuses its kernel.
 
 A bucket may hold regions of several formats (and plain BF16 ones): one program per format
@@ -32,6 +34,7 @@ from .quantize import (
     NonFiniteBlockError,
     as_scheme,
     block_amax,
+    poisoned,
     quantize_with_scales,
     scales_from_amax,
 )
@@ -39,7 +42,7 @@ from .quantize import (
 __all__ = ["QuantPackProgram", "QuantRegion", "QuantUnpackProgram", "quant_regions_nbytes"]
 
 _QUANT_SOURCE = "_triton_quant.py"
-_DESC_WORDS = 10
+_DESC_WORDS = 12
 _TABLE_CACHE = 16
 _TILE_ELEMENTS = 4096  # elements one pass of a program holds in registers
 
@@ -62,6 +65,12 @@ class QuantRegion:
     lengths: tuple[int, ...]
     packed_offset_bytes: int
     scale_offset_bytes: int
+    # Strided output (None: packed row-major): bytes between FP8 elements along each dim,
+    # and scales between entries of the block grid along each dim; rows stay contiguous
+    # (last stride 1). Strided regions are not checked for overlap among themselves: they
+    # are boxes of tensors whose layout keeps them apart.
+    data_strides: tuple[int, ...] | None = None
+    scale_strides: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         BoxRegion(self.tensor_index, self.offsets, self.lengths, self.packed_offset_bytes)  # the box's own checks
@@ -69,6 +78,39 @@ class QuantRegion:
             raise ValueError(f"offsets {self.offsets} and lengths {self.lengths} must have one rank >= 2")
         if not _is_int(self.scale_offset_bytes) or self.scale_offset_bytes < 0:
             raise ValueError(f"scale_offset_bytes must be an int >= 0, got {self.scale_offset_bytes!r}")
+        for what in ("data_strides", "scale_strides"):
+            strides = getattr(self, what)
+            if strides is None:
+                continue
+            strides = tuple(strides)
+            if len(strides) != len(self.lengths) or not all(_is_int(v) and v >= 1 for v in strides) or strides[-1] != 1:
+                raise ValueError(f"{what} must be {len(self.lengths)} ints >= 1 ending in 1, got {getattr(self, what)!r}")
+            object.__setattr__(self, what, strides)
+        if self.data_strides is not None and self.data_strides[-2] < self.lengths[-1]:
+            raise ValueError(f"data_strides {self.data_strides}: rows of {self.lengths[-1]} bytes would overlap")
+
+    @property
+    def strided(self) -> bool:
+        return self.data_strides is not None or self.scale_strides is not None
+
+    def data_strides_of(self) -> tuple[int, ...]:
+        """Bytes between FP8 elements along each dim (row-major over the box unless given)."""
+        return self.data_strides if self.data_strides is not None else _dense(self.lengths)
+
+    def scale_strides_of(self, fmt: object) -> tuple[int, ...]:
+        """Scales between entries of the box's block grid along each dim."""
+        return self.scale_strides if self.scale_strides is not None else _dense(self.block_lengths(fmt))
+
+    def data_end(self) -> int:
+        """One past the last FP8 byte the region writes (0 when empty)."""
+        return _end(self.packed_offset_bytes, self.lengths, self.data_strides_of(), 1) if self.numel else 0
+
+    def scale_end(self, fmt: object) -> int:
+        """One past the last scale byte the region writes (0 when empty)."""
+        if not self.numel:
+            return 0
+        isz = as_scheme(fmt).scale_itemsize
+        return _end(self.scale_offset_bytes, self.block_lengths(fmt), self.scale_strides_of(fmt), isz)
 
     @property
     def numel(self) -> int:
@@ -87,13 +129,20 @@ class QuantRegion:
         return self.num_blocks(fmt) * as_scheme(fmt).scale_itemsize
 
 
+def _dense(lengths: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(lengths)
+    for k in range(len(lengths) - 2, -1, -1):
+        strides[k] = strides[k + 1] * max(int(lengths[k + 1]), 1)
+    return tuple(strides)
+
+
+def _end(offset: int, lengths: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    return offset + (sum((n - 1) * s for n, s in zip(lengths, strides, strict=True)) + 1) * itemsize
+
+
 def quant_regions_nbytes(regions: Sequence[QuantRegion], fmt: object) -> int:
     """Bytes a bucket needs for ``regions``: the end of the last data or scale range."""
-    end = 0
-    for r in regions:
-        if r.numel:
-            end = max(end, r.packed_offset_bytes + r.numel, r.scale_offset_bytes + r.scale_nbytes(fmt))
-    return end
+    return max((max(r.data_end(), r.scale_end(fmt)) for r in regions), default=0)
 
 
 def _tiles(scheme: BlockScheme, chunk_rows: int | None = None) -> tuple[int, int, int]:
@@ -138,7 +187,8 @@ class QuantPackProgram:
     E4M3 conversion in the kernel instead of the hardware one (default: only when
     interpreted, where Triton's conversion is inexact). ``num_warps`` and ``chunk_rows``
     (rows per pass of a 128-row block: fewer registers, two reads; ``128``: one pass) tune
-    the kernel.
+    the kernel; ``blocks3`` picks the variant of the multi-pass path that holds its chunks
+    as (rows, blocks, block columns) (same bytes; for timing against the default).
 
     Packing never raises for data: a block with NaN/Inf is written poisoned (NaN scale,
     0x7f bytes, see ``kernels.quantize``); :meth:`check` raises
@@ -158,6 +208,7 @@ class QuantPackProgram:
         soft_cast: bool | None = None,
         num_warps: int = 8,
         chunk_rows: int | None = None,
+        blocks3: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -179,6 +230,7 @@ class QuantPackProgram:
                 raise ValueError(f"backend 'triton' quantizes bfloat16 tensors; tensor {bad[0]} is {self.dtypes[bad[0]]}")
         self.soft_cast = self.device.type != "cuda" if soft_cast is None else bool(soft_cast)
         self.num_warps = num_warps
+        self.blocks3 = bool(blocks3)
         self.tiles = _tiles(self.scheme, chunk_rows)
         self.regions = tuple(self._check_region(i, r) for i, r in enumerate(regions))
         self.nbytes = quant_regions_nbytes(self.regions, self.scheme)
@@ -190,8 +242,8 @@ class QuantPackProgram:
     def _check_region(self, i: int, region: QuantRegion | tuple) -> QuantRegion:
         if not isinstance(region, QuantRegion):
             try:
-                ti, offs, lens, poff, soff = region
-                region = QuantRegion(ti, tuple(offs), tuple(lens), poff, soff)
+                ti, offs, lens, poff, soff, *strides = region
+                region = QuantRegion(ti, tuple(offs), tuple(lens), poff, soff, *strides)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"region {i}: {region!r} is not a QuantRegion: {exc}") from exc
         if region.tensor_index >= len(self.shapes):
@@ -215,7 +267,7 @@ class QuantPackProgram:
     def _check_packed_overlap(self) -> None:
         spans = []
         for i, r in enumerate(self.regions):
-            if r.numel:
+            if r.numel and not r.strided:
                 spans.append((r.packed_offset_bytes, r.packed_offset_bytes + r.numel, i, "data"))
                 spans.append((r.scale_offset_bytes, r.scale_offset_bytes + r.scale_nbytes(self.scheme), i, "scales"))
         spans.sort()
@@ -246,7 +298,7 @@ class QuantPackProgram:
     # -- Triton plan --------------------------------------------------------------------
     def _build_groups(self) -> tuple[_Group, ...]:
         tr, tc, _cr = self.tiles
-        br, bc = self.scheme.block_shape
+        bc = self.scheme.block_shape[1]
         isz = self.scheme.scale_itemsize
         rows_by_key: dict[tuple[bool, bool, bool], list[list[int]]] = {}
         for r in self.regions:
@@ -258,16 +310,19 @@ class QuantPackProgram:
                 strides[k] = strides[k + 1] * shape[k + 1]
             *lead_o, r0, c0 = r.offsets
             *lead_n, rows, cols = r.lengths
-            nbr, nbc = -(-rows // br), -(-cols // bc)
+            nbc = -(-cols // bc)
+            d_str, s_str = r.data_strides_of(), r.scale_strides_of(self.scheme)
             even = (rows % tr == 0, cols % tc == 0)
-            for i, idx in enumerate(itertools.product(*(range(n) for n in lead_n))):
+            for idx in itertools.product(*(range(n) for n in lead_n)):
                 t_off = sum((o + j) * s for o, j, s in zip(lead_o, idx, strides, strict=False)) + r0 * shape[-1] + c0
-                p_off = r.packed_offset_bytes + i * rows * cols
-                s_off = r.scale_offset_bytes + i * nbr * nbc * isz
-                aligned = (t_off * 2) % 16 == 0 and (shape[-1] * 2) % 16 == 0 and p_off % 16 == 0 and cols % 16 == 0
+                p_off = r.packed_offset_bytes + sum(j * s for j, s in zip(idx, d_str, strict=False))
+                s_off = r.scale_offset_bytes + sum(j * s for j, s in zip(idx, s_str, strict=False)) * isz
+                aligned = ((t_off * 2) % 16 == 0 and (shape[-1] * 2) % 16 == 0 and p_off % 16 == 0
+                           and cols % 16 == 0 and d_str[-2] % 16 == 0)
                 tiles = -(-rows // tr) * -(-cols // tc)
                 rows_by_key.setdefault((*even, aligned), []).append(
-                    [r.tensor_index, t_off, shape[-1], rows, cols, p_off, s_off, -(-cols // tc), tiles, nbc]
+                    [r.tensor_index, t_off, shape[-1], rows, cols, p_off, s_off, -(-cols // tc), tiles, nbc,
+                     d_str[-2], s_str[-2]]
                 )
         groups = []
         for (even_rows, even_cols, aligned), rows_ in sorted(rows_by_key.items()):
@@ -310,7 +365,8 @@ class QuantPackProgram:
         for g, (desc, aligned) in zip(self._groups, self._resolved(tensors, buf), strict=True):
             mod.quant_pack_kernel[(g.num_tiles,)](
                 buf, desc, g.tile_entry, KIND=kind, BR=br, BC=bc, TR=tr, TC=tc, CR=cr,
-                EVEN_ROWS=g.even_rows, EVEN_COLS=g.even_cols, ALIGNED=aligned, SOFT_CAST=self.soft_cast, num_warps=self.num_warps,
+                EVEN_ROWS=g.even_rows, EVEN_COLS=g.even_cols, ALIGNED=aligned, SOFT_CAST=self.soft_cast, BLOCKS3=self.blocks3,
+                num_warps=self.num_warps,
             )
 
     # -- public -------------------------------------------------------------------------
@@ -330,22 +386,20 @@ class QuantPackProgram:
         return out
 
     def _pack_torch(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        for r in self.regions:
+        for i, r in enumerate(self.regions):
             if not r.numel:
                 continue
             box = tensors[r.tensor_index][tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True))]
             scales = scales_from_amax(block_amax(box, self.scheme), self.scheme)
             q = quantize_with_scales(box, scales, self.scheme)
-            out[r.packed_offset_bytes : r.packed_offset_bytes + r.numel].copy_(q.reshape(-1).view(torch.uint8))
-            n = r.scale_nbytes(self.scheme)
-            out[r.scale_offset_bytes : r.scale_offset_bytes + n].copy_(scales.reshape(-1).view(torch.uint8))
+            out[r.packed_offset_bytes :].as_strided(r.lengths, r.data_strides_of()).copy_(q.view(torch.uint8))
+            self.scales(out, i).copy_(scales)
 
     def scales(self, buf: torch.Tensor, index: int) -> torch.Tensor:
         """Region ``index``'s scales in ``buf``, shaped as its block grid (a view)."""
         r = self.regions[index]
-        n = r.scale_nbytes(self.scheme)
-        raw = buf[r.scale_offset_bytes : r.scale_offset_bytes + n]
-        return raw.view(self.scheme.scale_dtype).reshape(r.block_lengths(self.scheme))
+        raw = buf[r.scale_offset_bytes : r.scale_end(self.scheme)].view(self.scheme.scale_dtype)
+        return raw.as_strided(r.block_lengths(self.scheme), r.scale_strides_of(self.scheme))
 
     def check(self, buf: torch.Tensor) -> None:
         """Raise :class:`NonFiniteBlockError` for the first poisoned block in ``buf`` (one
@@ -355,15 +409,14 @@ class QuantPackProgram:
         for i, r in enumerate(self.regions):
             if r.numel:
                 s = self.scales(buf, i)
-                flags.append((i, torch.isnan(s).any() if self.scheme.kind == "fp8-block" else (s == 255).any()))
+                flags.append((i, poisoned(s, self.scheme).any()))
         if not flags or not bool(torch.stack([f for _, f in flags]).any()):
             return
         for i, f in flags:
             if bool(f):
                 r = self.regions[i]
                 s = self.scales(buf, i)
-                bad = torch.isnan(s) if self.scheme.kind == "fp8-block" else s == 255
-                idx = [int(v) for v in torch.nonzero(bad)[0].tolist()]
+                idx = [int(v) for v in torch.nonzero(poisoned(s, self.scheme))[0].tolist()]
                 *lead, rb, cb = idx
                 block = (*(o + j for o, j in zip(r.offsets[:-2], lead, strict=True)),
                          r.offsets[-2] // br + rb, r.offsets[-1] // bc + cb)
@@ -413,6 +466,8 @@ class QuantUnpackProgram:
         for k, r in enumerate(regions):
             if not isinstance(r, QuantRegion):
                 r = QuantRegion(*r)
+            if r.strided:
+                raise ValueError(f"region {k}: strided regions are for packing; unpacking reads packed ones")
             if r.tensor_index >= n:
                 raise ValueError(f"region {k}: tensor_index {r.tensor_index} out of range for {n} tensors")
             w = weights[r.tensor_index]

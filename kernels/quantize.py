@@ -60,6 +60,7 @@ __all__ = [
     "combine_amax",
     "dequantize_reference",
     "e4m3_bits_reference",
+    "poisoned",
     "quantize_reference",
     "quantize_with_scales",
     "scale_shape",
@@ -284,6 +285,11 @@ def scales_from_amax(amax: torch.Tensor, fmt: object) -> torch.Tensor:
 
 def _poisoned(scales: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.isnan(scales) if kind == "fp8-block" else scales == E8M0_NAN
+
+
+def poisoned(scales: torch.Tensor, fmt: object) -> torch.Tensor:
+    """Which blocks of ``scales`` (the format's scale dtype) are poisoned (NaN / Inf held)."""
+    return _poisoned(scales, as_scheme(fmt).kind)
 
 
 def quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, fmt: object,

@@ -16,6 +16,7 @@ from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.world import RefitCase, WorkerOptions, refit_rank
 from tests.integration.test_executor import (
     ALL_CASES,
+    FP8_MIXED_SPEC,
     FP8_SPEC,
     TINY_DENSE,
     _fp8_refit,
@@ -63,3 +64,16 @@ def test_nccl_fp8_refit_is_bit_exact_with_the_cpu_reference_quantizer(backend):
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
         assert r.value["problems"] == [], r.value["problems"]
+
+
+@pytest.mark.parametrize("pack_backend", ["torch", "auto"])
+def test_nccl_fp8_refit_with_the_fused_kernel_is_bit_exact(pack_backend):
+    """``auto`` on CUDA: whole blocks through the compiled fused kernel straight into the
+    staging, split blocks on the torch path; ``torch``: all on the torch path. Both hold
+    the CPU reference's bytes; the fused kernel ran where it should."""
+    results = run_local_world(_fp8_refit, 5, (FP8_MIXED_SPEC, True, "nccl", pack_backend), timeout_s=240,
+                              rank_env=nccl_rank_env)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+    assert [r.value["fused"] for r in results] == ([2, 2, 4, 0, 0] if pack_backend == "auto" else [0] * 5)

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from elastic_refit.kernels import _triton_backend
 
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import TransferKind
@@ -237,13 +238,18 @@ def _finite_bf16(name: str, shape):
 
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+    if "zero" in name:  # all-zero blocks (their scale is 1.0) beside ordinary ones
+        x[..., : shape[-2] // 2, :] = 0
     return x.to(torch.bfloat16)
 
 
-def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, backend: str = "gloo") -> dict:
+def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, backend: str = "gloo",
+               pack_backend: str = "auto", poison: tuple[str, tuple[int, ...]] | None = None) -> dict:
     """One rank of a quantized refit: BF16 sources in, FP8 weights and scales out, compared
     byte for byte with the CPU reference quantizer of every whole tensor. On an NCCL
-    ``backend`` the buffers live on the rank's GPU (the senders quantize there)."""
+    ``backend`` the buffers live on the rank's GPU (the senders quantize there).
+    ``poison``: (tensor, element) made NaN in the sources. ``fused``: the pieces this rank
+    quantized with the fused kernel."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -260,6 +266,8 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
     plan = make_plan(spec.source, spec.destination, spec.topology, formats=spec.destination_formats)
     q = plan.quantization
     tensors = {t.name: _finite_bf16(t.name, t.shape) for t in q.logical_source.tensors}
+    if poison is not None:
+        tensors[poison[0]][poison[1]] = float("nan")
     transport = make_transport(dist.PrefixStore("fp8", store), rank, world_size, backend, 20.0)
     src = allocate(q.logical_source, rank, fill=0, device=transport.device)
     for p in np.flatnonzero(q.logical_source.piece_rank == rank).tolist():
@@ -269,7 +277,9 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
         region.copy_(tensors[name][global_slices].reshape(region.shape))
     dst = allocate(plan.destination, rank, fill=SENTINEL, device=transport.device)
     try:
-        report = Executor(plan, transport, ExecutorOptions(staging_bytes=1 << 20, verify=verify)).run(src, dst)
+        options = ExecutorOptions(staging_bytes=1 << 20, verify=verify, pack_backend=pack_backend)
+        executor = Executor(plan, transport, options)
+        report = executor.run(src, dst)
     finally:
         transport.abort()
     want = reference_destination(plan, {n: t.view(torch.int16).numpy().view(np.uint16) for n, t in tensors.items()})
@@ -281,8 +291,8 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
         expected = np.ascontiguousarray(want[name][global_slices]).view(np.uint8).reshape(got.shape)
         if not np.array_equal(got, expected):
             problems.append(f"rank {rank} {name} {plan.destination.piece(p).box}: {int((got != expected).sum())} bytes")
-    return {"problems": problems, "report": report.__dict__ if hasattr(report, "__dict__") else
-            {f: getattr(report, f) for f in report.__dataclass_fields__}}
+    return {"problems": problems, "fused": executor._quantizer.num_fused_regions, "report": report.__dict__
+            if hasattr(report, "__dict__") else {f: getattr(report, f) for f in report.__dataclass_fields__}}
 
 
 @pytest.mark.parametrize("verify", [False, True])
@@ -310,10 +320,68 @@ def test_fp8_refit_over_gloo_is_bit_exact_with_the_reference_quantizer(verify):
         assert sum(r.value["report"]["num_verified_boxes"] for r in results) == nonlocal_copies
 
 
-def test_fp8_bench_of_a_fused_moe_preset_is_verified():
+# Whole-block pieces (the fused kernel's) beside pieces whose blocks the shards cut: 48 rows
+# in 3 shards of 16, all-zero blocks in the first half; 56 rows cut at 19 and 38 and 40
+# columns cut at 14 and 28 (split blocks at a shard's top, bottom, left edge: the torch
+# path's, after the exchange; the whole blocks inside a shard: the kernel's).
+FP8_MIXED_SPEC = json.dumps({
+    "domains": [0, 0, 1, 1, 2],
+    "tensors": [
+        {"name": "layers.0.zero_proj.weight", "shape": [48, 40], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(1)"], "format": "fp8-block16"}},
+        {"name": "layers.0.proj.weight", "shape": [56, 24], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(0)"], "format": "fp8-block16"}},
+        {"name": "layers.0.cols_proj.weight", "shape": [32, 40], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1, 2], "placements": ["S(1)"]},
+         "destination": {"mesh": [3, 4], "placements": ["S(0)"], "format": "fp8-block16"}},
+        {"name": "layers.0.experts.weight", "shape": [2, 8, 70], "dtype": "bfloat16",
+         "source": {"mesh": [1, 2], "placements": ["S(0)"]},
+         "destination": {"mesh": [3, 4], "placements": ["R"], "format": "mxfp8"}},
+    ],
+})
+
+needs_triton = pytest.mark.skipif(not _triton_backend.HAVE_TRITON, reason="triton not installed")
+
+
+@needs_triton
+def test_fp8_refit_with_the_fused_kernel_is_bit_exact():
+    """``pack_backend="triton"`` (the interpreter here): whole-block pieces quantize in the
+    fused kernel, split ones on the torch path; every FP8 byte and scale is the reference
+    quantizer's (which the torch backend's are, above)."""
+    results = run_local_world(_fp8_refit, 5, (FP8_MIXED_SPEC, True, "gloo", "triton"), timeout_s=240)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+    # ranks 0-2: a shard of zero_proj; ranks 1-2: an expert; ranks 0 and 2: the whole blocks
+    # of their proj shard; rank 2: those of its cols_proj shard
+    assert [r.value["fused"] for r in results] == [2, 2, 4, 0, 0]
+
+
+@needs_triton
+@pytest.mark.parametrize(("tensor", "element"), [("layers.0.zero_proj.weight", (40, 33)),
+                                                  ("layers.0.proj.weight", (17, 3))])
+def test_fp8_refit_refuses_a_nan_block_on_its_sender_alike_on_both_paths(tensor, element):
+    """A NaN in a fused block or a split one: its sender raises ``NonFiniteBlockError``
+    naming the tensor and block, with the torch backend's very message."""
+    errors = {}
+    for pack_backend in ("torch", "triton"):
+        results = run_local_world(_fp8_refit, 5, (FP8_MIXED_SPEC, False, "gloo", pack_backend, (tensor, element)),
+                                  timeout_s=240)
+        errors[pack_backend] = {r.rank: r.error.strip().splitlines()[-1] for r in results
+                                if r.error_type == "NonFiniteBlockError"}  # the message, not the traceback
+        assert errors[pack_backend] and not any(r.ok for r in results), [(r.rank, r.error_type) for r in results]
+        assert all(tensor in e for e in errors[pack_backend].values()), errors
+    assert errors["triton"] == errors["torch"]
+
+
+@pytest.mark.parametrize("pack_backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_fp8_bench_of_a_fused_moe_preset_is_verified(pack_backend):
     """``elastic-refit bench --destination-format`` on a Megatron -> vLLM MoE preset (q, k
     and v fused in one buffer, gate and up too, so their scale buffers are shared): every
-    FP8 byte and scale each destination rank holds is the reference quantizer's."""
+    FP8 byte and scale each destination rank holds is the reference quantizer's, with the
+    torch path and with the fused kernel (interpreted)."""
     import dataclasses
 
     from elastic_refit.layout.presets import checkpoint_formats
@@ -322,7 +390,8 @@ def test_fp8_bench_of_a_fused_moe_preset_is_verified():
     case = RefitCase(model=TINY_MOE, source="tp=2,pp=2,ep=2", destination="tp=2,dp=2", domain_size=8,
                      bucket_bytes=8192)
     case = dataclasses.replace(case, formats_json=checkpoint_formats(TINY_MOE, "fp8-block16").to_json())
-    options = BenchOptions(backend="gloo", timeout_s=60, repeat=1, warmup=0, p2p_bytes=1 << 16)
+    options = BenchOptions(backend="gloo", timeout_s=60, repeat=1, warmup=0, p2p_bytes=1 << 16,
+                           pack_backend=pack_backend)
     results = run_local_world(bench_rank, _world_size(case), (case, options), timeout_s=240)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"

@@ -417,13 +417,13 @@ def test_triton_interpreted_matches_reference_on_random_buckets(data, fmt):
 
 
 @needs_triton
-@pytest.mark.parametrize("chunk_rows", [64, 128])
-def test_triton_interpreted_rows_per_pass_do_not_change_bytes(chunk_rows):
+@pytest.mark.parametrize(("chunk_rows", "blocks3"), [(64, False), (128, False), (32, True), (64, True)])
+def test_triton_interpreted_rows_per_pass_do_not_change_bytes(chunk_rows, blocks3):
     shapes = [(256, 200)]
     regions = [QuantRegion(0, (0, 0), (256, 200), 0, 60000)]
     x = [weights(shapes[0], 11, zero_block=True, specials=True)]
     x[0][140, 150] = float("nan")
-    prog = QuantPackProgram(shapes, regions, FP8_BLOCK128, backend="triton", chunk_rows=chunk_rows)
+    prog = QuantPackProgram(shapes, regions, FP8_BLOCK128, backend="triton", chunk_rows=chunk_rows, blocks3=blocks3)
     assert prog.tiles == (128, 128, chunk_rows)
     buf = torch.zeros(prog.nbytes, dtype=torch.uint8)
     prog.pack(x, buf)
@@ -435,3 +435,72 @@ def test_chunk_rows_validation():
         QuantPackProgram([(16, 16)], [], FP8_BLOCK128, chunk_rows=48)
     with pytest.raises(ValueError, match="chunk_rows"):
         QuantPackProgram([(16, 16)], [], MXFP8, chunk_rows=16)
+
+
+def _strided_case(fmt):
+    """Two boxes of a [2, 48, 80] BF16 tensor quantized in place into a bucket that holds
+    an FP8 tensor of the same shape and its scale grid (as the executor's staging arena
+    does): the second box starts one block row down and one block column across."""
+    br, bc = fmt.block_shape
+    shape = (2, 48, 80)
+    grid = (2, -(-48 // br), -(-80 // bc))
+    isz = 4 if fmt.kind == "fp8-block" else 1
+    d_str, s_str = (48 * 80, 80, 1), (grid[1] * grid[2], grid[2], 1)
+    s_base = 2 * 48 * 80
+    boxes = [((0, 0, 0), (1, 48, 80)), ((1, br, bc), (1, 48 - br, 80 - bc))]
+    regions = [QuantRegion(0, o, n, sum(a * s for a, s in zip(o, d_str, strict=True)),
+                           s_base + isz * (o[0] * s_str[0] + o[1] // br * s_str[1] + o[2] // bc),
+                           data_strides=d_str, scale_strides=s_str) for o, n in boxes]
+    return shape, grid, boxes, regions, s_base
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("fmt", [FP8_16, MXFP8], ids=["fp8-block16", "mxfp8"])
+def test_strided_regions_write_boxes_of_a_tensor_and_its_scales(backend, fmt):
+    shape, grid, boxes, regions, s_base = _strided_case(fmt)
+    x = weights(shape, 5, zero_block=True, specials=True)
+    prog = QuantPackProgram([shape], regions, fmt, backend=backend)
+    fill = torch.from_numpy(np.random.default_rng(3).integers(0, 256, prog.nbytes, dtype=np.uint8))
+    buf = fill.clone()
+    prog.pack([x], buf)
+    sch = BlockScheme(fmt.kind, fmt.block_shape)
+    q_all = buf[:s_base].view(torch.float8_e4m3fn).reshape(shape)
+    s_all = buf[s_base:].view(sch.scale_dtype)[: math.prod(grid)].reshape(grid)
+    want_q = fill[:s_base].clone().reshape(shape)
+    for offsets, lengths in boxes:
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+        q, s = quantize_reference(x[box], fmt, nonfinite="propagate")
+        assert torch.equal(u8(q_all[box]), u8(q))
+        br, bc = fmt.block_shape
+        s_box = (box[0], slice(offsets[1] // br, None), slice(offsets[2] // bc, None))
+        assert torch.equal(s_all[s_box].contiguous().view(torch.uint8), s.contiguous().view(torch.uint8))
+        want_q[box] = u8(q)
+    # nothing else of the FP8 tensor is touched (box 1 leaves its first block row and column)
+    assert torch.equal(buf[:s_base].reshape(shape), want_q)
+    assert prog.nbytes == s_base + (math.prod(grid)) * sch.scale_itemsize
+
+
+def test_strided_region_validation():
+    with pytest.raises(ValueError, match="data_strides"):
+        QuantRegion(0, (0, 0), (4, 8), 0, 0, data_strides=(8, 2))
+    with pytest.raises(ValueError, match="overlap"):
+        QuantRegion(0, (0, 0), (4, 8), 0, 0, data_strides=(4, 1))
+    with pytest.raises(ValueError, match="scale_strides"):
+        QuantRegion(0, (0, 0), (4, 8), 0, 0, scale_strides=(1,))
+    with pytest.raises(ValueError, match="strided regions are for packing"):
+        QuantUnpackProgram([(16, 16)], [(1, 1)], [QuantRegion(0, (0, 0), (16, 16), 0, 256, data_strides=(16, 1))],
+                           FP8_16)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(256, 256), (200, 384), (130, 200)], ids=["even", "ragged-rows", "ragged-both"])
+def test_triton_interpreted_blocks3_variant_matches_reference(shape):
+    """The (rows, blocks, block columns) variant of the 128-row multi-pass path: whole
+    tiles, a row mask only, and a full mask; a NaN block and an all-zero one."""
+    regions = [QuantRegion(0, (0, 0), shape, 0, shape[0] * shape[1])]
+    x = [weights(shape, 13, zero_block=True, specials=True)]
+    x[0][shape[0] - 1, 5] = float("nan")
+    prog = QuantPackProgram([shape], regions, FP8_BLOCK128, backend="triton", chunk_rows=32, blocks3=True)
+    buf = torch.zeros(prog.nbytes, dtype=torch.uint8)
+    prog.pack(x, buf)
+    assert torch.equal(buf, expected_bucket([shape], x, regions, FP8_BLOCK128, torch.zeros_like(buf)))
