@@ -94,13 +94,53 @@ def _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS: tl.constexpr, EV
     else:
         mask = _row_mask(rows, n_r, BLOCKS3) & (cols < n_c)
         x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
+    v = _flushed(x)
+    nonfinite = (_magnitude_bits(x) & 0x7F80) == 0x7F80
+    mag = (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return v, mag, nonfinite.to(tl.int32)
+
+
+@_jit
+def _flushed(x):
+    """BF16 values as float32, subnormals and non-finite values flushed to signed zero."""
     bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     expo = bits & 0x7F800000
-    nonfinite = expo == 0x7F800000
-    bits = tl.where((expo == 0) | nonfinite, bits & -2147483648, bits)
-    v = bits.to(tl.float32, bitcast=True)
-    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    return v, mag, nonfinite.to(tl.int32)
+    return tl.where((expo == 0) | (expo == 0x7F800000), bits & -2147483648, bits).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _load_raw(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
+              ALIGNED: tl.constexpr, EVICT: tl.constexpr):
+    """The tile's BF16 values as loaded (masked elements 0), for :func:`_magnitude_bits`."""
+    r_off = rows.to(tl.int64) * stride
+    if ALIGNED:
+        r_off = tl.multiple_of(r_off, 8)
+    ptrs = src + s_base + r_off[:, None] + cols
+    if EVEN_ROWS and EVEN_COLS:
+        return tl.load(ptrs, eviction_policy=EVICT)
+    elif EVEN_COLS:
+        return tl.load(ptrs, mask=_row_mask(rows, n_r, False), other=0.0, eviction_policy=EVICT)
+    mask = _row_mask(rows, n_r, False) & (cols < n_c)
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
+
+
+@_jit
+def _magnitude_bits(x):
+    """BF16 magnitudes as int32 bits: their integer order is the values' order, and a
+    non-finite value is >= 0x7F80, so one integer max per block gives both the amax and the
+    poison flag (:func:`_amax_of_bits`), at one AND per element instead of a float32
+    widening, a flush and a second reduction."""
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+
+
+@_jit
+def _amax_of_bits(bits):
+    """Per-block (amax as float32, poisoned as int32) from the max of :func:`_magnitude_bits`:
+    a subnormal maximum is a zero block (the flush), a poisoned block's amax is 0 (its bytes
+    and scale are replaced anyway; 0 keeps the scale arithmetic finite)."""
+    bad = bits >= 0x7F80
+    amax = tl.where((bits < 0x80) | bad, 0, bits << 16).to(tl.float32, bitcast=True)
+    return amax, bad.to(tl.int32)
 
 
 @_jit
@@ -257,6 +297,8 @@ def quant_pack_kernel(
     if CR == TR:
         # One pass: the tile holds NBR x NBC whole blocks.
         rows = tr * TR + tl.arange(0, TR)
+        # (Float magnitudes here: an integer reduction over this 4-D reshape sends LLVM's O3
+        # into minutes of compile time, measured on an H200 with Triton 3.6.)
         v, mag, nf = _load(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first")
         amax = _max(_max(tl.reshape(mag, (NBR, BR, NBC, BC)), axis=3), axis=1)
         bad = _max(_max(tl.reshape(nf, (NBR, BR, NBC, BC)), axis=3), axis=1)
@@ -297,13 +339,12 @@ def quant_pack_kernel(
         b_r = tr + tl.arange(0, 1)
     else:
         # Blocks as tall as the tile (NBR == 1), read in CR-row chunks: amax, then quantize.
-        amax = tl.full((NBC,), 0.0, tl.float32)
-        bad = tl.full((NBC,), 0, tl.int32)
+        bits = tl.full((NBC,), 0, tl.int32)
         for c in tl.range(TR // CR):
             rows = tr * TR + c * CR + tl.arange(0, CR)
-            _v, mag, nf = _load(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last")
-            amax = tl.maximum(amax, _max(_max(tl.reshape(mag, (CR, NBC, BC)), axis=2), axis=0))
-            bad = tl.maximum(bad, _max(_max(tl.reshape(nf, (CR, NBC, BC)), axis=2), axis=0))
+            x = _load_raw(src, s_base, stride, rows, cols[None, :], n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last")
+            bits = tl.maximum(bits, _max(_max(tl.reshape(_magnitude_bits(x), (CR, NBC, BC)), axis=2), axis=0))
+        amax, bad = _amax_of_bits(bits)
         scale, rcp, pow2, stored = _scales(amax, bad, KIND)
         per = tl.reshape(tl.broadcast_to(tl.reshape(scale, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
         per_rcp = tl.reshape(tl.broadcast_to(tl.reshape(rcp, (1, NBC, 1)), (CR, NBC, BC)), (CR, TC))
