@@ -10,8 +10,7 @@ Rows, per case: ``copy`` is ``dst.copy_(src)`` of the boxes' BF16 bytes (one con
 device copy), ``pack`` the box-copy kernel (``PackProgram``) packing the same boxes as BF16,
 ``fp8-block128`` / ``mxfp8`` the fused ``QuantPackProgram`` (``soft`` = integer E4M3 cast),
 each at its best ``--warps`` x ``chunk_rows`` (rows per pass of a 128-row block: 32, 64, or
-128 = one pass); ``fp8-block128 blocks3`` the variant of the multi-pass path that holds its
-chunks as (rows, blocks, block columns) (``--blocks3 off`` skips it, ``only`` times it alone). GB/s counts the BF16 input bytes once for every row, so
+128 = one pass). GB/s counts the BF16 input bytes once for every row, so
 ``vs copy`` (quantize GB/s / copy GB/s) is the fraction of copy speed kept while writing FP8
 (goal >= 0.70 on an H200). Timing: CUDA events around N back-to-back calls after warm-up,
 median of repeats, inputs rotating among enough sets to exceed L2 (CPU: perf_counter).
@@ -114,7 +113,7 @@ class Timer:
 
 
 def bench_case(case: Case, device: torch.device, timer: Timer, warps: list[int], chunks: list[int],
-               soft: bool, verify_mib: float, backend: str, blocks3: str = "both") -> list[dict]:
+               soft: bool, verify_mib: float, backend: str) -> list[dict]:
     num_sets = max(1, min(8, math.ceil(2 * L2_BYTES / case.nbytes))) if device.type == "cuda" else 1
     gen = torch.Generator().manual_seed(0)
     sets = [[(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).to(device) for s in case.shapes]
@@ -136,29 +135,23 @@ def bench_case(case: Case, device: torch.device, timer: Timer, warps: list[int],
     pbuf = [torch.empty(pack.nbytes, dtype=torch.uint8, device=device) for _ in sets]
     binds = [pack.bind(ts, b) for ts, b in zip(sets, pbuf, strict=True)]
     row("pack bf16", timer.per_call(lambda j: binds[j % len(binds)].pack(), len(binds)))
-    variants = [(FP8_BLOCK128, False, False), (MXFP8, False, False)] + ([(FP8_BLOCK128, True, False)] if soft else [])
-    if backend == "triton" and blocks3 != "off":
-        variants.insert(1, (FP8_BLOCK128, False, True))
-        if blocks3 == "only":
-            variants = [v for v in variants if v[2] or v[0] is not FP8_BLOCK128]
-    for fmt, soft_cast, b3 in variants:
+    variants = [(FP8_BLOCK128, False), (MXFP8, False)] + ([(FP8_BLOCK128, True)] if soft else [])
+    for fmt, soft_cast in variants:
         regions, _ = layout(case, fmt)
         best = None
         rows_per_pass = chunks if fmt.kind == "fp8-block" else [None]
-        if b3:  # the variant changes only the multi-pass path
-            rows_per_pass = [c for c in rows_per_pass if c < fmt.block_shape[0]] or [32]
         configs = [(w, c) for w in warps for c in rows_per_pass] if backend == "triton" else [(8, None)]
         for w, c in configs:
             # soft_cast None: the hardware E4M3 cast on CUDA (the interpreter's is inexact).
             prog = QuantPackProgram(case.shapes, regions, fmt, device=device, backend=backend,
-                                    soft_cast=True if soft_cast else None, num_warps=w, chunk_rows=c, blocks3=b3)
+                                    soft_cast=True if soft_cast else None, num_warps=w, chunk_rows=c)
             qbuf = [torch.empty(prog.nbytes, dtype=torch.uint8, device=device) for _ in sets]
             s = timer.per_call(lambda j, p=prog, q=qbuf: p.pack(sets[j % len(sets)], q[j % len(q)]), len(qbuf))
             if best is None or s < best[0]:
                 best = (s, w, c, prog, qbuf)
             del qbuf
         s, w, c, prog, _ = best
-        name = f"{fmt.name}{' soft' if soft_cast else ''}{' blocks3' if b3 else ''}"
+        name = f"{fmt.name}{' soft' if soft_cast else ''}"
         verified: bool | None = None
         if case.nbytes <= verify_mib * 2**20:
             # Against the reference quantizer on the CPU (torch ops per box), as tests/gpu
@@ -197,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-s", type=float, default=0.2, help="seconds per timed repeat")
     ap.add_argument("--verify-mib", type=float, default=1024.0, help="verify buckets up to this many MiB of bf16")
     ap.add_argument("--cases", default="abc", help="which cases to run (letters)")
-    ap.add_argument("--blocks3", choices=["both", "off", "only"], default="both",
-                    help="time the (rows, blocks, block columns) variant of the fp8-block128 path too, not, or alone")
     ap.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
                     help="auto: triton on CUDA, torch on CPU (triton on CPU: the interpreter, a dry run)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -215,18 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         backend = args.backend if args.backend != "auto" else ("triton" if device.type == "cuda" else "torch")
         rows += bench_case(case, device, timer, warps, [int(c) for c in args.chunks.split(",") if c],
                            soft=backend == "triton" and not args.no_soft,
-                           verify_mib=args.verify_mib, backend=backend, blocks3=args.blocks3)
+                           verify_mib=args.verify_mib, backend=backend)
         if not args.json:
             print(f"  done: {case.name}", file=sys.stderr, flush=True)
-    quant = [r for r in rows if r["kernel"] == "fp8-block128"] or [r for r in rows if r["kernel"] == "fp8-block128 blocks3"]
-    quant3 = [r for r in rows if r["kernel"] == "fp8-block128 blocks3"]
+    quant = [r for r in rows if r["kernel"].startswith("fp8-block128") and "soft" not in r["kernel"]]
     doc = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "small": small,
         "rows": rows,
         "min_fp8_vs_copy": min(r["vs_copy"] for r in quant),
-        "min_fp8_blocks3_vs_copy": min((r["vs_copy"] for r in quant3), default=None),
         "goal_vs_copy": 0.70,
         "all_verified": all(r.get("verified") is not False for r in rows),
     }
@@ -236,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc))
     else:
         print_table(rows)
-        b3 = doc["min_fp8_blocks3_vs_copy"]
-        print(f"fp8-block128 fused pack+quantize vs copy: min {doc['min_fp8_vs_copy']:.2f}"
-              f"{f' (blocks3 variant: {b3:.2f})' if b3 is not None else ''} (goal >= 0.70); "
+        print(f"fp8-block128 fused pack+quantize vs copy: min {doc['min_fp8_vs_copy']:.2f} (goal >= 0.70); "
               f"verified: {'all' if doc['all_verified'] else 'NOT ALL'}")
     return 0 if doc["all_verified"] else 1
 

@@ -57,43 +57,22 @@ def _max(x, axis: tl.constexpr):
 
 
 @_jit
-def _rows(x, BLOCKS3: tl.constexpr):
-    """A per-row vector as a column of the tile: ``[R, 1]``, or ``[R, 1, 1]`` for tiles held
-    as ``(rows, blocks, block columns)``."""
-    if BLOCKS3:
-        return x[:, None, None]
-    else:
-        return x[:, None]
-
-
-@_jit
-def _row_mask(rows, n_r, BLOCKS3: tl.constexpr):
+def _row_mask(rows, n_r):
     """The mask of a tile cut across its rows only, as one column: tl.load/store broadcast it
     along the row, and a mask constant along a row keeps the row's accesses vectorised (a
     full 2-D mask, which Triton cannot prove constant over a vector, makes every access
     scalar: 2-3x slower for a [576, 7168] tensor measured on an H200)."""
-    return _rows(rows < n_r, BLOCKS3)
+    return (rows < n_r)[:, None]
 
 
 @_jit
 def _load(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
-          ALIGNED: tl.constexpr, EVICT: tl.constexpr, BLOCKS3: tl.constexpr = False):
+          ALIGNED: tl.constexpr, EVICT: tl.constexpr):
     """The tile's values as float32 (subnormals flushed to signed zero), their magnitudes
     (0 for non-finite values) and the non-finite mask (int32). ``rows``: the tile's rows (1-D),
-    ``cols``: its columns shaped as a row of the tile (``[1, TC]``, or ``[1, NBC, BC]`` with
-    ``BLOCKS3``). ``EVICT``: the cache policy (``evict_last`` for a first pass whose bytes
-    the second pass reads again)."""
-    r_off = rows.to(tl.int64) * stride
-    if ALIGNED:
-        r_off = tl.multiple_of(r_off, 8)
-    ptrs = src + s_base + _rows(r_off, BLOCKS3) + cols
-    if EVEN_ROWS and EVEN_COLS:
-        x = tl.load(ptrs, eviction_policy=EVICT)
-    elif EVEN_COLS:
-        x = tl.load(ptrs, mask=_row_mask(rows, n_r, BLOCKS3), other=0.0, eviction_policy=EVICT)
-    else:
-        mask = _row_mask(rows, n_r, BLOCKS3) & (cols < n_c)
-        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
+    ``cols``: its columns shaped as a row of the tile (``[1, TC]``). ``EVICT``: the cache
+    policy (``evict_last`` for a first pass whose bytes the second pass reads again)."""
+    x = _load_raw(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, EVICT)
     v = _flushed(x)
     nonfinite = (_magnitude_bits(x) & 0x7F80) == 0x7F80
     mag = (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
@@ -119,8 +98,8 @@ def _load_raw(src, s_base, stride, rows, cols, n_r, n_c, EVEN_ROWS: tl.constexpr
     if EVEN_ROWS and EVEN_COLS:
         return tl.load(ptrs, eviction_policy=EVICT)
     elif EVEN_COLS:
-        return tl.load(ptrs, mask=_row_mask(rows, n_r, False), other=0.0, eviction_policy=EVICT)
-    mask = _row_mask(rows, n_r, False) & (cols < n_c)
+        return tl.load(ptrs, mask=_row_mask(rows, n_r), other=0.0, eviction_policy=EVICT)
+    mask = _row_mask(rows, n_r) & (cols < n_c)
     return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
 
 
@@ -194,10 +173,6 @@ def _divide(v, unit, rcp, pow2):
     of BF16 value and BF16 block amax, and the float32 quotients wherever they matter."""
     x = v * pow2
     if _FUSED_FMA:
-        # Per-block operands may come as [1, NBC, 1] (BLOCKS3): shaped like x for the FMA,
-        # a broadcast in registers (a no-op for operands already shaped like x).
-        unit = tl.broadcast_to(unit, x.shape)
-        rcp = tl.broadcast_to(rcp, x.shape)
         q = x * rcp
         e = tl.fma(-q, unit, x)
         # A zero q keeps its sign (div_rn's -0 for a negative v whose quotient flushes);
@@ -225,18 +200,18 @@ def _quantize(v, per, rcp, pow2, bad_el, KIND: tl.constexpr, SOFT_CAST: tl.const
 
 @_jit
 def _store_q(dst, p_off, p_stride, rows, cols, n_r, n_c, q, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr,
-             ALIGNED: tl.constexpr, BLOCKS3: tl.constexpr = False):
+             ALIGNED: tl.constexpr):
     """Store E4M3 bytes ``q`` of the tile (``rows``, ``cols`` as for ``_load``)."""
     p_row = p_off + rows.to(tl.int64) * p_stride
     if ALIGNED:
         p_row = tl.multiple_of(p_row, 16)
-    ptrs = dst + _rows(p_row, BLOCKS3) + cols
+    ptrs = dst + p_row[:, None] + cols
     if EVEN_ROWS and EVEN_COLS:
         tl.store(ptrs, q.to(tl.int8))
     elif EVEN_COLS:
-        tl.store(ptrs, q.to(tl.int8), mask=_row_mask(rows, n_r, BLOCKS3))
+        tl.store(ptrs, q.to(tl.int8), mask=_row_mask(rows, n_r))
     else:
-        mask = _row_mask(rows, n_r, BLOCKS3) & (cols < n_c)
+        mask = _row_mask(rows, n_r) & (cols < n_c)
         tl.store(ptrs, q.to(tl.int8), mask=mask)
 
 
@@ -255,16 +230,13 @@ def quant_pack_kernel(
     EVEN_COLS: tl.constexpr,
     ALIGNED: tl.constexpr,
     SOFT_CAST: tl.constexpr,
-    BLOCKS3: tl.constexpr = False,
 ):
     """One program quantizes one ``TR x TC`` tile of one slice into the buffer.
 
     ``KIND`` 0: fp8-block (float32 scale_inv), 1: mxfp8 (E8M0 codes). ``EVEN_ROWS`` /
     ``EVEN_COLS``: every slice of the launch is whole tiles down / across (no mask there); ``ALIGNED``: every address and row is
     16-byte aligned (vector accesses); ``SOFT_CAST``: integer E4M3 conversion instead of
-    the hardware one (the interpreter's is inexact for E4M3 subnormals); ``BLOCKS3``: the
-    CR-row path (``CR < TR``) holds its chunks as ``(CR, NBC, BC)`` (a variant to time
-    against the [CR, TC] one; same bytes).
+    the hardware one (the interpreter's is inexact for E4M3 subnormals).
     """
     pid = tl.program_id(0)
     e = tl.load(tile_entry_ptr + pid).to(tl.int64)
@@ -310,33 +282,6 @@ def quant_pack_kernel(
         q = _quantize(v, per, per_rcp, per_pow2, bad_el, KIND, SOFT_CAST)
         _store_q(dst, p_off, p_stride, rows, cols[None, :], n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED)
         b_r = tr * NBR + tl.arange(0, NBR)
-    elif BLOCKS3:
-        # As below, with the tile held as (CR, NBC, BC) throughout: loads, reductions and
-        # stores in that shape, and each block's scale, reciprocal, power of two and poison
-        # flag as [1, NBC, 1], broadcast by the arithmetic (no [CR, TC] copies of them, no
-        # reshapes between layouts).
-        cols3 = tc * TC + (tl.arange(0, NBC) * BC)[None, :, None] + tl.arange(0, BC)[None, None, :]
-        amax = tl.full((NBC,), 0.0, tl.float32)
-        bad = tl.full((NBC,), 0, tl.int32)
-        for c in tl.range(TR // CR):
-            rows = tr * TR + c * CR + tl.arange(0, CR)
-            _v, mag, nf = _load(src, s_base, stride, rows, cols3, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_last",
-                                True)
-            amax = tl.maximum(amax, _max(_max(mag, axis=2), axis=0))
-            bad = tl.maximum(bad, _max(_max(nf, axis=2), axis=0))
-        scale, rcp, pow2, stored = _scales(amax, bad, KIND)
-        scale3 = tl.reshape(scale, (1, NBC, 1))
-        rcp3 = tl.reshape(rcp, (1, NBC, 1))
-        pow2_3 = tl.reshape(pow2, (1, NBC, 1))
-        bad3 = tl.reshape(bad, (1, NBC, 1))
-        for c in tl.range(TR // CR):
-            rows = tr * TR + c * CR + tl.arange(0, CR)
-            v, _mag, _nf = _load(src, s_base, stride, rows, cols3, n_r, n_c, EVEN_ROWS, EVEN_COLS, ALIGNED, "evict_first",
-                                 True)
-            q = _quantize(v, scale3, rcp3, pow2_3, bad3, KIND, SOFT_CAST)
-            _store_q(dst, p_off, p_stride, rows, cols3, n_r, n_c, q, EVEN_ROWS, EVEN_COLS, ALIGNED, True)
-        stored = tl.reshape(stored, (1, NBC))
-        b_r = tr + tl.arange(0, 1)
     else:
         # Blocks as tall as the tile (NBR == 1), read in CR-row chunks: amax, then quantize.
         bits = tl.full((NBC,), 0, tl.int32)

@@ -187,8 +187,7 @@ class QuantPackProgram:
     E4M3 conversion in the kernel instead of the hardware one (default: only when
     interpreted, where Triton's conversion is inexact). ``num_warps`` and ``chunk_rows``
     (rows per pass of a 128-row block: fewer registers, two reads; ``128``: one pass) tune
-    the kernel; ``blocks3`` picks the variant of the multi-pass path that holds its chunks
-    as (rows, blocks, block columns) (same bytes; for timing against the default).
+    the kernel.
 
     Packing never raises for data: a block with NaN/Inf is written poisoned (NaN scale,
     0x7f bytes, see ``kernels.quantize``); :meth:`check` raises
@@ -208,7 +207,6 @@ class QuantPackProgram:
         soft_cast: bool | None = None,
         num_warps: int = 8,
         chunk_rows: int | None = None,
-        blocks3: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -230,7 +228,6 @@ class QuantPackProgram:
                 raise ValueError(f"backend 'triton' quantizes bfloat16 tensors; tensor {bad[0]} is {self.dtypes[bad[0]]}")
         self.soft_cast = self.device.type != "cuda" if soft_cast is None else bool(soft_cast)
         self.num_warps = num_warps
-        self.blocks3 = bool(blocks3)
         self.tiles = _tiles(self.scheme, chunk_rows)
         self.regions = tuple(self._check_region(i, r) for i, r in enumerate(regions))
         self.nbytes = quant_regions_nbytes(self.regions, self.scheme)
@@ -365,7 +362,7 @@ class QuantPackProgram:
         for g, (desc, aligned) in zip(self._groups, self._resolved(tensors, buf), strict=True):
             mod.quant_pack_kernel[(g.num_tiles,)](
                 buf, desc, g.tile_entry, KIND=kind, BR=br, BC=bc, TR=tr, TC=tc, CR=cr,
-                EVEN_ROWS=g.even_rows, EVEN_COLS=g.even_cols, ALIGNED=aligned, SOFT_CAST=self.soft_cast, BLOCKS3=self.blocks3,
+                EVEN_ROWS=g.even_rows, EVEN_COLS=g.even_cols, ALIGNED=aligned, SOFT_CAST=self.soft_cast,
                 num_warps=self.num_warps,
             )
 

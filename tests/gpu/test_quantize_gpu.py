@@ -150,15 +150,15 @@ def test_check_raises_for_a_poisoned_block_on_the_gpu():
         prog.check(buf)
 
 
-@pytest.mark.parametrize(("chunk_rows", "blocks3"), [(32, False), (64, False), (128, False), (32, True), (64, True)])
+@pytest.mark.parametrize("chunk_rows", [32, 64, 128])
 @pytest.mark.parametrize("num_warps", [4, 8, 16])
-def test_tuning_knobs_do_not_change_bytes(chunk_rows, blocks3, num_warps):
+def test_tuning_knobs_do_not_change_bytes(chunk_rows, num_warps):
     shapes = [(2, 640, 1024), (576, 2048)]
     cpu = [weights(s, 20 + i) for i, s in enumerate(shapes)]
     regions = [QuantRegion(0, (0, 128, 0), (2, 512, 1024), 0, 2 * 512 * 1024),
                QuantRegion(1, (0, 0), (576, 2048), 2 * 512 * 1024 + 4096, 2 * 512 * 1024 + 4096 + 576 * 2048)]
     prog = QuantPackProgram(shapes, regions, FP8_BLOCK128, device=DEV, backend="triton",
-                            num_warps=num_warps, chunk_rows=chunk_rows, blocks3=blocks3)
+                            num_warps=num_warps, chunk_rows=chunk_rows)
     buf = torch.zeros(prog.nbytes, dtype=torch.uint8, device=DEV)
     prog.pack([t.to(DEV) for t in cpu], buf)
     sync()

@@ -417,13 +417,13 @@ def test_triton_interpreted_matches_reference_on_random_buckets(data, fmt):
 
 
 @needs_triton
-@pytest.mark.parametrize(("chunk_rows", "blocks3"), [(64, False), (128, False), (32, True), (64, True)])
-def test_triton_interpreted_rows_per_pass_do_not_change_bytes(chunk_rows, blocks3):
+@pytest.mark.parametrize("chunk_rows", [32, 64, 128])
+def test_triton_interpreted_rows_per_pass_do_not_change_bytes(chunk_rows):
     shapes = [(256, 200)]
     regions = [QuantRegion(0, (0, 0), (256, 200), 0, 60000)]
     x = [weights(shapes[0], 11, zero_block=True, specials=True)]
     x[0][140, 150] = float("nan")
-    prog = QuantPackProgram(shapes, regions, FP8_BLOCK128, backend="triton", chunk_rows=chunk_rows, blocks3=blocks3)
+    prog = QuantPackProgram(shapes, regions, FP8_BLOCK128, backend="triton", chunk_rows=chunk_rows)
     assert prog.tiles == (128, 128, chunk_rows)
     buf = torch.zeros(prog.nbytes, dtype=torch.uint8)
     prog.pack(x, buf)
@@ -494,13 +494,13 @@ def test_strided_region_validation():
 
 @needs_triton
 @pytest.mark.parametrize("shape", [(256, 256), (200, 384), (130, 200)], ids=["even", "ragged-rows", "ragged-both"])
-def test_triton_interpreted_blocks3_variant_matches_reference(shape):
-    """The (rows, blocks, block columns) variant of the 128-row multi-pass path: whole
-    tiles, a row mask only, and a full mask; a NaN block and an all-zero one."""
+def test_triton_interpreted_multi_pass_path_matches_reference(shape):
+    """The 128-row multi-pass path (block amax and poison from integer magnitude bits):
+    whole tiles, a row mask only, and a full mask; a NaN block and an all-zero one."""
     regions = [QuantRegion(0, (0, 0), shape, 0, shape[0] * shape[1])]
     x = [weights(shape, 13, zero_block=True, specials=True)]
     x[0][shape[0] - 1, 5] = float("nan")
-    prog = QuantPackProgram([shape], regions, FP8_BLOCK128, backend="triton", chunk_rows=32, blocks3=True)
+    prog = QuantPackProgram([shape], regions, FP8_BLOCK128, backend="triton", chunk_rows=32)
     buf = torch.zeros(prog.nbytes, dtype=torch.uint8)
     prog.pack(x, buf)
     assert torch.equal(buf, expected_bucket([shape], x, regions, FP8_BLOCK128, torch.zeros_like(buf)))
