@@ -315,7 +315,8 @@ class ElasticRefit:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
-        self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
+        self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode, layout=self._described,
+                      num_quantized_tensors=len(self._formats))
         return self
 
     def _plan_options(self) -> PlanOptions:
