@@ -24,7 +24,7 @@ from elastic_refit.testing.job import MemberSpec
 from elastic_refit.testing.pattern import allocate
 
 from .conftest import wait_until
-from .runtime_job import LocalJob
+from .runtime_job import LocalJob, RaiseOnce
 from .test_runtime import RecordAckedAttempts, assert_all_verified, version_state, wait_for_members
 
 pytestmark = pytest.mark.etcd
@@ -127,6 +127,28 @@ def test_a_joining_fp8_rank_catches_up_from_its_fp8_peers(etcd_server, job, tmp_
     for m in ("i0", "i1", "i2"):
         assert_all_verified(reports[m])
     assert reports["i2"]["committed"][0]["version"] == 1  # checked against the reference too
+
+
+def test_fp8_holders_of_a_version_receive_it_again_instead_of_sending_beside_the_trainers(etcd_server, job, tmp_path):
+    """i1 fails version 2 after its bytes arrived (before its ack) while i0 acks it: the
+    retry has a holder (i0) in FP8, which cannot send beside the BF16 trainers, so it
+    receives the version again with i1, and both end bit-exact."""
+    etcd = etcd_server.endpoint
+    acked = tmp_path / "acked.jsonl"
+    for m in (member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS),
+              member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS)):
+        job.start(m)
+    job.start(member(etcd, "inference", "i0", 2), hook=RecordAckedAttempts("i0", etcd, str(acked)))
+    job.start(member(etcd, "inference", "i1", 3), hook=RaiseOnce("i1", version=2, phase="ack.before"))
+    reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=120)
+    for m in ("i0", "i1"):
+        assert_all_verified(reports[m])
+    assert reports["i1"]["stats"]["failed_attempts"] >= 1
+    attempts = [AttemptSpec.from_json(json.loads(line)["attempt"]) for line in acked.read_text().splitlines()
+                if json.loads(line)["version"] == 2]
+    assert len(attempts) >= 2, attempts  # i0 acked version 2, then received it again
+    again = attempts[-1]
+    assert again.holders == () and {"i0", "i1"} <= set(again.destinations) and again.sources == ("t0", "t1"), again
 
 
 def test_inference_members_with_different_formats_are_refused_naming_both(etcd_server, job):

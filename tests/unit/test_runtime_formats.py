@@ -173,3 +173,31 @@ def test_next_action_makes_holders_that_cannot_serve_destinations():
 
 def test_spec_file_formats_round_trip_as_json():
     assert TensorFormats.from_json(json.dumps(json.loads(FORMATS.to_json()))) == FORMATS
+
+
+# ---- the harness's check of FP8 destinations --------------------------------------------
+def test_check_quantized_accepts_the_reference_bytes_and_names_every_wrong_piece():
+    import torch
+
+    from elastic_refit.kernels.quantize import quantize_reference
+    from elastic_refit.testing.pattern import allocate, check_quantized, finite_values
+
+    held = destination_format_layout(SPEC.destination, FORMATS)
+    buffers = allocate(held, 3, fill=0)
+    assert len(check_quantized(SPEC.destination, FORMATS, 3, buffers, seed=7, limit=100)) == 5  # 5 pieces, all zero
+    # rank 3: columns 144..287 of q (block columns 1 and 2), expert 1 of up, norm whole
+    q = finite_values("q.weight", (320, 288), "bfloat16", (0, 0), (320, 288), seed=7)
+    assert torch.isfinite(q.float()).all() and q.float().abs().max() > 1 and q.float().abs().min() < 2 ** -8
+    fp8, scales = quantize_reference(q, FORMATS.of("q.weight"))
+    buffers["q.weight"].copy_(fp8[:, 144:])
+    buffers["q.weight_scale_inv"].copy_(scales[:, 1:])
+    up = finite_values("up.weight", (2, 96, 80), "bfloat16", (0, 0, 0), (2, 96, 80), seed=7)
+    fp8, scales = quantize_reference(up, FORMATS.of("up.weight"))
+    buffers["up.weight"].copy_(fp8[1:])
+    buffers["up.weight_scale"].copy_(scales[1:])
+    buffers["norm.weight"].copy_(finite_values("norm.weight", (288,), "bfloat16", (0,), (288,), seed=7))
+    assert check_quantized(SPEC.destination, FORMATS, 3, buffers, seed=7) == []
+    assert check_quantized(SPEC.destination, FORMATS, 3, buffers, seed=8)  # another version's bytes differ
+    buffers["q.weight_scale_inv"][2, 0] *= 2
+    problems = check_quantized(SPEC.destination, FORMATS, 3, buffers, seed=7)
+    assert len(problems) == 1 and problems[0].startswith("rank 3 tensor 'q.weight_scale_inv' piece [0:3, 1:3]")
