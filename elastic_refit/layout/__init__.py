@@ -25,7 +25,12 @@ from elastic_refit.layout.dtensor import (
     shard_intervals,
     shard_pieces,
 )
-from elastic_refit.layout.encoding import decode_described, decode_layout, described_fingerprint, encode_layout
+from elastic_refit.layout.encoding import (
+    decode_described,
+    decode_layout,
+    described_fingerprint,
+    encode_layout,
+)
 from elastic_refit.layout.formats import (
     BF16,
     FP8_BLOCK128,

@@ -14,7 +14,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from elastic_refit.layout import Layout, TensorFormats, decode_described, described_fingerprint, encode_layout
+from elastic_refit.layout import (
+    Layout,
+    TensorFormats,
+    decode_described,
+    described_fingerprint,
+    encode_layout,
+)
 from elastic_refit.membership.layouts import LayoutStore, LayoutUnavailable
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.view import MemberRecord

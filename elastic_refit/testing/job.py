@@ -15,10 +15,16 @@ from elastic_refit.layout import TensorFormats
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
+from elastic_refit.plan import destination_format_layout
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
-from elastic_refit.plan import destination_format_layout
-from elastic_refit.testing.pattern import allocate, check_pieces, check_quantized, fill_finite, fill_pieces
+from elastic_refit.testing.pattern import (
+    allocate,
+    check_pieces,
+    check_quantized,
+    fill_finite,
+    fill_pieces,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,12 @@ from elastic_refit.runtime.attempt import CATCH_UP, AttemptSpec
 from elastic_refit.testing.processes import nccl_rank_env
 from tests.integration.conftest import wait_until
 from tests.integration.runtime_job import LocalJob
-from tests.integration.test_runtime import RecordAckedAttempts, assert_all_verified, version_state, wait_for_members
+from tests.integration.test_runtime import (
+    RecordAckedAttempts,
+    assert_all_verified,
+    version_state,
+    wait_for_members,
+)
 from tests.integration.test_runtime_fp8 import FIRST_MEMBERS, VERSIONS, member
 
 pytestmark = [pytest.mark.gpu, pytest.mark.etcd]

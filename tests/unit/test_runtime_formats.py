@@ -74,7 +74,7 @@ def test_a_side_without_quantized_formats_encodes_and_fingerprints_as_before():
 
 def test_formats_of_tensors_the_layout_lacks_are_refused_on_both_ends():
     bad = TensorFormats.from_mapping({"nope.weight": "fp8"})
-    with pytest.raises(ValueError, match="declared for tensor 'nope.weight', which the layout lacks"):
+    with pytest.raises(ValueError, match=r"declared for tensor 'nope\.weight', which the layout lacks"):
         encode_layout(SPEC.destination, bad)
 
 
@@ -141,7 +141,7 @@ def test_inference_members_with_different_formats_cannot_be_planned_together():
         plan_attempt(layout_of, v, spec, formats_of=formats_of)
     # a BF16 newcomer cannot catch up from FP8 holders either
     layout_of, formats_of = _of({"i0": FORMATS, "i1": FORMATS})
-    with pytest.raises(ValueError, match="'i0' and 'i2' declare different.*i2: bf16 throughout"):
+    with pytest.raises(ValueError, match=r"'i0' and 'i2' declare different.*i2: bf16 throughout"):
         plan_attempt(layout_of, v, _spec(CATCH_UP, (), ("i0", "i1"), ("i2",)), formats_of=formats_of)
     assert attempt_formats(formats_of, v, _spec(REFIT, ("t0", "t1"), (), ("i0", "i1"))) == FORMATS
     assert attempt_formats(None, v, spec) == TensorFormats()
@@ -178,8 +178,8 @@ def test_spec_file_formats_round_trip_as_json():
 # ---- the harness's check of FP8 destinations --------------------------------------------
 def test_check_quantized_accepts_the_reference_bytes_and_names_every_wrong_piece():
     import torch
-
     from elastic_refit.kernels.quantize import quantize_reference
+
     from elastic_refit.testing.pattern import allocate, check_quantized, finite_values
 
     held = destination_format_layout(SPEC.destination, FORMATS)
