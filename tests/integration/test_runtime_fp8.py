@@ -1,10 +1,11 @@
 """ElasticRefit into an FP8 inference side, end to end: real etcd, real processes, gloo.
 
-The inference ranks declare ``fp8-block128`` for the linear weights (the DeepSeek-V3
-checkpoint layout: a ``float8_e4m3fn`` weight and a float32 ``weight_scale_inv`` per 128 x 128
-block) and BF16 for the rest; the trainers publish BF16 as ever. The trainers' TP shards cut
-128-blocks (160 rows of 320), so do the inference ranks' (144 of 288): blocks split across
-senders are quantized through the partial-amax exchange. Every destination byte of every
+The inference ranks declare ``fp8-block128`` for the attention's linear weights (the
+DeepSeek-V3 checkpoint layout: a ``float8_e4m3fn`` weight and a float32 ``weight_scale_inv``
+per 128 x 128 block), ``mxfp8`` for the stacked experts (uint8 E8M0 ``weight_scale`` per 32
+elements of a row) and BF16 for the rest; the trainers publish BF16 as ever. The trainers' TP
+shards cut blocks (160 rows of 320; 40 expert columns of 80), so do the inference ranks' (144
+of 288): blocks split across senders are quantized through the partial-amax exchange. Every destination byte of every
 committed version, FP8 weights and scales included, is checked against
 ``kernels.quantize.quantize_reference`` of the whole published BF16 tensor.
 """
@@ -30,6 +31,7 @@ from .test_runtime import RecordAckedAttempts, assert_all_verified, version_stat
 pytestmark = pytest.mark.etcd
 
 QKV, O_PROJ = "layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.o_proj.weight"
+EXPERTS = "layers.0.mlp.experts.down_proj.weight"
 # Trainers 0 and 1: tensor-parallel (tp=2). Inference ranks [2, 3] and [4, 5]: two
 # data-parallel replicas of a tp=2 engine. Tests start 2 and 3; a rank joining at 5 finds its
 # shards on 3.
@@ -42,6 +44,9 @@ SPEC = json.dumps({
         {"name": O_PROJ, "shape": [288, 320], "dtype": "bfloat16",
          "source": {"mesh": [0, 1], "placements": ["S(1)"]},
          "destination": {"mesh": [[2, 3], [4, 5]], "placements": ["R", "S(0)"], "format": "fp8-block128"}},
+        {"name": EXPERTS, "shape": [4, 96, 80], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1], "placements": ["S(2)"]},
+         "destination": {"mesh": [[2, 3], [4, 5]], "placements": ["R", "S(0)"], "format": "mxfp8"}},
         {"name": "layers.0.input_layernorm.weight", "shape": [288], "dtype": "bfloat16",
          "source": {"mesh": [0, 1], "placements": ["R"]},
          "destination": {"mesh": [[2, 3], [4, 5]], "placements": ["R", "R"]}},
@@ -74,13 +79,15 @@ def job():
 
 
 def test_the_spec_declares_fp8_on_the_linear_weights_whose_shards_cut_blocks():
-    assert dict(FORMATS.as_dict()) == {QKV: FORMATS.of(QKV), O_PROJ: FORMATS.of(O_PROJ)}
-    assert FORMATS.of(QKV).name == "fp8-block128"
+    assert {n: f.name for n, f in FORMATS.as_dict().items()} == {QKV: "fp8-block128", O_PROJ: "fp8-block128",
+                                                                  EXPERTS: "mxfp8"}
     held = destination_format_layout(PARSED.destination, FORMATS)
     buffers = {b.name: (b.shape, b.dtype) for b in held.buffers(2)}
     assert buffers[QKV] == ((320, 144), "float8_e4m3fn")
     assert buffers[QKV + "_scale_inv"] == ((3, 2), "float32")  # 144 columns touch 2 column blocks
     assert buffers[O_PROJ] == ((144, 320), "float8_e4m3fn")
+    assert buffers[EXPERTS] == ((2, 96, 80), "float8_e4m3fn")
+    assert buffers[EXPERTS + "_scale"] == ((2, 96, 3), "uint8")  # E8M0 codes, one per 32 of a row
     assert buffers["embed_tokens.weight"] == ((32, 288), "bfloat16")
 
 
@@ -165,7 +172,8 @@ def test_inference_members_with_different_formats_are_refused_naming_both(etcd_s
     for m in ("t0", "t1"):
         assert reports[m].get("error_type") == "RefitFailed", reports[m]
         assert "inference members 'i0' and 'i1' declare different destination formats" in reports[m]["error"]
-        assert "fp8-block128 on 2 tensor(s)" in reports[m]["error"] and "bf16 throughout" in reports[m]["error"]
+        assert "fp8-block128 on 2 tensor(s), mxfp8 on 1 tensor(s)" in reports[m]["error"]
+        assert "i1: bf16 throughout" in reports[m]["error"]
     failure = version_state(etcd).failed[1]
     assert "'i0' and 'i1'" in failure.cause
     assert 1 not in version_state(etcd).committed
@@ -191,6 +199,9 @@ BAD_PARAMETERS = [
      f"{PREFIX} '{QKV}' is [320, 144] torch.bfloat16, the layout says [320, 144] float8_e4m3fn "
      "(FP8 weights: a tensor declared in formats)"),
     ("no scales", {QKV + "_scale_inv": None}, f"{PREFIX} '{QKV}_scale_inv' is missing"),
+    ("float32 e8m0", {EXPERTS + "_scale": torch.zeros(2, 96, 3)},
+     f"{PREFIX} '{EXPERTS}_scale' is [2, 96, 3] torch.float32, the layout says [2, 96, 3] uint8 "
+     f"(the scales of FP8 buffer '{EXPERTS}', one per block)"),
     ("strided", {QKV: torch.zeros(144, 320, dtype=torch.float8_e4m3fn).t()}, f"{PREFIX} '{QKV}' must be contiguous"),
 ]
 
