@@ -13,6 +13,7 @@ committed version, FP8 weights and scales included, is checked against
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from elastic_refit.testing.job import MemberSpec
 from elastic_refit.testing.pattern import allocate
 
 from .conftest import wait_until
-from .runtime_job import LocalJob, RaiseOnce
+from .runtime_job import KillSelf, LocalJob, RaiseOnce
 from .test_runtime import RecordAckedAttempts, assert_all_verified, version_state, wait_for_members
 
 pytestmark = pytest.mark.etcd
@@ -105,6 +106,23 @@ def test_fp8_versions_commit_and_every_destination_byte_matches_the_reference_qu
         assert "error" not in reports[m], reports[m].get("error")
         assert [c["version"] for c in reports[m]["committed"]] == list(VERSIONS)
     assert sorted(version_state(etcd).committed) == list(VERSIONS)
+
+
+def test_an_fp8_rank_killed_mid_transfer_leaves_the_survivor_bit_exact(etcd_server, job):
+    """i1 dies in the attempt of version 2, once the plan is agreed and before its transfer
+    (the trainers are quantizing and sending to it): the attempt fails everywhere, the epoch without i1 re-plans the version into i0 alone (the trainers
+    quantize again, with the partial-amax exchange), and it commits, every byte checked."""
+    etcd = etcd_server.endpoint
+    for m in (member(etcd, "trainer", "t0", 0, start_with=FIRST_MEMBERS),
+              member(etcd, "trainer", "t1", 1, start_with=FIRST_MEMBERS), member(etcd, "inference", "i0", 2)):
+        job.start(m)
+    job.start(member(etcd, "inference", "i1", 3), hook=KillSelf("i1", version=2))
+    reports = job.collect(["t0", "t1", "i0"], timeout_s=120)
+    assert job.procs["i1"].exitcode == -signal.SIGKILL
+    assert_all_verified(reports["i0"])
+    committed = version_state(etcd).committed
+    assert sorted(committed) == list(VERSIONS)
+    assert committed[2].epoch > committed[1].epoch
 
 
 def test_a_joining_fp8_rank_catches_up_from_its_fp8_peers(etcd_server, job, tmp_path):
