@@ -57,6 +57,7 @@ def start(job: LocalJob, spec, hook=None) -> None:
         os.environ.update(saved)
 
 
+@pytest.mark.timeout(420)  # each member starts CUDA and compiles its kernels
 def test_nccl_fp8_versions_commit_and_every_destination_byte_matches_the_reference(etcd_server, job):
     etcd = etcd_server.endpoint
     for name, rank in (("i0", 2), ("i1", 3)):
@@ -72,6 +73,7 @@ def test_nccl_fp8_versions_commit_and_every_destination_byte_matches_the_referen
     assert sorted(version_state(etcd).committed) == list(VERSIONS)
 
 
+@pytest.mark.timeout(540)
 def test_nccl_fp8_joiner_catches_up_from_its_fp8_peers(etcd_server, job, tmp_path):
     etcd = etcd_server.endpoint
     patient = {**GPU, "version_timeout_s": 600.0}
