@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from elastic_refit.runtime.attempt import CATCH_UP, AttemptSpec
+from elastic_refit.testing.etcd import EtcdServer
 from elastic_refit.testing.processes import nccl_rank_env
 from tests.integration.conftest import wait_until
 from tests.integration.runtime_job import LocalJob
@@ -33,6 +34,17 @@ BACKEND = "nccl4py" if importlib.util.find_spec("nccl") is not None else "nccl"
 GPU = {"backend": BACKEND, "device": "cuda:0", "verify": True, "version_timeout_s": 300.0}
 # NCCL host of each member (one per live process; t0b and t1b come after t0 and t1 left)
 RANKS = {"t0": 0, "t1": 1, "i0": 2, "i1": 3, "i2": 4, "t0b": 0, "t1b": 1}
+
+
+@pytest.fixture
+def etcd_server():
+    """A fresh single-node etcd on free loopback ports (the integration tests' fixture)."""
+    server = EtcdServer(name="gpu-fp8")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
