@@ -17,6 +17,12 @@ carries the fingerprint it plans each participant with, and the plan takes each 
 own rows from the layout it named, so a side may change its layout between versions (or one
 rank rejoin with another) and the next attempt plans against what each rank holds now.
 
+An inference side may hold some tensors in a quantized destination format (its
+description's ``TensorFormats``): every inference participant must declare the same ones
+(``attempt_formats``), trainers' BF16 is then quantized on the senders, holders serve the
+FP8 bytes and scales they hold to a catch-up, and never beside trainers (``next_action``'s
+``holders_serve`` makes them destinations of a refit instead).
+
 ``attempt_cause`` and ``count_failure`` decide when a version is given up: after
 ``max_attempts`` consecutive attempts that failed for the same cause with the same members.
 """
