@@ -5,7 +5,8 @@ etcd nor gRPC):
 
 - layouts: ``LayoutBuilder``, ``Layout``, ``Topology``, ``Box``, ``Shard``, ``StridedShard``,
   ``Replicate``, ``add_sharded_tensor``, ``from_dtensors``, ``local_shards``, ``load_spec``,
-  ``load_side`` (one side's layout file);
+  ``load_side`` (one side's layout file), ``TensorFormats`` (an inference side's destination
+  formats: FP8 weights with block scales);
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
   ``ElasticRefit.publish`` returns) and ``PublishHandle`` (what ``publish(..., wait=False)``
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
         Replicate,
         Shard,
         StridedShard,
+        TensorFormats,
         Topology,
         add_sharded_tensor,
         from_dtensors,
@@ -73,6 +75,7 @@ __all__ = [
     "Shard",
     "SourceChanged",
     "StridedShard",
+    "TensorFormats",
     "Topology",
     "TransportAborted",
     "VerificationFailed",
@@ -94,6 +97,7 @@ _EXPORTS = {
     "Replicate": "elastic_refit.layout",
     "Shard": "elastic_refit.layout",
     "StridedShard": "elastic_refit.layout",
+    "TensorFormats": "elastic_refit.layout",
     "Topology": "elastic_refit.layout",
     "add_sharded_tensor": "elastic_refit.layout",
     "from_dtensors": "elastic_refit.layout",

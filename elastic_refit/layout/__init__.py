@@ -25,7 +25,12 @@ from elastic_refit.layout.dtensor import (
     shard_intervals,
     shard_pieces,
 )
-from elastic_refit.layout.encoding import decode_layout, encode_layout
+from elastic_refit.layout.encoding import (
+    decode_described,
+    decode_layout,
+    described_fingerprint,
+    encode_layout,
+)
 from elastic_refit.layout.formats import (
     BF16,
     FP8_BLOCK128,
@@ -92,7 +97,9 @@ __all__ = [
     "checkpoint_formats",
     "combine_layouts",
     "config_from_hf",
+    "decode_described",
     "decode_layout",
+    "described_fingerprint",
     "encode_layout",
     "formats_from_tensors",
     "from_dtensors",

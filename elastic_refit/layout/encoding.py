@@ -5,10 +5,18 @@ JSON header with the tensors and buffer names, zlib-compressed (the columns are 
 integers and compress ~10x). Decoding rebuilds the identical ``Layout``: the same rows and
 so the same fingerprint, which the reader checks against the one it asked for, so a layout
 fetched by fingerprint is the layout that fingerprint names or an error.
+
+An inference side may also declare its destination formats (``TensorFormats``: FP8 weights
+with block scales). They travel with its layout, in format 2 (``ERL2``: the header adds the
+formats' canonical JSON), under :func:`described_fingerprint`, which covers both: two sides
+with the same pieces but other formats are two descriptions. A side without quantized
+formats encodes as format 1 (``ERL1``), byte for byte as before formats existed, under its
+layout's own fingerprint; decoding reads both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import struct
@@ -17,32 +25,55 @@ import zlib
 import numpy as np
 
 from elastic_refit.layout.core import Layout, LogicalTensor
+from elastic_refit.layout.formats import TensorFormats
 
-__all__ = ["decode_layout", "encode_layout"]
+__all__ = ["decode_described", "decode_layout", "described_fingerprint", "encode_layout"]
 
-_MAGIC = b"ERL1"  # elastic-refit layout, format 1
+_MAGIC = b"ERL1"  # elastic-refit layout, format 1: the layout alone
+_MAGIC_FORMATS = b"ERL2"  # format 2: the layout and its destination formats
 _COLUMNS = ("buffer_rank", "buffer_name", "buffer_shape", "buffer_ndim", "buffer_dtype", "piece_tensor",
             "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets", "piece_local_lengths")
 
 
-def encode_layout(layout: Layout) -> bytes:
-    """``layout`` as bytes (see the module docstring); ``decode_layout`` inverts it."""
-    header = json.dumps({
+def described_fingerprint(layout: Layout, formats: TensorFormats | None = None) -> str:
+    """The fingerprint of a side's self-description: ``layout.fingerprint`` when no tensor
+    is quantized (the fingerprint sides had before formats), else a hash of the layout's
+    fingerprint and ``formats.fingerprint``."""
+    if not formats:
+        return layout.fingerprint
+    digest = hashlib.sha256(f"layout={layout.fingerprint};formats={formats.fingerprint}".encode())
+    return digest.hexdigest()[:32]
+
+
+def encode_layout(layout: Layout, formats: TensorFormats | None = None) -> bytes:
+    """``layout`` (and its destination ``formats``) as bytes (see the module docstring);
+    :func:`decode_described` inverts it, :func:`decode_layout` gives the layout alone."""
+    if formats is not None and not isinstance(formats, TensorFormats):
+        raise ValueError(f"formats must be a TensorFormats, got {formats!r}")
+    head = {
         "tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors],
         "buffer_names": list(layout.buffer_names),
         "fingerprint": layout.fingerprint,
-    }).encode()
+    }
+    if formats:
+        formats.check(layout.tensors)
+        head["formats"] = formats.to_json()
+        head["described"] = described_fingerprint(layout, formats)
+    header = json.dumps(head).encode()
     body = io.BytesIO()
     for name in _COLUMNS:
         np.save(body, np.ascontiguousarray(getattr(layout, name)), allow_pickle=False)
     raw = struct.pack("<I", len(header)) + header + body.getvalue()
-    return _MAGIC + zlib.compress(raw, level=1)
+    return (_MAGIC_FORMATS if formats else _MAGIC) + zlib.compress(raw, level=1)
 
 
-def decode_layout(blob: bytes, fingerprint: str | None = None) -> Layout:
-    """The layout ``blob`` encodes; ``ValueError`` if it is not an encoded layout or (with
-    ``fingerprint``) encodes another layout than the one asked for."""
-    if not isinstance(blob, bytes | bytearray | memoryview) or bytes(blob[:4]) != _MAGIC:
+def decode_described(blob: bytes, fingerprint: str | None = None) -> tuple[Layout, TensorFormats]:
+    """The layout and destination formats ``blob`` encodes (no formats: an empty
+    ``TensorFormats``); ``ValueError`` if it is not an encoded layout or (with
+    ``fingerprint``, a :func:`described_fingerprint`) describes another side than the one
+    asked for."""
+    magic = bytes(blob[:4]) if isinstance(blob, bytes | bytearray | memoryview) else b""
+    if magic not in (_MAGIC, _MAGIC_FORMATS):
         raise ValueError("not an encoded layout (bad magic)")
     try:
         raw = zlib.decompress(bytes(blob[4:]))
@@ -55,9 +86,21 @@ def decode_layout(blob: bytes, fingerprint: str | None = None) -> Layout:
             buffer_names=tuple(header["buffer_names"]),
             **columns,
         )
+        formats = TensorFormats.from_json(header["formats"]) if magic == _MAGIC_FORMATS else TensorFormats()
+        if magic == _MAGIC_FORMATS:
+            formats.check(layout.tensors)
     except (zlib.error, struct.error, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"corrupt encoded layout: {exc}") from None
-    if layout.fingerprint != header["fingerprint"] or (fingerprint is not None and layout.fingerprint != fingerprint):
-        raise ValueError(f"encoded layout has fingerprint {layout.fingerprint}, expected "
-                         f"{fingerprint or header['fingerprint']}")
-    return layout
+    if layout.fingerprint != header["fingerprint"]:
+        raise ValueError(f"encoded layout has fingerprint {layout.fingerprint}, expected {header['fingerprint']}")
+    described = described_fingerprint(layout, formats)
+    if described != header.get("described", layout.fingerprint) or (fingerprint is not None and described != fingerprint):
+        raise ValueError(f"encoded layout has fingerprint {described}, expected "
+                         f"{fingerprint or header.get('described', layout.fingerprint)}")
+    return layout, formats
+
+
+def decode_layout(blob: bytes, fingerprint: str | None = None) -> Layout:
+    """The layout ``blob`` encodes (its formats, if any, dropped); ``ValueError`` as
+    :func:`decode_described` raises it."""
+    return decode_described(blob, fingerprint)[0]

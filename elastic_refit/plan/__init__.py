@@ -2,7 +2,12 @@
 per-rank views, destination formats (FP8 planned at block granularity)."""
 
 from elastic_refit.plan.planner import PLANNER_VERSION, gather_broadcast_bytes, make_plan
-from elastic_refit.plan.quantized import AmaxExchange, Quantization, format_layouts
+from elastic_refit.plan.quantized import (
+    AmaxExchange,
+    Quantization,
+    destination_format_layout,
+    format_layouts,
+)
 from elastic_refit.plan.rank import make_rank_plan, plan_input_fingerprint, rank_slice
 from elastic_refit.plan.types import (
     RELAY_MODES,
@@ -30,6 +35,7 @@ __all__ = [
     "SourceSide",
     "TransferKind",
     "TransferTable",
+    "destination_format_layout",
     "format_layouts",
     "gather_broadcast_bytes",
     "make_plan",

@@ -55,7 +55,7 @@ from elastic_refit.layout.core import readonly_column
 from elastic_refit.layout.formats import DestinationFormat, TensorFormats
 from elastic_refit.plan.types import TransferKind
 
-__all__ = ["AMAX_ITEMSIZE", "AmaxExchange", "Quantization", "format_layouts"]
+__all__ = ["AMAX_ITEMSIZE", "AmaxExchange", "Quantization", "destination_format_layout", "format_layouts"]
 
 AMAX_ITEMSIZE = 4  # a partial amax travels as float32, whatever the format's scale dtype
 
@@ -133,16 +133,36 @@ def format_layouts(source: Layout, destination: Layout, formats: TensorFormats) 
     tensor (its blocks' scales would not be the whole tensor's); two destination pieces whose
     blocks share a scale entry of one buffer fail the planner's overlap check."""
     formats.check(destination.tensors)
-    names = {t.name for t in destination.tensors} | {t.name for t in source.tensors}
+    scale_tensor = _scale_tensors(formats, destination, source)
+    src = _format_layout(source, formats, "source")
+    dst = _format_layout(destination, formats, "destination")
+    return src, dst, scale_tensor
+
+
+def destination_format_layout(layout: Layout, formats: TensorFormats) -> Layout:
+    """``layout`` (a destination side, in logical dtypes) as it holds its tensors in
+    ``formats``: what ``format_layouts`` makes of a destination. Every buffer of a quantized
+    tensor becomes a ``float8_e4m3fn`` buffer of the same shape with its scale buffer
+    ``name + suffix`` beside it; the others stay as they are. An inference rank's buffers
+    (its FP8 weights and scales) are this layout's; a side that holds them already (an
+    inference holder) serves from it. ``ValueError`` as ``format_layouts`` raises it."""
+    if not formats:
+        return layout
+    formats.check(layout.tensors)
+    _scale_tensors(formats, layout)
+    return _format_layout(layout, formats, "destination")
+
+
+def _scale_tensors(formats: TensorFormats, *layouts: Layout) -> dict[str, str]:
+    """Quantized tensor -> its scale tensor's name; ``ValueError`` for a name a layout uses."""
+    names = {t.name for layout in layouts for t in layout.tensors}
     scale_tensor = {}
     for name, fmt in formats.entries:
         scale = fmt.scale_name(name)
         if scale in names:
             raise ValueError(f"tensor {name!r}: its scales would be named {scale!r}, which is a tensor of the layout")
         scale_tensor[name] = scale
-    src = _format_layout(source, formats, "source")
-    dst = _format_layout(destination, formats, "destination")
-    return src, dst, scale_tensor
+    return scale_tensor
 
 
 def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:

@@ -521,14 +521,16 @@ CoordinatorMove = CommitAction | Propose | Refuse
 
 def coordinate(view: MembershipView, seq: int, state: VersionState, *,
                feasible: Callable[[AttemptSpec], bool] | None = None,
-               disagreement: Callable[[AttemptSpec], str | None] | None = None) -> CoordinatorMove | None:
+               disagreement: Callable[[AttemptSpec], str | None] | None = None,
+               holders_serve: Callable[[AttemptSpec], bool] | None = None) -> CoordinatorMove | None:
     """The coordinator's move at attempt ``seq`` of ``view``'s epoch (pure, given pure
     ``feasible`` and ``disagreement``): commit what every live inference rank holds,
     propose the attempt :func:`~elastic_refit.runtime.attempt.next_action` calls for, or
     refuse a new version whose sources disagree on a region they share (``disagreement``
-    says where, None: they agree; not given: replicas are not checked); None: nothing."""
+    says where, None: they agree; not given: replicas are not checked); None: nothing.
+    ``holders_serve`` goes to ``next_action``."""
     _check_epoch("seq", seq)
-    action = next_action(view, state, feasible=feasible)
+    action = next_action(view, state, feasible=feasible, holders_serve=holders_serve)
     if isinstance(action, AttemptSpec) and action.kind == REFIT and disagreement is not None:
         where = disagreement(action)
         if where is not None:  # nothing has moved: the version is refused before any attempt

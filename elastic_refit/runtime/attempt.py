@@ -17,6 +17,12 @@ carries the fingerprint it plans each participant with, and the plan takes each 
 own rows from the layout it named, so a side may change its layout between versions (or one
 rank rejoin with another) and the next attempt plans against what each rank holds now.
 
+An inference side may hold some tensors in a quantized destination format (its
+description's ``TensorFormats``): every inference participant must declare the same ones
+(``attempt_formats``), trainers' BF16 is then quantized on the senders, holders serve the
+FP8 bytes and scales they hold to a catch-up, and never beside trainers (``next_action``'s
+``holders_serve`` makes them destinations of a refit instead).
+
 ``attempt_cause`` and ``count_failure`` decide when a version is given up: after
 ``max_attempts`` consecutive attempts that failed for the same cause with the same members.
 """
@@ -29,10 +35,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastic_refit._validate import is_integer
-from elastic_refit.layout import Layout, Topology, combine_layouts
+from elastic_refit.layout import Layout, TensorFormats, Topology, combine_layouts
 from elastic_refit.membership.versions import Commit, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
-from elastic_refit.plan import Plan, PlanOptions, make_plan
+from elastic_refit.plan import Plan, PlanOptions, destination_format_layout, make_plan
 
 REFIT = "refit"  # move a newly published version from its sources (and holders)
 CATCH_UP = "catchup"  # bring ranks that joined or restarted to the latest committed version, from holders
@@ -127,7 +133,8 @@ def version_digest(state: VersionState, version: int, members: tuple[MemberRecor
 
 
 def next_action(view: MembershipView, state: VersionState,
-                feasible: Callable[[AttemptSpec], bool] | None = None) -> AttemptSpec | CommitAction | None:
+                feasible: Callable[[AttemptSpec], bool] | None = None,
+                holders_serve: Callable[[AttemptSpec], bool] | None = None) -> AttemptSpec | CommitAction | None:
     """What the epoch's coordinator does next (pure).
 
     1. The newest published version newer than every committed one: commit it as soon as
@@ -143,7 +150,10 @@ def next_action(view: MembershipView, state: VersionState,
 
     ``feasible(spec)`` (optional) says whether the live members hold every byte an attempt
     needs; an infeasible attempt is not proposed: the version waits for its sources or
-    holders to come back.
+    holders to come back. ``holders_serve(spec)`` (optional, default yes) says whether the
+    holders of a refit can send beside its trainers; when not (an inference side in FP8:
+    its holders hold the destination format, the trainers send BF16 that is quantized on the
+    way), they receive the version again as destinations, from the trainers alone.
     """
     feasible = feasible or (lambda spec: True)
     trainers = view.members_of("trainer")
@@ -170,6 +180,8 @@ def next_action(view: MembershipView, state: VersionState,
             # again) when the others cover every byte (``feasible``).
             spec = AttemptSpec(version, REFIT, current, holders, destinations,
                                attempt_layouts(view, state, version, current, holders + destinations))
+            if holders and holders_serve is not None and not holders_serve(spec):
+                spec = replace(spec, holders=(), destinations=tuple(sorted(holders + destinations)))
             return spec if feasible(spec) else None
     if latest is not None and inference:
         holders = tuple(sorted(m.member_id for m in inference if holds(state, latest, m)))
@@ -247,8 +259,53 @@ def by_role(source: Layout, destination: Layout) -> LayoutOf:
     return layout_of
 
 
+FormatsOf = Callable[[MemberRecord, str], TensorFormats]
+"""``formats_of(record, fingerprint)``: the destination formats a member's description
+declares (empty for trainers and for inference sides that hold their tensors as they are)."""
+
+
+def _describe_formats(formats: TensorFormats) -> str:
+    if not formats:
+        return "bf16 throughout"
+    by_format: dict[str, list[str]] = {}
+    for name, fmt in formats.entries:
+        by_format.setdefault(fmt.name, []).append(name)
+    return ", ".join(f"{name} on {len(tensors)} tensor(s)" for name, tensors in sorted(by_format.items())) \
+        + f" (formats {formats.fingerprint})"
+
+
+def attempt_formats(formats_of: FormatsOf | None, view: MembershipView, attempt: AttemptSpec) -> TensorFormats:
+    """The destination formats ``attempt`` plans in: those every inference participant
+    (holders and destinations) declares. ``ValueError`` naming two members that declare
+    different formats (every inference rank of a job must hold each tensor in one format:
+    a holder in FP8 can serve only destinations in the same formats)."""
+    if formats_of is None:
+        return TensorFormats()
+    first: tuple[str, TensorFormats] | None = None
+    for member_id in sorted(set(attempt.holders) | set(attempt.destinations)):
+        formats = formats_of(view.member(member_id), attempt.layout(member_id))
+        if first is None:
+            first = (member_id, formats)
+        elif formats != first[1]:
+            other, theirs = first
+            raise ValueError(f"inference members {other!r} and {member_id!r} declare different destination formats "
+                             f"({other}: {_describe_formats(theirs)}; {member_id}: {_describe_formats(formats)}): "
+                             "every inference rank must hold each tensor in the same format")
+    return first[1] if first is not None else TensorFormats()
+
+
+def format_disagreement(formats_of: FormatsOf | None, view: MembershipView, attempt: AttemptSpec) -> str | None:
+    """Why ``attempt``'s inference participants cannot be planned together (the message of
+    :func:`attempt_formats`), or ``None``."""
+    try:
+        attempt_formats(formats_of, view, attempt)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec,
-                 options: PlanOptions | None = None) -> Plan:
+                 options: PlanOptions | None = None, formats_of: FormatsOf | None = None) -> Plan:
     """The plan of ``attempt`` over the epoch's communicator ranks.
 
     Each participant contributes its own rows (its ``layout_rank`` in its record) of the
@@ -257,6 +314,14 @@ def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec
     Raises ``ValueError`` when neither a source nor a holder has some destination region
     (the version cannot be completed until one comes back), or when two members claim the
     same rank of one layout.
+
+    ``formats_of`` gives each member's destination formats (``attempt_formats``: inference
+    participants must agree). In quantized formats the trainers' BF16 is planned into the
+    destination format (``make_plan(..., formats=...)``: each block quantized once, by a
+    sender that holds it); holders hold that format already, so a catch-up from holders
+    moves their FP8 bytes and scales as they are (``destination_format_layout`` on both
+    sides, nothing to quantize), and a refit with holders beside trainers is refused
+    (``next_action``'s ``holders_serve`` makes them destinations instead).
     """
     def parts(member_ids: tuple[str, ...]) -> list[tuple[Layout, dict[int, int]]]:
         groups: dict[int, tuple[Layout, dict[int, int], dict[int, str]]] = {}
@@ -273,9 +338,20 @@ def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec
             owners[record.layout_rank] = member_id
         return [(layout, ranks) for layout, ranks, _ in groups.values()]
 
-    src = combine_layouts(parts(attempt.sources) + parts(attempt.holders))
+    formats = attempt_formats(formats_of, view, attempt)
+    if not formats:
+        src = combine_layouts(parts(attempt.sources) + parts(attempt.holders))
+        dst = combine_layouts(parts(attempt.destinations))
+        return make_plan(src, dst, topology_of(view), options)
+    if attempt.sources and attempt.holders:
+        raise ValueError(f"holders {list(attempt.holders)} hold version {attempt.version} in FP8 and cannot send "
+                         f"beside the trainers (which send BF16 quantized on the way): make them destinations")
     dst = combine_layouts(parts(attempt.destinations))
-    return make_plan(src, dst, topology_of(view), options)
+    if attempt.sources:  # trainers: BF16 quantized on the senders
+        return make_plan(combine_layouts(parts(attempt.sources)), dst, topology_of(view), options, formats=formats)
+    # Holders only: they hold the destination format, which moves as it is.
+    src = destination_format_layout(combine_layouts(parts(attempt.holders)), formats)
+    return make_plan(src, destination_format_layout(dst, formats), topology_of(view), options)
 
 
 def source_layout_disagreement(attempt: AttemptSpec) -> str | None:

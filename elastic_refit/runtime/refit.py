@@ -56,7 +56,7 @@ from elastic_refit.errors import (
     TransportAborted,
 )
 from elastic_refit.kernels import warm_up
-from elastic_refit.layout import Layout
+from elastic_refit.layout import Layout, TensorFormats, described_fingerprint
 from elastic_refit.log import get_logger
 from elastic_refit.membership import (
     CommunicatorError,
@@ -82,7 +82,7 @@ from elastic_refit.membership.versions import (
     VersionTracker,
 )
 from elastic_refit.membership.wakeup import ChangeSignal
-from elastic_refit.plan import Plan, PlanOptions
+from elastic_refit.plan import Plan, PlanOptions, destination_format_layout
 from elastic_refit.runtime.agent import (
     Action,
     AgentInputs,
@@ -116,6 +116,7 @@ from elastic_refit.runtime.attempt import (
     ABORTED,
     DONE_OK,
     FAILED,
+    REFIT,
     AttemptSpec,
     CommitAction,
     FailureTally,
@@ -123,6 +124,7 @@ from elastic_refit.runtime.attempt import (
     check_publish,
     count_failure,
     fault_cause,
+    format_disagreement,
     plan_attempt,
     source_layout_disagreement,
     steady_refit,
@@ -197,10 +199,20 @@ class ElasticRefit:
     written in place, or buffer name -> tensor: the layout's buffers of this rank); read them
     inside ``with refit.weights():``. ``update_layout`` changes this rank's layout between
     versions. ``on_event(name, fields)`` receives every runtime event (e.g. ``RefitMetrics``).
+
+    An inference side that serves some tensors quantized declares their ``formats``
+    (``TensorFormats``, e.g. ``checkpoint_formats(model, "fp8-block128")``): they travel with
+    its layout through etcd, every inference rank must declare the same ones, and its
+    ``parameters`` are then the tensors as the engine holds them: ``float8_e4m3fn`` weights
+    plus their scales (``weight_scale_inv`` float32 for ``fp8-block128``, ``weight_scale``
+    uint8 E8M0 codes for ``mxfp8``), whose shapes ``destination_format_layout(layout,
+    formats)`` gives. Trainers publish BF16 as ever; each block is quantized once, by a
+    trainer that holds it, and only FP8 bytes and scales cross the network.
     """
 
     def __init__(self, config: RefitConfig, layout: Layout | RefitLayouts, *,
                  parameters: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
+                 formats: TensorFormats | None = None,
                  on_event: EventListener | None = None) -> None:
         self.config = config
         if isinstance(layout, RefitLayouts):
@@ -211,13 +223,15 @@ class ElasticRefit:
         else:
             raise ValueError(f"layout must be a Layout (this side's) or RefitLayouts, got {type(layout).__name__}")
         self._check_layout_rank(self._layout)
+        self._formats, self._buffer_layout = self._checked_formats(self._layout, formats)
+        self._described = described_fingerprint(self._layout, self._formats)
         self.log = _EventLog(get_logger("elastic_refit.runtime"), on_event).bind(
             job=config.job, role=config.role, member_id=config.member_id, incarnation=config.incarnation)
         if config.role == "inference":
             if parameters is None:
                 raise ValueError(f"inference member {config.member_id!r} needs its parameters")
             parameters = tensors_of(parameters)
-            self._check_parameters(self._layout, parameters)
+            self._check_parameters(self._buffer_layout, parameters)
         self.parameters: dict[str, torch.Tensor] = dict(parameters or {})
         # Attempts and layout changes take turns (a change waits for the attempt in flight).
         self._attempt_lock = threading.Lock()
@@ -269,7 +283,7 @@ class ElasticRefit:
         # peer that died before its pair connected blocks inside send() for ~50 s of retries.
         self.client = EtcdClient(c.etcd_config())
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
-                              layout_rank=c.layout_rank, layout=self._layout.fingerprint)
+                              layout_rank=c.layout_rank, layout=self._described)
         self.membership = Membership(self.client, c.job, record, MembershipConfig(
             ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s))
         self.layout_cache = LayoutCache(LayoutStore(self.client, c.job), self._known_layouts)
@@ -280,7 +294,7 @@ class ElasticRefit:
             self.log.info("refit.kernels.warmed", seconds=time.perf_counter() - t0)
         self.membership.start()
         # Peers that see the record before this lands find the layout unavailable and wait.
-        self.layout_cache.publish(self.membership, self._layout)
+        self.layout_cache.publish(self.membership, self._layout, self._formats)
         self.versions = VersionStore(self.client, c.job)
         # The agent reads version state and its epoch's keys when they change, not on a
         # timer: an idle member costs etcd its keepalive and a few watch streams. The version
@@ -301,7 +315,8 @@ class ElasticRefit:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init
         self._thread = threading.Thread(target=self._agent, name=f"refit-agent-{c.member_id}", daemon=True)
         self._thread.start()
-        self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode)
+        self.log.info("refit.member.started", layout_rank=c.layout_rank, mode=c.mode, layout=self._described,
+                      num_quantized_tensors=len(self._formats))
         return self
 
     def _plan_options(self) -> PlanOptions:
@@ -449,8 +464,13 @@ class ElasticRefit:
         """This rank's side, as it describes it now."""
         return self._layout
 
+    @property
+    def formats(self) -> TensorFormats:
+        """The destination formats this rank declared (empty: every tensor as it is)."""
+        return self._formats
+
     def update_layout(self, layout: Layout, parameters: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
-                      timeout_s: float | None = None) -> None:
+                      timeout_s: float | None = None, *, formats: TensorFormats | None = None) -> None:
         """Describe this rank's side anew between versions (an inference pool re-sharded,
         experts re-placed, a trainer group re-laid out); the next attempt plans against it.
 
@@ -459,16 +479,18 @@ class ElasticRefit:
         the next one arrives in the new layout, so ``weights()`` blocks until then. A trainer
         may change its layout only while no ``publish`` is in flight. Waits (at most
         ``timeout_s``, default the collective timeout times four) for an attempt this rank is
-        in to finish."""
+        in to finish. ``formats`` (inference): the destination formats of the new layout
+        (default: the current ones)."""
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
         timeout_s = check_timeout("timeout_s", timeout_s)
         self._check_layout_rank(layout)
+        new_formats, buffer_layout = self._checked_formats(layout, self._formats if formats is None else formats)
         me = self.config.member_id
         new_parameters = None
         if self.config.role == "inference":
             new_parameters = tensors_of(parameters) if parameters is not None else self.parameters
-            self._check_parameters(layout, new_parameters)
+            self._check_parameters(buffer_layout, new_parameters)
         elif parameters is not None:
             raise ValueError(f"trainer {me!r}: parameters are for inference ranks (trainers publish their buffers)")
         wait_s = 4 * self.config.collective_timeout_s if timeout_s is None else timeout_s
@@ -479,9 +501,10 @@ class ElasticRefit:
                 if self.config.role == "trainer" and self._published:
                     raise ValueError(f"trainer {me!r}: version(s) {sorted(self._published)} are being published; "
                                      "change the layout between publishes")
-            if layout.fingerprint == self._layout.fingerprint and new_parameters is self.parameters:
+            described = described_fingerprint(layout, new_formats)
+            if described == self._described and new_parameters is self.parameters:
                 return
-            fingerprint = self.layout_cache.publish(self.membership, layout)
+            fingerprint = self.layout_cache.publish(self.membership, layout, new_formats)
             if self.config.role == "inference":
                 # The buffers are about to hold the new layout: nothing this rank acked is held.
                 self.versions.retract(self.membership, self.versions.snapshot())
@@ -493,7 +516,8 @@ class ElasticRefit:
                                       if self.config.mode == "staged" else self.parameters)
                     self._serving = None
                     self._cond.notify_all()
-            self._layout = layout
+            self._layout, self._formats, self._buffer_layout = layout, new_formats, buffer_layout
+            self._described = fingerprint
             self.membership.update_record(layout=fingerprint)
             self.log.info("refit.layout.changed", layout=fingerprint, num_pieces=layout.num_pieces,
                           num_buffers=len(layout.buffers(self.config.layout_rank)))
@@ -514,7 +538,7 @@ class ElasticRefit:
                 published = self._published.get(spec.version)
             mine = published[1] if published is not None else named
         else:
-            mine = self._layout.fingerprint
+            mine = self._described
         if named and named != mine:
             raise _AttemptAborted(f"attempt plans {me} with layout {named}, but it holds layout {mine} now")
 
@@ -717,7 +741,8 @@ class ElasticRefit:
         with self._plans_lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = plan_attempt(self._plan_layout, view, spec, self._plan_options())
+            plan = plan_attempt(self._plan_layout, view, spec, self._plan_options(),
+                                formats_of=self.layout_cache.formats_of)
             with self._plans_lock:
                 for stale in [k for k in self._plans if k[0] != view.epoch]:
                     del self._plans[stale]
@@ -807,8 +832,8 @@ class ElasticRefit:
             state = self._state_including(previous[1])
         self._prune_tallies(state)
         move = coordinate(view, seq, state, feasible=lambda spec: self._feasible(view, spec),
-                          disagreement=(lambda spec: self._replica_disagreement(view, state, spec))
-                          if self.config.check_replicas else None)
+                          disagreement=lambda spec: self._disagreement(view, state, spec),
+                          holders_serve=lambda spec: self._holders_serve(view, spec))
         if isinstance(move, Refuse):
             if self.versions.fail(self.membership, move.version, view.epoch, move.cause, 0):
                 self.log.error("refit.version.refused", version=move.version, cause=move.reason)
@@ -846,6 +871,31 @@ class ElasticRefit:
         if self._regions is None or self._regions[0] != layout.fingerprint:
             self._regions = (layout.fingerprint, replica_regions(layout))
         return self._regions[1]
+
+    def _format_disagreement(self, view: MembershipView, spec: AttemptSpec) -> str | None:
+        """Why the attempt's inference members cannot be planned together (they declare
+        different destination formats), or None; None too while a description is not in
+        etcd yet (the feasibility check waits for it)."""
+        try:
+            return format_disagreement(self.layout_cache.formats_of, view, spec)
+        except LayoutUnavailable:
+            return None
+
+    def _disagreement(self, view: MembershipView, state: VersionState, spec: AttemptSpec) -> str | None:
+        """Why a new version is refused before any attempt: inference members that declare
+        different destination formats, or (``check_replicas``) sources that disagree."""
+        where = self._format_disagreement(view, spec)
+        if where is None and self.config.check_replicas:
+            where = self._replica_disagreement(view, state, spec)
+        return where
+
+    def _holders_serve(self, view: MembershipView, spec: AttemptSpec) -> bool:
+        """Whether the holders of a refit can send beside its trainers: not when they hold
+        a quantized destination format (they then receive the version again)."""
+        try:
+            return not any(self.layout_cache.formats_of(view.member(m), spec.layout(m)) for m in spec.holders)
+        except LayoutUnavailable:
+            return True  # the feasibility check waits for the description
 
     def _replica_disagreement(self, view: MembershipView, state: VersionState, spec: AttemptSpec) -> str | None:
         """Where the attempt's sources, as published, differ on a region they share (or on
@@ -942,6 +992,8 @@ class ElasticRefit:
         """Whether live members hold every byte ``spec`` needs (memoised per epoch)."""
         key = (view.epoch, spec)
         cache = self.__dict__.setdefault("_feasibility", {})
+        if spec.kind == REFIT and self._format_disagreement(view, spec) is not None:
+            return True  # nothing can be planned, and the coordinator refuses the version (_disagreement)
         if key not in cache:
             try:
                 self._plan(view, spec)
@@ -1162,7 +1214,7 @@ class ElasticRefit:
             me = self.config.member_id
             ack = state.acks.get(latest, {}).get(me) if latest is not None else None
             holds_latest = (ack is not None and ack.incarnation == self.config.incarnation
-                            and ack.layout == self._layout.fingerprint)
+                            and ack.layout == self._described)
             if self.config.role == "inference" and holds_latest and self._serving != latest:
                 if self.config.mode == "staged":
                     while self._readers:  # swap only between reads
@@ -1231,6 +1283,35 @@ class ElasticRefit:
     def _check_parameters(self, layout: Layout, parameters: Mapping[str, torch.Tensor]) -> None:
         self._check_buffers(layout, parameters, f"inference rank {self.config.member_id!r}: parameter")
 
+    def _checked_formats(self, layout: Layout, formats: TensorFormats | None) -> tuple[TensorFormats, Layout]:
+        """``formats`` (None: none) checked against ``layout``, and the layout of this
+        side's buffers in them (``layout`` itself without quantized tensors); ``ValueError``
+        naming the tensor, or for formats on a trainer."""
+        formats = TensorFormats() if formats is None else formats
+        if not isinstance(formats, TensorFormats):
+            raise ValueError(f"formats must be a TensorFormats, got {type(formats).__name__}")
+        if not formats:
+            return formats, layout
+        if self.config.role != "inference":
+            raise ValueError(f"trainer {self.config.member_id!r}: formats are declared by inference ranks "
+                             "(trainers publish their tensors as they are)")
+        try:
+            return formats, destination_format_layout(layout, formats)
+        except ValueError as exc:
+            raise ValueError(f"inference rank {self.config.member_id!r}: {exc}") from None
+
+    def _format_note(self, layout: Layout, buffer: str) -> str:
+        """What a buffer of a quantized tensor is, for error messages ("" for the others):
+        ``layout`` is the layout of this rank's buffers (in its formats)."""
+        dtypes = {b.name: b.dtype for b in layout.buffers(self.config.layout_rank)}
+        if dtypes.get(buffer) == "float8_e4m3fn":
+            return " (FP8 weights: a tensor declared in formats)"
+        for suffix in ("_scale_inv", "_scale"):
+            base = buffer.removesuffix(suffix)
+            if base != buffer and dtypes.get(base) == "float8_e4m3fn":
+                return f" (the scales of FP8 buffer {base!r}, one per block)"
+        return ""
+
     def _check_layout_rank(self, layout: Layout) -> None:
         if self.config.layout_rank not in layout.ranks:
             raise ValueError(f"{self.config.role} {self.config.member_id!r} has layout rank {self.config.layout_rank}, "
@@ -1253,7 +1334,7 @@ class ElasticRefit:
             t = tensors[buffer.name]
             if tuple(t.shape) != buffer.shape or str(t.dtype).removeprefix("torch.") != buffer.dtype:
                 raise ValueError(f"{what} {buffer.name!r} is {list(t.shape)} {t.dtype}, the layout says "
-                                 f"{list(buffer.shape)} {buffer.dtype}")
+                                 f"{list(buffer.shape)} {buffer.dtype}{self._format_note(layout, buffer.name)}")
             if not t.is_contiguous():
                 raise ValueError(f"{what} {buffer.name!r} must be contiguous")
             if t.device.type != device_type:

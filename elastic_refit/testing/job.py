@@ -11,12 +11,20 @@ from typing import Any
 
 import torch
 
+from elastic_refit.layout import TensorFormats
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
+from elastic_refit.plan import destination_format_layout
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.refit import ElasticRefit
-from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.testing.pattern import (
+    allocate,
+    check_pieces,
+    check_quantized,
+    fill_finite,
+    fill_pieces,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,9 @@ class MemberSpec:
     start_with: tuple[str, ...] = ()
     start_timeout_s: float = 120.0
     config: dict[str, Any] = field(default_factory=dict)
+    # Inference: the destination formats it declares (``TensorFormats.to_json``) instead of
+    # the spec's (a job whose inference ranks disagree).
+    formats_json: str | None = None
 
     def layouts(self) -> RefitLayouts:
         if self.spec_json is not None:
@@ -60,6 +71,17 @@ class MemberSpec:
             return RefitLayouts(spec.source, spec.destination)
         model, source, destination, layers = self.preset  # type: ignore[misc]
         return RefitLayouts.from_preset(model, source, destination, num_layers=layers)
+
+    def formats(self) -> TensorFormats:
+        """The destination formats of the job's inference side: ``formats_json``, else the
+        spec's (``"format"`` of its destinations); none for presets."""
+        if self.formats_json is not None:
+            return TensorFormats.from_json(self.formats_json)
+        if self.spec_json is not None:
+            from elastic_refit.layout import parse_spec
+
+            return parse_spec(json.loads(self.spec_json)).destination_formats
+        return TensorFormats()
 
     def refit_config(self) -> RefitConfig:
         extra = dict(self.config)
@@ -90,6 +112,10 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     """Run one member until its versions are done; returns what it saw. Faults, if any,
     are installed around it (``elastic_refit.testing.faults.install_faults``).
 
+    In a job whose inference side is quantized (``MemberSpec.formats``), trainers publish
+    finite values (``pattern.finite_values``) and inference ranks hold FP8 weights and scales,
+    every byte checked against the reference quantizer (``pattern.check_quantized``).
+
     ``hold(refit)`` runs inside the context once the last version is reached (chaos keeps
     members in the job until the whole trial is over); the stats are taken after it.
     """
@@ -99,6 +125,9 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     if device.type == "cuda":
         torch.cuda.set_device(device)
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
+    formats = member.formats()
+    # Random bytes may be NaN, which no quantized format holds: finite values then.
+    fill = fill_finite if formats else fill_pieces
     if member.role == "trainer":
         with ElasticRefit(config, layouts) as refit:
             if member.start_with:
@@ -107,7 +136,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
             ahead: dict[int, dict[str, torch.Tensor]] = {}
             for version in member.versions if member.weights_ahead else ():
                 ahead[version] = allocate(layouts.source, member.layout_rank, fill=0, device=device)
-                fill_pieces(layouts.source, member.layout_rank, ahead[version], seed=version)
+                fill(layouts.source, member.layout_rank, ahead[version], seed=version)
             pending = None  # (version, handle, start) of the version in flight
             loop_start = time.monotonic()
             for version in member.versions:
@@ -121,7 +150,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                     for name, t in tensors.items():
                         t.copy_(ahead[version][name])
                 else:
-                    fill_pieces(layouts.source, member.layout_rank, tensors, seed=version)
+                    fill(layouts.source, member.layout_rank, tensors, seed=version)
                 start = time.monotonic()
                 if member.async_publish:
                     pending = (version, refit.publish(tensors, version, wait=False), start)
@@ -138,14 +167,21 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 hold(refit)
             out["stats"] = dict(refit.stats)
         return out
-    params = allocate(layouts.destination, member.layout_rank, fill=0, device=device)
-    with ElasticRefit(config, layouts, parameters=params) as refit:
+    params = allocate(destination_format_layout(layouts.destination, formats), member.layout_rank, fill=0,
+                      device=device)
+
+    def check_version(version: int) -> list[str]:
+        if formats:
+            return check_quantized(layouts.destination, formats, member.layout_rank, params, seed=version)
+        return check_pieces(layouts.destination, member.layout_rank, params, seed=version)
+
+    with ElasticRefit(config, layouts, parameters=params, formats=formats or None) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out
             version = refit.wait_for_version(seen + 1)
             with refit.weights() as serving:
                 check = not member.check_last_only or serving >= member.versions[-1]
-                problems = check_pieces(layouts.destination, member.layout_rank, params, seed=serving) if check else []
+                problems = check_version(serving) if check else []
             out["committed"].append({"version": serving, "verified": not problems, "checked": check})
             out["problems"] += problems
             seen = max(seen, version)

@@ -100,3 +100,61 @@ def allocate(layout: Layout, rank: int, fill: int | None = 0, device: torch.devi
             byte_view(tensor).fill_(fill)
         out[layout.buffer_names[int(layout.buffer_name[b])]] = tensor
     return out
+
+
+# ---- finite data, for destinations in a quantized format --------------------------------
+# The bytes above are any bit pattern: NaN and Inf included, which a quantized format refuses
+# (a block with a non-finite element has no scale). Refits into FP8 use these values instead:
+# finite, position-dependent like the bytes, with magnitudes from 2**-8 to 2**7 so blocks get
+# scales of their own.
+def finite_values(name: str, shape: tuple[int, ...], dtype: str, offsets: tuple[int, ...],
+                  lengths: tuple[int, ...], seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Finite values of box (offsets, lengths) of tensor ``name`` in ``dtype``, shaped
+    ``lengths``; the same for any box at the same global positions."""
+    raw = pattern_bytes(name, shape, 8, offsets, lengths, seed, device).view(torch.int64)
+    mantissa = ((raw & 0xFFFF) - 0x8000).double() / 0x8000  # in [-1, 1)
+    exponent = ((raw >> 16) & 0xF) - 8  # 2**-8 .. 2**7
+    values = (mantissa * torch.exp2(exponent.double())).reshape(lengths)
+    return values.to(getattr(torch, dtype))
+
+
+def fill_finite(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor], seed: int = 0) -> None:
+    """Write :func:`finite_values` into every piece of ``rank``."""
+    for _, t, buffer, off, ln, loff, lln in _pieces_of(layout, rank):
+        buf = buffers[buffer]
+        region = buf[tuple(slice(int(o), int(o + n)) for o, n in zip(loff, lln, strict=True))]
+        region.copy_(finite_values(t.name, t.shape, t.dtype, off, ln, seed, buf.device).reshape(region.shape))
+
+
+def check_quantized(layout: Layout, formats, rank: int, buffers: Mapping[str, torch.Tensor], seed: int = 0,
+                    limit: int = 5) -> list[str]:
+    """Compare every byte ``rank`` holds of destination ``layout`` (logical dtypes) in
+    ``formats`` (its FP8 weights, their scales, and the tensors kept as they are) with what it
+    must hold after a refit of :func:`finite_values` published with ``seed``: the FP8 bytes
+    and scales of ``kernels.quantize.quantize_reference`` of each whole tensor, the finite
+    values themselves elsewhere. Returns up to ``limit`` mismatches."""
+    from elastic_refit.kernels.quantize import quantize_reference
+    from elastic_refit.plan import destination_format_layout
+
+    held = destination_format_layout(layout, formats)
+    logical = {t.name: t for t in layout.tensors}
+    whole: dict[str, torch.Tensor] = {}  # tensor (or scale tensor) name -> what the destination holds of it
+    for name, fmt in formats.entries:
+        t = logical[name]
+        x = finite_values(name, t.shape, t.dtype, (0,) * len(t.shape), t.shape, seed)
+        whole[name], whole[fmt.scale_name(name)] = quantize_reference(x, fmt, name=name)
+    problems: list[str] = []
+    for p, t, buffer, off, ln, loff, lln in _pieces_of(held, rank):
+        buf = buffers[buffer]
+        region = buf[tuple(slice(int(o), int(o + n)) for o, n in zip(loff, lln, strict=True))]
+        if t.name in whole:
+            want = whole[t.name][tuple(slice(o, o + n) for o, n in zip(off, ln, strict=True))]
+        else:
+            want = finite_values(t.name, t.shape, t.dtype, off, ln, seed)
+        got, want = byte_view(region.contiguous().cpu()), byte_view(want.contiguous().reshape(region.shape))
+        if not torch.equal(got, want):
+            problems.append(f"rank {rank} tensor {t.name!r} piece {held.piece(p).box} in {buffer!r}: "
+                            f"{int((got != want).sum())} bytes differ")
+            if len(problems) >= limit:
+                break
+    return problems
