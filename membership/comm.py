@@ -309,7 +309,10 @@ class CommunicatorManager:
         abort_s = build_s = 0.0
         try:
             if path == "unchanged":
+                # The communicator stays; its store does not: attempts, plan and done keys of
+                # this epoch live under store/{epoch}/, where the runtime's epoch watch looks.
                 self.current.epoch = new_view.epoch  # type: ignore[union-attr]
+                self.current.store = self._store(new_view, f"comm-{self.backend}")  # type: ignore[union-attr]
             elif path in ("shrink", "shrink_abort"):
                 abort_s, build_s = self._shrink(old_view, new_view, abort=path == "shrink_abort")
             elif path == "grow":

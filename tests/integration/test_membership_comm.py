@@ -64,9 +64,16 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     assert res.path == "build" and res.num_ranks == 1 and res.transport.world_size == 1
     assert verify_transport(res.transport)
     assert client.count_prefix(JobKeys("solo").store(1)) > 0  # rendezvous went via etcd
+    # The same members in a new epoch keep the communicator, but the epoch's keys (attempts,
+    # plan and done keys) go to the new epoch's store, where its watch looks for them.
+    v2 = MembershipView(2, (me,))
+    res = mgr.reconfigure(v1, v2)
+    assert res.path == "unchanged" and mgr.current.epoch == 2
+    assert mgr.store.epoch == 2 and mgr.store.prefix.startswith(JobKeys("solo").store(2))
+    assert verify_transport(res.transport)
     other = MemberRecord("trainer", "t1", "inc1", "h", "d0", "cpu")
-    with pytest.raises(MembershipLost, match="not in epoch 2"):
-        mgr.reconfigure(v1, MembershipView(2, (other,)))
+    with pytest.raises(MembershipLost, match="not in epoch 3"):
+        mgr.reconfigure(v2, MembershipView(3, (other,)))
     assert mgr.current is None  # its communicator was aborted, not left dangling
 
 
