@@ -295,6 +295,7 @@ class ElasticRefit:
         self.membership.on_view(lambda _old, _new: self._changes.bump())
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
+                                           latest_view=lambda: self.membership.view,
                                            transport_timeout_s=c.ttl_s + 1.0, device=c.device,
                                            bind_interface=c.bind_interface)
         if c.bind_interface is not None and c.backend != "gloo":
