@@ -563,7 +563,7 @@ class CommunicatorManager:
 
         torch.cuda.set_device(self.device)
         stranded = self._stranded(view)
-        store = self._store(view, f"comm-{self.backend}", cancel=stranded)
+        store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded)
         return init_communicator(store, rank, view.num_ranks, self.config.epoch_deadline_s, stranded)
 
     def _futile(self, epoch: int) -> Callable[[], bool] | None:
@@ -647,7 +647,8 @@ class CommunicatorManager:
             comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, config=config))  # type: ignore[union-attr]
         else:
             torch.cuda.set_device(self.device)
-            uid = nccl_core.UniqueId.from_bytes(self._store(new, "grow", cancel=stranded).get("grow_unique_id"))
+            uid_store = self._store(new, "grow", cancellable=stranded is not None, cancel=stranded)
+            uid = nccl_core.UniqueId.from_bytes(uid_store.get("grow_unique_id"))
             comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
         with self._aborted_on_failure(comm, "grow_child"):
             settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
