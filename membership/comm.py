@@ -522,8 +522,13 @@ class CommunicatorManager:
                 options._timeout = timedelta(seconds=connect)
                 options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
                                     if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
-                pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
+                try:
+                    pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
+                except BaseException:
+                    self._built(view, ok=False)  # peers waiting for this rank go on at once
+                    raise
                 pg._set_default_timeout(collective)
+                self._built(view, ok=True)
             elif self.backend == "nccl":
                 self._arrive(view, f"comm-{self.backend}")
                 pg = self._build_nccl(store, rank, view.num_ranks, collective)
@@ -542,6 +547,30 @@ class CommunicatorManager:
                 f"{self.member_id}: {exc}") from exc
         return Communicator(view.epoch, self.backend, rank, view.num_ranks, view.member_ids,
                             pg, store, self.device, path, pg_store=pg_store)
+
+    def _built(self, view: MembershipView, *, ok: bool) -> None:
+        """After this rank's gloo connect: say so, and (when it succeeded) wait until every
+        rank of the epoch is through its own, before anyone may tear the group down.
+
+        A rank that finished gloo's connectFullMesh and moved on to a newer epoch at once
+        (aborting the group) stranded a peer still inside it: gloo's connect retries a
+        vanished listener for ~15 s, past the timeout it was given and uncancellable, and
+        every later epoch's rendezvous waited for that peer (restart<ttl and restart+kill
+        trials recovered in 15.3-15.6 s, 2026-12-02/03). The wait is bounded by the
+        transport timeout and given up once a newer epoch dropped a participant (it will
+        never say it is through); a rank whose connect failed says so too ("0"), so nobody
+        waits for it. Past this point the group is complete on every rank."""
+        stranded = self._stranded(view)
+        store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded,
+                            timeout_s=self.transport_timeout_s)
+        keys = [f"built/{m.member_id}/{m.incarnation}" for m in view.members]
+        try:
+            store.set(keys[view.rank_of(self.member_id)], "1" if ok else "0")
+            if ok:
+                store.wait(keys)
+        except Exception as exc:  # the group itself is fine: peers that never finish re-form later
+            self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=str(exc).splitlines()[0][:300]
+                             if str(exc) else type(exc).__name__)
 
     def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
         opts = dist.ProcessGroupNCCL.Options()
