@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_conns
@@ -111,8 +112,9 @@ class WorkerPool:
         for _ in range(count + self.spares - len(idle)):
             self._spawn()
 
-    def ensure(self, count: int, timeout_s: float = 60.0) -> None:
-        """At least ``count`` + ``spares`` idle warm workers (waits for them to import)."""
+    def ensure(self, count: int, timeout_s: float = 180.0) -> None:
+        """At least ``count`` + ``spares`` idle warm workers (waits for them to import: eight
+        torch imports at once took over 60 s on this 2-core machine at load 15-20)."""
         self.replenish(count)
         deadline = time.monotonic() + timeout_s
         for w in [w for w in self.workers if w.task is None]:
@@ -167,6 +169,11 @@ def _children_of(pids: set[int]) -> list[int]:
             if fields[0] != "Z" and int(fields[1]) in pids:
                 out.append(int(entry))
     return out
+
+
+# The runs of this process not yet closed (a trial's stray check must not count the warm
+# workers and etcd of another run in the same process as its own leftovers).
+_LIVE_RUNS: weakref.WeakValueDictionary[int, ChaosRun] = weakref.WeakValueDictionary()
 
 
 # ---- one trial ---------------------------------------------------------------------------
@@ -248,6 +255,12 @@ class ChaosRun:
                          for _ in range(self.cpu_burners)]
         for proc in self._burners:
             proc.start()
+        _LIVE_RUNS[id(self)] = self
+
+    def owned_pids(self) -> set[int]:
+        """The processes this run started and still holds: workers, etcd nodes, burners."""
+        return ({w.pid for w in self.pool.workers} | {pid for e in self._etcd.values() for pid in e.pids}
+                | {b.pid for b in self._burners if b.pid is not None})
 
     def _device_config(self) -> dict[str, Any]:
         if self.backend == "gloo":
@@ -261,6 +274,7 @@ class ChaosRun:
 
     def close(self) -> list[int]:
         """Stop workers and etcd; returns pids that survived (should be none)."""
+        _LIVE_RUNS.pop(id(self), None)
         left = self.pool.close()
         for proc in self._burners:  # ours, by their process objects
             proc.terminate()
@@ -442,9 +456,10 @@ class ChaosRun:
             client.close()
         worker_pids = {w.pid for w in self.pool.workers}
         stray = [p for p in _children_of(worker_pids)]
-        stray += [p for p in _children_of({os.getpid()}) if p not in worker_pids and p not in
-                  {pid for e in self._etcd.values() for pid in e.pids} and not _is_mp_helper(p)
-                  and p not in {b.pid for b in self._burners}]
+        # Another live run of this process (a test module's run beside a matrix) holds its
+        # own warm workers and etcd: they are not this trial's leftovers.
+        owned = set().union(*(run.owned_pids() for run in list(_LIVE_RUNS.values())), self.owned_pids())
+        stray += [p for p in _children_of({os.getpid()}) if p not in owned and not _is_mp_helper(p)]
         faults = tuple(read_fault_records(trial_dir))
         evidence = TrialEvidence(
             logs=read_logs(trial_dir), committed=committed, reports=reports, last_version=versions[-1],

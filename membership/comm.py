@@ -203,6 +203,21 @@ def agree_fast_path(path: str, parents_ready: dict[str, bool]) -> str:
     return path
 
 
+def build_stranded(build: MembershipView, latest: MembershipView | None) -> bool:
+    """Whether an NCCL build of ``build``'s epoch that is past its arrival barrier must be
+    given up for ``latest`` (pure): only when a newer epoch no longer holds one of its
+    participants (that incarnation died or left, and NCCL's bootstrap would wait for it).
+
+    A newer epoch that keeps every participant (a newcomer joined, a member asked for a
+    reform) does not strand the build: every participant is in it and it completes within
+    moments, and only a completed communicator can be freed whole. An abandoned one cannot:
+    ncclCommAbort reaches neither the bootstrap root thread that ``get_unique_id`` started on
+    rank 0 (it waits for every rank's check-in, listening, for the life of the process) nor
+    the listener each rank opened for the root's answer (NCCL keeps it on the stack of the
+    init job, which returns without closing it when aborted)."""
+    return latest is not None and latest.epoch > build.epoch and not build.identities <= latest.identities
+
+
 # ---------------------------------------------------------------- communicator
 @dataclass(slots=True)
 class Communicator:
@@ -254,7 +269,8 @@ class CommunicatorManager:
                  config: MembershipConfig | None = None, device: torch.device | str | None = None,
                  support: RuntimeSupport | None = None,
                  superseded: Callable[[int], bool] | None = None,
-                 transport_timeout_s: float | None = None, bind_interface: str | None = None):
+                 transport_timeout_s: float | None = None, bind_interface: str | None = None,
+                 latest_view: Callable[[], MembershipView | None] | None = None):
         backend = Backend.parse(backend).value
         self.client = client
         self.job = job
@@ -276,6 +292,10 @@ class CommunicatorManager:
         self._reaping: list[threading.Thread] = []
         # superseded(epoch): a newer epoch exists, so a rendezvous for `epoch` is futile.
         self.superseded = superseded
+        # latest_view(): the newest epoch's view this member knows of. An NCCL build past its
+        # arrival barrier is given up only when that view dropped one of its participants
+        # (build_stranded); without it such a build is bounded by the epoch deadline only.
+        self.latest_view = latest_view
         self.bind_interface = bind_interface  # gloo's device binds here (None: the default)
         self.log = get_logger(job=job, member_id=member_id, backend=backend)
         self.log.info("comm.runtime.probed", **self.support.to_json())
@@ -441,10 +461,13 @@ class CommunicatorManager:
                                    reaping=None if wait else self._reaping)
 
     def _store(self, view: MembershipView, namespace: str, *, cancellable: bool = True,
-               timeout_s: float | None = None) -> EtcdStore:
+               timeout_s: float | None = None, cancel: Callable[[], bool] | None = None) -> EtcdStore:
+        """``cancel``: when waits give up early (default: once a newer epoch exists;
+        nothing but the timeout when ``cancellable`` is False)."""
         # Rendezvous may take up to the epoch deadline (peers learn of the epoch at
         # slightly different times); collectives afterwards use the collective timeout.
-        cancel = self._futile(view.epoch) if cancellable else None
+        if cancel is None and cancellable:
+            cancel = self._futile(view.epoch)
         seconds = self.config.epoch_deadline_s if timeout_s is None else timeout_s
         return EtcdStore(self.client, self.job, view.epoch, namespace=namespace,
                          timeout=timedelta(seconds=seconds), cancel=cancel)
@@ -502,8 +525,13 @@ class CommunicatorManager:
                 options._timeout = timedelta(seconds=connect)
                 options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
                                     if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
-                pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
+                try:
+                    pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
+                except BaseException:
+                    self._built(view, ok=False)  # peers waiting for this rank go on at once
+                    raise
                 pg._set_default_timeout(collective)
+                self._built(view, ok=True)
             elif self.backend == "nccl":
                 self._arrive(view, f"comm-{self.backend}")
                 pg = self._build_nccl(store, rank, view.num_ranks, collective)
@@ -512,7 +540,7 @@ class CommunicatorManager:
                 # it rejoins) must not leave NCCL's bootstrap (the unique id's root thread,
                 # each rank's listening sockets) waiting for it for good.
                 self._arrive(view, f"comm-{self.backend}")
-                pg = self._build_nccl4py(store, rank, view.num_ranks, view.epoch)
+                pg = self._build_nccl4py(view, rank)
         except StoreTimeout as exc:
             raise CommunicatorError(
                 f"rendezvous of epoch {view.epoch} timed out on {self.member_id}: {exc}") from exc
@@ -522,6 +550,30 @@ class CommunicatorManager:
                 f"{self.member_id}: {exc}") from exc
         return Communicator(view.epoch, self.backend, rank, view.num_ranks, view.member_ids,
                             pg, store, self.device, path, pg_store=pg_store)
+
+    def _built(self, view: MembershipView, *, ok: bool) -> None:
+        """After this rank's gloo connect: say so, and (when it succeeded) wait until every
+        rank of the epoch is through its own, before anyone may tear the group down.
+
+        A rank that finished gloo's connectFullMesh and moved on to a newer epoch at once
+        (aborting the group) stranded a peer still inside it: gloo's connect retries a
+        vanished listener for ~15 s, past the timeout it was given and uncancellable, and
+        every later epoch's rendezvous waited for that peer (restart<ttl and restart+kill
+        trials recovered in 15.3-15.6 s, 2026-12-02/03). The wait is bounded by the
+        transport timeout and given up once a newer epoch dropped a participant (it will
+        never say it is through); a rank whose connect failed says so too ("0"), so nobody
+        waits for it. Past this point the group is complete on every rank."""
+        stranded = self._stranded(view)
+        store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded,
+                            timeout_s=self.transport_timeout_s)
+        keys = [f"built/{m.member_id}/{m.incarnation}" for m in view.members]
+        try:
+            store.set(keys[view.rank_of(self.member_id)], "1" if ok else "0")
+            if ok:
+                store.wait(keys)
+        except Exception as exc:  # the group itself is fine: peers that never finish re-form later
+            self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=str(exc).splitlines()[0][:300]
+                             if str(exc) else type(exc).__name__)
 
     def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
         opts = dist.ProcessGroupNCCL.Options()
@@ -534,15 +586,27 @@ class CommunicatorManager:
             pg.eager_connect_single_device(self.device)
         return pg
 
-    def _build_nccl4py(self, store: EtcdStore, rank: int, size: int, epoch: int):
+    def _build_nccl4py(self, view: MembershipView, rank: int):
+        """Past the arrival barrier: NCCL's bootstrap starts (rank 0's root thread, every
+        rank's listeners), so the unique id's read and the init give up only when a
+        participant is gone (:func:`build_stranded`), never merely because a newer epoch
+        exists: a build every participant is in completes, and is then freed whole."""
         from elastic_refit.transport.nccl import init_communicator
 
         torch.cuda.set_device(self.device)
-        return init_communicator(store, rank, size, self.config.epoch_deadline_s, self._futile(epoch))
+        stranded = self._stranded(view)
+        store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded)
+        return init_communicator(store, rank, view.num_ranks, self.config.epoch_deadline_s, stranded)
 
     def _futile(self, epoch: int) -> Callable[[], bool] | None:
         """``cancel`` for waits of ``epoch``'s rendezvous: true once a newer epoch exists."""
         return (lambda: self.superseded(epoch)) if self.superseded is not None else None
+
+    def _stranded(self, view: MembershipView) -> Callable[[], bool] | None:
+        """``cancel`` for an NCCL bootstrap of ``view``'s epoch: true once a newer epoch
+        dropped one of its participants (see :func:`build_stranded`)."""
+        latest = self.latest_view
+        return (lambda: build_stranded(view, latest())) if latest is not None else None
 
     def _shrink(self, old: MembershipView, new: MembershipView, *, abort: bool) -> tuple[float, float]:
         parent = self.current
@@ -598,7 +662,12 @@ class CommunicatorManager:
         from elastic_refit.transport.nccl import nccl_call, nccl_config, settle_child
 
         t0 = time.monotonic()
-        store = self._store(new, "grow")
+        # The grow root's bootstrap thread waits for every rank of the new communicator
+        # (newcomers too) and nothing but their check-in ends it: start it only once all of
+        # them are here, and from then on give up only when one of them is gone.
+        self._arrive(new, "grow")
+        stranded = self._stranded(new)
+        store = self._store(new, "grow")  # the epoch's store from here on (its waits: superseded)
         rank = new.rank_of(self.member_id)
         existing = self.current is not None and old is not None and self.member_id in old
         config = nccl_config()
@@ -610,11 +679,12 @@ class CommunicatorManager:
             comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, config=config))  # type: ignore[union-attr]
         else:
             torch.cuda.set_device(self.device)
-            uid = nccl_core.UniqueId.from_bytes(store.get("grow_unique_id"))
+            uid_store = self._store(new, "grow", cancellable=stranded is not None, cancel=stranded)
+            uid = nccl_core.UniqueId.from_bytes(uid_store.get("grow_unique_id"))
             comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
         with self._aborted_on_failure(comm, "grow_child"):
             settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
-                         self.config.epoch_deadline_s, "nccl4py grow", self._futile(new.epoch))
+                         self.config.epoch_deadline_s, "nccl4py grow", stranded)
         if existing:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")

@@ -309,6 +309,7 @@ class ElasticRefit:
         self.membership.on_view(lambda _old, _new: self._changes.bump())
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
+                                           latest_view=lambda: self.membership.view,
                                            transport_timeout_s=c.ttl_s + 1.0, device=c.device,
                                            bind_interface=c.bind_interface)
         if c.bind_interface is not None and c.backend != "gloo":
@@ -734,17 +735,22 @@ class ElasticRefit:
                          epoch=epoch, seq=seq)
 
     def _plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
-        """``plan_attempt`` of ``spec`` in ``view``, memoised: every refit of an epoch with the
-        same participants (and the coordinator's feasibility check, and connecting ahead)
-        plans once. Plans of earlier epochs are dropped."""
-        key = (view.epoch, spec.sources, spec.holders, spec.destinations, spec.layouts)
+        """``plan_attempt`` of ``spec`` in ``view``, memoised: every refit with the same
+        participants in the same places (and the coordinator's feasibility check, and
+        connecting ahead) plans once. The key is what a plan reads from a view, not its epoch:
+        the retry after a reform (the same members re-forming a communicator a timeout broke)
+        reuses the plan instead of paying for it inside the recovery. Plans of other member
+        sets are dropped."""
+        members = tuple((m.role, m.member_id, m.incarnation, m.layout_rank, m.layout, m.domain, m.host)
+                        for m in view.members)
+        key = (members, spec.sources, spec.holders, spec.destinations, spec.layouts)
         with self._plans_lock:
             plan = self._plans.get(key)
         if plan is None:
             plan = plan_attempt(self._plan_layout, view, spec, self._plan_options(),
                                 formats_of=self.layout_cache.formats_of)
             with self._plans_lock:
-                for stale in [k for k in self._plans if k[0] != view.epoch]:
+                for stale in [k for k in self._plans if k[0] != members]:
                     del self._plans[stale]
                 while len(self._plans) >= 4:  # plans of big models are big
                     self._plans.pop(next(iter(self._plans)))

@@ -103,6 +103,15 @@ def test_a_restart_inside_the_lease_is_a_rebuild(run):
     assert "rebuild" in _paths(result), _paths(result)
 
 
+@pytest.mark.timeout(600)
+def test_second_faults_during_recovery_leave_no_nccl_listeners(run):
+    """The kill+kill cells, where 4 of 10 trials on 2026-12-02 left NCCL listening sockets in
+    a surviving trainer: a build abandoned for a newer epoch kept NCCL's bootstrap root and
+    root listeners. The oracle reads every member's sockets after close."""
+    for i, scenario in enumerate(build_matrix("full", trials=8, seed=11, faults=["kill+kill"])):
+        _check(run.run_trial(scenario, i))
+
+
 @pytest.mark.timeout(540)
 def test_chaos_quick_matrix_on_nccl():
     wanted = {"kill", "restart<ttl", "restart+kill", "terminate"}

@@ -198,3 +198,53 @@ def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
     finally:
         for mgr in managers:
             mgr.close()
+
+
+def test_no_rank_tears_a_gloo_group_down_before_every_rank_is_through_its_connect(etcd_server, make_client):
+    """A rank that finished gloo's connect and tore the group down at once (a newer epoch had
+    come) stranded a peer still connecting to it: gloo retried the vanished listener for ~15 s,
+    past its timeout, and every later epoch waited for that peer (the 15.5 s restart<ttl and
+    restart+kill outliers of the chaos matrix). Here a newer epoch that keeps every rank exists
+    as soon as all have arrived, and each rank leaves the moment its reconfigure returns: by
+    then every rank's connect must be through."""
+    client = make_client(etcd_server.endpoints)
+    job = "teardown"
+    records = tuple(MemberRecord("trainer", f"t{i}", "inc1", "h", "d0", "cpu") for i in range(3))
+    first = MembershipView(1, records)
+    newer = MembershipView(2, records + (MemberRecord("inference", "n0", "inc1", "h", "d1", "cpu"),))
+    latest = {"view": first}
+    prefix = JobKeys(job).store(1)
+
+    def keys(kind: str) -> dict[str, bytes]:
+        return {kv.key.rsplit("/", 2)[-2]: kv.value for kv in client.get_prefix(prefix).kvs if f"/{kind}/" in kv.key}
+
+    def supersede_once_all_arrived() -> None:
+        deadline = time.monotonic() + 20
+        while len(keys("arrived")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        latest["view"] = newer
+
+    managers = [CommunicatorManager(client, job, r.member_id, superseded=lambda e: latest["view"].epoch > e,
+                                    latest_view=lambda: latest["view"]) for r in records]
+    out: dict[str, object] = {}
+
+    def build_and_leave(i: int) -> None:
+        try:
+            managers[i].reconfigure(None, first)
+            out[f"t{i}"] = keys("built")  # what every rank had said when this one could leave
+        except Exception as exc:  # reported, the test decides
+            out[f"t{i}"] = exc
+        finally:
+            managers[i].close()
+
+    watcher = threading.Thread(target=supersede_once_all_arrived)
+    watcher.start()
+    threads = [threading.Thread(target=build_and_leave, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    watcher.join(30)
+    assert latest["view"] is newer, "the newer epoch never came: the test showed nothing"
+    for m in ("t0", "t1", "t2"):
+        assert out[m] == {"t0": b"1", "t1": b"1", "t2": b"1"}, (m, out[m])

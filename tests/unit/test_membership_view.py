@@ -11,6 +11,7 @@ from elastic_refit.membership.comm import (
     RuntimeSupport,
     abort_with_watchdog,
     agree_fast_path,
+    build_stranded,
     choose_path,
 )
 from elastic_refit.membership.config import MembershipConfig
@@ -209,6 +210,22 @@ def test_torch_nccl_rebuilds_when_its_store_cannot_be_cloned():
 ])
 def test_a_fast_path_needs_every_survivor_ready(path, ready, expected):
     assert agree_fast_path(path, ready) == expected
+
+
+_BUILD = view(3, rec("t0"), rec("t1"), rec("i0", "inference"))
+
+
+@pytest.mark.parametrize(("latest", "stranded"), [
+    (None, False),
+    (_BUILD, False),  # its own epoch
+    (view(4, rec("t0"), rec("t1"), rec("i0", "inference"), rec("i1", "inference")), False),  # a newcomer
+    (view(4, rec("t0"), rec("t1"), rec("i0", "inference", inc="b")), True),  # i0 restarted: the old one is gone
+    (view(4, rec("t0"), rec("i0", "inference")), True),  # t1 left or died
+    (view(5, rec("t1"), rec("t0"), rec("i0", "inference")), False),  # same participants, other order
+    (view(2, rec("t0")), False),  # an older view is no news
+])
+def test_an_nccl_build_past_its_barrier_is_given_up_only_for_a_lost_participant(latest, stranded):
+    assert build_stranded(_BUILD, latest) is stranded
 
 
 class _SlowAbort:
