@@ -45,6 +45,7 @@ The decisions (:func:`decide_suspicions`, :func:`ring_successor`,
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import ipaddress
 import json
@@ -62,7 +63,9 @@ __all__ = [
     "decide_suspicions",
     "probe_dead",
     "reachable_probe",
+    "ring_order",
     "ring_successor",
+    "ring_successor_in",
 ]
 
 # closed: a connection ended (EOF) without the peer's goodbye; reset: ECONNRESET / EPIPE;
@@ -241,6 +244,25 @@ def ring_successor(my_key: str, peers: Iterable[RingPeer], my_host: str) -> Ring
         if p.key > my_key:
             return p
     return candidates[0]
+
+
+def ring_order(peers: Iterable[RingPeer], my_host: str) -> tuple[tuple[str, ...], tuple[RingPeer, ...]]:
+    """The ring of the members reachable from ``my_host``, sorted by key: (keys, peers).
+    Built once per control snapshot and host and shared by the members of a process, each
+    of which then finds its successor with :func:`ring_successor_in` in O(log members)."""
+    ordered = tuple(sorted((p for p in peers if reachable_probe(p.probe, p.host, my_host)), key=lambda p: p.key))
+    return tuple(p.key for p in ordered), ordered
+
+
+def ring_successor_in(my_key: str, order: tuple[tuple[str, ...], tuple[RingPeer, ...]]) -> RingPeer | None:
+    """:func:`ring_successor` of ``my_key`` in a :func:`ring_order` (the same answer)."""
+    keys, peers = order
+    i = bisect.bisect_right(keys, my_key)
+    if i < len(peers):
+        return peers[i]
+    # Wrap around to the first key; if that is ours, we are alone (any other key would
+    # sort after ours and have been found above).
+    return peers[0] if peers and peers[0].key != my_key else None
 
 
 # ---- side effects (asyncio, on the etcd client's loop) --------------------------------------

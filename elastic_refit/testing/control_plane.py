@@ -41,12 +41,14 @@ from typing import Any
 from elastic_refit._validate import require_at_least
 from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.versions import AckRequest
 from elastic_refit.runtime.agent import Propose, coordinate
 from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction
 from elastic_refit.testing.membership_bench import percentile
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
 NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)
+_BATCH = 64  # members per batched ack transaction (etcd's --max-txn-ops is 128: two puts each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,23 +247,35 @@ class _Worker:
             epoch, seq = parsed
             spec = AttemptSpec.from_json(json.loads(ev.kv.value))
             destinations = set(spec.destinations)
-            for member_id in spec.participants:
-                if member_id in self.members:
-                    self.pool.submit(self._take_part, member_id, epoch, seq, spec.version,
-                                     member_id in destinations)
+            mine = [m for m in spec.participants if m in self.members]
+            # As one host agent would: this process's acks (each fenced on its member's own
+            # lease) and done keys go out in batched transactions, a batch per pool thread.
+            acking = [m for m in mine if m in destinations]
+            for start in range(0, len(acking), _BATCH):
+                self.pool.submit(self._ack_batch, acking[start:start + _BATCH], epoch, seq, spec.version)
+            others = [m for m in mine if m not in destinations]
+            if others:
+                self.pool.submit(self._done_batch, others, epoch, seq)
 
-    def _take_part(self, member_id: str, epoch: int, seq: int, version: int, destination: bool) -> None:
-        membership = self.members[member_id]
+    def _ack_batch(self, member_ids: list[str], epoch: int, seq: int, version: int) -> None:
+        """Destinations "received" the version (nothing moves here): each acks with its done key."""
+        prefix = self._store(epoch).prefix
+        requests = [AckRequest(self.members[m], version, epoch, f"{m}@{version}",
+                               done=(prefix + AttemptKeys(seq).done(m), DONE_OK.encode())) for m in member_ids]
         try:
-            done = AttemptKeys(seq).done(member_id)
-            if destination:  # it "received" the version (nothing moves here): ack and done, one write
-                self.versions.ack(membership, version, epoch, f"{member_id}@{version}",
-                                  done=(self._store(epoch).prefix + done, DONE_OK.encode()))
-            else:
-                self._store(epoch).set(done, DONE_OK)
+            errors = self.versions.ack_many(requests)
+        except Exception as exc:
+            errors = [exc] * len(requests)
+        with self.lock:
+            self.errors.extend(f"{m} attempt {epoch}/{seq}: {type(e).__name__}: {e}"[:300]
+                               for m, e in zip(member_ids, errors, strict=True) if e is not None)
+
+    def _done_batch(self, member_ids: list[str], epoch: int, seq: int) -> None:
+        try:
+            self._store(epoch).multi_set([AttemptKeys(seq).done(m) for m in member_ids], [DONE_OK] * len(member_ids))
         except Exception as exc:
             with self.lock:
-                self.errors.append(f"{member_id} attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
+                self.errors.append(f"done keys of attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
 
     def _store(self, epoch: int):
         with self.lock:
@@ -271,17 +285,15 @@ class _Worker:
         return store
 
     def publish(self, version: int) -> None:
-        """Every trainer of this process publishes ``version`` as a source (fenced)."""
-        def one(membership) -> None:
-            try:
-                self.versions.publish_source(membership, version, digest=f"src@{version}")
-            except Exception as exc:
-                with self.lock:
-                    self.errors.append(f"{membership.record.member_id} publish {version}: {exc!r}"[:300])
-
-        futures = [self.pool.submit(one, m) for m in self.members.values() if m.record.role == "trainer"]
-        for f in futures:
-            f.result()
+        """Every trainer of this process publishes ``version`` as a source (fenced, batched)."""
+        trainers = [m for m in self.members.values() if m.record.role == "trainer"]
+        try:
+            errors = self.versions.publish_many(trainers, version, digest=f"src@{version}")
+        except Exception as exc:
+            errors = [exc] * len(trainers)
+        with self.lock:
+            self.errors.extend(f"{m.record.member_id} publish {version}: {e!r}"[:300]
+                               for m, e in zip(trainers, errors, strict=True) if e is not None)
 
     # -- the coordinator: the runtime's decisions, woken by watch events
     def _coordinator(self) -> None:
