@@ -101,6 +101,10 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self.keepalives_sent = 0
         self.streams_opened = 0
+        # Seconds from each keepalive sent to its answer, the latest ones (diagnostics: etcd
+        # serves a renewal only once it applied what it committed, so a write backlog in
+        # etcd shows here before any lease runs out).
+        self.latencies: collections.deque[float] = collections.deque(maxlen=8192)
         self._task = self._client.spawn(self._run(), name="lease-keeper")
 
     # ----------------------------------------------------------------- public
@@ -226,6 +230,7 @@ class LeaseKeeper:
                 if kept is None:
                     continue  # released meanwhile
                 sent = kept.sent.popleft() if kept.sent else kept.renewed_at
+                self.latencies.append(time.monotonic() - sent)
                 if reply.TTL > 0:
                     kept.renewed_at = max(kept.renewed_at, sent)
                     kept.outage_logged = False

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import ipaddress
 import json
 import socket
@@ -217,10 +218,12 @@ class RingPeer:
     host: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def reachable_probe(probe: str, peer_host: str, my_host: str) -> bool:
     """Whether a peer's ``probe`` (``host:port``) can be reached from this member: a
     loopback address only from the same host (it would reach *our* host's loopback and be
-    refused, which reads as a death)."""
+    refused, which reads as a death). Cached: the ring asks about every member on every
+    member change, and parsing the address was most of that work."""
     host, sep, port = probe.rpartition(":")
     if not sep or not host or not port.isdigit():
         return False
