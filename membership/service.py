@@ -51,6 +51,8 @@ from elastic_refit.membership.watch import (
 
 from elastic_refit.log import get_logger
 
+_LOGGED_IDS = 16  # member ids named in one epoch-change log event
+
 
 class Membership:
     """Register ``record`` under job ``job`` and follow the job's epochs."""
@@ -538,10 +540,12 @@ class Membership:
                     new = None
             if new is not None:
                 d = diff(old, new)
+                # The first few ids only: every member logs this on every epoch, and the
+                # whole lists (a join of 1,024 ranks) made it O(members) per member.
                 self.log.info("membership.epoch.changed", epoch=new.epoch,
-                              num_members=new.num_ranks,
-                              added=[m.member_id for m in d.added],
-                              removed=[m.member_id for m in d.removed])
+                              num_members=new.num_ranks, num_added=len(d.added), num_removed=len(d.removed),
+                              added=[m.member_id for m in d.added[:_LOGGED_IDS]],
+                              removed=[m.member_id for m in d.removed[:_LOGGED_IDS]])
                 for cb in list(self._on_view):
                     try:
                         cb(old, new)
