@@ -400,6 +400,10 @@ def _worker_main(spec: _WorkerSpec, conn) -> None:
 
     # Warnings and errors only: 1,024 members logging every epoch change is noise here.
     configure_logging(json=True, level=logging.WARNING)
+    # Diagnostics: a shorter GIL switch interval lets the lease keeper's thread in before a
+    # busy client loop (hundreds of members per process) gives the GIL up on its own.
+    if os.environ.get("ELASTIC_REFIT_CP_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["ELASTIC_REFIT_CP_SWITCH_INTERVAL_S"]))
     worker = None
     try:
         worker = _Worker(spec)
