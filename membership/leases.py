@@ -168,6 +168,7 @@ class LeaseKeeper:
 
     def _send_due(self, stream: _Stream, now: float) -> None:
         due = self._due
+        late: list[tuple[float, int]] = []  # (seconds since renewed, lease) past their TTL
         while due:
             at, lease_id = due[0]
             kept = self._kept.get(lease_id)
@@ -175,7 +176,7 @@ class LeaseKeeper:
                 heapq.heappop(due)  # released, or rescheduled since
                 continue
             if at > now + _BATCH_FRACTION * kept.interval_s:
-                return
+                break
             heapq.heappop(due)
             stream.send(lease_id)
             self.keepalives_sent += 1
@@ -188,8 +189,10 @@ class LeaseKeeper:
             since = now - kept.renewed_at
             if since > kept.ttl_s and not kept.outage_logged:
                 kept.outage_logged = True
-                self._log.warning("membership.keepalive.unreachable", lease_id=lease_id, seconds=round(since, 3),
-                                  error=stream.broken or "no answer")
+                late.append((since, lease_id))
+        if late:  # one event per pass, not one per lease (a process may keep a thousand)
+            self._log.warning("membership.keepalive.unreachable", num_leases=len(late), lease_id=max(late)[1],
+                              seconds=round(max(late)[0], 3), error=stream.broken or "no answer")
 
     def _stalled(self, now: float) -> bool:
         """The stream owes answers and gave none for longer than one request may take: it
