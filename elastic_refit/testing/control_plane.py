@@ -7,8 +7,11 @@ one watch stream per key range (:class:`~membership.watch.WatchHub`), as agents 
 host would. Versions go through the runtime's own pieces: trainers publish sources
 (:class:`~membership.versions.VersionStore`, fenced), the epoch's coordinator (rank 0)
 decides with :func:`~elastic_refit.runtime.agent.coordinate` and proposes the attempt,
-every participant sees it through a watch, destinations ack (fenced) and every
-participant writes its ``done`` key in the epoch's store, the coordinator counts the acks
+every participant sees it through a watch, destinations ack (fenced, each on its own lease, with
+its ``done`` key in the same write) and the other participants write their ``done`` keys in
+the epoch's store -- batched per process as one host agent would
+(:meth:`~membership.versions.VersionStore.ack_many`, ``EtcdStore.multi_set``: 64 members a
+transaction), the coordinator counts the acks
 from watch events (:class:`~membership.versions.VersionTracker`) and commits (fenced), and
 every member sees the commit. Nothing is transferred: a destination acks as soon as it sees
 the attempt.
