@@ -391,6 +391,8 @@ class EtcdClient:
         self._conn_lock: asyncio.Lock | None = None
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self._keeper: Any = None  # the LeaseKeeper of this client's leases, made on first use
+        self._keeper_lock = threading.Lock()
 
     # ----------------------------------------------------------------- plumbing
     def _run_loop(self) -> None:
@@ -453,6 +455,18 @@ class EtcdClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def lease_keeper(self):
+        """The :class:`~membership.leases.LeaseKeeper` that renews the leases of this
+        client's members, on a thread and a channel of its own (closed with the client)."""
+        from elastic_refit.membership.leases import LeaseKeeper  # it builds on this module
+
+        with self._keeper_lock:
+            if self._closed:
+                raise RuntimeError("EtcdClient is closed")
+            if self._keeper is None:
+                self._keeper = LeaseKeeper(self.config)
+            return self._keeper
 
     async def connection(self) -> _Connection:
         if self._conn_lock is None:
@@ -775,9 +789,13 @@ class EtcdClient:
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Cancel background tasks, close the channel and stop the loop thread."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._keeper_lock:
+            if self._closed:
+                return
+            self._closed = True
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None:  # first: a closed client's leases are no longer renewed
+            keeper.close()
 
         async def _shutdown() -> None:
             tasks = [t for t in self._tasks if not t.done()]

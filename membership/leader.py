@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from elastic_refit.membership.client import Compare, Get, Put
 from elastic_refit.membership.errors import EtcdUnavailable, LeadershipLost
-from elastic_refit.membership.liveness import Suspicion
+from elastic_refit.membership.index import control_index
 from elastic_refit.membership.view import (
     MemberRecord,
     MembershipView,
@@ -55,13 +55,14 @@ def publish_epoch(client, keys, token: int, expected_mod_revision: int,
 
 
 def alive_members(membership: Membership, items) -> list[MemberRecord]:
-    """Ready members in a snapshot of the control range."""
+    """Ready members in a snapshot of the control range (each record decoded once per
+    write, shared with the other members of the process)."""
     out = []
     for key, kv in items.items():
         if membership.keys.parse_member_key(key) is None:
             continue
         try:
-            record = MemberRecord.decode(kv.value)
+            record = membership.watcher.decoded(kv, MemberRecord.decode)
         except (ValueError, KeyError):
             membership.log.warning("membership.member.bad_record", key=key)
             continue
@@ -146,16 +147,10 @@ class LeaderLoop:
         m = self.m
         bound = 2 * m.config.refute_window_s + 0.05
         pending: dict[tuple[str, int], float] = {}
-        for key, kv in snap.items.items():
-            if m.keys.parse_suspect_key(key) is None:
-                continue
-            try:
-                s = Suspicion.decode(kv.value)
-            except (ValueError, KeyError):
-                continue
+        for s in control_index(m.keys, snap).suspicions:
             member = snap.items.get(m.keys.member(s.role, s.suspect))
             if member is not None and member.lease == s.lease:
-                ident = (s.suspect, kv.create_revision)
+                ident = (s.suspect, s.revision)
                 pending[ident] = self._pending_since.get(ident, now)
         self._pending_since = pending
         return max(0.0, max((first + bound - now for first in pending.values()), default=0.0))
@@ -172,7 +167,7 @@ class LeaderLoop:
             if not self._still_leader(snap, token):
                 raise LeadershipLost(f"leader key no longer carries token {token}")
             epoch_kv = snap.items.get(m.keys.epoch)
-            current = MembershipView.decode(epoch_kv.value) if epoch_kv else None
+            current = m.watcher.decoded(epoch_kv, MembershipView.decode) if epoch_kv else None
             desired = next_member_order(current, alive_members(m, snap.items))
             if self.urgent_revision and snap.revision >= self.urgent_revision:
                 self.urgent_revision = 0  # the fenced member is out of this evaluation

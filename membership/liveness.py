@@ -45,7 +45,9 @@ The decisions (:func:`decide_suspicions`, :func:`ring_successor`,
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import functools
 import ipaddress
 import json
 import socket
@@ -62,7 +64,9 @@ __all__ = [
     "decide_suspicions",
     "probe_dead",
     "reachable_probe",
+    "ring_order",
     "ring_successor",
+    "ring_successor_in",
 ]
 
 # closed: a connection ended (EOF) without the peer's goodbye; reset: ECONNRESET / EPIPE;
@@ -214,10 +218,12 @@ class RingPeer:
     host: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def reachable_probe(probe: str, peer_host: str, my_host: str) -> bool:
     """Whether a peer's ``probe`` (``host:port``) can be reached from this member: a
     loopback address only from the same host (it would reach *our* host's loopback and be
-    refused, which reads as a death)."""
+    refused, which reads as a death). Cached: the ring asks about every member on every
+    member change, and parsing the address was most of that work."""
     host, sep, port = probe.rpartition(":")
     if not sep or not host or not port.isdigit():
         return False
@@ -241,6 +247,25 @@ def ring_successor(my_key: str, peers: Iterable[RingPeer], my_host: str) -> Ring
         if p.key > my_key:
             return p
     return candidates[0]
+
+
+def ring_order(peers: Iterable[RingPeer], my_host: str) -> tuple[tuple[str, ...], tuple[RingPeer, ...]]:
+    """The ring of the members reachable from ``my_host``, sorted by key: (keys, peers).
+    Built once per control snapshot and host and shared by the members of a process, each
+    of which then finds its successor with :func:`ring_successor_in` in O(log members)."""
+    ordered = tuple(sorted((p for p in peers if reachable_probe(p.probe, p.host, my_host)), key=lambda p: p.key))
+    return tuple(p.key for p in ordered), ordered
+
+
+def ring_successor_in(my_key: str, order: tuple[tuple[str, ...], tuple[RingPeer, ...]]) -> RingPeer | None:
+    """:func:`ring_successor` of ``my_key`` in a :func:`ring_order` (the same answer)."""
+    keys, peers = order
+    i = bisect.bisect_right(keys, my_key)
+    if i < len(peers):
+        return peers[i]
+    # Wrap around to the first key; if that is ours, we are alone (any other key would
+    # sort after ours and have been found above).
+    return peers[0] if peers and peers[0].key != my_key else None
 
 
 # ---- side effects (asyncio, on the etcd client's loop) --------------------------------------

@@ -20,12 +20,13 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
+from elastic_refit.membership.index import ControlIndex, control_index
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.leader import LeaderLoop
 from elastic_refit.membership.liveness import (
@@ -36,7 +37,8 @@ from elastic_refit.membership.liveness import (
     decide_suspicions,
     probe_dead,
     reachable_probe,
-    ring_successor,
+    ring_order,
+    ring_successor_in,
 )
 from elastic_refit.membership.view import MemberRecord, MembershipView, diff
 from elastic_refit.membership.watch import (
@@ -48,6 +50,8 @@ from elastic_refit.membership.watch import (
 )
 
 from elastic_refit.log import get_logger
+
+_LOGGED_IDS = 16  # member ids named in one epoch-change log event
 
 
 class Membership:
@@ -76,8 +80,7 @@ class Membership:
         self._on_view: list[Callable[[MembershipView | None, MembershipView], None]] = []
         self._on_lost: list[Callable[[str], None]] = []
         self._leader = LeaderLoop(self)
-        self._last_keepalive = 0.0
-        self._outage_logged = False
+        self._keeper = None  # the LeaseKeeper renewing our lease, from start() on
         self._known_members: set[str] = set()
         self._epoch_mod_revision = -1  # the epoch key's last decoded mod_revision
         self._ring: LivenessRing | None = None
@@ -116,7 +119,6 @@ class Membership:
                 with contextlib.suppress(Exception):
                     self.client.run(self._ring.aclose(), timeout_s=3)
             raise
-        self._last_keepalive = time.monotonic()
         self.log.info("membership.member.registered", lease_id=self.lease_id, ttl_s=granted,
                       revision=res.revision)
         previous = res.gets[0][0] if res.gets and res.gets[0] else None
@@ -126,8 +128,11 @@ class Membership:
             self.client.revoke_lease(previous.lease)
             self.log.info("membership.member.replaced", previous_lease_id=previous.lease)
         # Keepalive first: a process starting many members (or a slow first list) must not
-        # let the lease run out before the watch is in place.
-        self.client.spawn(self._keepalive(), name="keepalive")
+        # let the lease run out before the watch is in place. The keeper renews it from a
+        # thread and a channel of its own: no burst on the client loop can delay it.
+        self._keeper = self.client.lease_keeper()
+        self._keeper.keep(self.lease_id, ttl_s=self.config.ttl_s, interval_s=self.config.keepalive_interval,
+                          on_lost=self._lease_lost_threadsafe)
         self.watcher.add_listener(self._on_change)
         self.client.spawn(self._suspicion_loop(), name="suspicions")
         self.watcher.start(revision=res.revision)
@@ -143,6 +148,8 @@ class Membership:
         try:
             self._leader.changed_threadsafe(self.client)
             self.watcher.stop()
+            if self._keeper is not None:
+                self._keeper.release(self.lease_id)
             if self.lease_id and not self.lost.is_set():
                 with contextlib.suppress(EtcdUnavailable):
                     self.client.revoke_lease(self.lease_id)
@@ -255,15 +262,11 @@ class Membership:
         member any more, already suspected, or we are not a member)."""
         if self.closing or self.lost.is_set():
             return False
-        snap = self.watcher.snapshot()
-        found = None
-        for key, kv in snap.items.items():
-            parsed = self.keys.parse_member_key(key)
-            if parsed is not None and parsed[1] == member_id:
-                found = (key, kv, parsed[0])
+        found = self.index(self.watcher.snapshot()).members.get(member_id)
         if found is None:
             return False
-        member_key, kv, role = found
+        member_key, kv = found
+        role = self.keys.parse_member_key(member_key)[0]  # type: ignore[index]
         if lease is not None and kv.lease != lease:
             return False  # that incarnation is gone already
         try:
@@ -327,6 +330,8 @@ class Membership:
             return
         self.lost_reason = reason
         self.lost.set()
+        if self._keeper is not None:
+            self._keeper.release(self.lease_id)
         self.log.error("membership.member.lost", reason=reason, lease_id=self.lease_id)
         with self._view_cond:
             self._view_cond.notify_all()
@@ -348,29 +353,27 @@ class Membership:
         if not self.closing and not self.lost.is_set():
             self.client.spawn_here(self.asuspect(member_id, evidence, detail, lease=lease), "suspect")
 
+    def index(self, snap: RangeSnapshot) -> ControlIndex:
+        """The :class:`ControlIndex` of ``snap`` (one of this member's watcher's snapshots),
+        built once per snapshot for every member sharing the watch."""
+        return self.watcher.derived("control-index", snap, lambda s: control_index(self.keys, s))
+
     def _update_ring(self, snap: RangeSnapshot) -> None:
         if self._ring is None or self.closing or self.lost.is_set():
             return
-        peers = []
-        for key, kv in snap.items.items():
-            if self.keys.parse_member_key(key) is None:
-                continue
-            with contextlib.suppress(ValueError, KeyError):
-                record = self.watcher.decoded(kv, MemberRecord.decode)  # once per record write, per process
-                if record.probe:
-                    peers.append(RingPeer(key, record.member_id, kv.lease, record.probe, record.host))
-        self._ring.follow(ring_successor(self.member_key, peers, self.record.host))
+        host = self.record.host
 
-    def _suspicions_in(self, snap: RangeSnapshot) -> list[Suspicion]:
-        out = []
-        for key, kv in snap.items.items():
-            if self.keys.parse_suspect_key(key) is None:
-                continue
-            try:
-                out.append(Suspicion.decode(kv.value, kv.create_revision))
-            except (ValueError, KeyError):
-                self.log.warning("membership.suspect.bad_record", key=key)
-        return out
+        def order(s: RangeSnapshot):
+            peers = []
+            for key, kv in self.index(s).members.values():
+                with contextlib.suppress(ValueError, KeyError):
+                    record = self.watcher.decoded(kv, MemberRecord.decode)  # once per record write, per process
+                    if record.probe:
+                        peers.append(RingPeer(key, record.member_id, kv.lease, record.probe, record.host))
+            return ring_order(peers, host)
+
+        # The ring of this host, sorted once per snapshot for every member of the process.
+        self._ring.follow(ring_successor_in(self.member_key, self.watcher.derived(f"ring:{host}", snap, order)))
 
     async def _suspicion_loop(self) -> None:
         """Refute suspicions of ourselves; confirm (fence) or drop the ones we confirm.
@@ -384,14 +387,11 @@ class Membership:
             if self.closing or self.lost.is_set():
                 return
             snap = self.watcher.snapshot()
-            leases = {}
-            for key, kv in snap.items.items():
-                parsed = self.keys.parse_member_key(key)
-                if parsed is not None:
-                    leases[parsed[1]] = kv.lease
-            leader = snap.items.get(self.keys.leader)
+            index = self.index(snap)
+            leases = index.member_leases
+            leader = index.leader
             decision = decide_suspicions(
-                time.monotonic(), self._suspicions_in(snap), self._suspicions_seen, my_lease=self.lease_id,
+                time.monotonic(), index.suspicions, self._suspicions_seen, my_lease=self.lease_id,
                 member_leases=leases, leader_lease=leader.lease if leader is not None else None,
                 refute_window_s=self.config.refute_window_s, verified=frozenset(self._suspicions_verified))
             self._suspicions_seen = dict(decision.seen or {})
@@ -411,7 +411,7 @@ class Membership:
                 self._act(s, self._drop(s))
             self._retry_reports(snap, leases)
 
-    def _retry_reports(self, snap: RangeSnapshot, leases: dict[str, int]) -> None:
+    def _retry_reports(self, snap: RangeSnapshot, leases: Mapping[str, int]) -> None:
         for member_id, (lease, evidence, detail) in list(self._pending_reports.items()):
             if leases.get(member_id) != lease:
                 del self._pending_reports[member_id]  # that incarnation is gone: done
@@ -494,32 +494,10 @@ class Membership:
         await self.client.atxn([Compare(self.keys.suspect(s.suspect), "create", "==", s.revision)],
                                [Delete(self.keys.suspect(s.suspect))])
 
-    async def _keepalive(self) -> None:
-        interval = self.config.keepalive_interval
-        ttl = self.config.ttl_s
-        while not self.closing and not self.lost.is_set():
-            await asyncio.sleep(interval)
-            if self.closing:
-                return
-            since = time.monotonic() - self._last_keepalive
-            try:
-                left = await self.client.arefresh_lease(self.lease_id,
-                                                        deadline_s=max(0.1, ttl - since))
-            except Exception as exc:
-                # etcd unreachable: keep trying. Only a reachable etcd can say the lease is
-                # gone (it keeps leases across its own restarts); meanwhile every write of
-                # ours is a transaction on the lease, so a lost member cannot act anyway.
-                if since > ttl and not self._outage_logged:
-                    self._outage_logged = True
-                    self.log.warning("membership.keepalive.unreachable", seconds=round(since, 3),
-                                     error=repr(exc)[:200])
-                continue
-            self._outage_logged = False
-            if left <= 0:
-                self._mark_lost(f"lease {self.lease_id} expired (last keepalive "
-                                f"{time.monotonic() - self._last_keepalive:.2f}s ago)")
-                return
-            self._last_keepalive = time.monotonic()
+    def _lease_lost_threadsafe(self, reason: str) -> None:
+        """etcd answered a keepalive with TTL 0 (keeper thread): the lease is gone."""
+        with contextlib.suppress(RuntimeError):  # the client loop is closed already
+            self.client.loop.call_soon_threadsafe(self._mark_lost, reason)
 
     def _on_change(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
         # Member arrivals and departures for the timeline, from the events (a full pass over
@@ -562,10 +540,12 @@ class Membership:
                     new = None
             if new is not None:
                 d = diff(old, new)
+                # The first few ids only: every member logs this on every epoch, and the
+                # whole lists (a join of 1,024 ranks) made it O(members) per member.
                 self.log.info("membership.epoch.changed", epoch=new.epoch,
-                              num_members=new.num_ranks,
-                              added=[m.member_id for m in d.added],
-                              removed=[m.member_id for m in d.removed])
+                              num_members=new.num_ranks, num_added=len(d.added), num_removed=len(d.removed),
+                              added=[m.member_id for m in d.added[:_LOGGED_IDS]],
+                              removed=[m.member_id for m in d.removed[:_LOGGED_IDS]])
                 for cb in list(self._on_view):
                     try:
                         cb(old, new)
@@ -573,7 +553,12 @@ class Membership:
                         self.log.exception("membership.view.callback_failed")
         if reset or any(self.keys.parse_member_key(ev.key) for ev in events):  # the ring follows members only
             self._update_ring(snap)
-        self._poke_suspicions()
+        # The suspicion loop has nothing to decide while no suspicion exists, none was seen
+        # and no report waits: waking it on every change for every member was the bulk of
+        # a process's work per change at a thousand members.
+        if self._suspicions_seen or self._pending_reports or self._suspicions_acting \
+                or self.index(snap).suspicions:
+            self._poke_suspicions()
         self._leader.poke()
 
     def after_publish(self, view: MembershipView) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +44,20 @@ from elastic_refit.log import get_logger
 # "older than the latest committed version"). Each snapshot reads them all: keep it small.
 HISTORY_VERSIONS = 8
 _PRUNE_OPS_PER_TXN = 64  # etcd refuses transactions of more than --max-txn-ops (128) operations
+# Members per batched write (ack_many, publish_many): one ownership compare and up to two
+# puts each, within etcd's --max-txn-ops (128) of each kind.
+_MEMBERS_PER_TXN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class AckRequest:
+    """One inference rank's ack of ``version`` for :meth:`VersionStore.ack_many`."""
+
+    membership: Membership
+    version: int
+    epoch: int
+    digest: str
+    done: tuple[str, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,9 +306,13 @@ class VersionStore:
         """This trainer published ``version`` (its buffers' ``digest`` and its digests of the
         replica ``regions`` it holds, taken at publish, in the layout with fingerprint
         ``layout``) and serves it as a source (fenced on its own lease)."""
+        membership.fenced_put(*self._source_entry(membership, version, digest, regions, layout))
+
+    def _source_entry(self, membership: Membership, version: int, digest: str, regions: Mapping[int, str] | None,
+                      layout: str) -> tuple[str, bytes]:
         record = {"incarnation": membership.record.incarnation, "digest": digest, "layout": layout,
                   "regions": {str(k): v for k, v in (regions or {}).items()}}
-        membership.fenced_put(self.keys.source(version, membership.record.member_id), json.dumps(record).encode())
+        return self.keys.source(version, membership.record.member_id), json.dumps(record).encode()
 
     def ack(self, membership: Membership, version: int, epoch: int, digest: str,
             done: tuple[str, bytes] | None = None) -> None:
@@ -303,10 +321,71 @@ class VersionStore:
         ``done``: ``(key, value)`` of the attempt's done key, written in the same transaction
         (one etcd write per destination and attempt, not two: at 1,024 ranks the writes of
         one round are what etcd spends its time on)."""
+        membership.fenced_put(*self._ack_entry(membership, version, epoch, digest),
+                              also=[Put(*done)] if done is not None else ())
+
+    def ack_many(self, requests: Sequence[AckRequest]) -> list[BaseException | None]:
+        """:meth:`ack` for the members of one process (a host agent), in one transaction per
+        ``_MEMBERS_PER_TXN`` members, each member's ack (and done key) fenced on its own
+        lease as alone. Returns, per request, ``None`` or the error its own ack raised.
+
+        Why: a commit round at 1,024 ranks is 1,024 fenced writes, each one etcd request,
+        raft entry and watch response; etcd's time on them, not the decisions, bounded the
+        round on one machine. Batched, it is 16 requests."""
+        def puts(r: AckRequest) -> list[Put]:
+            return [Put(*self._ack_entry(r.membership, r.version, r.epoch, r.digest)),
+                    *([Put(*r.done)] if r.done is not None else [])]
+
+        return self._fenced_many([(r.membership, puts(r)) for r in requests],
+                                 lambda i: self.ack(requests[i].membership, requests[i].version, requests[i].epoch,
+                                                    requests[i].digest, done=requests[i].done))
+
+    def publish_many(self, memberships: Sequence[Membership], version: int, digest: str = "",
+                     layout: str = "") -> list[BaseException | None]:
+        """:meth:`publish_source` (without regions) for the trainers of one process, batched
+        like :meth:`ack_many`."""
+        return self._fenced_many(
+            [(m, [Put(*self._source_entry(m, version, digest, None, layout))]) for m in memberships],
+            lambda i: self.publish_source(memberships[i], version, digest, layout=layout))
+
+    def _fenced_many(self, writes: Sequence[tuple[Membership, list[Put]]],
+                     alone: Callable[[int], None]) -> list[BaseException | None]:
+        """Each member's ``puts``, fenced on its own lease, in one transaction per
+        ``_MEMBERS_PER_TXN`` members. A transaction refused because a member lost its lease
+        is replayed member by member (``alone(i)``), so the others still write and only the
+        lost one gets :class:`MembershipLost`, as if each had written alone."""
+        errors: list[BaseException | None] = [None] * len(writes)
+        for start in range(0, len(writes), _MEMBERS_PER_TXN):
+            chunk = []
+            for i, (membership, puts) in enumerate(writes[start:start + _MEMBERS_PER_TXN], start):
+                try:
+                    membership.check()  # a member known lost writes nothing
+                except Exception as exc:
+                    errors[i] = exc
+                else:
+                    chunk.append((i, membership, puts))
+            if not chunk:
+                continue
+            try:
+                # Guarded only by the members' own leases: safe to retry through an outage.
+                if self.client.txn([m.ownership_compare() for _, m, _ in chunk],
+                                   [p for _, _, puts in chunk for p in puts], idempotent=True).succeeded:
+                    continue
+            except Exception as exc:
+                for i, _, _ in chunk:
+                    errors[i] = exc
+                continue
+            for i, _, _ in chunk:  # someone is lost: each on its own, to name who
+                try:
+                    alone(i)
+                except Exception as exc:
+                    errors[i] = exc
+        return errors
+
+    def _ack_entry(self, membership: Membership, version: int, epoch: int, digest: str) -> tuple[str, bytes]:
         record = membership.record
-        membership.fenced_put(self.keys.ack(version, record.member_id), json.dumps(
-            {"incarnation": record.incarnation, "epoch": epoch, "digest": digest,
-             "layout": record.layout}).encode(), also=[Put(*done)] if done is not None else ())
+        return self.keys.ack(version, record.member_id), json.dumps(
+            {"incarnation": record.incarnation, "epoch": epoch, "digest": digest, "layout": record.layout}).encode()
 
     def retract(self, membership: Membership, state: VersionState, also: Iterable[int] = ()) -> int:
         """Withdraw this member's acks: its buffers are about to be overwritten, so it must

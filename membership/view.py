@@ -192,16 +192,61 @@ class MembershipView:
         }
 
     def encode(self) -> bytes:
-        return json.dumps(self.to_json(), sort_keys=True).encode()
+        """The epoch key's value, column by column (:func:`encode_members`): every member
+        decodes it on every epoch and etcd stores, replicates and sends it to every watcher,
+        so its size matters: about 50 bytes a member instead of 250 as one JSON object per
+        member (1,024 members: ~55 KB instead of ~250 KB; etcd refuses requests over
+        1.5 MiB, which the per-member objects passed at ~6,000 ranks)."""
+        return json.dumps({"epoch": self.epoch, "based_on_revision": self.based_on_revision,
+                           "columns": encode_members(self.members)}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> MembershipView:
+        """Either encoding: columns, or one object per member (written before columns)."""
         data = json.loads(raw)
-        return cls(
-            epoch=int(data["epoch"]),
-            members=tuple(MemberRecord.from_json(m) for m in data["members"]),
-            based_on_revision=int(data.get("based_on_revision", 0)),
-        )
+        members = decode_members(data["columns"]) if "columns" in data else \
+            tuple(MemberRecord.from_json(m) for m in data["members"])
+        return cls(epoch=int(data["epoch"]), members=members, based_on_revision=int(data.get("based_on_revision", 0)))
+
+
+# Defaults of MemberRecord's optional fields: a column that holds only its default is left out.
+_RECORD_DEFAULTS = {"address": "", "state": "ready", "layout_rank": -1, "layout": "", "reform": 0,
+                    "reform_epoch": 0, "probe": ""}
+
+
+def encode_members(members: tuple[MemberRecord, ...]) -> dict[str, Any]:
+    """Members as columns (pure): ``{"n": count, field: [values...] | {"of": [distinct
+    values], "at": [index per member]}}``. A field whose values repeat (role, host, domain,
+    device, layout) stores each distinct value once; a column of defaults is left out."""
+    out: dict[str, Any] = {"n": len(members)}
+    if not members:
+        return out
+    for name in members[0].to_json():
+        values = [getattr(m, name) for m in members]
+        if name in _RECORD_DEFAULTS and all(v == _RECORD_DEFAULTS[name] for v in values):
+            continue
+        distinct: dict[Any, int] = {}
+        for v in values:
+            distinct.setdefault(v, len(distinct))
+        if len(distinct) * 2 <= len(values):
+            out[name] = {"of": list(distinct), "at": [distinct[v] for v in values]}
+        else:
+            out[name] = values
+    return out
+
+
+def decode_members(columns: Mapping[str, Any]) -> tuple[MemberRecord, ...]:
+    """The inverse of :func:`encode_members`."""
+    n = int(columns["n"])
+    full: dict[str, list[Any]] = {}
+    for name, column in columns.items():
+        if name == "n":
+            continue
+        values = [column["of"][i] for i in column["at"]] if isinstance(column, dict) else list(column)
+        if len(values) != n:
+            raise ValueError(f"epoch column {name!r} has {len(values)} values for {n} members")
+        full[name] = values
+    return tuple(MemberRecord.from_json({name: values[i] for name, values in full.items()}) for i in range(n))
 
 
 @dataclass(frozen=True, slots=True)

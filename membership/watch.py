@@ -91,6 +91,8 @@ class RangeWatcher:
         self._snap: RangeSnapshot | None = None
         # key -> (mod_revision, decoder, decoded value): see decoded()
         self._decoded: dict[str, tuple[int, Callable[[bytes], object], object]] = {}
+        # name -> (snapshot, value): see derived()
+        self._derived: dict[str, tuple[RangeSnapshot, object]] = {}
         # A caller may resume from a revision it saved; None lists first.
         self._revision = start_revision - 1 if start_revision else 0
         self._need_list = start_revision is None
@@ -148,6 +150,21 @@ class RangeWatcher:
         value = decode(kv.value)
         with self._cond:
             self._decoded[kv.key] = (kv.mod_revision, decode, value)
+        return value
+
+    def derived(self, name: str, snap: RangeSnapshot, compute: Callable[[RangeSnapshot], T]) -> T:
+        """``compute(snap)``, computed once per snapshot and shared by every caller that
+        asks under ``name`` (e.g. the members' leases by id, or the liveness ring's order):
+        the members of one process share this watcher, and an index each of them built on
+        every change was O(members) per member, O(members^2) per change for the process.
+        ``name`` names the computation: ``compute`` must be pure and the same for a name."""
+        with self._cond:
+            memo = self._derived.get(name)
+            if memo is not None and memo[0] is snap:
+                return memo[1]  # type: ignore[return-value]
+        value = compute(snap)
+        with self._cond:
+            self._derived[name] = (snap, value)
         return value
 
     def _current(self) -> RangeSnapshot:
@@ -430,6 +447,9 @@ class SharedRange:
 
     def decoded(self, kv: KeyValue, decode: Callable[[bytes], T]) -> T:
         return self._hub.watcher.decoded(kv, decode)
+
+    def derived(self, name: str, snap: RangeSnapshot, compute: Callable[[RangeSnapshot], T]) -> T:
+        return self._hub.watcher.derived(name, snap, compute)
 
     @property
     def relists(self) -> int:

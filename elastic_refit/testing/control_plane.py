@@ -7,8 +7,11 @@ one watch stream per key range (:class:`~membership.watch.WatchHub`), as agents 
 host would. Versions go through the runtime's own pieces: trainers publish sources
 (:class:`~membership.versions.VersionStore`, fenced), the epoch's coordinator (rank 0)
 decides with :func:`~elastic_refit.runtime.agent.coordinate` and proposes the attempt,
-every participant sees it through a watch, destinations ack (fenced) and every
-participant writes its ``done`` key in the epoch's store, the coordinator counts the acks
+every participant sees it through a watch, destinations ack (fenced, each on its own lease, with
+its ``done`` key in the same write) and the other participants write their ``done`` keys in
+the epoch's store -- batched per process as one host agent would
+(:meth:`~membership.versions.VersionStore.ack_many`, ``EtcdStore.multi_set``: 64 members a
+transaction), the coordinator counts the acks
 from watch events (:class:`~membership.versions.VersionTracker`) and commits (fenced), and
 every member sees the commit. Nothing is transferred: a destination acks as soon as it sees
 the attempt.
@@ -41,12 +44,14 @@ from typing import Any
 from elastic_refit._validate import require_at_least
 from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.versions import AckRequest
 from elastic_refit.runtime.agent import Propose, coordinate
 from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction
 from elastic_refit.testing.membership_bench import percentile
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
 NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)
+_BATCH = 64  # members per batched ack transaction (etcd's --max-txn-ops is 128: two puts each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,23 +250,35 @@ class _Worker:
             epoch, seq = parsed
             spec = AttemptSpec.from_json(json.loads(ev.kv.value))
             destinations = set(spec.destinations)
-            for member_id in spec.participants:
-                if member_id in self.members:
-                    self.pool.submit(self._take_part, member_id, epoch, seq, spec.version,
-                                     member_id in destinations)
+            mine = [m for m in spec.participants if m in self.members]
+            # As one host agent would: this process's acks (each fenced on its member's own
+            # lease) and done keys go out in batched transactions, a batch per pool thread.
+            acking = [m for m in mine if m in destinations]
+            for start in range(0, len(acking), _BATCH):
+                self.pool.submit(self._ack_batch, acking[start:start + _BATCH], epoch, seq, spec.version)
+            others = [m for m in mine if m not in destinations]
+            if others:
+                self.pool.submit(self._done_batch, others, epoch, seq)
 
-    def _take_part(self, member_id: str, epoch: int, seq: int, version: int, destination: bool) -> None:
-        membership = self.members[member_id]
+    def _ack_batch(self, member_ids: list[str], epoch: int, seq: int, version: int) -> None:
+        """Destinations "received" the version (nothing moves here): each acks with its done key."""
+        prefix = self._store(epoch).prefix
+        requests = [AckRequest(self.members[m], version, epoch, f"{m}@{version}",
+                               done=(prefix + AttemptKeys(seq).done(m), DONE_OK.encode())) for m in member_ids]
         try:
-            done = AttemptKeys(seq).done(member_id)
-            if destination:  # it "received" the version (nothing moves here): ack and done, one write
-                self.versions.ack(membership, version, epoch, f"{member_id}@{version}",
-                                  done=(self._store(epoch).prefix + done, DONE_OK.encode()))
-            else:
-                self._store(epoch).set(done, DONE_OK)
+            errors = self.versions.ack_many(requests)
+        except Exception as exc:
+            errors = [exc] * len(requests)
+        with self.lock:
+            self.errors.extend(f"{m} attempt {epoch}/{seq}: {type(e).__name__}: {e}"[:300]
+                               for m, e in zip(member_ids, errors, strict=True) if e is not None)
+
+    def _done_batch(self, member_ids: list[str], epoch: int, seq: int) -> None:
+        try:
+            self._store(epoch).multi_set([AttemptKeys(seq).done(m) for m in member_ids], [DONE_OK] * len(member_ids))
         except Exception as exc:
             with self.lock:
-                self.errors.append(f"{member_id} attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
+                self.errors.append(f"done keys of attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
 
     def _store(self, epoch: int):
         with self.lock:
@@ -271,17 +288,15 @@ class _Worker:
         return store
 
     def publish(self, version: int) -> None:
-        """Every trainer of this process publishes ``version`` as a source (fenced)."""
-        def one(membership) -> None:
-            try:
-                self.versions.publish_source(membership, version, digest=f"src@{version}")
-            except Exception as exc:
-                with self.lock:
-                    self.errors.append(f"{membership.record.member_id} publish {version}: {exc!r}"[:300])
-
-        futures = [self.pool.submit(one, m) for m in self.members.values() if m.record.role == "trainer"]
-        for f in futures:
-            f.result()
+        """Every trainer of this process publishes ``version`` as a source (fenced, batched)."""
+        trainers = [m for m in self.members.values() if m.record.role == "trainer"]
+        try:
+            errors = self.versions.publish_many(trainers, version, digest=f"src@{version}")
+        except Exception as exc:
+            errors = [exc] * len(trainers)
+        with self.lock:
+            self.errors.extend(f"{m.record.member_id} publish {version}: {e!r}"[:300]
+                               for m, e in zip(trainers, errors, strict=True) if e is not None)
 
     # -- the coordinator: the runtime's decisions, woken by watch events
     def _coordinator(self) -> None:
@@ -348,6 +363,18 @@ class _Worker:
         with self.lock:
             return [seen[epoch] for seen in self.seen_epoch.values() if epoch in seen]
 
+    def diag(self) -> dict[str, Any]:
+        """Since the last call: this process's CPU seconds, its lease keepalives' answer
+        times and its client loop's worst lag (then both restart)."""
+        keeper = self.client.lease_keeper()
+        latencies = sorted(keeper.latencies)
+        keeper.latencies.clear()
+        lag, self.loop_lag_max_s = self.loop_lag_max_s, 0.0
+        return {"cpu_s": time.process_time(), "keepalives": len(latencies),
+                "keepalive_p50_s": percentile(latencies, 50) if latencies else 0.0,
+                "keepalive_p99_s": percentile(latencies, 99) if latencies else 0.0,
+                "keepalive_max_s": latencies[-1] if latencies else 0.0, "loop_lag_max_s": lag}
+
     def report(self) -> dict[str, Any]:
         with self.lock:
             return {"phases": {v: dict(p) for v, p in self.phases.items()}, "errors": list(self.errors),
@@ -376,6 +403,10 @@ def _worker_main(spec: _WorkerSpec, conn) -> None:
 
     # Warnings and errors only: 1,024 members logging every epoch change is noise here.
     configure_logging(json=True, level=logging.WARNING)
+    # Diagnostics: a shorter GIL switch interval lets the lease keeper's thread in before a
+    # busy client loop (hundreds of members per process) gives the GIL up on its own.
+    if os.environ.get("ELASTIC_REFIT_CP_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["ELASTIC_REFIT_CP_SWITCH_INTERVAL_S"]))
     worker = None
     try:
         worker = _Worker(spec)
@@ -387,6 +418,8 @@ def _worker_main(spec: _WorkerSpec, conn) -> None:
                 conn.send({"ok": True})
             elif command == "report":
                 conn.send(worker.report())
+            elif command == "diag":
+                conn.send(worker.diag())
             elif command == "epochs":
                 conn.send(worker.epochs())
             elif command == "epoch_times":
@@ -457,6 +490,8 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
         client = EtcdClient(list(endpoints))
         try:
             t0 = time.monotonic()
+            # The start-up phase counts from here (the workers' CPU from their own start).
+            meter = _PhaseMeter([], etcd.pids[0] if etcd.pids else None)
             progress(f"starting {cfg.num_members} members in {len(workers_of)} processes "
                      f"(+{len(victims)} to be killed), lease TTL {cfg.ttl_s} s")
             for members in workers_of:
@@ -465,15 +500,23 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
                 victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
             started = [p.receive(timeout_s=3 * _TIMEOUT_S) for p in procs + victim_procs]
             everyone = {m.member_id for p in procs + victim_procs for m in p.spec.members}
-            epoch, _ = _wait_epoch(procs, everyone, "every member")
+            meter.procs = procs
+            try:
+                epoch, _ = _wait_epoch(procs, everyone, "every member")
+            finally:
+                progress(_meter_line(meter.mark("startup")))
             startup_s = time.monotonic() - t0
             progress(f"epoch {epoch}: all {len(everyone)} members in {startup_s:.1f} s "
                      f"(slowest process start {max(s['started_s'] for s in started):.1f} s)")
             idle = _measure_idle(etcd_requests, endpoints[0], cfg.idle_s, len(everyone))
             if idle:
                 progress(f"idle: {idle['idle_requests_per_s_per_member']:.2f} etcd requests/s per member")
+                progress(_meter_line(meter.mark("idle")))
 
-            rounds = [_commit_round(procs, v, progress) for v in range(1, cfg.num_versions + 1)]
+            try:
+                rounds = [_commit_round(procs, v, progress) for v in range(1, cfg.num_versions + 1)]
+            finally:
+                progress(_meter_line(meter.mark("rounds")))
             kills = []
             version = cfg.num_versions
             for victim_proc in victim_procs:
@@ -481,6 +524,8 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
                 everyone -= {m.member_id for m in victim_proc.spec.members}
                 version += 1
                 rounds.append({**_commit_round(procs, version, progress), "after_kill": True})
+            if victim_procs:
+                progress(_meter_line(meter.mark("kills")))
             reports = [p.ask("report") for p in procs]
             errors = [e for r in reports for e in r["errors"]]
             lost = [m for r in reports for m in r["lost"]]
@@ -519,14 +564,61 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
         "errors": errors[:20],
         "num_errors": len(errors),
         "per_round": rounds,
+        "per_phase": meter.phases,
         "per_kill": [{k: v for k, v in kill.items() if k != "per_member_s"} for kill in kills],
         "config": asdict(cfg),
     }
 
 
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a process used so far (Linux; NaN when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+class _PhaseMeter:
+    """Where one phase's time went: wall seconds, etcd's and the workers' CPU seconds, the
+    workers' worst keepalive answer time and loop lag, and the load average (a 2-core
+    machine shared with other work is the usual limit here)."""
+
+    def __init__(self, procs: list[_Process], etcd_pid: int | None) -> None:
+        self.procs, self.etcd_pid = procs, etcd_pid
+        self.phases: list[dict[str, Any]] = []
+        self._t, self._etcd = time.monotonic(), _cpu_s(etcd_pid)
+        self._workers: dict[int, float] = {}  # pid -> CPU seconds at the last mark (0: process start)
+
+    def _diag(self) -> list[dict[str, Any]]:
+        return [p.ask("diag") for p in self.procs]
+
+    def mark(self, phase: str) -> dict[str, Any]:
+        diags = self._diag()
+        now, etcd = time.monotonic(), _cpu_s(self.etcd_pid)
+        workers = {p.proc.pid: d["cpu_s"] for p, d in zip(self.procs, diags, strict=True)}
+        entry = {"phase": phase, "wall_s": round(now - self._t, 3), "etcd_cpu_s": round(etcd - self._etcd, 3),
+                 "workers_cpu_s": round(sum(workers[k] - self._workers.get(k, 0.0) for k in workers), 3),
+                 "keepalive_p99_s": round(max(d["keepalive_p99_s"] for d in diags), 4),
+                 "keepalive_max_s": round(max(d["keepalive_max_s"] for d in diags), 4),
+                 "loop_lag_max_s": round(max(d["loop_lag_max_s"] for d in diags), 4),
+                 "load_avg_1m": os.getloadavg()[0]}
+        self._t, self._etcd, self._workers = now, etcd, workers
+        self.phases.append(entry)
+        return entry
+
+
 def members_digest(member_ids) -> str:
     """A short digest of a set of member ids (workers report epochs by it)."""
     return hashlib.blake2b("\n".join(sorted(member_ids)).encode(), digest_size=8).hexdigest()
+
+
+def _meter_line(m: dict[str, Any]) -> str:
+    return (f"{m['phase']}: {m['wall_s']:.1f} s wall, etcd {m['etcd_cpu_s']:.1f} s CPU, workers "
+            f"{m['workers_cpu_s']:.1f} s CPU, keepalive answer p99 {m['keepalive_p99_s'] * 1e3:.0f} ms "
+            f"(max {m['keepalive_max_s'] * 1e3:.0f}), loop lag max {m['loop_lag_max_s'] * 1e3:.0f} ms, "
+            f"load {m['load_avg_1m']:.1f}")
 
 
 def _wait_epoch(procs: list[_Process], members: set[str], what: str, after: int = -1) -> tuple[int, float]:

@@ -234,3 +234,75 @@ def test_retract_withdraws_acks_a_watched_state_does_not_show_yet(etcd_server, m
     finally:
         acker.close()
         membership.close()
+
+
+def test_a_member_keeps_its_lease_while_its_client_loop_is_blocked(etcd_server, make_client, job):
+    """Keepalives come from the client's LeaseKeeper (a thread and channel of its own):
+    a client loop busy for twice the TTL (a burst of events, a slow callback) no longer
+    starves them. Sent from that loop, as before, the lease ran out."""
+
+    client = make_client(etcd_server.endpoints)
+    config = MembershipConfig(ttl_s=2)
+    member = Membership(client, job, _record("i0"), config).start()
+    try:
+        member.wait_for_view(lambda v: v.num_ranks == 1, timeout_s=20)
+        keeper = client.lease_keeper()
+        sent = keeper.keepalives_sent
+
+        async def block() -> None:
+            time.sleep(2 * config.ttl_s + 0.5)  # holds the loop: nothing else runs on it
+
+        client.run(block(), timeout_s=30)
+        assert keeper.keepalives_sent - sent >= 2 * config.ttl_s / config.keepalive_interval - 1
+        assert client.lease_ttl(member.lease_id) > 0
+        time.sleep(0.5)  # the watch catches up: the member key is still ours
+        assert not member.lost.is_set(), member.lost_reason
+        assert client.get(member.member_key).lease == member.lease_id
+    finally:
+        member.close()
+    deadline = time.monotonic() + 5
+    while keeper.num_leases and time.monotonic() < deadline:  # the release runs on the keeper's loop
+        time.sleep(0.01)
+    assert keeper.num_leases == 0
+
+
+def test_batched_acks_are_fenced_member_by_member(etcd_server, make_client, job):
+    """ack_many writes many members' acks in one transaction; a member that lost its lease
+    is refused (MembershipLost) and the others' acks still land."""
+    from elastic_refit.membership.versions import AckRequest
+
+    from elastic_refit.errors import MembershipLost
+
+    client = make_client(etcd_server.endpoints)
+    hub = WatchHub(client, *JobKeys(job).control_range, name="control")
+    members = [Membership(client, job, _record(f"i{k}"), MembershipConfig(ttl_s=2, candidate=k == 0),
+                          watch_hub=hub).start() for k in range(4)]
+    store = VersionStore(client, job)
+    try:
+        view = members[0].wait_for_view(lambda v: v.num_ranks == 4, timeout_s=20)
+        epoch_store = EtcdStore(client, job, view.epoch)
+        # One index per snapshot for every member sharing the watch.
+        snap = members[0].watcher.snapshot()
+        assert members[1].index(snap) is members[2].index(snap) and set(members[3].index(snap).members) == {
+            "i0", "i1", "i2", "i3"}
+
+        def requests(version: int) -> list[AckRequest]:
+            return [AckRequest(m, version, view.epoch, f"d{version}",
+                               done=(epoch_store.etcd_key(f"attempt/{version}/done/{m.record.member_id}"), b"ok"))
+                    for m in members]
+
+        calls: list[str] = []
+        txn = client.txn
+        client.txn = lambda *a, **kw: (calls.append("txn"), txn(*a, **kw))[1]  # type: ignore[method-assign]
+        assert store.ack_many(requests(1)) == [None] * 4
+        assert calls == ["txn"]  # four fenced acks and their done keys: one request
+        assert set(store.snapshot().acks[1]) == {"i0", "i1", "i2", "i3"}
+        client.revoke_lease(members[2].lease_id)  # i2 is gone, as if fenced
+        errors = store.ack_many(requests(2))
+        assert isinstance(errors[2], MembershipLost) and [errors[i] for i in (0, 1, 3)] == [None] * 3
+        assert set(store.snapshot().acks[2]) == {"i0", "i1", "i3"}
+        assert not epoch_store.check(["attempt/2/done/i2"]) and epoch_store.check(["attempt/2/done/i3"])
+    finally:
+        for m in members:
+            m.close()
+        hub.close()

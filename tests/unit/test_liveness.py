@@ -12,7 +12,9 @@ from elastic_refit.membership.liveness import (
     dead_peer_evidence,
     decide_suspicions,
     reachable_probe,
+    ring_order,
     ring_successor,
+    ring_successor_in,
 )
 
 W = 0.3  # refute window
@@ -129,6 +131,24 @@ def peer(key, probe="127.0.0.1:1", host="h0"):
 def test_ring_successor(me, peers, expect):
     got = ring_successor(f"/m/{me}", [peer(p) for p in peers], "h0")
     assert (got.member_id if got else None) == expect
+
+
+def test_the_shared_ring_order_gives_every_member_the_same_successor():
+    """ring_order is built once per snapshot and host for a process's members; each looks
+    its successor up by bisection: the answer of the per-member scan, for every member."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(200):
+        keys = sorted(rng.sample([f"k{i:03d}" for i in range(60)], rng.randint(1, 12)))
+        peers = [peer(k, probe=rng.choice(["127.0.0.1:1", "10.0.0.1:2", "bad"]), host=rng.choice(["h0", "h1"]))
+                 for k in keys]
+        rng.shuffle(peers)
+        for me in [*keys, "k000", "k999", "a"]:  # members, and keys that are not (a member's own key gone)
+            for host in ("h0", "h1"):
+                expect = ring_successor(f"/m/{me}", peers, host)
+                got = ring_successor_in(f"/m/{me}", ring_order(peers, host))
+                assert got == expect, (trial, me, host, keys)
 
 
 def test_ring_skips_loopback_probes_of_other_hosts():

@@ -70,6 +70,37 @@ def test_view_round_trips_through_json():
     assert MembershipView.decode(v.encode()) == v
 
 
+def test_the_epoch_record_is_columns_and_every_field_round_trips():
+    members = tuple(MemberRecord(role="trainer" if i < 4 else "inference", member_id=f"m{i:04d}",
+                                 incarnation=f"{100 + i % 3}-m{i}", host=f"h{i % 3}", domain=f"d{i % 3}", device="cpu",
+                                 probe=f"127.0.0.1:{4000 + i}", layout_rank=i if i < 4 else -1,
+                                 layout="fp-a" if i < 4 else "", reform=1 if i == 5 else 0,
+                                 reform_epoch=3 if i == 5 else 0, state="ready",
+                                 address=f"10.0.0.{i}:29500" if i % 2 else "")
+                    for i in range(64))
+    v = MembershipView(epoch=9, members=members, based_on_revision=1234)
+    raw = v.encode()
+    back = MembershipView.decode(raw)
+    assert back == v and back.members == members and back.based_on_revision == 1234
+    # Every field of every member survives (== compares the records field by field).
+    assert [m.to_json() for m in back.members] == [m.to_json() for m in members]
+    columns = __import__("json").loads(raw)["columns"]
+    assert columns["role"]["of"] == ["trainer", "inference"]  # repeated values stored once
+    assert "state" not in columns  # a column of defaults is left out
+    # Several times smaller than one JSON object per member (the old encoding), which
+    # decode still reads.
+    old = __import__("json").dumps(v.to_json(), sort_keys=True).encode()
+    assert len(raw) * 3 < len(old), (len(raw), len(old))
+    assert MembershipView.decode(old) == v
+    assert MembershipView.decode(MembershipView(epoch=1, members=()).encode()).members == ()
+
+
+def test_a_bad_epoch_column_is_refused():
+    raw = b'{"epoch": 2, "columns": {"n": 2, "role": ["trainer"], "member_id": ["a", "b"]}}'
+    with pytest.raises(ValueError, match="column 'role' has 1 values for 2 members"):
+        MembershipView.decode(raw)
+
+
 def test_view_rejects_duplicate_members_and_bad_epochs():
     with pytest.raises(ValueError, match="'t0' appears twice in epoch 1"):
         view(1, rec("t0"), rec("t0", inc="b"))
