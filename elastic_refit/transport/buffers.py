@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from elastic_refit.transport.schedule import BufferRef
 
 __all__ = ["buffer_digests", "buffers_digest", "byte_view", "combine_digests", "digest", "digest_reference", "overlapping",
-           "resolve_buffers", "split_box"]
+           "resolve_buffers", "split_box", "view_digest"]
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,6 +89,31 @@ def digest(data: torch.Tensor) -> torch.Tensor:
             return torch.tensor(_finish_sum(_native.sum(array), array.size), dtype=torch.int64)
         return torch.tensor(_digest_cpu(array, data.storage_offset() % 8 == 0), dtype=torch.int64)
     return _digest_torch(data)
+
+
+_RUN_BYTES_MIN = 256  # a strided view with shorter runs is copied: per-run work would cost more
+
+
+def view_digest(view: torch.Tensor) -> int:
+    """:func:`digest` of ``view``'s bytes in row-major order (what ``view.contiguous()``
+    holds), as an int. A strided view on a CPU with the compiled form is read in place, one
+    contiguous run after another, never copied: a replica region inside a fused buffer
+    costs one read of its bytes instead of a copy and a read of the copy."""
+    if view.device.type != "cpu" or _native is None or view.is_contiguous() or view.numel() == 0:
+        return int(digest(byte_view(view.contiguous()).reshape(-1)))
+    itemsize = view.element_size()
+    dims = [(n, s) for n, s in zip(view.shape, view.stride(), strict=True) if n != 1]  # size 1: any stride
+    run = 1  # elements per contiguous run: the trailing dims that follow each other in memory
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    if run * itemsize < _RUN_BYTES_MIN:
+        return int(digest(byte_view(view.contiguous()).reshape(-1)))
+    offsets = np.full(1, view.storage_offset() * itemsize, dtype=np.int64)
+    for n, stride in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (stride * itemsize)).reshape(-1)
+    storage = view.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return _finish_sum(_native.sum_runs(whole.numpy(), offsets, run * itemsize), view.numel() * itemsize)
 
 
 def _finish_sum(h: int, n: int) -> int:

@@ -191,3 +191,54 @@ def test_the_compiled_form_reads_any_contiguous_buffer_and_refuses_strided_ones(
     assert int(digest(strided)) == digest_reference(strided.contiguous().numpy().tobytes())
     with pytest.raises(ValueError, match="not C-contiguous"):  # numpy's answer to PyBUF_SIMPLE
         buffers._native.sum(strided.numpy())
+
+
+def _views():
+    gen = torch.Generator().manual_seed(11)
+    u8 = torch.randint(0, 256, (20, 300), dtype=torch.uint8, generator=gen)
+    bf = torch.randn(16, 200, generator=gen).to(torch.bfloat16)
+    f32 = torch.randn(5, 8, 70, generator=gen)
+    return {
+        "uint8 rows of 287 bytes, odd starts": u8[:, 3:290],
+        "bf16 rows of 370 bytes": bf[2:9, 5:190],
+        "fp32 two outer dims, runs of 264 bytes": f32[:, 1:5, 2:68],
+        "fp32 middle dim cut, runs of 1120 bytes": f32[1:4, 2:6, :],
+        "fp32 one row": f32[2, 3, 1:69],
+        "transposed (4-byte runs: copied)": f32[0].t(),
+        "expanded (stride 0)": bf[3, :150].expand(3, 150),
+        "empty": f32[:, 2:2, :],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_views()))
+def test_view_digest_is_the_digest_of_the_contiguous_bytes(cpu_form, name):
+    view = _views()[name]
+    expected = digest_reference(view.contiguous().view(torch.uint8).numpy().tobytes() if view.numel() else b"")
+    assert buffers.view_digest(view) == expected
+
+
+def test_a_strided_view_with_long_runs_is_read_in_place_not_copied(monkeypatch):
+    if buffers._native is None:
+        pytest.skip("the compiled digest was not built here")
+    view = _views()["fp32 two outer dims, runs of 264 bytes"]
+    expected = digest_reference(view.contiguous().numpy().tobytes())
+
+    def copied(_data):
+        raise AssertionError("the view was copied and digested whole")
+
+    monkeypatch.setattr(buffers, "digest", copied)
+    assert buffers.view_digest(view) == expected
+
+
+def test_runs_outside_the_buffer_are_refused_before_any_read():
+    if buffers._native is None:
+        pytest.skip("the compiled digest was not built here")
+    import numpy as np
+
+    data = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"run 1 at byte 60 of 8 bytes is outside the 64-byte buffer"):
+        buffers._native.sum_runs(data, np.array([0, 60], dtype=np.int64), 8)
+    with pytest.raises(ValueError, match="offsets must be int64, got format i"):
+        buffers._native.sum_runs(data, np.array([0], dtype=np.int32), 8)
+    with pytest.raises(ValueError, match="run_bytes must be >= 0, got -1"):
+        buffers._native.sum_runs(data, np.array([0], dtype=np.int64), -1)
