@@ -8,7 +8,10 @@ byte moves, and a source digests its buffers again after its sends. This times t
 digest on one buffer of ``--mib`` MiB against a plain copy of the same bytes (the cheapest
 thing a real snapshot could be) and against the earlier form of the digest (two
 whole-buffer torch reductions, a zero-padded copy for unaligned data), side by side in one
-process, median of ``--repeat``; ``unaligned`` rows digest the same bytes one byte in.
+process, median of ``--repeat``; ``unaligned`` rows digest the same bytes one byte in. On
+a CPU the ``numpy`` rows time the numpy form of the same digest (row and column sums, the
+fallback where the compiled form, ``_digest.c``, was not built) beside ``digest``, which
+takes the compiled form when it was built (``compiled`` in the output says which).
 ``--processes K`` runs K such processes at once (as the ranks of a CPU bench share the
 cores) and reports the aggregate rate of each operation.
 """
@@ -24,6 +27,7 @@ import time
 import torch
 
 from elastic_refit.cli._output import render_table
+from elastic_refit.transport import buffers
 from elastic_refit.transport.buffers import buffer_digests, digest
 
 
@@ -61,7 +65,12 @@ def _time(fn, device: torch.device, repeat: int) -> float:
     return statistics.median(out)
 
 
-OPERATIONS = ("digest", "digest_unaligned", "earlier_digest", "earlier_digest_unaligned", "copy")
+OPERATIONS = ("digest", "digest_unaligned", "numpy", "numpy_unaligned", "earlier_digest", "earlier_digest_unaligned",
+              "copy")
+
+
+def operations(device: str) -> tuple[str, ...]:
+    return OPERATIONS if torch.device(device).type == "cpu" else tuple(o for o in OPERATIONS if "numpy" not in o)
 
 
 def measure(mib: int, repeat: int, device_name: str) -> dict[str, float]:
@@ -74,10 +83,14 @@ def measure(mib: int, repeat: int, device_name: str) -> dict[str, float]:
     spare = torch.empty_like(buffer)
     fns = {"digest": lambda: buffer_digests({"w": buffer}),
            "digest_unaligned": lambda: int(digest(unaligned)),
+           "numpy": lambda: buffers._digest_cpu(buffer.view(torch.uint8).numpy(), True),
+           "numpy_unaligned": lambda: buffers._digest_cpu(unaligned.numpy(), False),
            "earlier_digest": lambda: int(earlier_digest(buffer.view(torch.uint8))),
            "earlier_digest_unaligned": lambda: int(earlier_digest(unaligned)),
            "copy": lambda: spare.copy_(buffer)}
-    return {name: _time(fns[name], device, repeat) for name in OPERATIONS}
+    if device.type == "cpu":  # the forms agree (their tests say so too)
+        assert buffers._digest_cpu(unaligned.numpy(), False) == int(digest(unaligned))
+    return {name: _time(fns[name], device, repeat) for name in operations(device_name)}
 
 
 def _worker(args: tuple[int, int, str, mp.Queue, mp.Barrier]) -> None:
@@ -110,22 +123,25 @@ def main() -> int:
         for p in procs:
             p.join()
         # the slowest process sets the pace, as the slowest rank does in a refit
-        seconds = {name: max(r[name] for r in results) for name in OPERATIONS}
+        seconds = {name: max(r[name] for r in results) for name in operations(args.device)}
     rate = {name: args.processes * nbytes / s / 1e9 for name, s in seconds.items()}
     out = {"device": args.device, "bytes": nbytes, "repeat": args.repeat, "processes": args.processes,
-           "torch_threads": torch.get_num_threads(),
+           "torch_threads": torch.get_num_threads(), "compiled": buffers._native is not None,
            **{f"{name}_seconds": s for name, s in seconds.items()},
            **{f"{name}_GBps": r for name, r in rate.items()},
            "digest_vs_copy": seconds["digest"] / seconds["copy"],
-           "earlier_vs_digest": seconds["earlier_digest"] / seconds["digest"]}
+           "earlier_vs_digest": seconds["earlier_digest"] / seconds["digest"],
+           **({"numpy_vs_digest": seconds["numpy"] / seconds["digest"]} if "numpy" in seconds else {})}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    labels = {"digest": "digest (buffer_digests)", "digest_unaligned": "digest, 1 byte in",
+    form = " (compiled)" if out["compiled"] and torch.device(args.device).type == "cpu" else ""
+    labels = {"digest": f"digest{form} (buffer_digests)", "digest_unaligned": f"digest{form}, 1 byte in",
+              "numpy": "digest, numpy form", "numpy_unaligned": "digest, numpy form, 1 byte in",
               "earlier_digest": "earlier digest", "earlier_digest_unaligned": "earlier digest, 1 byte in",
               "copy": "plain copy"}
     rows = [(labels[name], f"{seconds[name] * 1e3:.1f} ms", f"{rate[name]:.2f}",
-             f"{seconds[name] / seconds['copy']:.2f}x") for name in OPERATIONS]
+             f"{seconds[name] / seconds['copy']:.2f}x") for name in operations(args.device)]
     each = f", {args.processes} processes at once (GB/s: all of them)" if args.processes > 1 else ""
     print(f"{args.mib} MiB on {args.device}, median of {args.repeat}{each}")
     print(render_table(("operation", "time", "GB/s", "vs copy"), rows))

@@ -134,6 +134,10 @@ def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> di
     if "reshard_checked" in out:
         out["speedup_checked"] = out["gather_broadcast"]["seconds"] / out["reshard_checked"]["seconds"]
         out["checks_seconds"] = out["reshard_checked"]["seconds"] - out["reshard"]["seconds"]
+        # The digests and checks alone, timed inside the ranks: per run the busiest rank's.
+        runs = len(values[0]["reshard_checked"].get("checks_seconds", []))
+        out["checks_digest_seconds"] = _median([max(v["reshard_checked"]["checks_seconds"][i] for v in values)
+                                                for i in range(runs)]) if runs else None
     out["reshard_fraction_of_p2p"] = (out["reshard"]["GBps"] / out["p2p_GBps"]) if out["p2p_GBps"] else None
     out["verified"] = not problems
     out["problems"] = problems[:10]

@@ -85,8 +85,8 @@ def _add_placed(builder: LayoutBuilder, name: str, shape: list[int], dtype: str,
         raise ValueError(f"{where}: 'placements' must be a list, got {placements!r}")
     try:
         add_sharded_tensor(builder, name, shape, dtype, mesh_arr, placements)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+    except ValueError as exc:  # `where` names the tensor already
+        raise ValueError(f"{where}: {str(exc).removeprefix(f'tensor {name!r}: ')}") from None
     return int(mesh_arr.max()) if mesh_arr.size else -1
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from elastic_refit.layout import Box, Layout
-from elastic_refit.transport.buffers import byte_view, digest
+from elastic_refit.transport.buffers import view_digest
 
 __all__ = ["ReplicaRegion", "region_digests", "replica_disagreement", "replica_regions"]
 
@@ -112,8 +112,7 @@ def region_digests(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor
             if known is not None and name in known and whole:
                 value = known[name]
             else:
-                view = buffer[local.slices()] if buffer.dim() else buffer
-                value = int(digest(byte_view(view.contiguous()).reshape(-1)))
+                value = view_digest(buffer[local.slices()] if buffer.dim() else buffer)
             out[region.index] = f"{value & (2**64 - 1):016x}"
             break
     return out

@@ -375,18 +375,26 @@ def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable
     from elastic_refit.transport.buffers import buffer_digests
 
     regions = replica_regions(source)
+    checks_seconds: list[float] = []  # per run: this rank's time in the digests and checks alone
 
     def refit(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         t0 = time.perf_counter()
         before = buffer_digests(src)
         region_digests(source, rank, src, regions, known=before)
+        spent = time.perf_counter() - t0
+
         def unchanged() -> None:
+            nonlocal spent
+            t1 = time.perf_counter()
             if buffer_digests(src) != before:
                 raise RuntimeError(f"rank {rank}: a source buffer changed during the refit")
+            spent += time.perf_counter() - t1
 
         report = run(src, dst, before_vote=unchanged)
+        checks_seconds.append(spent)
         return dataclasses.replace(report, seconds=time.perf_counter() - t0)
 
+    refit.checks_seconds = checks_seconds  # type: ignore[attr-defined]
     return refit
 
 
@@ -484,6 +492,8 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         results["gather_broadcast"].update(
             send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
             staging_bytes=gb.staging_bytes, num_messages=gb.num_messages)
+        if "reshard_checked" in methods:  # the timed runs only (the warm-ups come first)
+            results["reshard_checked"]["checks_seconds"] = methods["reshard_checked"].checks_seconds[options.warmup:]
     finally:
         transport.abort()  # done with this world; nothing else uses it
     return {

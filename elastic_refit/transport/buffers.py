@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from elastic_refit.transport.schedule import BufferRef
 
 __all__ = ["buffer_digests", "buffers_digest", "byte_view", "combine_digests", "digest", "digest_reference", "overlapping",
-           "resolve_buffers", "split_box"]
+           "resolve_buffers", "split_box", "view_digest"]
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,11 @@ def resolve_buffers(buffers: Mapping[BufferRef, Buffer], source: Mapping[str, to
     return tensors
 
 
+try:  # the optional compiled form of the CPU digest (setup.py); numpy where it was not built
+    from elastic_refit.transport import _digest as _native
+except ImportError:
+    _native = None
+
 _MASK64 = (1 << 64) - 1
 _DIGEST_ROW = 1 << 14  # words per row of a large digest's [rows, row] view (128 KiB)
 _DIGEST_CHUNK = {"cpu": 1 << 21}  # bytes per step: 2 MiB stays in cache for the second reduction
@@ -74,16 +79,51 @@ def digest(data: torch.Tensor) -> torch.Tensor:
     ``[rows, row]`` view (``R`` its row sums, ``C`` its column sums), taken a few MiB at a
     time on a CPU so the column sums read what the row sums just brought into cache. Data
     at a byte offset that is not 8-aligned is copied through a chunk-sized scratch, never
-    whole. On a CPU the sums run in numpy, one thread: torch's intra-op threads spin
-    against each other when many ranks share few cores (40x slower, measured)."""
+    whole. On a CPU the sums run on one thread: torch's intra-op threads spin against each
+    other when many ranks share few cores (40x slower, measured); there the compiled form
+    (``_digest.c``: one pass, two adds a word) runs when it was built, else numpy."""
+    data = data.detach().contiguous()  # a strided view: its bytes in order, copied
     if data.device.type == "cpu":
-        return torch.tensor(_digest_cpu(data.detach().numpy(), data.storage_offset() % 8 == 0), dtype=torch.int64)
+        array = data.numpy()
+        if _native is not None:
+            return torch.tensor(_finish_sum(_native.sum(array), array.size), dtype=torch.int64)
+        return torch.tensor(_digest_cpu(array, data.storage_offset() % 8 == 0), dtype=torch.int64)
     return _digest_torch(data)
 
 
-def _finish(s0: int, s1: int, n: int) -> int:
-    h = ((2 * s1 + s0) & _MASK64) ^ n
+_RUN_BYTES_MIN = 256  # a strided view with shorter runs is copied: per-run work would cost more
+
+
+def view_digest(view: torch.Tensor) -> int:
+    """:func:`digest` of ``view``'s bytes in row-major order (what ``view.contiguous()``
+    holds), as an int. A strided view on a CPU with the compiled form is read in place, one
+    contiguous run after another, never copied: a replica region inside a fused buffer
+    costs one read of its bytes instead of a copy and a read of the copy."""
+    if view.device.type != "cpu" or _native is None or view.is_contiguous() or view.numel() == 0:
+        return int(digest(byte_view(view.contiguous()).reshape(-1)))
+    itemsize = view.element_size()
+    dims = [(n, s) for n, s in zip(view.shape, view.stride(), strict=True) if n != 1]  # size 1: any stride
+    run = 1  # elements per contiguous run: the trailing dims that follow each other in memory
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    if run * itemsize < _RUN_BYTES_MIN:
+        return int(digest(byte_view(view.contiguous()).reshape(-1)))
+    offsets = np.full(1, view.storage_offset() * itemsize, dtype=np.int64)
+    for n, stride in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (stride * itemsize)).reshape(-1)
+    storage = view.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return _finish_sum(_native.sum_runs(whole.numpy(), offsets, run * itemsize), view.numel() * itemsize)
+
+
+def _finish_sum(h: int, n: int) -> int:
+    """The digest (a signed int64) of ``n`` bytes whose weighted word sum is ``h``."""
+    h ^= n
     return h - (1 << 64) if h >> 63 else h
+
+
+def _finish(s0: int, s1: int, n: int) -> int:
+    return _finish_sum((2 * s1 + s0) & _MASK64, n)
 
 
 def _digest_cpu(data: np.ndarray, aligned: bool) -> int:

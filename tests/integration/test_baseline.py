@@ -176,6 +176,8 @@ def test_bench_cli_json_on_a_tiny_spec(tmp_path):
     out = json.loads(proc.stdout)
     assert out["verified"] is True and out["snapshot_digests"] is True
     assert out["num_ranks"] == 4
+    # the digests and checks alone, timed inside the ranks: part of the checked reshard's time
+    assert 0 < out["checks_digest_seconds"] <= out["reshard_checked"]["seconds"]
     for method in ("reshard", "gather_broadcast"):
         assert out[method]["seconds"] > 0
     # reshard: each destination receives its half of w and all of b; baseline: plus the gather.

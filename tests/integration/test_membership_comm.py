@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -172,13 +177,37 @@ def test_probe_reports_what_this_runtime_supports():
         assert s.nccl_version is None and not s.nccl_shrink and not s.nccl_grow
 
 
-def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
-    """``bind_interface`` puts gloo's device on that interface (here loopback): both ranks
-    connect and a ring check passes."""
-    client = make_client(etcd_server.endpoints)
+def _ipv4_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (SIOCGIFADDR), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _tcp_local_addresses() -> set[str]:
+    """The local IPv4 addresses of this process's open TCP sockets (its fds' inodes in /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    return {socket.inet_ntoa(struct.pack("<I", int(row[1].split(":")[0], 16))) for row in rows if row[9] in inodes}
+
+
+def _gloo_ring(make_client, endpoints, interface: str) -> set[str]:
+    """Two ranks (threads) build a gloo communicator bound to ``interface`` and pass a ring
+    check; the local addresses of this process's TCP sockets while it is up."""
+    client = make_client(endpoints)
     records = [MemberRecord("trainer", f"t{i}", "inc1", "h", "d0", "cpu") for i in range(2)]
     view = MembershipView(1, tuple(records))
-    managers = [CommunicatorManager(client, "bind", r.member_id, bind_interface="lo") for r in records]
+    managers = [CommunicatorManager(client, f"bind-{interface}", r.member_id, bind_interface=interface)
+                for r in records]
     out: dict[int, object] = {}
 
     def run(i: int) -> None:
@@ -195,6 +224,7 @@ def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
         t.join(30)
     try:
         assert out == {0: True, 1: True}, out
+        return _tcp_local_addresses()
     finally:
         for mgr in managers:
             mgr.close()
@@ -248,3 +278,17 @@ def test_no_rank_tears_a_gloo_group_down_before_every_rank_is_through_its_connec
     assert latest["view"] is newer, "the newer epoch never came: the test showed nothing"
     for m in ("t0", "t1", "t2"):
         assert out[m] == {"t0": b"1", "t1": b"1", "t2": b"1"}, (m, out[m])
+
+def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
+    """``bind_interface`` puts gloo's device on that interface: bound to a non-loopback
+    interface, gloo's sockets carry its address (etcd's are on loopback); bound to
+    loopback, none does. One of the two differs from gloo's default (the host name's
+    address), so the test fails if the setting is not passed to gloo."""
+    other = next(((name, address) for _, name in socket.if_nameindex()
+                  if (address := _ipv4_of(name)) is not None and not address.startswith("127.")), None)
+    if other is None:
+        pytest.skip("this host has no interface with a non-loopback IPv4 address")
+    name, address = other
+    assert address not in _tcp_local_addresses()
+    assert address in _gloo_ring(make_client, etcd_server.endpoints, name)
+    assert address not in _gloo_ring(make_client, etcd_server.endpoints, "lo")

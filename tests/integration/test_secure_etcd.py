@@ -92,7 +92,9 @@ def test_the_runtime_and_status_work_with_the_jobs_credentials(secure_etcd, caps
     assert main(["status", "--etcd", server.endpoint, "--etcd-ca-file", tls.ca, "--etcd-user", "bob",
                  "--job", "job-a", "--json"]) == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.strip().startswith("elastic-refit: error: etcd at ") and "permission denied" in err
+    assert out == "" and err.strip().splitlines()[-1] == (
+        f"elastic-refit: error: etcd at {server.endpoint} refused range {JobKeys('job-a').prefix}members/: "
+        "etcdserver: permission denied")
 
 
 def test_another_jobs_credentials_cannot_read_write_or_forge_a_commit(secure_etcd):
@@ -141,3 +143,47 @@ def test_a_password_is_not_sent_without_tls_unless_allowed(secure_etcd):
     with pytest.raises(ValueError, match=r"etcd_ca_file '/nope\.pem' is not a file"):
         RefitConfig(**plain, etcd_ca_file="/nope.pem")
     assert "alice-pw" not in repr(RefitConfig(**plain, etcd_allow_plaintext_password=True))
+
+
+def _cli_cases(server, tls, other_ca: str) -> list[tuple[str, list[str], str | None, int, str]]:
+    """(case, status arguments, password, exit code, the one error line after 'elastic-refit:
+    error: '; a line ending in '...' is a prefix: grpc words the rest of a TLS failure)."""
+    op = f"range {JobKeys('job-a').prefix}members/"
+    refused = f"etcd at {server.endpoint} refused {op}: etcdserver:"
+    base = ["status", "--etcd", server.endpoint, "--job", "job-a", "--json"]
+    return [
+        ("another job's user", [*base, "--etcd-ca-file", tls.ca, "--etcd-user", "bob"], USERS["bob"][0], 1,
+         f"{refused} permission denied"),
+        ("a wrong password", [*base, "--etcd-ca-file", tls.ca, "--etcd-user", "alice"], "wrong", 1,
+         f"{refused} authentication failed, invalid user ID or password"),
+        ("no user", [*base, "--etcd-ca-file", tls.ca], None, 1, f"{refused} user name is empty"),
+        ("a CA that did not sign etcd's certificate", [*base, "--etcd-ca-file", other_ca, "--etcd-user", "alice"],
+         USERS["alice"][0], 1, f"etcd unreachable at {server.endpoint} during {op}: ConnectionFailedError: ..."),
+        ("a password without TLS", [*base, "--etcd-user", "alice"], USERS["alice"][0], 2,
+         "the etcd password would travel in plain text: give --etcd-ca-file (TLS), an https:// endpoint, or "
+         "--etcd-allow-plaintext-password"),
+    ]
+
+
+def test_tls_and_auth_errors_of_the_cli_are_one_line(secure_etcd, capsys, monkeypatch, tmp_path):
+    server, tls = secure_etcd
+    other_ca = make_certificates(str(tmp_path / "other")).ca
+    for name, argv, password, code, message in _cli_cases(server, tls, other_ca):
+        if password is None:
+            monkeypatch.delenv("ELASTIC_REFIT_ETCD_PASSWORD", raising=False)
+        else:
+            monkeypatch.setenv("ELASTIC_REFIT_ETCD_PASSWORD", password)
+        capsys.readouterr()
+        start = time.monotonic()
+        assert main(argv) == code, name
+        out, err = capsys.readouterr()
+        assert out == "", name
+        errors = [line for line in err.splitlines() if line.startswith("elastic-refit: error: ")]
+        assert len(errors) == 1, (name, err[-2000:])
+        if message.endswith("..."):
+            assert errors[0].startswith(f"elastic-refit: error: {message[:-3]}"), (name, errors)
+            assert "CERTIFICATE_VERIFY_FAILED" in errors[0], (name, errors)
+        else:
+            assert errors == [f"elastic-refit: error: {message}"], (name, errors)
+        assert "Traceback" not in err, name
+        assert time.monotonic() - start < 30, (name, time.monotonic() - start)

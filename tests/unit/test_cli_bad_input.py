@@ -32,6 +32,9 @@ CASES = [
      "--etcd-ca-file '/nope.pem' is not a file"),
     (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--etcd-user", "u"],
      "--etcd-user 'u' needs its password in $ELASTIC_REFIT_ETCD_PASSWORD"),
+    (["status", "--etcd", "127.0.0.1:1", "--job", "j", "--etcd-user", "u", "password:pw"],
+     "the etcd password would travel in plain text: give --etcd-ca-file (TLS), an https:// endpoint, or "
+     "--etcd-allow-plaintext-password"),
     (["status", "--etcd", "127.0.0.1:1"], "status: the following arguments are required: --job (see --help)"),
     (["worker", "--model", "llama-3.1-8b", "--parallelism", "tp=2", "--versions", "0"],
      "--versions must be >= 1, got 0"),
@@ -46,6 +49,9 @@ CASES = [
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
     for variable in [v for v in os.environ if v.startswith("ELASTIC_REFIT_")]:
         monkeypatch.delenv(variable)
+    if argv[-1].startswith("password:"):  # the password comes from the environment, never argv
+        monkeypatch.setenv("ELASTIC_REFIT_ETCD_PASSWORD", argv[-1].removeprefix("password:"))
+        argv = argv[:-1]
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2

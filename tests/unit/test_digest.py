@@ -125,3 +125,120 @@ def test_the_torch_form_the_gpu_runs_equals_the_cpu_form(nbytes, offset, small_c
     expected = digest_reference(data.numpy().tobytes())
     assert int(buffers._digest_torch(data)) == expected
     assert int(digest(data)) == expected
+
+
+# ---- the two CPU forms: compiled (_digest.c, when built) and numpy (the fallback) --------
+
+def _compiler_and_headers() -> bool:
+    """Whether this machine can build the compiled form (then an install must have)."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    include = sysconfig.get_paths().get("include")
+    return (shutil.which("cc") or shutil.which("gcc")) is not None and bool(include) and \
+        (Path(include) / "Python.h").is_file()
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def cpu_form(request, monkeypatch):
+    """Run the test with ``digest`` on the CPU taking one form. The compiled one must exist
+    wherever it can be built (an install built it, or pip install -e . was not rerun)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(buffers, "_native", None)
+    elif buffers._native is None:
+        if _compiler_and_headers():
+            pytest.fail("the compiled digest (elastic_refit/transport/_digest.c) was not built although this "
+                        "machine has a compiler and Python.h: run pip install -e . again")
+        pytest.skip("no compiler or Python headers here: the compiled digest was not built")
+    return request.param
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=600), st.integers(0, 15))
+def test_each_cpu_form_is_the_reference_at_any_length_and_offset(cpu_form, data, offset):
+    assert int(digest(as_tensor(data, offset))) == digest_reference(data)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_cpu_form_is_the_reference_on_random_large_sizes_and_offsets(cpu_form, seed):
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = int(torch.randint(0, 4 * ROW_BYTES, (1,), generator=gen))  # most not a multiple of 8 or of 64
+    offset = int(torch.randint(0, 64, (1,), generator=gen))
+    data = torch.randint(0, 256, (nbytes + offset,), dtype=torch.uint8, generator=gen)[offset:]
+    assert int(digest(data)) == digest_reference(data.numpy().tobytes()), (nbytes, offset)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 8 * 64 + 7])
+@pytest.mark.parametrize("offset", [0, 1, 3, 8, 13])
+def test_each_cpu_form_is_the_reference_around_word_and_block_edges(cpu_form, nbytes, offset):
+    # all-ones bytes: every word is 2**64 - 1, so every weighted sum wraps around
+    data = torch.full((nbytes + offset,), 0xFF, dtype=torch.uint8)[offset:]
+    assert int(digest(data)) == digest_reference(bytes([0xFF]) * nbytes)
+    data = torch.arange(nbytes + offset, dtype=torch.uint8)[offset:]
+    assert int(digest(data)) == digest_reference(data.numpy().tobytes())
+
+
+def test_the_compiled_form_reads_any_contiguous_buffer_and_refuses_strided_ones():
+    if buffers._native is None:
+        pytest.skip("the compiled digest was not built here")
+    data = bytes(range(256)) * 5 + b"xyz"
+    expected = digest_reference(data)
+    assert buffers._finish_sum(buffers._native.sum(data), len(data)) == expected
+    assert buffers._finish_sum(buffers._native.sum(memoryview(data)[3:]), len(data) - 3) == \
+        digest_reference(data[3:])
+    strided = torch.arange(64, dtype=torch.uint8)[::2]  # digest copies what is not contiguous
+    assert int(digest(strided)) == digest_reference(strided.contiguous().numpy().tobytes())
+    with pytest.raises(ValueError, match="not C-contiguous"):  # numpy's answer to PyBUF_SIMPLE
+        buffers._native.sum(strided.numpy())
+
+
+def _views():
+    gen = torch.Generator().manual_seed(11)
+    u8 = torch.randint(0, 256, (20, 300), dtype=torch.uint8, generator=gen)
+    bf = torch.randn(16, 200, generator=gen).to(torch.bfloat16)
+    f32 = torch.randn(5, 8, 70, generator=gen)
+    return {
+        "uint8 rows of 287 bytes, odd starts": u8[:, 3:290],
+        "bf16 rows of 370 bytes": bf[2:9, 5:190],
+        "fp32 two outer dims, runs of 264 bytes": f32[:, 1:5, 2:68],
+        "fp32 middle dim cut, runs of 1120 bytes": f32[1:4, 2:6, :],
+        "fp32 one row": f32[2, 3, 1:69],
+        "transposed (4-byte runs: copied)": f32[0].t(),
+        "expanded (stride 0)": bf[3, :150].expand(3, 150),
+        "empty": f32[:, 2:2, :],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_views()))
+def test_view_digest_is_the_digest_of_the_contiguous_bytes(cpu_form, name):
+    view = _views()[name]
+    expected = digest_reference(view.contiguous().view(torch.uint8).numpy().tobytes() if view.numel() else b"")
+    assert buffers.view_digest(view) == expected
+
+
+def test_a_strided_view_with_long_runs_is_read_in_place_not_copied(monkeypatch):
+    if buffers._native is None:
+        pytest.skip("the compiled digest was not built here")
+    view = _views()["fp32 two outer dims, runs of 264 bytes"]
+    expected = digest_reference(view.contiguous().numpy().tobytes())
+
+    def copied(_data):
+        raise AssertionError("the view was copied and digested whole")
+
+    monkeypatch.setattr(buffers, "digest", copied)
+    assert buffers.view_digest(view) == expected
+
+
+def test_runs_outside_the_buffer_are_refused_before_any_read():
+    if buffers._native is None:
+        pytest.skip("the compiled digest was not built here")
+    import numpy as np
+
+    data = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"run 1 at byte 60 of 8 bytes is outside the 64-byte buffer"):
+        buffers._native.sum_runs(data, np.array([0, 60], dtype=np.int64), 8)
+    with pytest.raises(ValueError, match="offsets must be int64, got format i"):
+        buffers._native.sum_runs(data, np.array([0], dtype=np.int32), 8)
+    with pytest.raises(ValueError, match="run_bytes must be >= 0, got -1"):
+        buffers._native.sum_runs(data, np.array([0], dtype=np.int64), -1)

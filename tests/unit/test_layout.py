@@ -619,7 +619,7 @@ def _bad(tmp_path, mutate):
     (lambda d: d["tensors"][0]["source"].update(mesh=[[0, 1], [2]]),
      r"spec\.json: tensor 'w' source: mesh is ragged: \[\[0, 1\], \[2\]\]"),
     (lambda d: d["tensors"][0]["destination"].update(mesh=[4, 5, 5, 7]),
-     r"spec\.json: tensor 'w' destination: tensor 'w': mesh lists a rank twice: \[4, 5, 5, 7\]"),
+     r"spec\.json: tensor 'w' destination: mesh lists a rank twice: \[4, 5, 5, 7\]"),
     (lambda d: d["tensors"][0]["source"].update(placements=["R", "X(0)"]),
      r"spec\.json: tensor 'w' source: unknown placement 'X\(0\)'"),
     (lambda d: d["tensors"][0]["source"].update(placements="S(0)"),
@@ -721,3 +721,35 @@ def test_a_side_file_describes_one_side_as_a_spec_file_would(tmp_path):
         parse_side({"tensors": [{"name": "w", "shape": [8, 4], "mesh": [0, 1]}]}, "f.json")
     with pytest.raises(ValueError, match=r"is a directory$"):
         load_side(tmp_path)
+
+
+# ---- bad spec input through the library: the exact one-line error of each ----------------
+_T = {"name": "w", "shape": [10, 6], "dtype": "bfloat16", "source": {"mesh": [0, 1], "placements": ["S(0)"]},
+      "destination": {"mesh": [2, 3], "placements": ["S(1)"]}}
+_TOO_BIG = "more than the 4611686018427387904 (2**62) a layout can address"
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("shape overflowing int64 bytes", lambda tmp: parse_spec({"tensors": [dict(_T, shape=[2**40, 2**40])]}),
+     f"spec: tensor 'w' source: [1099511627776, 1099511627776] bfloat16 is 2417851639229258349412352 bytes, {_TOO_BIG}"),
+    ("a dim past int64", lambda tmp: parse_spec({"tensors": [dict(_T, shape=[2**63, 2])]}),
+     f"spec: tensor 'w' source: [9223372036854775808, 2] bfloat16 is 36893488147419103232 bytes, {_TOO_BIG}"),
+    ("rank id 1e9", lambda tmp: parse_spec({"tensors": [dict(_T, destination={"mesh": [10**9], "placements": ["R"]})]}),
+     "spec: tensor 'w' destination: rank ids must be in [0, 1048576), got 1000000000"),
+    ("rank id 1e9 as a float", lambda tmp: parse_spec({"tensors": [dict(_T, source={"mesh": [1e9], "placements": ["R"]})]}),
+     "spec: tensor 'w' source: mesh must be nested lists of rank ids, got [1000000000.0]"),
+    ("domain size 0", lambda tmp: parse_spec({"domain_size": 0, "tensors": [_T]}),
+     "spec: 'domain_size' must be an integer >= 1, got 0"),
+    ("deeply nested JSON", lambda tmp: load_spec(_written(tmp / "deep.json", "[" * 100_000 + "]" * 100_000)),
+     "{tmp}/deep.json: JSON nested too deeply to read"),
+    ("spec path a directory", lambda tmp: load_spec(tmp), "spec file '{tmp}' is a directory"),
+])
+def test_bad_spec_input_is_one_exact_line(tmp_path, name, make, message):
+    with pytest.raises(ValueError) as info:
+        make(tmp_path)
+    assert str(info.value) == message.replace("{tmp}", str(tmp_path))
+
+
+def _written(path, text: str):
+    path.write_text(text)
+    return path

@@ -80,3 +80,28 @@ def test_replica_region_rejects_fewer_than_two_ranks():
 def test_region_digests_of_a_rank_without_regions_is_empty():
     layout = source([0, 1], ["S(0)"])
     assert region_digests(layout, 0, {"w": torch.zeros(4, 4)}, replica_regions(layout)) == {}
+
+
+def test_a_strided_region_inside_a_wider_buffer_is_compared_element_for_element():
+    # rank 0 holds all of w; ranks 1 and 2 its column halves: rank 0's regions are strided
+    # views (rows of 512 bytes), which the compiled digest reads in place
+    b = LayoutBuilder()
+    t = b.tensor("w", (8, 256), "float32")
+    whole = b.buffers("w", [0], (8, 256), "float32")
+    b.pieces(t, whole, [[0, 0]], [[8, 256]], [[0, 0]])
+    halves = b.buffers("w", [1, 2], (8, 128), "float32")
+    b.pieces(t, halves, [[0, 0], [0, 128]], [[8, 128], [8, 128]], [[0, 0], [0, 0]])
+    layout = b.build()
+    regions = replica_regions(layout)
+    assert [(str(r.box), r.ranks) for r in regions] == [("[0:8, 0:128]", (0, 1)), ("[0:8, 128:256]", (0, 2))]
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
+    tensors = {0: {"w": w.clone()}, 1: {"w": w[:, :128].clone()}, 2: {"w": w[:, 128:].clone()}}
+    digests = {rank: region_digests(layout, rank, tensors[rank], regions) for rank in range(3)}
+    names = {0: "t0", 1: "t1", 2: "t2"}
+    assert replica_disagreement(regions, digests, names) is None
+    for row, col in ((0, 0), (7, 127), (3, 128), (7, 255)):
+        changed = {"w": tensors[0]["w"].clone()}
+        changed["w"][row, col] += 1.0
+        half = "[0:8, 0:128]: rank 0 (t0) and rank 1 (t1)" if col < 128 else "[0:8, 128:256]: rank 0 (t0) and rank 2 (t2)"
+        assert replica_disagreement(regions, {**digests, 0: region_digests(layout, 0, changed, regions)}, names) == (
+            f"source replicas disagree on tensor 'w' region {half} hold different values"), (row, col)
