@@ -5,16 +5,16 @@ from C++ threads), etcd must be reachable through a list of endpoints with TLS a
 passed through, transient failures need bounded retries, and callers want one typed
 error (:class:`~membership.errors.EtcdUnavailable`) naming the endpoints, not gRPC codes.
 
-Each :class:`EtcdClient` owns one asyncio loop on a daemon thread; background work (lease
-keepalive, watches, the leader loop) runs as tasks on that loop, and the sync methods
-submit coroutines to it. Create clients inside each process: gRPC channels do not
+Each :class:`EtcdClient` owns one asyncio loop on a daemon thread; background work (watches,
+the leader loop) runs as tasks on that loop, and the sync methods submit coroutines to it.
+Lease keepalives are not among them: a :class:`~membership.leases.LeaseKeeper` sends them
+from a thread and channel of its own, so a busy loop cannot starve them. Create clients inside each process: gRPC channels do not
 survive ``fork()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -252,8 +252,6 @@ class _Connection(aetcd.Client):
                          password=config.password, timeout=config.request_timeout_s,
                          options=options)
         self._config = config
-        # opened by the first keepalive of a lease that maps to each
-        self.keepalive_streams: list[_KeepAliveStream | None] = [None] * _KEEPALIVE_STREAMS
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -300,66 +298,6 @@ class _Connection(aetcd.Client):
                                                                password=self._config.password),
                                        timeout=self._timeout)
         self.metadata = (("token", resp.token),)
-
-
-_KEEPALIVE_STREAMS = 8
-
-
-class _KeepAliveStream:
-    """One ``LeaseKeepAlive`` stream of a connection, shared by the leases of a process.
-
-    Requests go out on the stream in order; etcd answers each with ``{ID, TTL}`` in order,
-    so each answer resolves the oldest waiter of its lease. A broken stream fails every
-    waiter with its error (the caller's retry opens a new stream)."""
-
-    def __init__(self, conn: _Connection, spawn_here: Callable[[Awaitable[Any], str], asyncio.Task]):
-        self.broken: BaseException | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._waiters: dict[int, collections.deque[asyncio.Future]] = {}
-        self._call = conn.leasestub.LeaseKeepAlive(self._requests(), metadata=conn.metadata)
-        self._reader = spawn_here(self._read(), "lease-keepalive-stream")
-
-    async def _requests(self):
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
-            yield item
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                reply = await self._call.read()
-                if reply is grpc.aio.EOF:
-                    raise aetcd_exc.ConnectionFailedError("lease keepalive stream closed by server")
-                waiters = self._waiters.get(int(reply.ID))
-                while waiters:
-                    fut = waiters.popleft()
-                    if not fut.done():  # a waiter that timed out still had its answer due
-                        fut.set_result(int(reply.TTL))
-                        break
-        except asyncio.CancelledError:
-            self._fail(aetcd_exc.ConnectionFailedError("lease keepalive stream cancelled"))
-            raise
-        except Exception as exc:
-            self._fail(exc)
-
-    def _fail(self, exc: BaseException) -> None:
-        self.broken = exc
-        self._call.cancel()
-        for waiters in self._waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(exc)
-        self._waiters.clear()
-
-    async def refresh(self, lease_id: int, timeout_s: float) -> int:
-        if self.broken is not None:
-            raise self.broken
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(lease_id, collections.deque()).append(fut)
-        await self._queue.put(rpc.LeaseKeepAliveRequest(ID=lease_id))
-        return await asyncio.wait_for(fut, timeout_s)
 
 
 # etcd's answers to a request with an expired token: worth one new token, not an error.
@@ -643,24 +581,6 @@ class EtcdClient:
 
         return await self.call("lease grant", fn)
 
-    async def arefresh_lease(self, lease_id: int, *, deadline_s: float | None = None) -> int:
-        """Send one keepalive; returns the new TTL, ``0`` when the lease no longer exists.
-
-        The leases of this client share a few keepalive streams per connection: a stream
-        opened per keepalive costs a gRPC call set-up each time (thousands a second for a
-        process hosting many members, enough to starve the loop and let leases expire)."""
-
-        async def fn(c: _Connection):
-            # A few streams, each lease always on the same one: etcd serves the requests of
-            # one stream one after another, so a single stream caps a process's keepalives.
-            index = lease_id % _KEEPALIVE_STREAMS
-            stream = c.keepalive_streams[index]
-            if stream is None or stream.broken is not None:
-                stream = c.keepalive_streams[index] = _KeepAliveStream(c, self.spawn_here)
-            return await stream.refresh(lease_id, self.config.request_timeout_s)
-
-        return await self.call("lease keepalive", fn, deadline_s=deadline_s)
-
     async def arevoke_lease(self, lease_id: int) -> bool:
         """Revoke a lease (its keys vanish); ``False`` if it had already expired."""
 
@@ -757,10 +677,6 @@ class EtcdClient:
     def grant_lease(self, ttl_s: int) -> tuple[int, int]:
         """Grant a lease of ``ttl_s`` seconds; returns ``(lease_id, granted_ttl_s)``."""
         return self._sync(self.agrant_lease(ttl_s))
-
-    def refresh_lease(self, lease_id: int) -> int:
-        """One keepalive; returns the TTL, 0 if the lease is gone."""
-        return self._sync(self.arefresh_lease(lease_id))
 
     def revoke_lease(self, lease_id: int) -> bool:
         """Revoke a lease; ``False`` if it was already gone."""
