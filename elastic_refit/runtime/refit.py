@@ -206,8 +206,8 @@ class ElasticRefit:
     ``parameters`` are then the tensors as the engine holds them: ``float8_e4m3fn`` weights
     plus their scales (``weight_scale_inv`` float32 for ``fp8-block128``, ``weight_scale``
     uint8 E8M0 codes for ``mxfp8``), whose shapes ``destination_format_layout(layout,
-    formats)`` gives. Trainers publish BF16 as ever; each block is quantized once, by a
-    trainer that holds it, and only FP8 bytes and scales cross the network.
+    formats)`` gives. Trainers publish BF16 as ever; the trainer that sends a block
+    quantizes it (once per refit), and only FP8 bytes and scales cross the network.
     """
 
     def __init__(self, config: RefitConfig, layout: Layout | RefitLayouts, *,
