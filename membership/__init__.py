@@ -8,34 +8,41 @@ Public API::
     EtcdStore                       torch.distributed.Store under store/{epoch}/
     CommunicatorManager             reconfigure(old_view, new_view): shrink/grow/rebuild
     MembershipConfig                TTL, debounce and ordered timeouts
+
+Names import on first use: a process that only follows membership (a control-plane
+simulation, a status query) must not load torch, which the communicators need.
 """
 
-from elastic_refit.membership.client import EtcdClient, EtcdConfig
-from elastic_refit.membership.comm import (
-    Communicator,
-    CommunicatorManager,
-    ReconfigureResult,
-    RuntimeSupport,
-    choose_path,
-    probe_runtime,
-)
-from elastic_refit.membership.config import MembershipConfig
-from elastic_refit.membership.errors import (
-    CommunicatorError,
-    EpochTimeout,
-    EtcdAccessDenied,
-    EtcdUnavailable,
-    FencedWrite,
-    LeadershipLost,
-    MembershipError,
-    MembershipLost,
-    StoreTimeout,
-)
-from elastic_refit.membership.keys import JobKeys
-from elastic_refit.membership.service import Membership
-from elastic_refit.membership.store import EtcdStore
-from elastic_refit.membership.view import MemberRecord, MembershipView, ViewDiff, diff
-from elastic_refit.membership.watch import RangeWatcher
+from elastic_refit._lazy import lazy_exports
+
+_EXPORTS = {
+    "EtcdClient": "elastic_refit.membership.client",
+    "EtcdConfig": "elastic_refit.membership.client",
+    "Communicator": "elastic_refit.membership.comm",
+    "CommunicatorManager": "elastic_refit.membership.comm",
+    "ReconfigureResult": "elastic_refit.membership.comm",
+    "RuntimeSupport": "elastic_refit.membership.comm",
+    "choose_path": "elastic_refit.membership.comm",
+    "probe_runtime": "elastic_refit.membership.comm",
+    "MembershipConfig": "elastic_refit.membership.config",
+    "CommunicatorError": "elastic_refit.membership.errors",
+    "EpochTimeout": "elastic_refit.membership.errors",
+    "EtcdAccessDenied": "elastic_refit.membership.errors",
+    "EtcdUnavailable": "elastic_refit.membership.errors",
+    "FencedWrite": "elastic_refit.membership.errors",
+    "LeadershipLost": "elastic_refit.membership.errors",
+    "MembershipError": "elastic_refit.membership.errors",
+    "MembershipLost": "elastic_refit.membership.errors",
+    "StoreTimeout": "elastic_refit.membership.errors",
+    "JobKeys": "elastic_refit.membership.keys",
+    "Membership": "elastic_refit.membership.service",
+    "EtcdStore": "elastic_refit.membership.store",
+    "MemberRecord": "elastic_refit.membership.view",
+    "MembershipView": "elastic_refit.membership.view",
+    "ViewDiff": "elastic_refit.membership.view",
+    "diff": "elastic_refit.membership.view",
+    "RangeWatcher": "elastic_refit.membership.watch",
+}
 
 __all__ = [
     "Communicator",
@@ -65,3 +72,5 @@ __all__ = [
     "diff",
     "probe_runtime",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

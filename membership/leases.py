@@ -12,6 +12,13 @@ milliseconds goes out in one pass on one stream (no task, no timer and no retry 
 per keepalive), and etcd's answers, which come back in order per lease, are matched by
 lease id.
 
+The leases are spread over a few streams (``lease_id % num_streams``): etcd serves the
+keepalives of one stream one after another, and each renewal first waits until etcd has
+applied everything it committed. While a thousand members join, applies take milliseconds
+each, and one stream per process renewed fewer leases per second than its members needed:
+leases ran out with every keepalive sent in time. Renewals on separate streams wait for
+the same apply together.
+
 Semantics are a member's old keepalive loop's: a lease is renewed every
 ``interval_s``; only etcd answering TTL 0 (the lease is gone) calls ``on_lost``; while
 etcd cannot be reached the keeper keeps trying (etcd keeps leases across its restarts)
@@ -39,6 +46,7 @@ from elastic_refit.log import get_logger
 # per ~5% of an interval, whatever the number of leases.
 _BATCH_FRACTION = 0.05
 _RETRY_S = 0.1  # a failed stream is re-opened after this long
+NUM_STREAMS = 16  # keepalive streams per keeper at most (one is opened per lease id class in use)
 
 
 @dataclass(slots=True)
@@ -56,9 +64,12 @@ class _Kept:
 class _Stream:
     """One ``LeaseKeepAlive`` stream: requests go out in order, answers come back in order."""
 
-    def __init__(self, conn) -> None:
+    def __init__(self, conn, index: int) -> None:
         self.conn = conn
+        self.index = index
         self.broken: str | None = None
+        self.unanswered = 0  # keepalives sent without an answer yet
+        self.waiting_since = 0.0  # since when the stream owes an answer (monotonic)
         self._queue: asyncio.Queue = asyncio.Queue()
         self.call = conn.leasestub.LeaseKeepAlive(self._requests(), metadata=conn.metadata)
 
@@ -88,15 +99,15 @@ class LeaseKeeper:
     ``on_lost(reason)`` runs on the keeper's thread and must not block (hand it to your
     own loop or thread)."""
 
-    def __init__(self, config: EtcdConfig) -> None:
+    def __init__(self, config: EtcdConfig, *, num_streams: int = NUM_STREAMS) -> None:
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be >= 1, got {num_streams}")
         self._client = EtcdClient(config)  # its own loop thread and channel
         self._log = get_logger(component="lease-keeper")
         self._kept: dict[int, _Kept] = {}
         self._due: list[tuple[float, int]] = []  # (next_at, lease_id), a heap; stale entries skipped
         self._wake: asyncio.Event | None = None
-        self._stream: _Stream | None = None
-        self._unanswered = 0  # keepalives on the current stream without an answer yet
-        self._waiting_since = 0.0  # since when the stream owes an answer (monotonic)
+        self._streams: list[_Stream | None] = [None] * num_streams  # lease_id % num_streams -> its stream
         self._closed = False
         self._lock = threading.Lock()
         self.keepalives_sent = 0
@@ -114,9 +125,9 @@ class LeaseKeeper:
         granted or last renewed, monotonic; default now)."""
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"need 0 < interval_s < ttl_s, got interval_s={interval_s} and ttl_s={ttl_s}")
-        now = time.monotonic()
-        kept = _Kept(lease_id, float(ttl_s), float(interval_s), on_lost, renewed_at if renewed_at is not None else now,
-                     now + interval_s)
+        renewed = time.monotonic() if renewed_at is None else renewed_at
+        # Due one interval after the grant (or last renewal), not after this call.
+        kept = _Kept(lease_id, float(ttl_s), float(interval_s), on_lost, renewed, renewed + interval_s)
         self._client.loop.call_soon_threadsafe(self._add, kept)
 
     def release(self, lease_id: int) -> None:
@@ -151,24 +162,30 @@ class LeaseKeeper:
         self._wake = asyncio.Event()
         while True:
             now = time.monotonic()
-            stream = self._stream
-            if stream is not None and (stream.broken is not None or self._stalled(now)):
-                await self._drop_stream(stream, stream.broken or "no answer within the request timeout")
-                stream = None
-            if stream is None and self._kept:
-                stream = await self._open()
-            if stream is not None:
-                self._send_due(stream, now)
+            for stream in self._streams:
+                if stream is not None and (stream.broken is not None or self._stalled(stream, now)):
+                    await self._drop_stream(stream, stream.broken or "no answer within the request timeout")
+            conn = None
+            if self._kept and None in self._streams:
+                try:
+                    conn = await self._client.connection()
+                except Exception as exc:  # etcd unreachable: the due leases wait for the next pass
+                    self._log.debug("membership.keepalive.stream_failed", error=repr(exc)[:200])
+            missing = self._send_due(now, conn)
             wait = self._due[0][0] - time.monotonic() if self._due else None
-            if stream is None and self._kept:
-                wait = _RETRY_S
+            if missing:  # a stream could not be opened: retry soon, whatever is due next
+                wait = _RETRY_S if wait is None else min(wait, _RETRY_S)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), None if wait is None else max(0.0, wait))
 
-    def _send_due(self, stream: _Stream, now: float) -> None:
+    def _send_due(self, now: float, conn) -> bool:
+        """Send every keepalive due now (or within the batch window), opening missing
+        streams on ``conn``; returns whether a due lease's stream could not be opened (it
+        stays due)."""
         due = self._due
         late: list[tuple[float, int]] = []  # (seconds since renewed, lease) past their TTL
+        deferred: list[tuple[float, int]] = []  # due, but their stream is not open
         while due:
             at, lease_id = due[0]
             kept = self._kept.get(lease_id)
@@ -178,11 +195,15 @@ class LeaseKeeper:
             if at > now + _BATCH_FRACTION * kept.interval_s:
                 break
             heapq.heappop(due)
+            stream = self._stream_for(lease_id, conn)
+            if stream is None:
+                deferred.append((at, lease_id))
+                continue
             stream.send(lease_id)
             self.keepalives_sent += 1
-            if not self._unanswered:
-                self._waiting_since = now
-            self._unanswered += 1
+            if not stream.unanswered:
+                stream.waiting_since = now
+            stream.unanswered += 1
             kept.sent.append(now)
             kept.next_at = now + kept.interval_s
             heapq.heappush(due, (kept.next_at, lease_id))
@@ -190,34 +211,43 @@ class LeaseKeeper:
             if since > kept.ttl_s and not kept.outage_logged:
                 kept.outage_logged = True
                 late.append((since, lease_id))
+        for item in deferred:
+            heapq.heappush(due, item)
         if late:  # one event per pass, not one per lease (a process may keep a thousand)
             self._log.warning("membership.keepalive.unreachable", num_leases=len(late), lease_id=max(late)[1],
-                              seconds=round(max(late)[0], 3), error=stream.broken or "no answer")
+                              seconds=round(max(late)[0], 3), error="no answer")
+        return bool(deferred)
 
-    def _stalled(self, now: float) -> bool:
+    def _stalled(self, stream: _Stream, now: float) -> bool:
         """The stream owes answers and gave none for longer than one request may take: it
         is stuck (a frozen etcd, a half-open connection)."""
-        return self._unanswered > 0 and now - self._waiting_since > self._client.config.request_timeout_s
+        return stream.unanswered > 0 and now - stream.waiting_since > self._client.config.request_timeout_s
 
-    async def _open(self) -> _Stream | None:
+    def _stream_for(self, lease_id: int, conn) -> _Stream | None:
+        """The open stream of ``lease_id``'s class, opened on ``conn`` if needed (None:
+        etcd is unreachable at the moment)."""
+        index = lease_id % len(self._streams)
+        stream = self._streams[index]
+        if stream is not None or conn is None:
+            return stream
         try:
-            conn = await self._client.connection()
-            stream = _Stream(conn)
+            stream = _Stream(conn, index)
         except Exception as exc:  # etcd unreachable: the next pass tries again
             self._log.debug("membership.keepalive.stream_failed", error=repr(exc)[:200])
             return None
-        self._stream = stream
+        self._streams[index] = stream
         self.streams_opened += 1
         self._client.spawn_here(self._read(stream), "lease-keeper-read")
         return stream
 
     async def _drop_stream(self, stream: _Stream, reason: str) -> None:
-        self._stream = None
-        self._unanswered = 0
+        if self._streams[stream.index] is stream:
+            self._streams[stream.index] = None
         stream.close()
         for kept in self._kept.values():
-            kept.sent.clear()  # never answered: the lease stays due at its next time
-        self._log.info("membership.keepalive.stream_reopened", reason=reason[:200])
+            if kept.lease_id % len(self._streams) == stream.index:
+                kept.sent.clear()  # never answered: the lease stays due at its next time
+        self._log.info("membership.keepalive.stream_reopened", reason=reason[:200], stream=stream.index)
         await self._client._rotate(stream.conn)  # another endpoint, if there is one
 
     async def _read(self, stream: _Stream) -> None:
@@ -226,9 +256,9 @@ class LeaseKeeper:
                 reply = await stream.call.read()
                 if reply is grpc.aio.EOF:
                     raise ConnectionError("lease keepalive stream closed by server")
-                if stream is self._stream and self._unanswered:
-                    self._unanswered -= 1
-                    self._waiting_since = time.monotonic()
+                if stream.unanswered:
+                    stream.unanswered -= 1
+                    stream.waiting_since = time.monotonic()
                 kept = self._kept.get(int(reply.ID))
                 if kept is None:
                     continue  # released meanwhile

@@ -103,19 +103,30 @@ class Membership:
     # --------------------------------------------------------------- lifecycle
     def start(self) -> Membership:
         """Grant the lease, write the member key, start keepalive, watch and leader loop."""
+        asked = time.monotonic()  # the lease runs from (at the latest) the grant request
         self.lease_id, granted = self.client.grant_lease(self.config.ttl_s)
-        if self.config.liveness_host is not None:
-            # Listening before registering: a peer that finds the probe in the record can
-            # connect, and a refused connect then always means this process is gone.
-            self._ring = LivenessRing(self.config.liveness_host, self.record.member_id, self.lease_id,
-                                      self.record.incarnation, self._on_ring_death, self.log)
-            probe = self.client.run(self._ring.start(), timeout_s=10)
-            self.record = replace(self.record, probe=probe)
+        # Kept alive from the grant on, before anything else: at a thousand members joining
+        # at once the registration below can take longer than the TTL, and a lease whose
+        # first keepalive waited for it expired before its member ever registered.
+        self._keeper = self.client.lease_keeper()
+        self._keeper.keep(self.lease_id, ttl_s=self.config.ttl_s, interval_s=self.config.keepalive_interval,
+                          on_lost=self._lease_lost_threadsafe, renewed_at=asked)
         try:
+            if self.config.liveness_host is not None:
+                # Listening before registering: a peer that finds the probe in the record can
+                # connect, and a refused connect then always means this process is gone.
+                self._ring = LivenessRing(self.config.liveness_host, self.record.member_id, self.lease_id,
+                                          self.record.incarnation, self._on_ring_death, self.log)
+                probe = self.client.run(self._ring.start(), timeout_s=10)
+                self.record = replace(self.record, probe=probe)
             res = self.client.txn([], [Get(self.member_key),
                                        Put(self.member_key, self.record.encode(), self.lease_id)])
         except BaseException:
-            if self._ring is not None:  # not a member: its listener must not outlive the call
+            # Not a member: neither the lease nor the ring's listener may outlive the call.
+            self._keeper.release(self.lease_id)
+            with contextlib.suppress(Exception):
+                self.client.revoke_lease(self.lease_id)
+            if self._ring is not None:
                 with contextlib.suppress(Exception):
                     self.client.run(self._ring.aclose(), timeout_s=3)
             raise
@@ -127,12 +138,6 @@ class Membership:
             # its lease now frees what it held (e.g. the leader key) without waiting its TTL.
             self.client.revoke_lease(previous.lease)
             self.log.info("membership.member.replaced", previous_lease_id=previous.lease)
-        # Keepalive first: a process starting many members (or a slow first list) must not
-        # let the lease run out before the watch is in place. The keeper renews it from a
-        # thread and a channel of its own: no burst on the client loop can delay it.
-        self._keeper = self.client.lease_keeper()
-        self._keeper.keep(self.lease_id, ttl_s=self.config.ttl_s, interval_s=self.config.keepalive_interval,
-                          on_lost=self._lease_lost_threadsafe)
         self.watcher.add_listener(self._on_change)
         self.client.spawn(self._suspicion_loop(), name="suspicions")
         self.watcher.start(revision=res.revision)

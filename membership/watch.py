@@ -104,6 +104,7 @@ class RangeWatcher:
         self.relists = 0
         self.reconnects = 0
         self.stalls = 0
+        self._stalled_in_a_row = 0  # stalls since the last response (see _run)
         self.progress_responses = 0
         self.last_response_at = 0.0
         self._log = get_logger(component="watch", watch=name)
@@ -240,10 +241,17 @@ class RangeWatcher:
                 self.reconnects += 1
                 if isinstance(exc, WatchStalled):
                     self.stalls += 1
+                    self._stalled_in_a_row += 1
                 self._log.warning("membership.watch.interrupted", revision=self._revision,
                                   error=f"{type(exc).__name__}: {exc}"[:300],
                                   retry_in_s=backoff)
-                if isinstance(exc, WatchStalled | aetcd_exc.ConnectionFailedError | grpc.RpcError):
+                stalled_again = isinstance(exc, WatchStalled) and self._stalled_in_a_row > 1
+                if isinstance(exc, aetcd_exc.ConnectionFailedError | grpc.RpcError) or stalled_again or (
+                        isinstance(exc, WatchStalled) and len(self._client.config.targets) > 1):
+                    # A single endpoint's first stall re-opens the stream only: closing the
+                    # channel fails every request in flight on it, and a stall is mostly a
+                    # slow (loaded) server or client. A dead connection fails on gRPC's
+                    # keepalive, or stalls again, and then the channel is replaced.
                     await self._client._rotate(None if len(self._client.config.targets) == 1
                                                else self._client._conn)
                 await asyncio.sleep(backoff)
@@ -286,6 +294,7 @@ class RangeWatcher:
                 if resp is grpc.aio.EOF:
                     raise aetcd_exc.ConnectionFailedError("watch stream closed by server")
                 self.last_response_at = time.monotonic()
+                self._stalled_in_a_row = 0
                 if resp.compact_revision:
                     raise _Compacted(resp.compact_revision)
                 if resp.canceled:

@@ -1,14 +1,21 @@
-"""The ElasticRefit runtime: epochs, attempts, commits and recovery."""
+"""The ElasticRefit runtime: epochs, attempts, commits and recovery.
 
-from elastic_refit.runtime.attempt import (
-    AttemptSpec,
-    CommitAction,
-    by_role,
-    next_action,
-    plan_attempt,
-)
-from elastic_refit.runtime.config import RefitConfig, RefitLayouts
-from elastic_refit.runtime.refit import ElasticRefit, PublishHandle
+Names import on first use: the pure decision functions (``runtime.agent``,
+``runtime.attempt``) must not load torch through the driver.
+"""
+
+from elastic_refit._lazy import lazy_exports
+
+_EXPORTS = {
+    **{name: "elastic_refit.runtime.attempt" for name in
+       ("AttemptSpec", "CommitAction", "by_role", "next_action", "plan_attempt")},
+    "RefitConfig": "elastic_refit.runtime.config",
+    "RefitLayouts": "elastic_refit.runtime.config",
+    "ElasticRefit": "elastic_refit.runtime.refit",
+    "PublishHandle": "elastic_refit.runtime.refit",
+}
 
 __all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "PublishHandle", "RefitConfig", "RefitLayouts", "by_role",
            "next_action", "plan_attempt"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -17,7 +17,7 @@ from elastic_refit.layout import Layout
 from elastic_refit.membership.client import EtcdConfig
 from elastic_refit.membership.keys import check_name
 from elastic_refit.plan import RELAY_MODES, relay_mode
-from elastic_refit.transport.protocol import Backend
+from elastic_refit.transport.backend import Backend
 
 ROLES = ("trainer", "inference")
 MODES = ("in_place", "staged")

@@ -10,7 +10,7 @@ decides with :func:`~elastic_refit.runtime.agent.coordinate` and proposes the at
 every participant sees it through a watch, destinations ack (fenced, each on its own lease, with
 its ``done`` key in the same write) and the other participants write their ``done`` keys in
 the epoch's store -- batched per process as one host agent would
-(:meth:`~membership.versions.VersionStore.ack_many`, ``EtcdStore.multi_set``: 64 members a
+(:meth:`~membership.versions.VersionStore.ack_many`, ``EpochKV.multi_set``: 64 members a
 transaction), the coordinator counts the acks
 from watch events (:class:`~membership.versions.VersionTracker`) and commits (fenced), and
 every member sees the commit. Nothing is transferred: a destination acks as soon as it sees
@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.membership.epoch_kv import EpochKV
 from elastic_refit.membership.keys import AttemptKeys
-from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import AckRequest
 from elastic_refit.runtime.agent import Propose, coordinate
 from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction
-from elastic_refit.testing.membership_bench import percentile
+from elastic_refit.testing.stats import percentile
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
 NUM_CANDIDATES = 2  # leader candidates, in a process of their own (see member_specs)
@@ -68,6 +68,10 @@ class ControlPlaneConfig:
     ttl_s: int = 2
     idle_s: float = 5.0
     pool_threads: int = 16  # per process: the members' etcd writes in flight at once
+    # Members joining per second, job-wide (0: all at once). Ranks of a real job start over
+    # seconds; here every member shares two cores with etcd, and a thousand joins at once
+    # (each a lease, a registration and an epoch for everyone) starve the keepalives.
+    join_rate: float = 128.0
 
     def __post_init__(self) -> None:
         require_at_least("--members", self.num_members, 4)
@@ -76,6 +80,8 @@ class ControlPlaneConfig:
         require_at_least("--processes", self.num_processes, 1)
         require_at_least("--ttl", self.ttl_s, 2, "etcd grants no shorter lease")
         require_at_least("--pool-threads", self.pool_threads, 1)
+        if self.join_rate < 0:
+            raise ValueError(f"--join-rate must be >= 0 members per second, got {self.join_rate}")
         if self.idle_s < 0:
             raise ValueError(f"--idle must be >= 0 seconds, got {self.idle_s}")
         if self.num_trainers < 0:
@@ -104,6 +110,7 @@ class _WorkerSpec:
     members: tuple[_MemberSpec, ...]
     ttl_s: int
     pool_threads: int
+    join_rate: float = 0.0  # this process's members per second (0: all at once)
 
 
 def member_specs(cfg: ControlPlaneConfig) -> tuple[list[list[_MemberSpec]], list[_MemberSpec]]:
@@ -160,7 +167,7 @@ class _Worker:
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.members: dict[str, Any] = {}
-        self._stores: dict[int, EtcdStore] = {}  # epoch -> its rendezvous store
+        self._stores: dict[int, EpochKV] = {}  # epoch -> its rendezvous store
         self.loop_lag_max_s = 0.0
         self.samples: Any = None
         for m in spec.members:
@@ -183,8 +190,14 @@ class _Worker:
         for member_id, membership in self.members.items():
             membership.on_view(lambda old, new, me=member_id: self._on_view(me, new))
         # Concurrently: each start waits for its own key to come back through the shared
-        # watch, and one after another that adds up to minutes while etcd is busy.
-        for future in [self.pool.submit(m.start) for m in self.members.values()]:
+        # watch, and one after another that adds up to minutes while etcd is busy. Paced
+        # at the process's join rate.
+        futures = []
+        for k, m in enumerate(self.members.values()):
+            if self.spec.join_rate > 0:
+                time.sleep(max(0.0, t0 + k / self.spec.join_rate - time.monotonic()))
+            futures.append(self.pool.submit(m.start))
+        for future in futures:
             future.result()
         threading.Thread(target=self._coordinator, name="coordinator", daemon=True).start()
         return time.monotonic() - t0
@@ -284,7 +297,7 @@ class _Worker:
         with self.lock:
             store = self._stores.get(epoch)
             if store is None:
-                store = self._stores[epoch] = EtcdStore(self.client, self.spec.job, epoch)
+                store = self._stores[epoch] = EpochKV(self.client, self.spec.job, epoch)
         return store
 
     def publish(self, version: int) -> None:
@@ -410,10 +423,12 @@ def _worker_main(spec: _WorkerSpec, conn) -> None:
     worker = None
     try:
         worker = _Worker(spec)
-        conn.send({"started_s": worker.start()})
+        conn.send({"ready": True})
         while True:
             command, arg = conn.recv()
-            if command == "publish":
+            if command == "start":
+                conn.send({"started_s": worker.start()})
+            elif command == "publish":
                 worker.publish(arg)
                 conn.send({"ok": True})
             elif command == "report":
@@ -485,7 +500,7 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
     ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
     procs: list[_Process] = []
     victim_procs: list[_Process] = []
-    with EtcdServer(name="cp") as etcd:
+    with EtcdServer(name="cp", extra_args=["--enable-pprof", *os.environ.get("CP_ETCD_ARGS", "").split()]) as etcd:
         endpoints = tuple(etcd.endpoints)
         client = EtcdClient(list(endpoints))
         try:
@@ -493,11 +508,20 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
             # The start-up phase counts from here (the workers' CPU from their own start).
             meter = _PhaseMeter([], etcd.pids[0] if etcd.pids else None)
             progress(f"starting {cfg.num_members} members in {len(workers_of)} processes "
-                     f"(+{len(victims)} to be killed), lease TTL {cfg.ttl_s} s")
+                     f"(+{len(victims)} to be killed), lease TTL {cfg.ttl_s} s, "
+                     + (f"{cfg.join_rate:g} joins/s" if cfg.join_rate else "all joining at once"))
+            per_process_rate = cfg.join_rate / len(workers_of)
             for members in workers_of:
-                procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads)))
+                procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads,
+                                                       per_process_rate)))
             for victim in victims:
                 victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
+            # Every process imported and connected before any member joins: a join burst
+            # beside other processes' start-up is not what a job's ranks see.
+            for p in procs + victim_procs:
+                p.receive(timeout_s=3 * _TIMEOUT_S)
+            for p in procs + victim_procs:
+                p.conn.send(("start", None))
             started = [p.receive(timeout_s=3 * _TIMEOUT_S) for p in procs + victim_procs]
             everyone = {m.member_id for p in procs + victim_procs for m in p.spec.members}
             meter.procs = procs

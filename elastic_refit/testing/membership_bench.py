@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from elastic_refit._validate import require_at_least
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
@@ -31,6 +29,7 @@ from elastic_refit.membership.view import MembershipView
 from elastic_refit.membership.watch import RangeWatcher
 from elastic_refit.testing.agent import AgentProcess
 from elastic_refit.testing.etcd import EtcdServer
+from elastic_refit.testing.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +56,6 @@ class Trial:
     rebuild_s: float
     ready_s: float
     epoch: int
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile of ``values`` (NaN for none): the benches' p50 / p99."""
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
 def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
