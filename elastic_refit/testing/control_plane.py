@@ -500,7 +500,7 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
     ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
     procs: list[_Process] = []
     victim_procs: list[_Process] = []
-    with EtcdServer(name="cp", extra_args=["--enable-pprof", *os.environ.get("CP_ETCD_ARGS", "").split()]) as etcd:
+    with EtcdServer(name="cp") as etcd:
         endpoints = tuple(etcd.endpoints)
         client = EtcdClient(list(endpoints))
         try:
