@@ -429,6 +429,16 @@ class EtcdClient:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(old.close(), 1.0)
 
+    def _rotates_on(self, exc: BaseException | None) -> bool:
+        """Whether ``exc`` is worth a new channel. With several endpoints a slow or failed
+        one is left for the next. With one, only a failed connection is: a request past
+        its deadline means a loaded etcd, and closing the channel would fail every watch
+        and request in flight on it (under load, a collapse: each failure closed it again)."""
+        if len(self.config.targets) > 1:
+            return isinstance(exc, aetcd_exc.ConnectionFailedError | aetcd_exc.ConnectionTimeoutError
+                              | asyncio.TimeoutError)
+        return isinstance(exc, aetcd_exc.ConnectionFailedError)
+
     async def call(self, op: str, fn: Callable[[_Connection], Awaitable[T]], *,
                    idempotent: bool = True, deadline_s: float | None = None) -> T:
         """Run ``fn(connection)`` with retries; raise :class:`EtcdUnavailable` when spent.
@@ -476,14 +486,15 @@ class EtcdClient:
             exc = state.outcome.exception() if state.outcome else None
             self._log.debug("membership.etcd.retry", op=op, endpoint=self.endpoint,
                             attempt=state.attempt_number, error=repr(exc))
-            if isinstance(exc, aetcd_exc.ConnectionFailedError | asyncio.TimeoutError):
+            if self._rotates_on(exc):
                 await self._rotate(current["conn"])
 
         if not idempotent:
             try:
                 return await attempt()
             except _TRANSIENT as exc:
-                await self._rotate(current["conn"])
+                if self._rotates_on(exc):
+                    await self._rotate(current["conn"])
                 raise EtcdUnavailable(self.config.targets, op, exc) from exc
         try:
             async for trial in AsyncRetrying(

@@ -54,6 +54,10 @@ def _run(args: argparse.Namespace) -> int:
     print(render_table(["", "first", "last", "last/first"], rows))
     print(f"etcd keys of the job: at most {result['etcd_keys_max']}, {result['etcd_keys_final']} at the end; "
           f"verified {result['verified']} of {result['versions']} versions, {result['problems']} problems")
+    slope = result.get("member_rss_second_half_slope_bytes_per_1000_versions")
+    if slope is not None:
+        print(f"member memory, second half: {slope / 2**20:+.2f} MiB per 1,000 versions "
+              f"({result['member_rss_second_half_growth'] * 100:+.1f}% from the middle to the end)")
     if "etcd_requests_per_version" in result:
         print(f"etcd requests: {result['etcd_requests_per_version']:.1f} per version (all members, the whole run)")
     if "idle_requests_per_member_s" in result:

@@ -195,6 +195,28 @@ def _measure_idle(endpoint: str, idle_s: float, paused: threading.Event, num_mem
             "idle_requests_by_method": {m: round(r, 3) for m, r in sorted(rates.items()) if r > 0}}
 
 
+def _rss_trend(warm: list[dict[str, Any]], num_versions: int) -> dict[str, Any]:
+    """The largest member's RSS over the run: at each tenth of the versions, and its
+    least-squares slope over the second half, past any warm-up (flat memory: a slope near
+    0, where a leak grows with every version). From the samples past start-up (pure)."""
+    points = [(s["version"], max(s["rss"].values())) for s in warm if s["rss"]]
+    if len(points) < 4:
+        return {"member_rss_by_tenth_bytes": [], "member_rss_second_half_slope_bytes_per_1000_versions": None,
+                "member_rss_second_half_growth": None}
+    versions = np.array([v for v, _ in points], dtype=np.float64)
+    rss = np.array([r for _, r in points], dtype=np.float64)
+    by_tenth = [int(rss[int(np.argmin(np.abs(versions - num_versions * k / 10)))]) for k in range(1, 11)]
+    half = versions >= versions[0] + (versions[-1] - versions[0]) / 2
+    if np.ptp(versions[half]) > 0:
+        slope = float(np.polyfit(versions[half], rss[half], 1)[0]) * 1000
+    else:
+        slope = 0.0
+    middle = rss[int(np.argmax(half))]
+    return {"member_rss_by_tenth_bytes": by_tenth,
+            "member_rss_second_half_slope_bytes_per_1000_versions": slope,
+            "member_rss_second_half_growth": float(rss[-1] / middle - 1.0)}
+
+
 def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: list[dict[str, Any]],
               final_keys: int, idle: dict[str, Any] | None = None) -> dict[str, Any]:
     """The soak's figures from the members' reports and the sampler's readings (pure)."""
@@ -223,6 +245,7 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
         "etcd_db_bytes_last": last.get("db_bytes"),
         "member_rss_first_bytes": max(first["rss"].values(), default=None),
         "member_rss_last_bytes": max(last["rss"].values(), default=None),
+        **_rss_trend(warm, config.num_versions),
         "num_samples": len(samples),
         **(idle or {}),
     }

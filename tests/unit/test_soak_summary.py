@@ -49,3 +49,32 @@ def test_a_window_larger_than_half_the_versions_is_cut_to_half():
 def test_config_refuses_too_few_versions_or_a_tiny_window(fields, message):
     with pytest.raises(ValueError, match=message):
         SoakConfig(**fields)
+
+
+def _rss_samples(rss_by_version):
+    return [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000, "rss": {"i0": r, "t0": r // 2}}
+            for v, r in rss_by_version]
+
+
+def test_memory_that_grows_only_while_warming_up_has_a_flat_second_half():
+    config = SoakConfig(num_versions=1000, window=100)
+    warm_up = [(v, 200_000_000 + 20_000 * v) for v in range(10, 500, 10)]  # +10 MB by version 500
+    flat = [(v, 210_000_000) for v in range(500, 1001, 10)]
+    out = summarize(config, _reports(1000, [0.1] * 1000), _rss_samples(warm_up + flat), 40)
+    assert out["member_rss_second_half_slope_bytes_per_1000_versions"] == pytest.approx(0.0, abs=1.0)
+    assert out["member_rss_second_half_growth"] == pytest.approx(0.0)
+    assert len(out["member_rss_by_tenth_bytes"]) == 10 and out["member_rss_by_tenth_bytes"][-1] == 210_000_000
+
+
+def test_a_leak_shows_as_a_slope_per_thousand_versions():
+    config = SoakConfig(num_versions=1000, window=100)
+    leak = [(v, 200_000_000 + 3_000 * v) for v in range(10, 1001, 10)]  # 3 KB per version
+    out = summarize(config, _reports(1000, [0.1] * 1000), _rss_samples(leak), 40)
+    assert out["member_rss_second_half_slope_bytes_per_1000_versions"] == pytest.approx(3_000_000, rel=1e-6)
+    assert out["member_rss_second_half_growth"] > 0.005
+
+
+def test_too_few_samples_give_no_trend():
+    out = summarize(SoakConfig(num_versions=20, window=10), _reports(20, [0.1] * 20), _rss_samples([(5, 1), (9, 2)]),
+                    0)
+    assert out["member_rss_by_tenth_bytes"] == [] and out["member_rss_second_half_slope_bytes_per_1000_versions"] is None
