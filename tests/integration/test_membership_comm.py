@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import structlog
 import torch
 from elastic_refit.membership.comm import CommunicatorManager, probe_runtime
 from elastic_refit.membership.config import MembershipConfig
@@ -80,6 +81,37 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     with pytest.raises(MembershipLost, match="not in epoch 3"):
         mgr.reconfigure(v2, MembershipView(3, (other,)))
     assert mgr.current is None  # its communicator was aborted, not left dangling
+
+
+def test_a_rank_that_dropped_its_communicator_rebuilds_from_its_epoch(etcd_server, make_client):
+    """A rank's first communicator is its only "build": one whose communicator was dropped
+    (a broken gloo transport: the runtime passes no previous view) or torn down by a
+    formation that failed still rebuilds, and its log names the epoch it came from."""
+    client = make_client(etcd_server.endpoints)
+    me = MemberRecord("trainer", "t0", "inc1", "h", "d0", "cpu")
+    gone = MemberRecord("trainer", "t1", "inc1", "h", "d0", "cpu")
+    latest = {"epoch": 1}
+    mgr = CommunicatorManager(client, "formed", "t0", config=MembershipConfig(),
+                              superseded=lambda epoch: latest["epoch"] > epoch)
+    with structlog.testing.capture_logs() as events:
+        assert mgr.reconfigure(None, MembershipView(1, (me,))).path == "build"
+        # The runtime dropped the broken transport: nothing to reuse, but a rank that had one.
+        assert mgr.reconfigure(None, MembershipView(2, (me,))).path == "rebuild"
+        # A formation that fails (t1 never comes; a newer epoch supersedes it) tears the
+        # communicator of epoch 2 down.
+        timer = threading.Timer(0.5, latest.__setitem__, ("epoch", 4))
+        timer.start()
+        try:
+            with pytest.raises(CommunicatorError):
+                mgr.reconfigure(None, MembershipView(3, (me, gone)))
+        finally:
+            timer.join()
+        assert mgr.current is None
+        res = mgr.reconfigure(None, MembershipView(4, (me,)))
+        assert res.path == "rebuild" and verify_transport(res.transport)
+    mgr.close()
+    logged = [(e["path"], e["epoch"], e["from_epoch"]) for e in events if e.get("event") == "comm.reconfigured"]
+    assert logged == [("build", 1, None), ("rebuild", 2, 1), ("rebuild", 4, 2)]
 
 
 def test_gloo_connects_only_once_every_rank_arrived(etcd_server, make_client):
