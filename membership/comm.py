@@ -52,6 +52,12 @@ BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
 NCCL_MIN_SHRINK = (2, 27, 0)
 NCCL_MIN_GROW = (2, 29, 2)
+# gloo's connect (torch 2.13 and 2.11) waits for a peer that is to connect to it (the passive
+# side of a pair) five times its context timeout, whatever that peer does meanwhile: measured
+# 3 s -> 15 s, 4 s -> 20 s, 6 s -> 30 s, and gloo leaves the listener's timeout a "TODO". A
+# build therefore gives gloo a fifth of the connect bound, and its rendezvous store keeps the
+# whole bound for the address keys (see _GlooRendezvousStore).
+_GLOO_PASSIVE_CONNECT_FACTOR = 5
 # etcd allows 128 operations per transaction by default (--max-txn-ops): a barrier of more
 # ranks cannot be read in one transaction, and falls back to leaving by a plain delete.
 _MAX_BARRIER_COMPARES = 100
@@ -230,6 +236,16 @@ def build_stranded(build: MembershipView, latest: MembershipView | None) -> bool
 
 
 # ---------------------------------------------------------------- communicator
+class _GlooRendezvousStore(EtcdStore):
+    """The store a gloo group is built with: its waits keep this store's own timeout. gloo
+    passes its context timeout to every wait for a peer's address key, and a build sets that
+    to a fifth of the connect bound (``_GLOO_PASSIVE_CONNECT_FACTOR``): an address written a
+    moment late by a slow but live peer must not fail the build."""
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        super().wait(keys)
+
+
 @dataclass(slots=True)
 class Communicator:
     """One epoch's communicator, owned by the manager. ``pg`` is a torch c10d backend (or
@@ -536,10 +552,14 @@ class CommunicatorManager:
                 # Every peer has arrived: the connect is bounded like one transfer (a peer
                 # that vanishes now fails it in seconds) and is no longer cancelled, since
                 # leaving it half done would strand the peers that already read our address.
+                # gloo waits five times its timeout for a peer that is to connect to us: a
+                # peer that gave up (its address key came too late for it) held every rank
+                # that had read its address for 15 s (restart+kill, 15.7 s, 2026-12-03).
                 connect = self.transport_timeout_s
-                pg_store = self._store(view, f"comm-{self.backend}", cancellable=False, timeout_s=connect)
+                pg_store = _GlooRendezvousStore(self.client, self.job, view.epoch, namespace=f"comm-{self.backend}",
+                                                timeout=timedelta(seconds=connect))
                 options = dist.ProcessGroupGloo._Options()
-                options._timeout = timedelta(seconds=connect)
+                options._timeout = timedelta(seconds=connect / _GLOO_PASSIVE_CONNECT_FACTOR)
                 options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
                                     if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
                 try:
