@@ -213,6 +213,14 @@ class Scenario:
 
 
 TTL_S = 2.0  # the members' lease TTL (RefitConfig default); stop durations are chosen around it
+# How long a member's peers wait on it mid-transfer (RefitConfig.transport_timeout_s).
+PEER_TIMEOUT_S = TTL_S + 1.0
+# stall>ttl: the agent blocks past the lease TTL (a lease renewed by the agent would lapse:
+# the keeper thread must hold it) and ends well before the peers' timeout, so they always
+# wait it out. A stall of TTL + 1 s ended with that timeout: whichever came first decided
+# between a recovery of ~3.05 s and one of 3.3-3.44 s (the peers reform, rebuild and retry),
+# 0.06 s inside TTL + 1.5 s.
+STALL_S = TTL_S + 0.5
 
 
 ETCD_MEMBER_DOWN_S = 6.0  # longer than a trial's remaining refits: they run on two etcd nodes
@@ -252,7 +260,7 @@ def _templates(rng: random.Random, versions: int, etcd_nodes: int = 1) -> list[t
         out.append((victim, "stop<ttl", "plan.agreed",
                     FaultPlan().stop(role=role, rank=rank, at="plan.agreed", version=v(), duration_s=TTL_S / 2)))
         out.append((victim, "stall>ttl", "plan.agreed",
-                    FaultPlan().stall(role=role, rank=rank, at="plan.agreed", version=v(), duration_s=TTL_S + 1.0)))
+                    FaultPlan().stall(role=role, rank=rank, at="plan.agreed", version=v(), duration_s=STALL_S)))
         out.append((victim, "slow", "transfer",
                     FaultPlan().slow(role=role, rank=rank, version=v(), duration_s=0.2)))
         # A second fault during recovery: the other role's rank dies while the job re-forms.

@@ -18,7 +18,10 @@ reported it ready (:func:`agree_fast_path`): NCCL will not shrink a communicator
 state is an error unless a revoke brings it back, and torch's ``ProcessGroupNCCL.shrink``
 needs a store it can clone, which the etcd store is not.
 
-Every path is timed and logged as ``comm.reconfigured``. Aborts run under a watchdog
+Every path is timed and logged as ``comm.reconfigured`` with the epoch the rank's previous
+communicator belonged to (``from_epoch``): "build" is an incarnation's first communicator
+only, and a rank whose communicator was torn down before the new epoch came (a broken gloo
+transport, a formation that failed) rebuilds from its epoch. Aborts run under a watchdog
 thread so a wedged backend cannot hang the runtime; a communicator whose abort times out
 is parked (never destroyed on the caller's thread) and logged as ``comm.abort.timed_out``.
 """
@@ -49,6 +52,12 @@ BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
 NCCL_MIN_SHRINK = (2, 27, 0)
 NCCL_MIN_GROW = (2, 29, 2)
+# gloo's connect (torch 2.13 and 2.11) waits for a peer that is to connect to it (the passive
+# side of a pair) five times its context timeout, whatever that peer does meanwhile: measured
+# 3 s -> 15 s, 4 s -> 20 s, 6 s -> 30 s, and gloo leaves the listener's timeout a "TODO". A
+# build therefore gives gloo a fifth of the connect bound, and its rendezvous store keeps the
+# whole bound for the address keys (see _GlooRendezvousStore).
+_GLOO_PASSIVE_CONNECT_FACTOR = 5
 # etcd allows 128 operations per transaction by default (--max-txn-ops): a barrier of more
 # ranks cannot be read in one transaction, and falls back to leaving by a plain delete.
 _MAX_BARRIER_COMPARES = 100
@@ -187,6 +196,14 @@ def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
     return "rebuild"
 
 
+def rebuild_if_formed(path: str, came_from: int | None) -> str:
+    """``path`` as this rank takes it (pure): a rank that formed a communicator before (in
+    epoch ``came_from``) and builds a new one rebuilds, even when nothing of the old one is
+    left to reuse (a transport that broke was dropped, a formation failed). "build" is a
+    rank's first communicator only: a new incarnation's, never a survivor's."""
+    return "rebuild" if path == "build" and came_from is not None else path
+
+
 # The paths that keep (or start from) the current communicator: each survivor must be ready.
 FAST_PATHS: tuple[str, ...] = ("unchanged", "shrink", "shrink_abort", "grow")
 
@@ -219,6 +236,16 @@ def build_stranded(build: MembershipView, latest: MembershipView | None) -> bool
 
 
 # ---------------------------------------------------------------- communicator
+class _GlooRendezvousStore(EtcdStore):
+    """The store a gloo group is built with: its waits keep this store's own timeout. gloo
+    passes its context timeout to every wait for a peer's address key, and a build sets that
+    to a fifth of the connect bound (``_GLOO_PASSIVE_CONNECT_FACTOR``): an address written a
+    moment late by a slow but live peer must not fail the build."""
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        super().wait(keys)
+
+
 @dataclass(slots=True)
 class Communicator:
     """One epoch's communicator, owned by the manager. ``pg`` is a torch c10d backend (or
@@ -287,6 +314,10 @@ class CommunicatorManager:
             device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
         self.current: Communicator | None = None
+        # The epoch of the last communicator this rank formed (None before its first). A
+        # rank whose communicator was torn down meanwhile (a transport that broke, a
+        # formation that failed) still rebuilds from it: "build" is a rank's first only.
+        self.formed_epoch: int | None = None
         # Aborts of spent parents (after a shrink) run beside the next epoch's first work;
         # close() joins them.
         self._reaping: list[threading.Thread] = []
@@ -315,14 +346,16 @@ class CommunicatorManager:
         if self.member_id not in new_view:
             self._abort_current("not_a_member")
             raise MembershipLost(f"member {self.member_id!r} is not in epoch {new_view.epoch}")
+        came_from = old_view.epoch if old_view is not None else self.formed_epoch
         if self.current is None:
             old_view = None
-        path = choose_path(old_view, new_view, self.backend, self.support, peer_died=peer_died)
+        path = rebuild_if_formed(choose_path(old_view, new_view, self.backend, self.support, peer_died=peer_died),
+                                 came_from)
         # gloo always rebuilds (each rank gets there on its own, and an agreement round would
         # only widen the window in which a newer epoch strands a rendezvous half done).
         if self.backend != Backend.GLOO:
             try:
-                path = self._agree_path(old_view, new_view, path, broken=broken)
+                path = self._agree_path(old_view, new_view, path, broken=broken, came_from=came_from)
             except StoreTimeout as exc:
                 raise CommunicatorError(f"no reconfiguration path agreed for epoch {new_view.epoch} on "
                                         f"{self.member_id}: {exc}") from exc
@@ -360,8 +393,8 @@ class CommunicatorManager:
         assert self.current is not None
         self.current.transport = self._transport_of(self.current)
         seconds = time.monotonic() - t0
-        self.log.info("comm.reconfigured", path=path, epoch=new_view.epoch,
-                      from_epoch=old_view.epoch if old_view else None,
+        self.formed_epoch = new_view.epoch
+        self.log.info("comm.reconfigured", path=path, epoch=new_view.epoch, from_epoch=came_from,
                       num_ranks=new_view.num_ranks, rank=new_view.rank_of(self.member_id),
                       seconds=round(seconds, 4), abort_seconds=round(abort_s, 4),
                       build_seconds=round(build_s, 4))
@@ -387,7 +420,7 @@ class CommunicatorManager:
 
     # --------------------------------------------------------------- internals
     def _agree_path(self, old: MembershipView | None, view: MembershipView, mine: str, *,
-                    broken: bool = False) -> str:
+                    broken: bool = False, came_from: int | None = None) -> str:
         """Every rank takes the path rank 0 of the epoch chose: a newcomer has no previous
         view (it would build while the others grow), and ranks whose probes differ must not
         split between a fast path and a rebuild. Rank 0 of a grow or shrink is a survivor;
@@ -402,14 +435,14 @@ class CommunicatorManager:
                 survivors = [m.member_id for m in view.members if m.identity in old.identities]
                 mine = agree_fast_path(mine, {m: store.get(f"ready/{m}") == b"1" for m in survivors})
             store.set("path", mine)
-            return mine
-        agreed = store.get("path").decode()
-        has_parent = self.current is not None
-        if agreed in ("shrink", "shrink_abort", "unchanged") and not has_parent:
+            agreed = mine
+        else:
+            agreed = store.get("path").decode()
+        if agreed in ("shrink", "shrink_abort", "unchanged") and self.current is None:
             raise CommunicatorError(f"epoch {view.epoch} takes the {agreed} path, but {self.member_id} has no "
                                     "communicator to take it from")
-        if agreed in ("build", "rebuild"):
-            return "rebuild" if has_parent else "build"
+        if agreed in ("build", "rebuild"):  # each rank says which it is: a newcomer builds
+            return rebuild_if_formed("build", came_from)
         return agreed
 
     def _parent_ready(self, broken: bool) -> bool:
@@ -519,10 +552,14 @@ class CommunicatorManager:
                 # Every peer has arrived: the connect is bounded like one transfer (a peer
                 # that vanishes now fails it in seconds) and is no longer cancelled, since
                 # leaving it half done would strand the peers that already read our address.
+                # gloo waits five times its timeout for a peer that is to connect to us: a
+                # peer that gave up (its address key came too late for it) held every rank
+                # that had read its address for 15 s (restart+kill, 15.7 s, 2026-12-03).
                 connect = self.transport_timeout_s
-                pg_store = self._store(view, f"comm-{self.backend}", cancellable=False, timeout_s=connect)
+                pg_store = _GlooRendezvousStore(self.client, self.job, view.epoch, namespace=f"comm-{self.backend}",
+                                                timeout=timedelta(seconds=connect))
                 options = dist.ProcessGroupGloo._Options()
-                options._timeout = timedelta(seconds=connect)
+                options._timeout = timedelta(seconds=connect / _GLOO_PASSIVE_CONNECT_FACTOR)
                 options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
                                     if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
                 try:

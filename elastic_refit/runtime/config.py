@@ -171,6 +171,13 @@ class RefitConfig:
             raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
 
     @property
+    def transport_timeout_s(self) -> float:
+        """How long one send/recv (a gloo connect too) waits for a peer: the lease TTL plus a
+        second. Longer than a slow but live peer needs; a dead one resets its connections at
+        once, and a stopped one is out of the membership within its TTL."""
+        return self.ttl_s + 1.0
+
+    @property
     def connects_ahead(self) -> bool:
         """Whether entering an epoch connects the plan's pairs (``connect_ahead``)."""
         return self.connect_ahead == "on" or (self.connect_ahead == "auto" and self.backend != Backend.GLOO)

@@ -310,7 +310,7 @@ class ElasticRefit:
         self.manager = CommunicatorManager(self.client, c.job, c.member_id, backend=c.backend,
                                            config=self.membership.config, superseded=self._superseded,
                                            latest_view=lambda: self.membership.view,
-                                           transport_timeout_s=c.ttl_s + 1.0, device=c.device,
+                                           transport_timeout_s=c.transport_timeout_s, device=c.device,
                                            bind_interface=c.bind_interface)
         if c.bind_interface is not None and c.backend != "gloo":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init

@@ -42,7 +42,7 @@ from elastic_refit.membership.errors import (
 from elastic_refit.membership.leader import publish_epoch
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.view import MemberRecord, MembershipView
-from elastic_refit.transport.protocol import Transport, post_recv, post_send
+from elastic_refit.transport.protocol import P2POp, Transport
 
 
 class AgentProcess:
@@ -136,14 +136,19 @@ class AgentProcess:
 
 def verify_transport(transport: Transport) -> bool:
     """A fresh communicator works end to end: every rank sends its rank around a ring and
-    checks what its predecessor sent, then all vote. False (or ``TransportAborted``) if not."""
+    checks what its predecessor sent, then all vote. False (or ``TransportAborted``) if not.
+
+    The send and the receive are posted as one batch: on a non-blocking NCCL communicator a
+    group does not settle until each peer it names has posted the matching half of the pair
+    (NCCL connects a pair lazily, on its first group, from both sides). Posted one after the
+    other, every rank of the ring waited on its successor's send group and none ever posted
+    its receive ("posting a group: not done within 3.0 s" on rank 0 of three nccl4py ranks)."""
     rank, size = transport.rank, transport.world_size
     ok = True
     if size > 1:
         mine = torch.tensor([rank], dtype=torch.int64, device=transport.device)
         theirs = torch.full((1,), -1, dtype=torch.int64, device=transport.device)
-        sent = post_send(transport, mine, (rank + 1) % size)
-        got = post_recv(transport, theirs, (rank - 1) % size)
+        sent, got = transport.post((P2POp("send", mine, (rank + 1) % size), P2POp("recv", theirs, (rank - 1) % size)))
         transport.wait(got, (rank - 1) % size, "ring check receive")
         transport.wait(sent, (rank + 1) % size, "ring check send")
         ok = int(theirs.item()) == (rank - 1) % size

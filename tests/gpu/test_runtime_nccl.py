@@ -13,6 +13,8 @@ import pytest
 from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario, build_matrix
 from elastic_refit.chaos.runner import ChaosRun, run_matrix
 
+from tests.chaos.paths import assert_paths_name_their_epochs, path_into
+
 pytestmark = [pytest.mark.gpu, pytest.mark.etcd, pytest.mark.chaos]
 
 BACKEND = "nccl4py" if importlib.util.find_spec("nccl") is not None else "nccl"
@@ -33,6 +35,12 @@ def _paths(result) -> list[str]:
                      if e.get("event") == "comm.reconfigured" and e.get("from_epoch") is not None),
                     key=lambda e: e["_t"])
     return [e["path"] for e in events]
+
+
+def _can_grow() -> bool:
+    from elastic_refit.membership import probe_runtime
+
+    return BACKEND == "nccl4py" and probe_runtime().nccl_grow  # NCCL >= 2.29.2 under nccl4py
 
 
 def _scenario(name: str, plan: FaultPlan) -> Scenario:
@@ -87,20 +95,24 @@ def test_a_rank_that_comes_back_after_its_lease_is_grown_in_and_catches_up(run):
     result = run.run_trial(_scenario("inference-rejoin", plan))
     _check(result)
     paths = _paths(result)
-    from elastic_refit.membership import probe_runtime
-
-    can_grow = BACKEND == "nccl4py" and probe_runtime().nccl_grow  # NCCL >= 2.29.2 under nccl4py
-    assert "rebuild" in paths and ("grow" in paths[paths.index("rebuild"):] or not can_grow), paths
+    assert "rebuild" in paths and ("grow" in paths[paths.index("rebuild"):] or not _can_grow()), paths
     restarted = [inc for inc in result.evidence.logs if inc.startswith("i1-L1-")]
     served = [e for inc in restarted for e in result.evidence.logs[inc] if e.get("event") == "refit.version.serving"]
     assert served, "the rank that came back never served a version"
 
 
 def test_a_restart_inside_the_lease_is_a_rebuild(run):
+    """The victim's new incarnation takes its slot within the old lease: the survivors form a
+    new communicator with it, each from the epoch it was in, even when the epoch that dropped
+    the old incarnation never formed (a newer one superseded it before its arrival barrier:
+    the survivors then have no communicator left, and used to log a fresh "build" with no
+    epoch, which left ``_paths`` empty on the H200)."""
     result = run.run_trial(_scenario("inference-restart", FaultPlan().restart(role="inference", rank=0,
                                                                               at="plan.agreed", version=2)))
     _check(result)
-    assert "rebuild" in _paths(result), _paths(result)
+    assert "rebuild" in _paths(result) or _can_grow(), _paths(result)
+    paths = assert_paths_name_their_epochs(result)
+    assert path_into(paths, "i0-L1-") <= ({"rebuild", "grow"} if _can_grow() else {"rebuild"}), paths
 
 
 @pytest.mark.timeout(600)

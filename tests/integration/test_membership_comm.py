@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import structlog
 import torch
 from elastic_refit.membership.comm import CommunicatorManager, probe_runtime
 from elastic_refit.membership.config import MembershipConfig
@@ -80,6 +81,37 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     with pytest.raises(MembershipLost, match="not in epoch 3"):
         mgr.reconfigure(v2, MembershipView(3, (other,)))
     assert mgr.current is None  # its communicator was aborted, not left dangling
+
+
+def test_a_rank_that_dropped_its_communicator_rebuilds_from_its_epoch(etcd_server, make_client):
+    """A rank's first communicator is its only "build": one whose communicator was dropped
+    (a broken gloo transport: the runtime passes no previous view) or torn down by a
+    formation that failed still rebuilds, and its log names the epoch it came from."""
+    client = make_client(etcd_server.endpoints)
+    me = MemberRecord("trainer", "t0", "inc1", "h", "d0", "cpu")
+    gone = MemberRecord("trainer", "t1", "inc1", "h", "d0", "cpu")
+    latest = {"epoch": 1}
+    mgr = CommunicatorManager(client, "formed", "t0", config=MembershipConfig(),
+                              superseded=lambda epoch: latest["epoch"] > epoch)
+    with structlog.testing.capture_logs() as events:
+        assert mgr.reconfigure(None, MembershipView(1, (me,))).path == "build"
+        # The runtime dropped the broken transport: nothing to reuse, but a rank that had one.
+        assert mgr.reconfigure(None, MembershipView(2, (me,))).path == "rebuild"
+        # A formation that fails (t1 never comes; a newer epoch supersedes it) tears the
+        # communicator of epoch 2 down.
+        timer = threading.Timer(0.5, latest.__setitem__, ("epoch", 4))
+        timer.start()
+        try:
+            with pytest.raises(CommunicatorError):
+                mgr.reconfigure(None, MembershipView(3, (me, gone)))
+        finally:
+            timer.join()
+        assert mgr.current is None
+        res = mgr.reconfigure(None, MembershipView(4, (me,)))
+        assert res.path == "rebuild" and verify_transport(res.transport)
+    mgr.close()
+    logged = [(e["path"], e["epoch"], e["from_epoch"]) for e in events if e.get("event") == "comm.reconfigured"]
+    assert logged == [("build", 1, None), ("rebuild", 2, 1), ("rebuild", 4, 2)]
 
 
 def test_gloo_connects_only_once_every_rank_arrived(etcd_server, make_client):
@@ -278,6 +310,64 @@ def test_no_rank_tears_a_gloo_group_down_before_every_rank_is_through_its_connec
     assert latest["view"] is newer, "the newer epoch never came: the test showed nothing"
     for m in ("t0", "t1", "t2"):
         assert out[m] == {"t0": b"1", "t1": b"1", "t2": b"1"}, (m, out[m])
+
+class _GivesUpAfterItsAddress(EtcdStore):
+    """The store of a rank that writes its gloo address and then gives up at once (in the
+    chaos trial its peers' addresses came too late for it)."""
+
+    def wait(self, keys, timeout=None):
+        raise StoreTimeout(f"gave up waiting for {keys}")
+
+
+def test_a_gloo_peer_that_gave_up_after_writing_its_address_frees_the_others_within_the_transport_timeout(
+        etcd_server, make_client):
+    """Three ranks arrive; one writes its gloo address and gives up before it connects. Every
+    rank that read its address gives up too, within about the transport timeout (TTL + 1 s):
+    gloo waits five times its own timeout for a peer that is to connect to it, and waited 15 s
+    on a 3 s timeout (restart+kill, 15.7 s, 2026-12-03). Four epochs: which rank of a pair
+    waits for the other depends on the ports, and each epoch draws them again."""
+    import torch.distributed as dist
+
+    client = make_client(etcd_server.endpoints)
+    job = "gave-up"
+    records = tuple(MemberRecord("trainer", f"t{i}", "inc1", "h", "d0", "cpu") for i in range(3))
+    config = MembershipConfig()
+    managers = [CommunicatorManager(client, job, r.member_id, config=config) for r in records[:2]]
+    bound = managers[0].transport_timeout_s + 2.5  # the connect's bound, and the machine's slack
+    try:
+        for epoch in (1, 2, 3, 4):
+            view = MembershipView(epoch, records)
+            out: dict[str, object] = {}
+
+            def build(i: int, view: MembershipView = view, out: dict = out) -> None:
+                t0 = time.monotonic()
+                try:
+                    managers[i].reconfigure(None, view)
+                    out[f"t{i}"] = ("built", time.monotonic() - t0)
+                except Exception as exc:  # reported, the test decides
+                    out[f"t{i}"] = (f"{type(exc).__name__}: {exc}"[:200], time.monotonic() - t0)
+
+            threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            # t2 arrives, writes its address, and gives up.
+            store = EtcdStore(client, job, epoch, namespace="comm-gloo")
+            store.set("arrived/t2/inc1", "1")
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timedelta(seconds=config.ttl_s + 1.0)
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+            with pytest.raises(Exception, match="gave up"):
+                dist.ProcessGroupGloo(_GivesUpAfterItsAddress(client, job, epoch, namespace="comm-gloo"), 2, 3, options)
+            del options
+            for t in threads:
+                t.join(40)
+            assert set(out) == {"t0", "t1"}, out
+            slow = {m: r for m, r in out.items() if r[1] > bound}
+            assert not slow, f"epoch {epoch}: ranks held past {bound:.1f} s by a peer that had given up: {slow}"
+    finally:
+        for m in managers:
+            m.close()
+
 
 def test_gloo_binds_to_the_configured_interface(etcd_server, make_client):
     """``bind_interface`` puts gloo's device on that interface: bound to a non-loopback

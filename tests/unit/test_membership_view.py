@@ -13,6 +13,7 @@ from elastic_refit.membership.comm import (
     agree_fast_path,
     build_stranded,
     choose_path,
+    rebuild_if_formed,
 )
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.keys import JobKeys
@@ -241,6 +242,17 @@ def test_torch_nccl_rebuilds_when_its_store_cannot_be_cloned():
 ])
 def test_a_fast_path_needs_every_survivor_ready(path, ready, expected):
     assert agree_fast_path(path, ready) == expected
+
+
+@pytest.mark.parametrize(("path", "came_from", "expected"), [
+    ("build", None, "build"),  # a rank's first communicator (a new incarnation)
+    ("build", 3, "rebuild"),  # a survivor whose communicator of epoch 3 was dropped or failed to form
+    ("rebuild", 3, "rebuild"),
+    ("shrink_abort", 3, "shrink_abort"),
+    ("unchanged", 3, "unchanged"),
+])
+def test_only_a_ranks_first_communicator_is_a_build(path, came_from, expected):
+    assert rebuild_if_formed(path, came_from) == expected
 
 
 _BUILD = view(3, rec("t0"), rec("t1"), rec("i0", "inference"))
