@@ -24,7 +24,7 @@ RESULTS = os.environ.get("ELASTIC_REFIT_CHAOS_RESULTS")
 
 @pytest.fixture(scope="module")
 def run():
-    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND)
+    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")))
     yield chaos
     assert chaos.close() == [], "processes outlived the run"
 
