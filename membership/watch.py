@@ -357,8 +357,17 @@ class WatchHub:
     """
 
     def __init__(self, client: EtcdClient, start: str, end: str, *, name: str = "hub",
-                 progress_interval_s: float = 1.0, stall_timeout_s: float = 3.0):
+                 progress_interval_s: float = 1.0, stall_timeout_s: float = 3.0, batch_s: float = 0.01):
+        """``batch_s``: changes that arrive within this long reach the consumers as one
+        delivery (0: one delivery per change). A process of many consumers does work per
+        consumer per delivery: a thousand members joining within seconds, one delivery
+        each, was O(members^2) per process and starved its lease keeper of the GIL."""
+        if batch_s < 0:
+            raise ValueError(f"batch_s must be >= 0, got {batch_s}")
         self._client = client
+        self._batch_s = batch_s
+        self._pending: tuple[bool, list[WatchEvent], RangeSnapshot] | None = None  # (reset, events, snap)
+        self.deliveries = 0
         self.watcher = RangeWatcher(client, start, end, name=name, progress_interval_s=progress_interval_s,
                                     stall_timeout_s=stall_timeout_s)
         self.watcher.add_listener(self._dispatch)
@@ -388,12 +397,33 @@ class WatchHub:
         return len(self._views)
 
     def _dispatch(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
+        # (loop thread) Merged with what is pending: a reset makes the delivery a reset
+        # (consumers re-read the snapshot), else the events are concatenated in order.
+        if self._batch_s == 0:
+            self._deliver_all(reset, events, snap)
+            return
+        if self._pending is None:
+            self._pending = (reset, list(events), snap)
+            self._client.loop.call_later(self._batch_s, self._flush)
+        else:
+            was_reset, pending, _ = self._pending
+            self._pending = (True, [], snap) if reset or was_reset else (False, pending + list(events), snap)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._deliver_all(*pending)
+
+    def _deliver_all(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
+        self.deliveries += 1
         for view in self._views:
             view._deliver(reset, events, snap)
 
     def _attach(self, view: SharedRange) -> None:
         # On the loop thread, so no change can land between the first snapshot a view sees
-        # and the first event it is given.
+        # and the first event it is given (pending changes go out first: the new view's
+        # snapshot holds them already).
+        self._flush()
         self._views = (*self._views, view)
         view._deliver(True, [], self.watcher.snapshot())
 
