@@ -28,8 +28,8 @@ def register(targets: argparse._SubParsersAction) -> None:
                         help="worker processes the members are spread over (default 4)")
     parser.add_argument("--trainers", type=int, default=0, help="trainers among the members (default: 1 per 16)")
     parser.add_argument("--ttl", type=int, default=2, help="lease TTL in seconds (default 2)")
-    parser.add_argument("--join-rate", type=float, default=128.0,
-                        help="members joining per second at start-up, job-wide (default 128; 0: all at once)")
+    parser.add_argument("--join-rate", type=float, default=32.0,
+                        help="members joining per second at start-up, job-wide (default 32; 0: all at once)")
     parser.add_argument("--idle", type=float, default=5.0,
                         help="seconds the etcd requests of the idle job are counted (default 5; 0 skips it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

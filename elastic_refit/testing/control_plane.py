@@ -71,7 +71,7 @@ class ControlPlaneConfig:
     # Members joining per second, job-wide (0: all at once). Ranks of a real job start over
     # seconds; here every member shares two cores with etcd, and a thousand joins at once
     # (each a lease, a registration and an epoch for everyone) starve the keepalives.
-    join_rate: float = 128.0
+    join_rate: float = 32.0
 
     def __post_init__(self) -> None:
         require_at_least("--members", self.num_members, 4)
