@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -242,12 +244,20 @@ def test_watch_notices_a_stalled_stream(etcd_cluster, make_client):
         watcher.stop()
 
 
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """``pid`` (an etcd node this test started) SIGSTOPped for the block."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_single_endpoints_first_stall_keeps_the_channel_a_second_replaces_it(etcd_server, make_client):
     # One endpoint: a stall is mostly a loaded server, and closing the channel would fail
     # every request in flight on it; the stream alone is re-opened. A second stall in a row
     # (no answer since) replaces the channel, as a dead connection needs.
-    import os
-
     client = make_client(etcd_server.endpoints, request_timeout_s=1.0)
     watcher = RangeWatcher(client, "/s/", "/s0", name="stall", progress_interval_s=0.2, stall_timeout_s=0.6)
     watcher.start()
@@ -255,20 +265,14 @@ def test_a_single_endpoints_first_stall_keeps_the_channel_a_second_replaces_it(e
     watcher.wait_for(lambda s: "/s/a" in s.items, timeout_s=5)
     channel = client._conn
     pid = etcd_server.pids[0]
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(pid):
         wait_until(lambda: watcher.stalls >= 1, 5, "first stall")
-    finally:
-        os.kill(pid, signal.SIGCONT)
     client.put("/s/b", b"2")
     watcher.wait_for(lambda s: "/s/b" in s.items, timeout_s=10)
     assert watcher.stalls == 1 and client._conn is channel, (watcher.stalls, client._conn, channel)
 
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(pid):
         wait_until(lambda: watcher.stalls >= 3, 10, "two stalls in a row")
-    finally:
-        os.kill(pid, signal.SIGCONT)
     client.put("/s/c", b"3")
     snap = watcher.wait_for(lambda s: "/s/c" in s.items, timeout_s=10)
     assert snap.items["/s/c"].value == b"3"
