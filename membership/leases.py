@@ -165,13 +165,12 @@ class LeaseKeeper:
             for stream in self._streams:
                 if stream is not None and (stream.broken is not None or self._stalled(stream, now)):
                     await self._drop_stream(stream, stream.broken or "no answer within the request timeout")
-            conn = None
-            if self._kept and None in self._streams:
+            missing = self._send_due(now, None)
+            if missing:  # due leases whose stream is not open yet: connect and open them
                 try:
-                    conn = await self._client.connection()
+                    missing = self._send_due(now, await self._client.connection())
                 except Exception as exc:  # etcd unreachable: the due leases wait for the next pass
                     self._log.debug("membership.keepalive.stream_failed", error=repr(exc)[:200])
-            missing = self._send_due(now, conn)
             wait = self._due[0][0] - time.monotonic() if self._due else None
             if missing:  # a stream could not be opened: retry soon, whatever is due next
                 wait = _RETRY_S if wait is None else min(wait, _RETRY_S)
@@ -181,8 +180,8 @@ class LeaseKeeper:
 
     def _send_due(self, now: float, conn) -> bool:
         """Send every keepalive due now (or within the batch window), opening missing
-        streams on ``conn``; returns whether a due lease's stream could not be opened (it
-        stays due)."""
+        streams on ``conn`` (None: open none); returns whether a due lease's stream is not
+        open (it stays due)."""
         due = self._due
         late: list[tuple[float, int]] = []  # (seconds since renewed, lease) past their TTL
         deferred: list[tuple[float, int]] = []  # due, but their stream is not open

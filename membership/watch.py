@@ -245,15 +245,14 @@ class RangeWatcher:
                 self._log.warning("membership.watch.interrupted", revision=self._revision,
                                   error=f"{type(exc).__name__}: {exc}"[:300],
                                   retry_in_s=backoff)
-                stalled_again = isinstance(exc, WatchStalled) and self._stalled_in_a_row > 1
-                if isinstance(exc, aetcd_exc.ConnectionFailedError | grpc.RpcError) or stalled_again or (
-                        isinstance(exc, WatchStalled) and len(self._client.config.targets) > 1):
-                    # A single endpoint's first stall re-opens the stream only: closing the
-                    # channel fails every request in flight on it, and a stall is mostly a
-                    # slow (loaded) server or client. A dead connection fails on gRPC's
-                    # keepalive, or stalls again, and then the channel is replaced.
-                    await self._client._rotate(None if len(self._client.config.targets) == 1
-                                               else self._client._conn)
+                single = len(self._client.config.targets) == 1
+                # A single endpoint's first stall re-opens the stream only: closing the
+                # channel fails every request in flight on it, and a stall is mostly a slow
+                # (loaded) server or client. A dead connection fails on gRPC's keepalive, or
+                # stalls again, and then the channel is replaced.
+                if isinstance(exc, aetcd_exc.ConnectionFailedError | grpc.RpcError) or (
+                        isinstance(exc, WatchStalled) and (not single or self._stalled_in_a_row > 1)):
+                    await self._client._rotate(None if single else self._client._conn)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
@@ -366,8 +365,8 @@ class WatchHub:
             raise ValueError(f"batch_s must be >= 0, got {batch_s}")
         self._client = client
         self._batch_s = batch_s
-        self._pending: tuple[bool, list[WatchEvent], RangeSnapshot] | None = None  # (reset, events, snap)
-        self.deliveries = 0
+        # Changes not delivered yet: (reset, events, latest snapshot); events merged in place.
+        self._pending: tuple[bool, list[WatchEvent], RangeSnapshot] | None = None
         self.watcher = RangeWatcher(client, start, end, name=name, progress_interval_s=progress_interval_s,
                                     stall_timeout_s=stall_timeout_s)
         self.watcher.add_listener(self._dispatch)
@@ -403,11 +402,15 @@ class WatchHub:
             self._deliver_all(reset, events, snap)
             return
         if self._pending is None:
-            self._pending = (reset, list(events), snap)
+            self._pending = (reset, [] if reset else list(events), snap)
             self._client.loop.call_later(self._batch_s, self._flush)
+            return
+        was_reset, pending, _ = self._pending
+        if reset or was_reset:
+            self._pending = (True, [], snap)
         else:
-            was_reset, pending, _ = self._pending
-            self._pending = (True, [], snap) if reset or was_reset else (False, pending + list(events), snap)
+            pending.extend(events)  # our own list: a burst costs O(events), not O(events^2)
+            self._pending = (False, pending, snap)
 
     def _flush(self) -> None:
         if self._pending is not None:
@@ -415,7 +418,6 @@ class WatchHub:
             self._deliver_all(*pending)
 
     def _deliver_all(self, reset: bool, events: list[WatchEvent], snap: RangeSnapshot) -> None:
-        self.deliveries += 1
         for view in self._views:
             view._deliver(reset, events, snap)
 

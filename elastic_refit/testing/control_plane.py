@@ -510,10 +510,10 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
             progress(f"starting {cfg.num_members} members in {len(workers_of)} processes "
                      f"(+{len(victims)} to be killed), lease TTL {cfg.ttl_s} s, "
                      + (f"{cfg.join_rate:g} joins/s" if cfg.join_rate else "all joining at once"))
-            per_process_rate = cfg.join_rate / len(workers_of)
-            for members in workers_of:
+            for members in workers_of:  # each process's share of the job-wide rate
+                rate = cfg.join_rate * len(members) / cfg.num_members
                 procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads,
-                                                       per_process_rate)))
+                                                       rate)))
             for victim in victims:
                 victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
             # Every process imported and connected before any member joins: a join burst
