@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 __all__ = ["build_parser", "describe_failure", "main"]
@@ -61,6 +63,14 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
     return 1, f"{type(exc).__name__}: {first} (run with --debug for the traceback)"
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C."""
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `elastic-refit` console script."""
     from elastic_refit.log import configure_logging
@@ -71,8 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
         return exc.code if isinstance(exc.code, int) else 2
     configure_logging()  # to stderr: stdout is for the table or the JSON only
+    # SIGTERM unwinds like Ctrl-C, so a bench or a demo stops the etcd and the member
+    # processes it started (the default action would leave them running, orphaned).
+    # `worker` installs its own handler (a member leaves its job cleanly).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return int(args.handler(args) or 0)
+    except _Terminated:
+        print("elastic-refit: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("elastic-refit: interrupted", file=sys.stderr)
         return 130
@@ -82,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, message = describe_failure(exc)
         print(f"elastic-refit: error: {message}", file=sys.stderr)
         return code
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

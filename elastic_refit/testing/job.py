@@ -3,6 +3,7 @@ deterministic pattern data, inference ranks check every committed version bit-ex
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from collections.abc import Callable
@@ -62,6 +63,9 @@ class MemberSpec:
     # Inference: the destination formats it declares (``TensorFormats.to_json``) instead of
     # the spec's (a job whose inference ranks disagree).
     formats_json: str | None = None
+    # Keep the first and last ``record_window`` committed versions only (see CommitRecord):
+    # a soak's member must not grow with its versions, its report included.
+    record_window: int | None = None
 
     def layouts(self) -> RefitLayouts:
         if self.spec_json is not None:
@@ -89,6 +93,41 @@ class MemberSpec:
             extra["incarnation"] = self.incarnation
         return RefitConfig(job=self.job, role=self.role, member_id=self.member_id, layout_rank=self.layout_rank,
                            etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
+
+
+class CommitRecord:
+    """The versions a member saw committed, in order: every entry, or with ``window`` the
+    first and the last ``window`` entries and running counts (memory independent of the
+    number of versions). :meth:`report` gives ``committed`` (those entries, in order),
+    ``num_committed``, ``committed_span`` (first and last version) and
+    ``committed_consecutive`` (each version the previous one plus 1)."""
+
+    def __init__(self, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"record window must be at least 1, got {window}")
+        self._window = window
+        self._first: list[dict[str, Any]] = []
+        self._last: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
+        self._count = 0
+        self._span: list[int] = []
+        self._consecutive = True
+
+    def append(self, entry: dict[str, Any]) -> None:
+        version = int(entry["version"])
+        if self._span:
+            self._consecutive = self._consecutive and version == self._span[1] + 1
+            self._span[1] = version
+        else:
+            self._span = [version, version]
+        self._count += 1
+        if self._window is None or len(self._first) < self._window:
+            self._first.append(entry)
+        else:
+            self._last.append(entry)
+
+    def report(self) -> dict[str, Any]:
+        return {"committed": self._first + list(self._last), "num_committed": self._count,
+                "committed_span": list(self._span), "committed_consecutive": self._consecutive}
 
 
 def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], timeout_s: float) -> None:
@@ -124,7 +163,8 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "committed": [], "problems": []}
+    out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "problems": []}
+    record = CommitRecord(member.record_window)
     formats = member.formats()
     # Random bytes may be NaN, which no quantized format holds: finite values then.
     fill = fill_finite if formats else fill_pieces
@@ -144,7 +184,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 if pending is not None:
                     _, handle, start = pending
                     commit = handle.wait()
-                    out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                    record.append({"version": commit.version, "epoch": commit.epoch,
                                              "seconds": time.monotonic() - start})
                 if version in ahead:  # the new weights
                     for name, t in tensors.items():
@@ -156,17 +196,17 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                     pending = (version, refit.publish(tensors, version, wait=False), start)
                     continue
                 commit = refit.publish(tensors, version)
-                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                record.append({"version": commit.version, "epoch": commit.epoch,
                                          "seconds": time.monotonic() - start})
             if pending is not None:
                 commit = pending[1].wait()
-                out["committed"].append({"version": commit.version, "epoch": commit.epoch,
+                record.append({"version": commit.version, "epoch": commit.epoch,
                                          "seconds": time.monotonic() - pending[2]})
             out["loop_s"] = time.monotonic() - loop_start  # every step and every commit
             if hold is not None:
                 hold(refit)
             out["stats"] = dict(refit.stats)
-        return out
+        return out | record.report()
     params = allocate(destination_format_layout(layouts.destination, formats), member.layout_rank, fill=0,
                       device=device)
 
@@ -182,10 +222,10 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
             with refit.weights() as serving:
                 check = not member.check_last_only or serving >= member.versions[-1]
                 problems = check_version(serving) if check else []
-            out["committed"].append({"version": serving, "verified": not problems, "checked": check})
+            record.append({"version": serving, "verified": not problems, "checked": check})
             out["problems"] += problems
             seen = max(seen, version)
         if hold is not None:
             hold(refit)
         out["stats"] = dict(refit.stats)
-    return out
+    return out | record.report()

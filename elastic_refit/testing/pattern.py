@@ -24,10 +24,12 @@ _K3 = -7723592293110705685  # 0x94D049BB133111EB
 def pattern_bytes(name: str, shape: tuple[int, ...], itemsize: int, offsets: tuple[int, ...],
                   lengths: tuple[int, ...], seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """Bytes of box (offsets, lengths) of tensor ``name``: uint8 ``[numel * itemsize]``."""
-    strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
+    strides = [1] * len(shape)  # row-major element strides
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
     index = torch.zeros((), dtype=torch.int64, device=device)
     for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
-        axis = torch.arange(o, o + n, dtype=torch.int64, device=device) * int(strides[d])
+        axis = torch.arange(o, o + n, dtype=torch.int64, device=device) * strides[d]
         index = index.unsqueeze(-1) + axis
     x = index.reshape(-1) * _K1 + ((zlib.crc32(name.encode()) << 20) ^ seed)
     x = x ^ (x >> 31)  # arithmetic shifts on int64 are fine for mixing

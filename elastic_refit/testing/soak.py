@@ -115,7 +115,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
             role = "trainer" if member_id in TRAINERS else "inference"
             member = MemberSpec(job, role, member_id, rank, endpoints, f"d-{role}", spec_json=spec, versions=versions,
                                 start_with=TRAINERS + INFERENCE if role == "trainer" else (),
-                                config={"version_timeout_s": 600.0})
+                                config={"version_timeout_s": 600.0}, record_window=_window(config))
             proc = ctx.Process(target=_member_main, args=(member, results, dict(os.environ), release), daemon=True)
             proc.start()
             procs[member_id] = proc
@@ -217,17 +217,24 @@ def _rss_trend(warm: list[dict[str, Any]], num_versions: int) -> dict[str, Any]:
             "member_rss_second_half_growth": float(rss[-1] / middle - 1.0)}
 
 
+def _window(config: SoakConfig) -> int:
+    return min(config.window, config.num_versions // 2)
+
+
 def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: list[dict[str, Any]],
               final_keys: int, idle: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The soak's figures from the members' reports and the sampler's readings (pure)."""
-    window = min(config.window, config.num_versions // 2)
-    seconds = np.array([c["seconds"] for c in reports[TRAINERS[0]]["committed"]], dtype=np.float64)
+    """The soak's figures from the members' reports (``CommitRecord.report`` fields, first
+    and last ``window`` versions kept) and the sampler's readings (pure)."""
+    window = _window(config)
+    kept = reports[TRAINERS[0]]["committed"]
+    seconds = np.array([c["seconds"] for c in kept], dtype=np.float64)
     # Every version committed as itself (a trainer blocks on each), verified by every rank's
     # digests before the commit, and checked byte for byte by every rank that served it.
     committed_as_published = all(
-        [c["version"] for c in reports[t]["committed"]] == list(range(1, config.num_versions + 1)) for t in TRAINERS)
+        reports[t]["num_committed"] == config.num_versions and reports[t]["committed_consecutive"]
+        and reports[t]["committed_span"] == [1, config.num_versions] for t in TRAINERS)
     problems = sum(len(reports[i]["problems"]) for i in INFERENCE)
-    served = min(len(reports[i]["committed"]) for i in INFERENCE)
+    served = min(reports[i]["num_committed"] for i in INFERENCE)
     warm = [s for s in samples if s["version"] >= window // 10]  # past start-up
     first, last = (warm[0], warm[-1]) if warm else ({"rss": {}}, {"rss": {}})
     return {

@@ -4,7 +4,10 @@ started (every case fails before a process, a world or an etcd exists)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
+import time
 
 import pytest
 
@@ -57,3 +60,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
     assert code == 2
     assert out == ""
     assert err.strip().splitlines() == [f"elastic-refit: error: {message}"]
+
+
+def test_sigterm_unwinds_the_command_so_it_stops_what_it_started(capsys, monkeypatch):
+    cleaned: list[str] = []
+
+    def handler(_args) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+            return 0
+        finally:
+            cleaned.append("etcd and members stopped")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(parser, "parse_args", lambda _argv: argparse.Namespace(handler=handler, debug=False))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    before = signal.getsignal(signal.SIGTERM)
+    code = cli.main(["bench", "soak"])
+    assert code == 128 + signal.SIGTERM and cleaned == ["etcd and members stopped"]
+    assert capsys.readouterr().err.strip() == "elastic-refit: terminated"
+    assert signal.getsignal(signal.SIGTERM) is before  # a program that calls main() keeps its own

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import pytest
 
+from elastic_refit.testing.job import CommitRecord
 from elastic_refit.testing.soak import INFERENCE, TRAINERS, SoakConfig, summarize
 
 
-def _reports(num_versions: int, seconds, problems=(), skipped: int | None = None) -> dict:
-    out = {t: {"committed": [{"version": v, "seconds": s} for v, s in zip(range(1, num_versions + 1), seconds,
-                                                                         strict=True)]} for t in TRAINERS}
+def _recorded(entries, window: int | None) -> dict:
+    record = CommitRecord(window)
+    for entry in entries:
+        record.append(entry)
+    return record.report()
+
+
+def _reports(num_versions: int, seconds, problems=(), skipped: int | None = None, window: int | None = None) -> dict:
+    """Reports as the soak's members make them (``CommitRecord`` with the soak's window)."""
+    versions = range(1, num_versions + 1)
+    out = {t: _recorded([{"version": v, "seconds": s} for v, s in zip(versions, seconds, strict=True)
+                         if v != skipped], window) for t in TRAINERS}
     for i in INFERENCE:
-        served = range(1, num_versions + 1) if skipped is None else [v for v in range(1, num_versions + 1)
-                                                                     if v != skipped]
-        out[i] = {"committed": [{"version": v, "verified": True} for v in served], "problems": list(problems)}
+        out[i] = _recorded([{"version": v, "verified": True} for v in versions if v != skipped], window) | {
+            "problems": list(problems)}
     return out
 
 
@@ -32,6 +41,32 @@ def test_overheads_are_the_first_and_last_windows_and_memory_the_largest_member(
     assert (out["etcd_keys_max"], out["etcd_keys_final"]) == (50, 35)
     # first sample past start-up (version >= window // 10) and the last one
     assert (out["member_rss_first_bytes"], out["member_rss_last_bytes"]) == (300, 200)
+
+
+def test_the_members_keep_only_their_first_and_last_windows_and_the_figures_are_the_same():
+    config = SoakConfig(num_versions=100, window=10)
+    seconds = [0.1] * 10 + [0.7] * 80 + [0.3] * 10
+    whole, bounded = _reports(100, seconds), _reports(100, seconds, window=10)
+    assert len(bounded["t0"]["committed"]) == 20 and bounded["t0"]["num_committed"] == 100
+    assert [c["version"] for c in bounded["t0"]["committed"]] == [*range(1, 11), *range(91, 101)]
+    assert summarize(config, bounded, [], 0) == summarize(config, whole, [], 0)
+    assert summarize(config, bounded, [], 0)["last_overhead_s"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_trainer_version_missing_or_out_of_order_means_nothing_counts_as_verified(window):
+    config = SoakConfig(num_versions=20, window=10)
+    assert summarize(config, _reports(20, [0.1] * 20, window=window), [], 0)["verified"] == 20
+    assert summarize(config, _reports(20, [0.1] * 20, skipped=7, window=window), [], 0)["verified"] == 0
+    swapped = _reports(20, [0.1] * 20, window=window)
+    swapped["t1"] = _recorded([{"version": v, "seconds": 0.1} for v in [*range(1, 9), 10, 9, *range(11, 21)]],
+                              window)
+    assert summarize(config, swapped, [], 0)["verified"] == 0
+
+
+def test_a_record_window_must_be_positive():
+    with pytest.raises(ValueError, match="record window"):
+        CommitRecord(0)
 
 
 def test_a_problem_on_any_inference_rank_means_nothing_counts_as_verified():
