@@ -29,6 +29,10 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / (1 << 20):.1f} MiB"
 
 
+def _seconds_or_dash(value: float | None) -> str:
+    return "-" if value is None else format_seconds(value)
+
+
 def _run(args: argparse.Namespace) -> int:
     import sys
 
@@ -46,6 +50,9 @@ def _run(args: argparse.Namespace) -> int:
     rows = [
         ("per-version overhead", format_seconds(result["first_overhead_s"]), format_seconds(result["last_overhead_s"]),
          f"{result['overhead_ratio']:.2f}"),
+        ("CPU per version (members, etcd)", _seconds_or_dash(result.get("first_cpu_s_per_version")),
+         _seconds_or_dash(result.get("last_cpu_s_per_version")),
+         "-" if result.get("cpu_ratio") is None else f"{result['cpu_ratio']:.2f}"),
         ("member memory (largest)", _mib(result["member_rss_first_bytes"]), _mib(result["member_rss_last_bytes"]), "-"),
         ("etcd db", _mib(result["etcd_db_bytes_first"]), _mib(result["etcd_db_bytes_last"]), "-"),
     ]
@@ -56,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
           f"verified {result['verified']} of {result['versions']} versions, {result['problems']} problems")
     slope = result.get("member_rss_second_half_slope_bytes_per_1000_versions")
     if slope is not None:
-        print(f"member memory, second half: {slope / 2**20:+.2f} MiB per 1,000 versions "
+        print(f"member memory, second half (steepest member): {slope / 2**20:+.2f} MiB per 1,000 versions "
               f"({result['member_rss_second_half_growth'] * 100:+.1f}% from the middle to the end)")
     if "etcd_requests_per_version" in result:
         print(f"etcd requests: {result['etcd_requests_per_version']:.1f} per version (all members, the whole run)")

@@ -4,9 +4,11 @@ steps (``elastic-refit bench soak``).
 A real etcd, 2 trainer replicas and 4 inference ranks (2 x TP=2) as processes, tiny tensors,
 trainers publishing back to back. Every version commits only once every inference rank
 acked it with verified digests, and each inference rank checks every version it serves
-byte for byte. While the job runs, a sampler reads the job's etcd key count, etcd's db size
-and every member's resident memory. The per-version overhead is a trainer's publish ->
-commit seconds (there is no training step in between). After the last version the members
+byte for byte. While the job runs, a sampler reads the job's etcd key count, etcd's db size,
+every member's resident memory and the CPU time of the members and etcd. The per-version
+overhead is a trainer's publish -> commit seconds (there is no training step in between);
+the CPU seconds per version, first window against last, tell a runtime that does more work
+per version from a shared machine that got slower. After the last version the members
 stay in the job, idle, for ``idle_s``: the etcd requests they make meanwhile (etcd's own
 gRPC counters, the sampler paused) are what an idle member costs etcd. Those counters also
 give the etcd requests of the whole run per version (start-up and the sampler included).
@@ -75,6 +77,17 @@ def _rss_bytes(pid: int) -> int | None:
     return None
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds of process ``pid`` so far."""
+    with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # past "pid (comm)": utime, stime are 14, 15
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return None
+
+
 def etcd_requests(endpoint: str) -> dict[str, float]:
     """etcd's count of gRPC messages received so far, by method (unary requests and stream
     messages such as lease keepalives and watch progress requests), from its metrics."""
@@ -131,9 +144,13 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                 with contextlib.suppress(Exception):
                     latest = store.snapshot().latest_committed or 0
                     rss = {m: _rss_bytes(p.pid) for m, p in procs.items() if p.pid is not None}
+                    # The members' and etcd's CPU time: what a version costs, whatever else
+                    # the (shared) machine runs meanwhile.
+                    cpu = [_cpu_seconds(pid) for pid in [*(p.pid for p in procs.values()), *etcd.pids()]]
                     samples.append({"t": time.monotonic(), "version": latest, "keys": client.count_prefix(prefix),
                                     "db_bytes": client.db_size(),
-                                    "rss": {m: r for m, r in rss.items() if r is not None}})
+                                    "rss": {m: r for m, r in rss.items() if r is not None},
+                                    "cpu_s": sum(c for c in cpu if c is not None)})
                     if time.monotonic() - last_said > 10:
                         last_said = time.monotonic()
                         progress(f"version {latest}/{config.num_versions}, {samples[-1]['keys']} etcd keys")
@@ -195,26 +212,56 @@ def _measure_idle(endpoint: str, idle_s: float, paused: threading.Event, num_mem
             "idle_requests_by_method": {m: round(r, 3) for m, r in sorted(rates.items()) if r > 0}}
 
 
+def _second_half(versions: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """Least-squares slope per 1,000 versions over the second half of the run, and the
+    growth from its first to its last point (a fraction)."""
+    half = versions >= versions[0] + (versions[-1] - versions[0]) / 2
+    slope = float(np.polyfit(versions[half], values[half], 1)[0]) * 1000 if np.ptp(versions[half]) > 0 else 0.0
+    return slope, float(values[half][-1] / values[half][0] - 1.0)
+
+
 def _rss_trend(warm: list[dict[str, Any]], num_versions: int) -> dict[str, Any]:
-    """The largest member's RSS over the run: at each tenth of the versions, and its
-    least-squares slope over the second half, past any warm-up (flat memory: a slope near
-    0, where a leak grows with every version). From the samples past start-up (pure)."""
-    points = [(s["version"], max(s["rss"].values())) for s in warm if s["rss"]]
+    """Member memory over the run, from the samples past start-up (pure): the largest
+    member's RSS at each tenth of the versions, and each member's least-squares slope over
+    the second half, past any warm-up (flat memory: a slope near 0, where a leak grows with
+    every version); the figures are the steepest member's."""
+    points = [s for s in warm if s["rss"]]
     if len(points) < 4:
         return {"member_rss_by_tenth_bytes": [], "member_rss_second_half_slope_bytes_per_1000_versions": None,
-                "member_rss_second_half_growth": None}
-    versions = np.array([v for v, _ in points], dtype=np.float64)
-    rss = np.array([r for _, r in points], dtype=np.float64)
-    by_tenth = [int(rss[int(np.argmin(np.abs(versions - num_versions * k / 10)))]) for k in range(1, 11)]
-    half = versions >= versions[0] + (versions[-1] - versions[0]) / 2
-    if np.ptp(versions[half]) > 0:
-        slope = float(np.polyfit(versions[half], rss[half], 1)[0]) * 1000
-    else:
-        slope = 0.0
-    middle = rss[int(np.argmax(half))]
+                "member_rss_second_half_growth": None, "member_rss_second_half_slope_by_member": {}}
+    versions = np.array([s["version"] for s in points], dtype=np.float64)
+    largest = np.array([max(s["rss"].values()) for s in points], dtype=np.float64)
+    by_tenth = [int(largest[int(np.argmin(np.abs(versions - num_versions * k / 10)))]) for k in range(1, 11)]
+    trends: dict[str, tuple[float, float]] = {}
+    for member in sorted({m for s in points for m in s["rss"]}):
+        seen = [(s["version"], s["rss"][member]) for s in points if member in s["rss"]]
+        if len(seen) >= 4:
+            trends[member] = _second_half(np.array([v for v, _ in seen], dtype=np.float64),
+                                          np.array([r for _, r in seen], dtype=np.float64))
+    steepest = max(trends, key=lambda m: trends[m][0])
     return {"member_rss_by_tenth_bytes": by_tenth,
-            "member_rss_second_half_slope_bytes_per_1000_versions": slope,
-            "member_rss_second_half_growth": float(rss[-1] / middle - 1.0)}
+            "member_rss_second_half_slope_bytes_per_1000_versions": trends[steepest][0],
+            "member_rss_second_half_growth": trends[steepest][1],
+            "member_rss_second_half_slope_by_member": {m: round(t[0]) for m, t in trends.items()}}
+
+
+def _cpu_per_version(samples: list[dict[str, Any]], first: tuple[int, int], last: tuple[int, int]) -> dict[str, Any]:
+    """CPU seconds (members and etcd together) per version over the versions ``first`` and
+    ``last`` (inclusive bounds), from the samples that bracket each range (pure). ``None``
+    where no two samples bracket it."""
+    points = [(s["version"], s["cpu_s"]) for s in samples if s.get("cpu_s") is not None]
+
+    def rate(lo: int, hi: int) -> float | None:
+        before = [p for p in points if p[0] <= lo]
+        after = [p for p in points if p[0] >= hi]
+        if not before or not after or after[0][0] <= before[-1][0]:
+            return None
+        (v0, c0), (v1, c1) = before[-1], after[0]
+        return (c1 - c0) / (v1 - v0)
+
+    first_rate, last_rate = rate(*first), rate(*last)
+    return {"first_cpu_s_per_version": first_rate, "last_cpu_s_per_version": last_rate,
+            "cpu_ratio": last_rate / first_rate if first_rate and last_rate is not None else None}
 
 
 def _window(config: SoakConfig) -> int:
@@ -253,6 +300,9 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
         "member_rss_first_bytes": max(first["rss"].values(), default=None),
         "member_rss_last_bytes": max(last["rss"].values(), default=None),
         **_rss_trend(warm, config.num_versions),
+        # The first window past start-up, as the memory figures (joins and first plans aside).
+        **_cpu_per_version(samples, (max(1, window // 10), window),
+                           (config.num_versions - window + 1, config.num_versions)),
         "num_samples": len(samples),
         **(idle or {}),
     }

@@ -113,3 +113,29 @@ def test_too_few_samples_give_no_trend():
     out = summarize(SoakConfig(num_versions=20, window=10), _reports(20, [0.1] * 20), _rss_samples([(5, 1), (9, 2)]),
                     0)
     assert out["member_rss_by_tenth_bytes"] == [] and out["member_rss_second_half_slope_bytes_per_1000_versions"] is None
+
+
+def test_memory_figures_are_the_steepest_members_not_the_slope_of_whichever_is_largest():
+    config = SoakConfig(num_versions=1000, window=100)
+    # i0 is the largest but flat; t0 is smaller and leaks 2 KB per version.
+    samples = [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000,
+                "rss": {"i0": 300_000_000, "t0": 200_000_000 + 2_000 * v}} for v in range(10, 1001, 10)]
+    out = summarize(config, _reports(1000, [0.1] * 1000), samples, 40)
+    assert out["member_rss_second_half_slope_bytes_per_1000_versions"] == pytest.approx(2_000_000, rel=1e-6)
+    assert out["member_rss_second_half_slope_by_member"]["i0"] == 0
+    assert out["member_rss_by_tenth_bytes"][-1] == 300_000_000  # the largest member's RSS
+
+
+def test_cpu_per_version_is_taken_between_the_samples_that_bracket_each_window():
+    config = SoakConfig(num_versions=1000, window=100)
+    # 10 ms of CPU per version up to version 500, 30 ms after; start-up (before v10) costs 50 s.
+    def cpu(v):
+        return 50.0 + 0.01 * min(v, 500) + 0.03 * max(v - 500, 0) if v >= 10 else 0.0
+    samples = [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000, "rss": {"i0": 1}, "cpu_s": cpu(v)}
+               for v in [0, *range(10, 1001, 10)]]
+    out = summarize(config, _reports(1000, [0.1] * 1000), samples, 40)
+    assert out["first_cpu_s_per_version"] == pytest.approx(0.01)  # from v10 on: start-up left out
+    assert out["last_cpu_s_per_version"] == pytest.approx(0.03)
+    assert out["cpu_ratio"] == pytest.approx(3.0)
+    without = summarize(config, _reports(1000, [0.1] * 1000), [{**s, "cpu_s": None} for s in samples], 40)
+    assert without["first_cpu_s_per_version"] is None and without["cpu_ratio"] is None
