@@ -340,14 +340,8 @@ class ChaosRun:
 
         narrator = _Narrator(narrate, etcd.endpoints, job, trial_dir) if narrate is not None else None
         commits = _CommitRecorder(etcd.endpoints, job)
-        for _, member_id, _ in members:
-            start(member_id, 0)
-        timed_out = False
-        while True:
-            now = time.monotonic()
-            if narrator is not None:
-                narrator.tick()
-            # parent side of every newly fired fault
+        def take_new_faults(now: float) -> None:
+            """The parent side of every newly fired fault."""
             for record in read_fault_records(trial_dir):
                 if record["index"] in handled:
                     continue
@@ -366,10 +360,19 @@ class ChaosRun:
                     etcd_threads.append(etcd.bounce(fault.duration_s, lambda ack=ack: ack.touch()))
                 if fault.restart:
                     next_life = record["life"] + 1
-                    if fault.kind == "stop" and incarnation:
+                    if fault.kind == "stop" and incarnation and incarnation not in reports and incarnation not in died:
                         restart_after_exit[incarnation] = (record["member_id"], next_life)
-                    else:
+                    else:  # (a stopped member that already exited restarts after the delay)
                         pending_restarts.append((now + fault.restart_delay_s, record["member_id"], next_life))
+
+        for _, member_id, _ in members:
+            start(member_id, 0)
+        timed_out = False
+        while True:
+            now = time.monotonic()
+            if narrator is not None:
+                narrator.tick()
+            take_new_faults(now)
             for item in list(pending_restarts):
                 if item[0] <= now:
                     pending_restarts.remove(item)
@@ -400,6 +403,12 @@ class ChaosRun:
                     start(m, life)
             if not conns:
                 time.sleep(0.02)
+            # Again, after the reports and deaths: a victim writes its record before it dies,
+            # so each death seen above has its record now, and the restart it asks for is
+            # pending before the job may end. (Read only before them, a death seen in the same
+            # turn looked like the job's end: the survivors were told to stop while the
+            # victim's restart was not yet scheduled, and the restarted rank found no job.)
+            take_new_faults(now)
             open_members = [inc for inc in latest.values() if inc not in reports and inc not in died]
             if open_members and all(inc in reached for inc in open_members) and not pending_restarts \
                     and not restart_after_exit and not stopping:
