@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.errors import RefitError
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.versions import VersionStore
@@ -64,9 +65,17 @@ def _member_main(member: MemberSpec, results, environ: dict[str, str], release) 
     apply_environ(environ)
     try:
         # Stay in the job after the last version until the idle window was measured.
-        results.put(run_member(member, hold=lambda _refit: release.wait(3_600)))
+        results.put(run_member(member, hold=lambda _refit: _until_released(release)))
     except BaseException as exc:  # reported; the bench fails with it
         results.put({"member_id": member.member_id, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _until_released(release, timeout_s: float = 3_600.0) -> None:
+    # Polled, not release.wait(): a multiprocessing Event's set() waits for every sleeper to
+    # wake, and one that died asleep would block the parent's set() forever.
+    deadline = time.monotonic() + timeout_s
+    while not release.is_set() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -136,24 +145,31 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
         store = VersionStore(client, job)
         prefix = JobKeys(job).prefix
 
+        sampler_failed: list[BaseException] = []
+
         def sample() -> None:
             last_said = 0.0
             while not stop.wait(config.sample_s):
                 if paused.is_set():
                     continue
-                with contextlib.suppress(Exception):
+                try:
                     latest = store.snapshot().latest_committed or 0
                     rss = {m: _rss_bytes(p.pid) for m, p in procs.items() if p.pid is not None}
                     # The members' and etcd's CPU time: what a version costs, whatever else
                     # the (shared) machine runs meanwhile.
-                    cpu = [_cpu_seconds(pid) for pid in [*(p.pid for p in procs.values()), *etcd.pids()]]
+                    cpu = [_cpu_seconds(pid) for pid in [*(p.pid for p in procs.values()), *etcd.pids]]
                     samples.append({"t": time.monotonic(), "version": latest, "keys": client.count_prefix(prefix),
                                     "db_bytes": client.db_size(),
                                     "rss": {m: r for m, r in rss.items() if r is not None},
                                     "cpu_s": sum(c for c in cpu if c is not None)})
-                    if time.monotonic() - last_said > 10:
-                        last_said = time.monotonic()
-                        progress(f"version {latest}/{config.num_versions}, {samples[-1]['keys']} etcd keys")
+                except (RefitError, OSError):
+                    continue  # etcd busy for a moment: the next sample
+                except Exception as exc:  # a bug here would leave the run without samples: fail it
+                    sampler_failed.append(exc)
+                    return
+                if time.monotonic() - last_said > 10:
+                    last_said = time.monotonic()
+                    progress(f"version {latest}/{config.num_versions}, {samples[-1]['keys']} etcd keys")
 
         sampler = threading.Thread(target=sample, name="soak-sampler", daemon=True)
         sampler.start()
@@ -161,6 +177,8 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
         deadline = time.monotonic() + config.timeout_s
         try:
             while len(reports) < len(procs) and time.monotonic() < deadline:
+                if sampler_failed:
+                    raise RuntimeError(f"the soak's sampler failed: {sampler_failed[0]!r}") from sampler_failed[0]
                 with contextlib.suppress(queue.Empty):
                     report = results.get(timeout=1.0)
                     reports[report["member_id"]] = report
