@@ -61,6 +61,10 @@ def _run(args: argparse.Namespace) -> int:
     print(render_table(["", "first", "last", "last/first"], rows))
     print(f"etcd keys of the job: at most {result['etcd_keys_max']}, {result['etcd_keys_final']} at the end; "
           f"verified {result['verified']} of {result['versions']} versions, {result['problems']} problems")
+    if result.get("machine_slowdown") is not None:
+        print(f"the machine itself, last window against first: {result['machine_slowdown']:.2f}x "
+              f"(calibration workload); overhead ratio net of it "
+              f"{result['overhead_ratio_machine_adjusted']:.2f}")
     slope = result.get("member_rss_second_half_slope_bytes_per_1000_versions")
     if slope is not None:
         print(f"member memory, second half (steepest member): {slope / 2**20:+.2f} MiB per 1,000 versions "

@@ -8,7 +8,8 @@ byte for byte. While the job runs, a sampler reads the job's etcd key count, etc
 every member's resident memory and the CPU time of the members and etcd. The per-version
 overhead is a trainer's publish -> commit seconds (there is no training step in between);
 the CPU seconds per version, first window against last, tell a runtime that does more work
-per version from a shared machine that got slower. After the last version the members
+per version from a shared machine that got slower, and a fixed calibration workload timed at
+each sample (its CPU seconds) says how much slower the machine itself got. After the last version the members
 stay in the job, idle, for ``idle_s``: the etcd requests they make meanwhile (etcd's own
 gRPC counters, the sampler paused) are what an idle member costs etcd. Those counters also
 give the etcd requests of the whole run per version (start-up and the sampler included).
@@ -97,6 +98,17 @@ def _cpu_seconds(pid: int) -> float | None:
     return None
 
 
+def calibration_cpu_seconds(num_steps: int = 200_000) -> float:
+    """CPU seconds of this thread for a fixed piece of pure-Python work (~15 ms here): the
+    same work each time, so its cost moves only with the machine's speed (a shared host's
+    frequency and caches), not with how busy the cores are."""
+    start = time.thread_time()
+    total = 0
+    for i in range(num_steps):
+        total += i * i
+    return time.thread_time() - start
+
+
 def etcd_requests(endpoint: str) -> dict[str, float]:
     """etcd's count of gRPC messages received so far, by method (unary requests and stream
     messages such as lease keepalives and watch progress requests), from its metrics."""
@@ -161,7 +173,8 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                     samples.append({"t": time.monotonic(), "version": latest, "keys": client.count_prefix(prefix),
                                     "db_bytes": client.db_size(),
                                     "rss": {m: r for m, r in rss.items() if r is not None},
-                                    "cpu_s": sum(c for c in cpu if c is not None)})
+                                    "cpu_s": sum(c for c in cpu if c is not None),
+                                    "calibration_s": calibration_cpu_seconds()})
                 except (RefitError, OSError):
                     continue  # etcd busy for a moment: the next sample
                 except Exception as exc:  # a bug here would leave the run without samples: fail it
@@ -263,6 +276,21 @@ def _rss_trend(warm: list[dict[str, Any]], num_versions: int) -> dict[str, Any]:
             "member_rss_second_half_slope_by_member": {m: round(t[0]) for m, t in trends.items()}}
 
 
+def _machine_speed(samples: list[dict[str, Any]], first: tuple[int, int], last: tuple[int, int],
+                   overhead_ratio: float) -> dict[str, Any]:
+    """How much slower the machine itself ran in the last window than in the first: the mean
+    calibration CPU seconds of the samples taken in each (pure), and the overhead ratio
+    divided by it (``None`` where a window has no calibrated sample)."""
+    def mean(lo: int, hi: int) -> float | None:
+        values = [s["calibration_s"] for s in samples if lo <= s["version"] <= hi and s.get("calibration_s")]
+        return sum(values) / len(values) if values else None
+
+    before, after = mean(*first), mean(*last)
+    slowdown = after / before if before and after is not None else None
+    return {"machine_slowdown": slowdown,
+            "overhead_ratio_machine_adjusted": overhead_ratio / slowdown if slowdown else None}
+
+
 def _cpu_per_version(samples: list[dict[str, Any]], first: tuple[int, int], last: tuple[int, int]) -> dict[str, Any]:
     """CPU seconds (members and etcd together) per version over the versions ``first`` and
     ``last`` (inclusive bounds), from the samples that bracket each range (pure). ``None``
@@ -321,6 +349,9 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
         # The first window past start-up, as the memory figures (joins and first plans aside).
         **_cpu_per_version(samples, (max(1, window // 10), window),
                            (config.num_versions - window + 1, config.num_versions)),
+        **_machine_speed(samples, (max(1, window // 10), window),
+                         (config.num_versions - window + 1, config.num_versions),
+                         float(seconds[-window:].mean() / seconds[:window].mean())),
         "num_samples": len(samples),
         **(idle or {}),
     }

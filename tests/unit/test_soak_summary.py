@@ -139,3 +139,23 @@ def test_cpu_per_version_is_taken_between_the_samples_that_bracket_each_window()
     assert out["cpu_ratio"] == pytest.approx(3.0)
     without = summarize(config, _reports(1000, [0.1] * 1000), [{**s, "cpu_s": None} for s in samples], 40)
     assert without["first_cpu_s_per_version"] is None and without["cpu_ratio"] is None
+
+
+def test_the_overhead_ratio_is_also_given_net_of_the_machines_own_slowdown():
+    config = SoakConfig(num_versions=1000, window=100)
+    seconds = [0.1] * 500 + [0.15] * 500  # 1.5x slower at the end ...
+    samples = [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000, "rss": {"i0": 1},
+                "calibration_s": 0.010 if v <= 500 else 0.015} for v in range(10, 1001, 10)]  # ... as the machine
+    out = summarize(config, _reports(1000, seconds), samples, 40)
+    assert out["overhead_ratio"] == pytest.approx(1.5)
+    assert out["machine_slowdown"] == pytest.approx(1.5)
+    assert out["overhead_ratio_machine_adjusted"] == pytest.approx(1.0)
+    bare = summarize(config, _reports(1000, seconds), [{**s, "calibration_s": None} for s in samples], 40)
+    assert bare["machine_slowdown"] is None and bare["overhead_ratio_machine_adjusted"] is None
+
+
+def test_the_calibration_workload_costs_cpu_time():
+    from elastic_refit.testing.soak import calibration_cpu_seconds
+
+    assert calibration_cpu_seconds(1_000) > 0.0
+    assert calibration_cpu_seconds(400_000) > calibration_cpu_seconds(1_000)
