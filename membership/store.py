@@ -14,7 +14,6 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
-
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.epoch_kv import EpochKV
 

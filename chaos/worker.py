@@ -117,8 +117,8 @@ def worker_main(conn, gpu: bool = False) -> None:
         os.environ.update({"NCCL_HOSTID": f"elastic-refit-chaos-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo",
                            "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"})
     import torch
-
     from elastic_refit.chaos.inject import reset_state
+
     from elastic_refit.log import configure_logging
 
     torch.set_num_threads(1)  # 2 cores, many processes

@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from elastic_refit.log import get_logger
 from elastic_refit.membership.client import Compare, Delete, EtcdClient
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import CommunicatorError, MembershipLost, StoreTimeout
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
+
+from elastic_refit.log import get_logger
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
 

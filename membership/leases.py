@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from aetcd import rpc
+from elastic_refit.membership.client import EtcdClient, EtcdConfig
 
 from elastic_refit.log import get_logger
-from elastic_refit.membership.client import EtcdClient, EtcdConfig
 
 # Leases due within this fraction of their interval go out in the same pass: one wake-up
 # per ~5% of an interval, whatever the number of leases.

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from elastic_refit.log import get_logger
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
@@ -49,6 +48,8 @@ from elastic_refit.membership.watch import (
     WatchEvent,
     WatchHub,
 )
+
+from elastic_refit.log import get_logger
 
 _LOGGED_IDS = 16  # member ids named in one epoch-change log event
 

@@ -22,10 +22,10 @@ from typing import TypeVar
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
-
-from elastic_refit.log import get_logger
 from elastic_refit.membership.client import EtcdClient, KeyValue, _b
 from elastic_refit.membership.errors import EtcdUnavailable, MembershipError
+
+from elastic_refit.log import get_logger
 
 
 @dataclass(frozen=True, slots=True)

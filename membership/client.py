@@ -25,6 +25,7 @@ import aetcd
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
+from elastic_refit.membership.errors import EtcdAccessDenied, EtcdUnavailable
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -34,7 +35,6 @@ from tenacity import (
 )
 
 from elastic_refit.log import get_logger
-from elastic_refit.membership.errors import EtcdAccessDenied, EtcdUnavailable
 
 T = TypeVar("T")
 

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from elastic_refit._validate import require_at_least
 from elastic_refit.chaos.faults import Scenario
 from elastic_refit.chaos.inject import FaultHook, Killer, read_fault_records
 from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict, check_all
 from elastic_refit.chaos.worker import worker_main
+
+from elastic_refit._validate import require_at_least
 from elastic_refit.testing.logs import read_logs
 from elastic_refit.testing.processes import pid_alive
 

@@ -30,13 +30,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastic_refit._validate import is_integer
-from elastic_refit.log import get_logger
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, KeyValue, Put, _prefix_end
 from elastic_refit.membership.keys import AttemptKeys, JobKeys
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.view import MembershipView
 from elastic_refit.membership.watch import RangeWatcher, WatchEvent, WatchHub
+
+from elastic_refit._validate import is_integer
+from elastic_refit.log import get_logger
 
 # Committed and failed records of this many versions before the latest committed one stay in
 # etcd (a trainer restarted a few versions back gets their commits back; anything older is

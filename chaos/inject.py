@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_refit.chaos.faults import Fault, runtime_phase
+
 from elastic_refit.testing.faults import FaultyTransport
 
 __all__ = ["FaultHook", "Killer", "read_fault_records"]

@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_refit.log import get_logger
 from elastic_refit.membership.client import KeyValue
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.liveness import Suspicion
 from elastic_refit.membership.watch import RangeSnapshot
+
+from elastic_refit.log import get_logger
 
 
 @dataclass(frozen=True, slots=True)
