@@ -328,12 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     start = time.monotonic()
-    # The children share one set of imports (torch, transformers, elastic-refit): a fork server
-    # loads them once instead of once per process (6 processes on a small machine). Importing
-    # gRPC before the fork is fine; its channels are created in each child.
+    # The children share one set of imports (torch, elastic-refit): a fork server loads them
+    # once instead of once per process (6 processes on a small machine). Importing gRPC before
+    # the fork is fine; its channels are created in each child. Not transformers: Python 3.11's
+    # fork server imports its preloads with the launcher's working directory on sys.path, and
+    # run from the repository that puts our top-level kernels/ folder in place of the `kernels`
+    # package transformers imports (5.25 and later). Each child imports it with its own path.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-                                "transformers.models.qwen3.modeling_qwen3", "elastic_refit.runtime"])
+                                "elastic_refit.runtime"])
     server = None
     procs: dict[str, mp.Process] = {}
     killed: list[str] = []

@@ -22,8 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pythonpath() -> str:
-    """The repository first, then whatever the caller had (a GPU machine's wheels live there)."""
-    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    """The caller's PYTHONPATH (a GPU machine's wheels live there), without the repository:
+    the package is installed, and on the path the top-level ``kernels/`` folder would shadow
+    the ``kernels`` package that transformers 5.25 imports when it is installed."""
+    return os.environ.get("PYTHONPATH", "")
 
 
 def _pid_alive(pid: int) -> bool:
