@@ -372,7 +372,6 @@ class ChaosRun:
             now = time.monotonic()
             if narrator is not None:
                 narrator.tick()
-            take_new_faults(now)
             for item in list(pending_restarts):
                 if item[0] <= now:
                     pending_restarts.remove(item)
@@ -403,11 +402,11 @@ class ChaosRun:
                     start(m, life)
             if not conns:
                 time.sleep(0.02)
-            # Again, after the reports and deaths: a victim writes its record before it dies,
-            # so each death seen above has its record now, and the restart it asks for is
-            # pending before the job may end. (Read only before them, a death seen in the same
-            # turn looked like the job's end: the survivors were told to stop while the
-            # victim's restart was not yet scheduled, and the restarted rank found no job.)
+            # After the reports and deaths: a victim writes its record before it dies, so each
+            # death seen above has its record now, and the restart it asks for is pending
+            # before the job may end. (Read before them, a death seen in the same turn looked
+            # like the job's end: the survivors were told to stop while the victim's restart
+            # was not yet scheduled, and the restarted rank found no job.)
             take_new_faults(now)
             open_members = [inc for inc in latest.values() if inc not in reports and inc not in died]
             if open_members and all(inc in reached for inc in open_members) and not pending_restarts \

@@ -330,15 +330,20 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
     served = min(reports[i]["num_committed"] for i in INFERENCE)
     warm = [s for s in samples if s["version"] >= window // 10]  # past start-up
     first, last = (warm[0], warm[-1]) if warm else ({"rss": {}}, {"rss": {}})
+    first_overhead, last_overhead = float(seconds[:window].mean()), float(seconds[-window:].mean())
+    # Version ranges of the two windows for the samplers' figures: the first one past start-up,
+    # as the memory figures (joins and first plans aside).
+    first_versions = (max(1, window // 10), window)
+    last_versions = (config.num_versions - window + 1, config.num_versions)
     return {
         "versions": config.num_versions,
         "window": window,
         "verified": config.num_versions if committed_as_published and problems == 0 else 0,
         "served_checked_min": served,
         "problems": problems,
-        "first_overhead_s": float(seconds[:window].mean()),
-        "last_overhead_s": float(seconds[-window:].mean()),
-        "overhead_ratio": float(seconds[-window:].mean() / seconds[:window].mean()),
+        "first_overhead_s": first_overhead,
+        "last_overhead_s": last_overhead,
+        "overhead_ratio": last_overhead / first_overhead,
         "etcd_keys_max": max((s["keys"] for s in samples), default=final_keys),
         "etcd_keys_final": final_keys,
         "etcd_db_bytes_first": first.get("db_bytes"),
@@ -346,12 +351,8 @@ def summarize(config: SoakConfig, reports: dict[str, dict[str, Any]], samples: l
         "member_rss_first_bytes": max(first["rss"].values(), default=None),
         "member_rss_last_bytes": max(last["rss"].values(), default=None),
         **_rss_trend(warm, config.num_versions),
-        # The first window past start-up, as the memory figures (joins and first plans aside).
-        **_cpu_per_version(samples, (max(1, window // 10), window),
-                           (config.num_versions - window + 1, config.num_versions)),
-        **_machine_speed(samples, (max(1, window // 10), window),
-                         (config.num_versions - window + 1, config.num_versions),
-                         float(seconds[-window:].mean() / seconds[:window].mean())),
+        **_cpu_per_version(samples, first_versions, last_versions),
+        **_machine_speed(samples, first_versions, last_versions, last_overhead / first_overhead),
         "num_samples": len(samples),
         **(idle or {}),
     }
