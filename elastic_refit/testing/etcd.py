@@ -99,13 +99,14 @@ class _Node:
     """One etcd process; restartable with the same ports and data."""
 
     def __init__(self, spec: NodeSpec, initial_cluster: str, cluster_token: str, binary: str,
-                 log_path: str, extra_args: Sequence[str]):
+                 log_path: str, extra_args: Sequence[str], compaction: tuple[str, str]):
         self.spec = spec
         self._initial_cluster = initial_cluster
         self._token = cluster_token
         self._binary = binary
         self._log_path = log_path
         self._extra = list(extra_args)
+        self._compaction = compaction
         self.proc: subprocess.Popen | None = None
         self._started_once = False
 
@@ -127,10 +128,10 @@ class _Node:
             # Short raft timings: loopback only, and leader loss must be noticed fast.
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
-            # As in production (deploy/README.md): history of the last 10000 revisions, so a
-            # long soak's db stays bounded like its keys (VersionStore.prune).
-            "--auto-compaction-mode", "revision",
-            "--auto-compaction-retention", "10000",
+            # As in production (deploy/README.md): bounded history, so a long job's db stays
+            # bounded like its keys (VersionStore.prune).
+            "--auto-compaction-mode", self._compaction[0],
+            "--auto-compaction-retention", self._compaction[1],
             "--log-level", "warn",
             "--logger", "zap",
             *self._extra,
@@ -168,13 +169,18 @@ class EtcdCluster:
     """``size`` etcd nodes on loopback, one raft cluster (``size=1``: a single node).
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. ``endpoints`` lists
-    ``host:port`` of every node for :class:`membership.client.EtcdClient`.
+    ``host:port`` of every node for :class:`membership.client.EtcdClient`. ``compaction``:
+    etcd's auto-compaction ``(mode, retention)``, by default the last 10,000 revisions (etcd
+    3.4 applies a revision retention every 5 minutes; ``("periodic", "10s")`` keeps ~10 s).
     """
 
     def __init__(self, size: int = 1, *, name: str = "er", extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None):
+                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None,
+                 compaction: tuple[str, str] = ("revision", "10000")):
         if size < 1 or size % 2 == 0:
             raise ValueError(f"cluster size must be odd and >= 1, got {size}")
+        if compaction[0] not in ("revision", "periodic") or not compaction[1]:
+            raise ValueError(f"compaction must be ('revision' | 'periodic', retention), got {compaction!r}")
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
         self.size = size
@@ -196,7 +202,7 @@ class EtcdCluster:
         token = os.path.basename(self.root)
         self.nodes = [
             _Node(s, initial, token, self._binary, os.path.join(self.root, f"{s.name}.log"),
-                  extra_args)
+                  extra_args, compaction)
             for s in self.specs
         ]
         self._log = get_logger(component="etcd-server")
@@ -321,8 +327,10 @@ class EtcdServer(EtcdCluster):
     """A single etcd node: ``with EtcdServer() as etcd: etcd.endpoints``."""
 
     def __init__(self, *, name: str = "er", extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None):
-        super().__init__(1, name=name, extra_args=extra_args, startup_timeout_s=startup_timeout_s, tls=tls)
+                 startup_timeout_s: float = 20.0, tls: TlsFiles | None = None,
+                 compaction: tuple[str, str] = ("revision", "10000")):
+        super().__init__(1, name=name, extra_args=extra_args, startup_timeout_s=startup_timeout_s, tls=tls,
+                         compaction=compaction)
 
     @property
     def endpoint(self) -> str:

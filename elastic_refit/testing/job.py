@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -130,6 +130,17 @@ class CommitRecord:
                 "committed_span": list(self._span), "committed_consecutive": self._consecutive}
 
 
+class Pace(Protocol):
+    """When a trainer may publish its next version, and what it has committed so far (a
+    benchmark interleaving the versions of two jobs, as ``bench soak`` does)."""
+
+    def wait_turn(self, version: int) -> None:
+        """Returns once the trainer may publish ``version`` (its weights are made after)."""
+
+    def committed(self, version: int) -> None:
+        """``version`` committed (called after every commit, in order)."""
+
+
 def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], timeout_s: float) -> None:
     """Until the job's current epoch (its view in etcd) holds every one of ``member_ids``;
     ``TimeoutError`` naming the missing ones after ``timeout_s``."""
@@ -147,7 +158,8 @@ def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], tim
     raise TimeoutError(f"members {missing} were not in the epoch of job {config.job!r} after {timeout_s} s")
 
 
-def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None) -> dict[str, Any]:
+def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None,
+               pace: Pace | None = None) -> dict[str, Any]:
     """Run one member until its versions are done; returns what it saw. Faults, if any,
     are installed around it (``elastic_refit.testing.faults.install_faults``).
 
@@ -157,6 +169,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
 
     ``hold(refit)`` runs inside the context once the last version is reached (chaos keeps
     members in the job until the whole trial is over); the stats are taken after it.
+    ``pace`` (trainers) gates each publish and hears of each commit.
     """
     layouts = member.layouts()
     config = member.refit_config()
@@ -178,14 +191,20 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 ahead[version] = allocate(layouts.source, member.layout_rank, fill=0, device=device)
                 fill(layouts.source, member.layout_rank, ahead[version], seed=version)
             pending = None  # (version, handle, start) of the version in flight
+
+            def committed(commit: Any, start: float) -> None:
+                record.append({"version": commit.version, "epoch": commit.epoch,
+                               "seconds": time.monotonic() - start})
+                if pace is not None:
+                    pace.committed(commit.version)
+
             loop_start = time.monotonic()
             for version in member.versions:
                 time.sleep(member.pause_s)  # the training step
                 if pending is not None:
-                    _, handle, start = pending
-                    commit = handle.wait()
-                    record.append({"version": commit.version, "epoch": commit.epoch,
-                                             "seconds": time.monotonic() - start})
+                    committed(pending[1].wait(), pending[2])
+                if pace is not None:
+                    pace.wait_turn(version)
                 if version in ahead:  # the new weights
                     for name, t in tensors.items():
                         t.copy_(ahead[version][name])
@@ -195,13 +214,9 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 if member.async_publish:
                     pending = (version, refit.publish(tensors, version, wait=False), start)
                     continue
-                commit = refit.publish(tensors, version)
-                record.append({"version": commit.version, "epoch": commit.epoch,
-                                         "seconds": time.monotonic() - start})
+                committed(refit.publish(tensors, version), start)
             if pending is not None:
-                commit = pending[1].wait()
-                record.append({"version": commit.version, "epoch": commit.epoch,
-                                         "seconds": time.monotonic() - pending[2]})
+                committed(pending[1].wait(), pending[2])
             out["loop_s"] = time.monotonic() - loop_start  # every step and every commit
             if hold is not None:
                 hold(refit)

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elastic_refit.testing.job import CommitRecord
-from elastic_refit.testing.soak import INFERENCE, TRAINERS, SoakConfig, summarize
+from elastic_refit.testing.soak import (
+    INFERENCE,
+    TRAINERS,
+    SoakConfig,
+    interleave_schedule,
+    summarize,
+)
 
 
 def _recorded(entries, window: int | None) -> dict:
@@ -80,7 +88,8 @@ def test_a_window_larger_than_half_the_versions_is_cut_to_half():
     assert out["window"] == 10 and out["overhead_ratio"] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize(("fields", "message"), [({"num_versions": 5}, "--versions"), ({"window": 2}, "--window")])
+@pytest.mark.parametrize(("fields", "message"), [({"num_versions": 5}, "--versions"), ({"window": 2}, "--window"),
+                                                 ({"block": 0}, "--block")])
 def test_config_refuses_too_few_versions_or_a_tiny_window(fields, message):
     with pytest.raises(ValueError, match=message):
         SoakConfig(**fields)
@@ -141,21 +150,65 @@ def test_cpu_per_version_is_taken_between_the_samples_that_bracket_each_window()
     assert without["first_cpu_s_per_version"] is None and without["cpu_ratio"] is None
 
 
-def test_the_overhead_ratio_is_also_given_net_of_the_machines_own_slowdown():
+def test_the_last_window_is_also_compared_with_a_fresh_reference_job_timed_beside_it():
     config = SoakConfig(num_versions=1000, window=100)
     seconds = [0.1] * 500 + [0.15] * 500  # 1.5x slower at the end ...
-    samples = [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000, "rss": {"i0": 1},
-                "calibration_s": 0.010 if v <= 500 else 0.015} for v in range(10, 1001, 10)]  # ... as the machine
-    out = summarize(config, _reports(1000, seconds), samples, 40)
+    reference = _reports(100, [0.14] * 100)  # ... and a fresh job at the same time nearly as slow
+    # Samples: the long job's CPU time grows 10 ms per version, the reference's 14 ms per
+    # version while it runs (versions 1-100, during the long job's last 100).
+    samples = [{"t": float(v), "version": v, "keys": 40, "db_bytes": 1000, "rss": {"i0": 1}, "cpu_s": 0.01 * v,
+                "reference_version": max(0, v - 900), "reference_cpu_s": 0.014 * max(0, v - 900)}
+               for v in range(0, 1001, 10)]
+    out = summarize(config, _reports(1000, seconds), samples, 40, reference=reference)
     assert out["overhead_ratio"] == pytest.approx(1.5)
-    assert out["machine_slowdown"] == pytest.approx(1.5)
-    assert out["overhead_ratio_machine_adjusted"] == pytest.approx(1.0)
-    bare = summarize(config, _reports(1000, seconds), [{**s, "calibration_s": None} for s in samples], 40)
-    assert bare["machine_slowdown"] is None and bare["overhead_ratio_machine_adjusted"] is None
+    assert out["reference_overhead_s"] == pytest.approx(0.14)
+    assert out["overhead_ratio_same_time"] == pytest.approx(0.15 / 0.14)
+    assert out["reference_verified"] == out["reference_versions"] == 100 and out["reference_problems"] == 0
+    assert out["reference_cpu_s_per_version"] == pytest.approx(0.014)
+    assert out["cpu_ratio_same_time"] == pytest.approx(0.01 / 0.014)
+    # no reference job: none of its figures
+    assert not any(k.startswith("reference") or k.endswith("same_time")
+                   for k in summarize(config, _reports(1000, seconds), samples, 40))
 
 
-def test_the_calibration_workload_costs_cpu_time():
-    from elastic_refit.testing.soak import calibration_cpu_seconds
+def test_a_problem_in_the_reference_job_means_its_versions_do_not_count_as_verified():
+    config = SoakConfig(num_versions=100, window=10)
+    reference = _reports(10, [0.1] * 10, problems=["rank 1 tensor 'w': 3 bytes differ"])
+    out = summarize(config, _reports(100, [0.1] * 100), [], 0, reference=reference)
+    assert out["verified"] == 100 and out["reference_verified"] == 0 and out["reference_problems"] == len(INFERENCE)
 
-    assert calibration_cpu_seconds(1_000) > 0.0
-    assert calibration_cpu_seconds(400_000) > calibration_cpu_seconds(1_000)
+
+def test_the_schedule_runs_the_long_job_alone_then_takes_turns_in_blocks_each_pair_flipped():
+    assert interleave_schedule(1000, 100, 30) == (
+        ("long", 900),
+        ("long", 930), ("reference", 30),
+        ("reference", 60), ("long", 960),
+        ("long", 990), ("reference", 90),
+        ("reference", 100), ("long", 1000))
+    assert interleave_schedule(1000, 100, 30, reference=False) == (("long", 1000),)
+
+
+@given(num_versions=st.integers(20, 5000), window_fraction=st.floats(0.01, 0.5), block=st.integers(1, 3000))
+def test_every_schedule_ends_with_both_jobs_done_and_each_job_only_moves_forward(num_versions, window_fraction,
+                                                                                 block):
+    window = max(1, min(num_versions // 2, int(num_versions * window_fraction)))
+    steps = interleave_schedule(num_versions, window, block)
+    last = {"long": 0, "reference": 0}
+    for job, version in steps:
+        assert version > last[job]  # every step lets its job publish more
+        last[job] = version
+    assert last == {"long": num_versions, "reference": window}
+    # the reference runs only during the long job's last window
+    long_at = 0
+    for job, version in steps:
+        if job == "long":
+            long_at = version
+        else:
+            assert long_at >= num_versions - window
+
+
+def test_a_schedule_refuses_a_window_over_half_or_an_empty_block():
+    with pytest.raises(ValueError, match="window"):
+        interleave_schedule(100, 51, 10)
+    with pytest.raises(ValueError, match="block"):
+        interleave_schedule(100, 50, 0)
