@@ -139,7 +139,7 @@ class _SoakJob:
     and the gate its trainers publish through."""
 
     def __init__(self, stack: contextlib.ExitStack, ctx, name: str, num_versions: int, record_window: int,
-                 release, compaction: tuple[str, str]) -> None:
+                 release, compaction: tuple[str, str], timeout_s: float) -> None:
         self.name = name
         self.num_versions = num_versions
         self.etcd = stack.enter_context(EtcdServer(name=name, compaction=compaction))
@@ -160,7 +160,8 @@ class _SoakJob:
             role = "trainer" if member_id in TRAINERS else "inference"
             member = MemberSpec(self.job, role, member_id, rank, self.endpoints, f"d-{role}", spec_json=spec,
                                 versions=versions, start_with=TRAINERS + INFERENCE if role == "trainer" else (),
-                                config={"version_timeout_s": 600.0}, record_window=record_window)
+                                # The reference job's inference ranks wait idle for most of the run.
+                                config={"version_timeout_s": timeout_s}, record_window=record_window)
             pace = _SharedPace(self.allowed, self.trainers[member_id]) if role == "trainer" else None
             proc = ctx.Process(target=_member_main, args=(member, self.results, dict(os.environ), release, pace),
                                daemon=True)
@@ -182,11 +183,14 @@ class _SoakJob:
         self.allowed.value = version
 
     def collect(self) -> None:
-        """Take the reports in the pipe; RuntimeError if a member died without one."""
+        """Take the reports in the pipe; RuntimeError if a member failed (the others would
+        wait for it until the timeout) or died without a report."""
         with contextlib.suppress(queue.Empty):
             while True:
                 report = self.results.get_nowait()
                 self.reports[report["member_id"]] = report
+                if "error" in report:
+                    raise RuntimeError(f"soak job {self.name}: member {report['member_id']} failed: {report['error']}")
         if any(not p.is_alive() and m not in self.reports for m, p in self.procs.items()):
             with contextlib.suppress(queue.Empty):  # a report may still be in the pipe
                 report = self.results.get(timeout=5.0)
@@ -263,9 +267,11 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     idle: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         stack.callback(release.set)
-        jobs = {LONG: _SoakJob(stack, ctx, "soak", config.num_versions, window, release, config.etcd_compaction)}
+        jobs = {LONG: _SoakJob(stack, ctx, "soak", config.num_versions, window, release, config.etcd_compaction,
+                               config.timeout_s)}
         if config.reference:
-            jobs[REFERENCE] = _SoakJob(stack, ctx, "soak-ref", window, window, release, config.etcd_compaction)
+            jobs[REFERENCE] = _SoakJob(stack, ctx, "soak-ref", window, window, release, config.etcd_compaction,
+                                       config.timeout_s)
         long_job = jobs[LONG]
         prefix = JobKeys(long_job.job).prefix
         sampler_failed: list[BaseException] = []
