@@ -284,20 +284,17 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                 try:
                     latest = long_job.store.snapshot().latest_committed or 0
                     rss = {m: _rss_bytes(p.pid) for m, p in long_job.procs.items() if p.pid is not None}
+                    # What a version costs the members and etcd, whatever else the (shared)
+                    # machine runs meanwhile; by process, to see which one does more work.
+                    cpu = long_job.cpu_seconds()
                     reading = {"t": time.monotonic(), "version": latest,
                                "keys": long_job.client.count_prefix(prefix), "db_bytes": long_job.client.db_size(),
                                "rss": {m: r for m, r in rss.items() if r is not None},
-                               # What a version costs the members and etcd, whatever else the
-                               # (shared) machine runs meanwhile.
-                               "cpu_s": long_job.cpu_seconds()}
+                               "cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu}
                     if REFERENCE in jobs:
+                        cpu = jobs[REFERENCE].cpu_seconds()
                         reading |= {"reference_version": jobs[REFERENCE].committed(),
-                                    "reference_cpu_s": jobs[REFERENCE].cpu_seconds()}
-                    # totals, and each process's (which one does more work per version)
-                    for key in ("cpu_s", "reference_cpu_s"):
-                        if key in reading:
-                            reading[f"{key}_by_process"] = reading[key]
-                            reading[key] = sum(reading[key].values())
+                                    "reference_cpu_s": sum(cpu.values()), "reference_cpu_s_by_process": cpu}
                     samples.append(reading)
                 except (RefitError, OSError):
                     continue  # etcd busy for a moment: the next sample
@@ -317,6 +314,14 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
         stack.callback(stop.set)
         deadline = time.monotonic() + config.timeout_s
         step = -1  # the step under way; -1: the members are still joining
+
+        def step_done() -> bool:
+            if step < 0:
+                return all(j.ready() for j in jobs.values())
+            job, version = steps[step]
+            # the last step ends with a sample past it: the last window's CPU figures need one
+            return jobs[job].committed() >= version and (step < len(steps) - 1 or _sampled_the_end(samples, jobs))
+
         while not all(j.done() for j in jobs.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"soak timed out after {config.timeout_s} s at step {step} of {steps}")
@@ -324,9 +329,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                 raise RuntimeError(f"the soak's sampler failed: {sampler_failed[0]!r}") from sampler_failed[0]
             for job in jobs.values():
                 job.collect()
-            if step < len(steps) and (all(j.ready() for j in jobs.values()) if step < 0
-                                      else jobs[steps[step][0]].committed() >= steps[step][1]
-                                      and (step < len(steps) - 1 or _sampled_the_end(samples, jobs))):
+            if step < len(steps) and step_done():
                 step += 1
                 if step < len(steps):
                     jobs[steps[step][0]].open(steps[step][1])
@@ -351,7 +354,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
 
 
 def _sampled_the_end(samples: list[dict[str, Any]], jobs: dict[str, _SoakJob]) -> bool:
-    """A sample past every job's last version: the last window's CPU figures need one."""
+    """A sample past every job's last version."""
     return bool(samples) and samples[-1]["version"] >= jobs[LONG].num_versions and (
         REFERENCE not in jobs or samples[-1]["reference_version"] >= jobs[REFERENCE].num_versions)
 
