@@ -100,3 +100,16 @@ class SourceChanged(RefitError):
 
 class VerificationFailed(RefitError):
     """A digest of received bytes differs from the sender's: corrupted or missing data."""
+
+
+_BRIEF_CHARS = 300
+
+
+def brief(exc: BaseException | str) -> str:
+    """The first line of a fault's message (an exception's, or a message), at most 300
+    characters; an exception with no message gives its type's name. What a log field or a
+    done key carries of a fault."""
+    lines = str(exc).strip().splitlines()
+    if lines:
+        return lines[0].strip()[:_BRIEF_CHARS]
+    return "" if isinstance(exc, str) else type(exc).__name__

@@ -44,6 +44,7 @@ from elastic_refit.membership.errors import CommunicatorError, MembershipLost, S
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
 
+from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
@@ -609,7 +610,7 @@ class CommunicatorManager:
             if ok:
                 store.wait(keys)
         except Exception as exc:  # the group itself is fine: peers that never finish re-form later
-            self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=str(exc).splitlines()[0][:300]
+            self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=brief(exc)
                              if str(exc) else type(exc).__name__)
 
     def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):

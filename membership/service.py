@@ -49,6 +49,7 @@ from elastic_refit.membership.watch import (
     WatchHub,
 )
 
+from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
 
 _LOGGED_IDS = 16  # member ids named in one epoch-change log event
@@ -254,7 +255,7 @@ class Membership:
         if evidence is None or self.closing or self.lost.is_set() or member_id == self.record.member_id:
             return False
         self.client.loop.call_soon_threadsafe(
-            self.client.spawn_here, self.asuspect(member_id, evidence, message.splitlines()[0][:300],
+            self.client.spawn_here, self.asuspect(member_id, evidence, brief(message),
                                             incarnation=incarnation), "suspect")
         return True
 

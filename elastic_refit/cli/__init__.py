@@ -47,11 +47,11 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
     """The exit status and the one line a failure is reported with (pure): 2 for bad input
     (a value, a file, input nested too deeply), 1 for a runtime fault (etcd, a peer, a
     timeout, anything unexpected)."""
-    from elastic_refit.errors import RefitError
+    from elastic_refit.errors import RefitError, brief
 
     if isinstance(exc, KeyError):
         return 2, str(exc.args[0] if exc.args else exc)
-    first = (str(exc).splitlines() or [""])[0]
+    first = brief(exc)
     if isinstance(exc, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
         return 2, f"{exc.filename}: {exc.strerror}" if exc.filename is not None else first
     if isinstance(exc, RecursionError):

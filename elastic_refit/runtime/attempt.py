@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastic_refit._validate import is_integer
+from elastic_refit.errors import brief
 from elastic_refit.layout import Layout, TensorFormats, Topology, combine_layouts
 from elastic_refit.membership.versions import Commit, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
@@ -370,8 +371,7 @@ def source_layout_disagreement(attempt: AttemptSpec) -> str | None:
 def fault_cause(exc: BaseException) -> str:
     """``"Type: first line"`` of ``exc`` (at most 300 characters): a fault's cause as the
     done keys, the ``failed`` record and ``RefitFailed`` carry it."""
-    lines = str(exc).splitlines()
-    first = lines[0].strip() if lines else ""
+    first = brief(exc) if str(exc).strip() else ""
     return (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)[:_CAUSE_CHARS]
 
 

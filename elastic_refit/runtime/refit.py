@@ -54,6 +54,7 @@ from elastic_refit.errors import (
     SourceChanged,
     TransferRefused,
     TransportAborted,
+    brief,
 )
 from elastic_refit.kernels import warm_up
 from elastic_refit.layout import Layout, TensorFormats, described_fingerprint
@@ -731,7 +732,7 @@ class ElasticRefit:
         """A fault of the agent outside any attempt: counted, noted for timeouts, logged."""
         self.stats["failed_attempts"] += 1
         self._note_fault(fault_cause(exc))
-        self.log.warning("fault.detected", kind=type(exc).__name__, error=(str(exc).splitlines() or [""])[0][:300],
+        self.log.warning("fault.detected", kind=type(exc).__name__, error=brief(exc),
                          epoch=epoch, seq=seq)
 
     def _plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
@@ -794,7 +795,7 @@ class ElasticRefit:
             self._wait_keys(store, keys, view.epoch, stage="connecting ahead")
             agreed = all(v.decode() == mine for v in store.multi_get(keys))
         except Exception as exc:  # superseded, closing, etcd: the first refit connects instead
-            log.info("refit.connect.skipped", reason=(str(exc).splitlines() or [""])[0][:300])
+            log.info("refit.connect.skipped", reason=brief(exc))
             return True
         if plan is None or not agreed:
             log.info("refit.connect.skipped", reason=mine if plan is None else "members planned differently")
@@ -802,7 +803,7 @@ class ElasticRefit:
         try:
             num_directions = connect_ahead(transport, plan_peers(plan, view.rank_of(me)))
         except TransportAborted as exc:
-            log.warning("refit.connect.failed", error=(str(exc).splitlines() or [""])[0][:300])
+            log.warning("refit.connect.failed", error=brief(exc))
             return False
         self.stats["connected_ahead"] += 1
         log.info("refit.connect.done", seconds=time.perf_counter() - t0, num_directions=num_directions,
@@ -934,7 +935,7 @@ class ElasticRefit:
             raise
         except Exception as exc:
             self.log.warning("fault.detected", kind=type(exc).__name__, epoch=view.epoch, seq=seq,
-                             error=(str(exc).splitlines() or [""])[0][:300])
+                             error=brief(exc))
 
     def _count_attempt_once(self, view: MembershipView, seq: int, spec: AttemptSpec, store: EtcdStore | None,
                             current: MembershipView, done: Mapping[str, str] | None) -> None:
@@ -1006,12 +1007,12 @@ class ElasticRefit:
                 cache[key] = True
             except LayoutUnavailable as exc:  # not published yet, or gone: ask again next time
                 self.log.warning("refit.layout.unavailable", version=spec.version, epoch=view.epoch,
-                                 reason=str(exc).splitlines()[0][:300])
+                                 reason=brief(exc))
                 return False
             except ValueError as exc:
                 cache[key] = False
                 self.log.warning("refit.version.unavailable", version=spec.version, kind=spec.kind,
-                                 epoch=view.epoch, reason=str(exc).splitlines()[0][:300])
+                                 epoch=view.epoch, reason=brief(exc))
             if len(cache) > 64:
                 cache.pop(next(iter(cache)))
         return cache[key]
@@ -1123,9 +1124,9 @@ class ElasticRefit:
             # the lease) is not: retrying with the same members may well succeed.
             aborted = isinstance(exc, _AttemptAborted | MembershipError | MembershipLost | TransferRefused)
             cause = fault_cause(exc)
-            self._note_fault(str(exc).splitlines()[0][:300] if isinstance(exc, _AttemptAborted) else cause)
+            self._note_fault(brief(exc) if isinstance(exc, _AttemptAborted) else cause)
             log.warning("refit.attempt.failed", error_type=type(exc).__name__,
-                        error=(str(exc).splitlines() or [""])[0][:300], aborted=aborted)
+                        error=brief(exc), aborted=aborted)
             value = (ABORTED if aborted else FAILED) + cause
             with contextlib.suppress(Exception):
                 if moving and not transport.aborted:

@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 import torch
 
-from elastic_refit.errors import TransportAborted
+from elastic_refit.errors import TransportAborted, brief
 from elastic_refit.layout import Layout
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
@@ -352,7 +352,7 @@ class GatherBroadcast:
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
             log.warning("transport.baseline.failed", rank=self.rank,
-                        error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                        error=brief(exc))
             self.transport.abort()
             raise
         if not self.transport.vote(True):

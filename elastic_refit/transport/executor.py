@@ -48,7 +48,7 @@ import numpy as np
 import structlog
 import torch
 
-from elastic_refit.errors import TransferRefused, VerificationFailed
+from elastic_refit.errors import TransferRefused, VerificationFailed, brief
 from elastic_refit.kernels import BoxRegion, PackProgram, QuantPackProgram, QuantRegion
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.log import ensure_configured
@@ -348,7 +348,7 @@ class Executor:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:
-            log.warning("transport.executor.failed", rank=self.rank, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning("transport.executor.failed", rank=self.rank, error=brief(exc))
             self.transport.abort()
             raise
         refused: BaseException | None = None
