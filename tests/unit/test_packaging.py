@@ -36,3 +36,17 @@ def test_the_sibling_folders_import_under_elastic_refit():
         # editable: the repository's folder; installed: elastic_refit/<folder> in site-packages
         assert module.__name__ == f"elastic_refit.{folder}"
         assert Path(module.__file__).resolve().parent.name == folder
+
+
+def test_building_the_project_prints_no_packaging_warning(tmp_path):
+    """`pip install -e .` / `pip wheel .` show nothing from our packaging configuration (a
+    deprecated license table and a data folder setuptools did not know were both printed)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path), str(REPO_ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # distutils says byte-compiling is off when PYTHONDONTWRITEBYTECODE is set: the caller's
+    # environment, not our configuration
+    warnings = [line.strip() for line in (proc.stdout + proc.stderr).splitlines()
+                if ("warning" in line.lower() or "deprecat" in line.lower()) and "byte-compiling is disabled" not in line
+                and "Location 'file:" not in line]
+    assert not warnings, "\n".join(warnings[:20])
