@@ -1,7 +1,7 @@
 """Injection: the phase hook a member process runs, and the parent's process killer.
 
 :class:`FaultHook` is picklable and built per member incarnation with only the faults
-that may fire there; the worker installs it with ``install_faults`` (a member without
+that may fire there; the worker gives it to its context with ``fault_hooks`` (a member without
 faults installs nothing, and the runtime's hooks then cost nothing). When a fault fires, the hook
 claims it exactly once across processes (an ``O_EXCL`` marker file), appends a record
 (fault index, member, phase, pid, time) to the trial's ``faults.jsonl`` and acts: it

@@ -92,7 +92,7 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
     """``run_member``, but a member that reached the last version stays in the job (serving,
     holding its shard) until the parent says stop: a restarted rank can always catch up from
     live peers, and the job's end is not a membership change mid-trial."""
-    from elastic_refit.testing.faults import install_faults
+    from elastic_refit.testing.faults import fault_hooks
     from elastic_refit.testing.job import run_member
 
     def hold_until_stop(refit) -> None:
@@ -103,8 +103,7 @@ def _run_member(member, hook, conn) -> dict[str, Any]:
                 refit.wait_for_version(10**9, timeout_s=0.0)
         conn.recv()
 
-    with install_faults(hook) if hook is not None else contextlib.nullcontext():
-        return run_member(member, hold=hold_until_stop)
+    return run_member(member, hold=hold_until_stop, hooks=fault_hooks(hook) if hook is not None else None)
 
 
 def worker_main(conn, gpu: bool = False) -> None:

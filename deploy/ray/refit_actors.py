@@ -42,7 +42,7 @@ import ray
 from elastic_refit import ElasticRefit, Layout, RefitConfig
 from elastic_refit.layout import megatron_layout, vllm_layout
 from elastic_refit.log import configure_logging
-from elastic_refit.runtime import phases  # a module: HOOKS is process-wide state, never pickled
+from elastic_refit.runtime import phases
 from elastic_refit.testing.faults import kill_self
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
@@ -99,13 +99,16 @@ class _Member:
         node failed. The restarted actor is a new process: it does not crash again."""
         if phase not in phases.PHASES:
             raise ValueError(f"unknown runtime phase {phase!r}; phases are {', '.join(phases.PHASES)}")
-        me = self.config.member_id
+        self._crash = (version, phase)
 
-        def hook(at: str, context: Any) -> None:
-            if at == phase and context.get("version") == version and context["member_id"] == me:
-                kill_self()
+    def _on_phase(self, at: str, context: Any) -> None:
+        """The hook this actor's context is given: the crash ``crash_at`` armed, if any."""
+        crash = getattr(self, "_crash", None)
+        if crash is not None and (at, context.get("version")) == (crash[1], crash[0]):
+            kill_self()
 
-        phases.HOOKS.install(hook)
+    def _hooks(self) -> phases.PhaseHooks:
+        return phases.PhaseHooks((self._on_phase,))
 
     def close(self) -> dict[str, Any]:
         """Leave the job cleanly: peers see the lease revoked at once, not after its TTL."""
@@ -122,7 +125,7 @@ class TrainerActor(_Member):
         configure_logging(json=True)  # JSON events on stderr: this worker's log file in Ray
         self.config = refit_config("trainer", job, member_id, layout_rank, etcd, **config)
         self.layout = megatron_layout(model, parallelism, num_layers=layers)
-        self.refit = ElasticRefit(self.config, self.layout).start()
+        self.refit = ElasticRefit(self.config, self.layout, hooks=self._hooks()).start()
 
     def step(self, version: int) -> dict[str, Any]:
         """Training step ``version``: publish this rank's new weights (pattern data seeded by
@@ -148,7 +151,7 @@ class InferenceActor(_Member):
         self.layout = vllm_layout(model, parallelism, num_layers=layers)
         # The engine's weights (yours: the model's parameters), written in place by each refit.
         self.params = allocate(self.layout, layout_rank, fill=0, device=self.config.device)
-        self.refit = ElasticRefit(self.config, self.layout, parameters=self.params).start()
+        self.refit = ElasticRefit(self.config, self.layout, parameters=self.params, hooks=self._hooks()).start()
 
     def verify(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait until this rank serves ``version`` (or newer), then check every byte it serves

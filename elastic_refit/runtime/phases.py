@@ -1,24 +1,22 @@
-"""The runtime's named phases, and the one place hooks attach to them.
+"""The runtime's named phases, and the hooks a context is given for them.
 
-The runtime calls :meth:`PhaseHooks.fire` at each phase of :data:`PHASES` and passes every
-epoch's transport through :meth:`PhaseHooks.wrap_transport`. With nothing installed both
-cost one attribute test. The test toolkit (its ``faults`` module) installs hooks
-here to inject faults at named phases and to wrap the transport in a fault-injecting one;
-nothing patches runtime or transport methods.
-
-Hooks are process-wide: a member process runs one ``ElasticRefit``; where several share a
-process, ``context["member_id"]`` tells them apart.
+``ElasticRefit(..., hooks=PhaseHooks(...))`` calls :meth:`PhaseHooks.fire` at each phase of
+:data:`PHASES` and passes every epoch's transport through :meth:`PhaseHooks.wrap_transport`.
+The default, :data:`NO_HOOKS`, does nothing (one attribute test per phase). The test
+toolkit (``elastic_refit.testing.faults.fault_hooks``) builds hooks that inject faults at
+named phases and wrap the transport in a fault-injecting one; nothing patches runtime or
+transport methods, and nothing is process-wide: each context has the hooks it was given.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_refit.transport.protocol import Transport
 
-__all__ = ["HOOKS", "PHASES", "PhaseHook", "PhaseHooks", "TransportWrapper"]
+__all__ = ["NO_HOOKS", "PHASES", "PhaseHook", "PhaseHooks", "TransportWrapper"]
 
 #: Every phase the runtime fires, in the order one epoch meets them. Context fields (besides
 #: member_id, role): comm.* -> epoch (and rank, path once ready); the attempt phases ->
@@ -37,49 +35,35 @@ PhaseHook = Callable[[str, Mapping[str, Any]], None]
 TransportWrapper = Callable[[Transport], Transport]
 
 
+@dataclass(frozen=True, slots=True)
 class PhaseHooks:
-    """A registry of phase hooks and transport wrappers."""
+    """Phase hooks (each called as ``hook(phase, context)``) and transport wrappers (each
+    ``wrap(transport) -> transport``, applied in order), given to one ``ElasticRefit``."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._hooks: tuple[PhaseHook, ...] = ()
-        self._wrappers: tuple[TransportWrapper, ...] = ()
+    hooks: tuple[PhaseHook, ...] = ()
+    wrappers: tuple[TransportWrapper, ...] = ()
 
-    def install(self, hook: PhaseHook | None = None, *,
-                wrap_transport: TransportWrapper | None = None) -> Callable[[], None]:
-        """Add ``hook`` (called as ``hook(phase, context)``) and/or a transport wrapper;
-        returns a function that removes them again."""
-        if hook is None and wrap_transport is None:
-            raise ValueError("install needs a hook, a transport wrapper, or both")
-        with self._lock:
-            if hook is not None:
-                self._hooks += (hook,)
-            if wrap_transport is not None:
-                self._wrappers += (wrap_transport,)
-
-        def uninstall() -> None:
-            with self._lock:
-                self._hooks = tuple(h for h in self._hooks if h is not hook)
-                self._wrappers = tuple(w for w in self._wrappers if w is not wrap_transport)
-
-        return uninstall
+    def __post_init__(self) -> None:
+        for name in ("hooks", "wrappers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(callable(f) for f in value):
+                raise ValueError(f"PhaseHooks.{name} must be a tuple of callables, got {value!r}")
 
     def fire(self, phase: str, context: Mapping[str, Any]) -> None:
         """Run every hook for ``phase``; what a hook raises fails the phase (as a fault would)."""
-        hooks = self._hooks
-        if not hooks:
+        if not self.hooks:
             return
         if phase not in PHASES:
             raise ValueError(f"unknown runtime phase {phase!r}; phases are {', '.join(PHASES)}")
-        for hook in hooks:
+        for hook in self.hooks:
             hook(phase, context)
 
     def wrap_transport(self, transport: Transport) -> Transport:
-        """``transport`` passed through every installed wrapper, in install order."""
-        for wrap in self._wrappers:
+        """``transport`` passed through every wrapper, in order."""
+        for wrap in self.wrappers:
             transport = wrap(transport)
         return transport
 
 
-#: The process-wide registry the runtime consults.
-HOOKS = PhaseHooks()
+#: Hooks that do nothing: what a context has unless it is given others.
+NO_HOOKS = PhaseHooks()

@@ -132,7 +132,7 @@ from elastic_refit.runtime.attempt import (
 )
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.layouts import LayoutCache
-from elastic_refit.runtime.phases import HOOKS
+from elastic_refit.runtime.phases import NO_HOOKS, PhaseHooks
 from elastic_refit.runtime.replicas import (
     ReplicaRegion,
     region_digests,
@@ -214,8 +214,12 @@ class ElasticRefit:
     def __init__(self, config: RefitConfig, layout: Layout | RefitLayouts, *,
                  parameters: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
                  formats: TensorFormats | None = None,
-                 on_event: EventListener | None = None) -> None:
+                 on_event: EventListener | None = None,
+                 hooks: PhaseHooks | None = None) -> None:
+        if hooks is not None and not isinstance(hooks, PhaseHooks):
+            raise ValueError(f"hooks must be a PhaseHooks, got {type(hooks).__name__}")
         self.config = config
+        self._hooks = NO_HOOKS if hooks is None else hooks
         if isinstance(layout, RefitLayouts):
             self._layout = layout.source if config.role == "trainer" else layout.destination
             self._known_layouts: tuple[Layout, ...] = (layout.source, layout.destination)
@@ -681,7 +685,7 @@ class ElasticRefit:
             self.log.warning("refit.communicator.broken", epoch=latest.epoch)
             self._fault_detected(exc, None, 0)  # nothing of the old communicator survives
             return CommunicatorFailed(latest.epoch)
-        self._transport = HOOKS.wrap_transport(result.transport)
+        self._transport = self._hooks.wrap_transport(result.transport)
         self._hook("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
         # The communicator is formed: the epoch is entered whatever follows (a fault of the
         # watch below costs only wakeups, which the idle timeout bounds).
@@ -1285,7 +1289,7 @@ class ElasticRefit:
             self._cond.notify_all()
 
     def _hook(self, phase: str, **context: Any) -> None:
-        HOOKS.fire(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
+        self._hooks.fire(phase, {"member_id": self.config.member_id, "role": self.config.role, **context})
 
     def _check_parameters(self, layout: Layout, parameters: Mapping[str, torch.Tensor]) -> None:
         self._check_buffers(layout, parameters, f"inference rank {self.config.member_id!r}: parameter")

@@ -8,8 +8,8 @@ Nothing in the library imports this package. It holds:
   of the demo, the chaos suite and the runtime tests);
 - ``allocate`` / ``fill_pieces`` / ``check_pieces``: deterministic, position-dependent
   pattern data that a destination can verify bit-exactly;
-- ``FaultyTransport`` and ``install_faults``: the one fault seam (a fault-injecting
-  transport wrapper, and hooks at the runtime's named phases);
+- ``FaultyTransport`` and ``fault_hooks``: the one fault seam (a fault-injecting
+  transport wrapper, and hooks at the runtime's named phases, given to a context);
 - ``read_logs``: the JSON event logs of member processes.
 """
 
@@ -30,7 +30,7 @@ _EXPORTS = {
     "fill_pieces": "elastic_refit.testing.pattern",
     "read_logs": "elastic_refit.testing.logs",
     "FaultyTransport": "elastic_refit.testing.faults",
-    "install_faults": "elastic_refit.testing.faults",
+    "fault_hooks": "elastic_refit.testing.faults",
     "MemberSpec": "elastic_refit.testing.job",
     "run_member": "elastic_refit.testing.job",
 }
@@ -44,8 +44,8 @@ __all__ = [
     "RankResult",
     "allocate",
     "check_pieces",
+    "fault_hooks",
     "fill_pieces",
-    "install_faults",
     "read_logs",
     "run_local_world",
     "run_member",
@@ -53,7 +53,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from elastic_refit.testing.etcd import EtcdCluster, EtcdServer, EtcdServerError
-    from elastic_refit.testing.faults import FaultyTransport, install_faults
+    from elastic_refit.testing.faults import FaultyTransport, fault_hooks
     from elastic_refit.testing.job import MemberSpec, run_member
     from elastic_refit.testing.logs import read_logs
     from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces

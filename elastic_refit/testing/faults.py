@@ -6,28 +6,27 @@ action before the k-th matching operation is posted (raise a transport fault, SI
 process, ...), to delay every operation, or to corrupt what the next send puts on the
 wire. Everything else goes to the wrapped transport unchanged.
 
-:func:`install_faults` attaches a phase hook to the runtime (``elastic_refit.runtime.phases``)
-and makes every epoch's transport a :class:`FaultyTransport`, so that a hook firing at
-``transfer.before`` finds ``context["transport"]`` ready to be programmed.
+:func:`fault_hooks` makes the hooks a context is given (``ElasticRefit(..., hooks=...)``):
+a phase hook, and every epoch's transport a :class:`FaultyTransport`, so that a hook firing
+at ``transfer.before`` finds ``context["transport"]`` ready to be programmed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from elastic_refit.errors import TransportAborted
-from elastic_refit.runtime.phases import HOOKS, PhaseHook
+from elastic_refit.runtime.phases import PhaseHook, PhaseHooks
 from elastic_refit.transport.protocol import Capabilities, P2POp, Transport, Work
 
-__all__ = ["FaultyTransport", "injected_failure", "install_faults", "kill_self"]
+__all__ = ["FaultyTransport", "fault_hooks", "injected_failure", "kill_self"]
 
 
 def kill_self() -> None:
@@ -165,12 +164,8 @@ class FaultyTransport:
             trigger.action()
 
 
-@contextlib.contextmanager
-def install_faults(hook: PhaseHook | None = None) -> Iterator[None]:
-    """Within the block, ``hook`` runs at every runtime phase and every epoch's transport is
-    a :class:`FaultyTransport` (``context["transport"]`` at ``transfer.before``)."""
-    uninstall = HOOKS.install(hook, wrap_transport=FaultyTransport)
-    try:
-        yield
-    finally:
-        uninstall()
+def fault_hooks(hook: PhaseHook | None = None) -> PhaseHooks:
+    """Hooks for one ``ElasticRefit``: ``hook`` (if any) runs at every runtime phase, and
+    every epoch's transport is a :class:`FaultyTransport` (``context["transport"]`` at
+    ``transfer.before``)."""
+    return PhaseHooks(() if hook is None else (hook,), (FaultyTransport,))

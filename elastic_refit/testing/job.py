@@ -18,6 +18,7 @@ from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
 from elastic_refit.plan import destination_format_layout
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
+from elastic_refit.runtime.phases import PhaseHooks
 from elastic_refit.runtime.refit import ElasticRefit
 from elastic_refit.testing.pattern import (
     allocate,
@@ -159,9 +160,9 @@ def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], tim
 
 
 def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None,
-               pace: Pace | None = None) -> dict[str, Any]:
-    """Run one member until its versions are done; returns what it saw. Faults, if any,
-    are installed around it (``elastic_refit.testing.faults.install_faults``).
+               pace: Pace | None = None, hooks: PhaseHooks | None = None) -> dict[str, Any]:
+    """Run one member until its versions are done; returns what it saw. ``hooks``: the
+    context's phase hooks (faults: ``elastic_refit.testing.faults.fault_hooks``).
 
     In a job whose inference side is quantized (``MemberSpec.formats``), trainers publish
     finite values (``pattern.finite_values``) and inference ranks hold FP8 weights and scales,
@@ -182,7 +183,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     # Random bytes may be NaN, which no quantized format holds: finite values then.
     fill = fill_finite if formats else fill_pieces
     if member.role == "trainer":
-        with ElasticRefit(config, layouts) as refit:
+        with ElasticRefit(config, layouts, hooks=hooks) as refit:
             if member.start_with:
                 wait_for_epoch_members(config, member.start_with, member.start_timeout_s)
             tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)
@@ -230,7 +231,7 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
             return check_quantized(layouts.destination, formats, member.layout_rank, params, seed=version)
         return check_pieces(layouts.destination, member.layout_rank, params, seed=version)
 
-    with ElasticRefit(config, layouts, parameters=params, formats=formats or None) as refit:
+    with ElasticRefit(config, layouts, parameters=params, formats=formats or None, hooks=hooks) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out
             version = refit.wait_for_version(seen + 1)

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_refit.testing.faults import install_faults, kill_self
+from elastic_refit.testing.faults import fault_hooks, kill_self
 from elastic_refit.testing.job import MemberSpec, run_member
 from elastic_refit.testing.processes import apply_environ, fork_server_context
 
@@ -21,8 +21,7 @@ from elastic_refit.testing.processes import apply_environ, fork_server_context
 def _child(member: MemberSpec, hook, results, environ: dict[str, str]) -> None:
     apply_environ(environ)
     try:
-        with install_faults(hook) if hook is not None else contextlib.nullcontext():
-            results.put(run_member(member))
+        results.put(run_member(member, hooks=fault_hooks(hook) if hook is not None else None))
     except BaseException as exc:  # reported, the test decides
         results.put({"member_id": member.member_id, "error_type": type(exc).__name__,
                      "error": f"{exc}\n{traceback.format_exc(limit=5)}"})

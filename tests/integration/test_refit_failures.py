@@ -25,8 +25,8 @@ from elastic_refit.membership.watch import RangeWatcher
 from elastic_refit.errors import RefitFailed
 from elastic_refit.layout import parse_spec
 from elastic_refit.runtime import ElasticRefit, RefitConfig, RefitLayouts
-from elastic_refit.runtime.phases import HOOKS
-from elastic_refit.testing.faults import FaultyTransport
+from elastic_refit.runtime.phases import PhaseHooks
+from elastic_refit.testing.faults import fault_hooks
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
 pytestmark = pytest.mark.etcd
@@ -58,8 +58,10 @@ def trainer_tensors(layout_rank: int, version: int) -> dict[str, Any]:
 
 
 def run_job(etcd: str, job: str, trainer_steps: Callable[[ElasticRefit, str, int], list[dict]],
-            inference_versions: tuple[int, ...], **config: Any) -> dict[str, dict]:
-    """Run the four members on threads; returns member_id -> report (``steps``, ``error``)."""
+            inference_versions: tuple[int, ...], hooks: PhaseHooks | None = None,
+            **config: Any) -> dict[str, dict]:
+    """Run the four members on threads (each context given ``hooks``); returns member_id
+    -> report (``steps``, ``error``)."""
     reports: dict[str, dict] = {m: {"steps": []} for _, m, _ in MEMBERS}
 
     def run(role: str, member_id: str, layout_rank: int) -> None:
@@ -68,11 +70,11 @@ def run_job(etcd: str, job: str, trainer_steps: Callable[[ElasticRefit, str, int
             cfg = RefitConfig(job=job, role=role, member_id=member_id, layout_rank=layout_rank, etcd=(etcd,),
                               domain=f"d-{role}", version_timeout_s=VERSION_TIMEOUT_S, **config)
             if role == "trainer":
-                with ElasticRefit(cfg, LAYOUTS) as refit:
+                with ElasticRefit(cfg, LAYOUTS, hooks=hooks) as refit:
                     report["steps"] = trainer_steps(refit, member_id, layout_rank)
                 return
             params = allocate(SPEC.destination, layout_rank, fill=0)
-            with ElasticRefit(cfg, LAYOUTS, parameters=params) as refit:
+            with ElasticRefit(cfg, LAYOUTS, parameters=params, hooks=hooks) as refit:
                 for version in inference_versions:
                     start = time.monotonic()
                     try:
@@ -200,11 +202,8 @@ def test_a_fault_after_the_agreement_fails_the_version_across_rebuilt_communicat
         if phase == "transfer.before" and context["member_id"] == "i1" and context.get("version") == 2:
             raise RuntimeError("injected bug in i1's transfer of version 2")
 
-    uninstall = HOOKS.install(hook)
-    try:
-        reports = run_job(etcd, job, publish_all((1, 2, 3), {}), inference_versions=(1, 3), max_attempts=3)
-    finally:
-        uninstall()
+    reports = run_job(etcd, job, publish_all((1, 2, 3), {}), inference_versions=(1, 3), max_attempts=3,
+                      hooks=PhaseHooks((hook,)))
     assert_no_errors(reports)
     for trainer in ("t0", "t1"):
         one, two, three = reports[trainer]["steps"]
@@ -248,12 +247,9 @@ def test_a_source_buffer_changed_mid_transfer_is_never_committed(etcd_server):
         if phase == "transfer.before" and context["member_id"] == "t0" and context.get("version") == 2:
             context["transport"].inject(lambda: held["t0"]["w"].add_(1), after=0, op="send")
 
-    uninstall = HOOKS.install(hook, wrap_transport=FaultyTransport)
-    try:
-        with keys_written(etcd, JobKeys(job).acks(2)) as acks_of_2:
-            reports = run_job(etcd, job, publish_all((1, 2, 3), {("t0", 2): keep}), inference_versions=(1, 2, 3))
-    finally:
-        uninstall()
+    with keys_written(etcd, JobKeys(job).acks(2)) as acks_of_2:
+        reports = run_job(etcd, job, publish_all((1, 2, 3), {("t0", 2): keep}), inference_versions=(1, 2, 3),
+                          hooks=fault_hooks(hook))
     assert_no_errors(reports)
     cause = ("SourceChanged: trainer 't0': published buffers ['w'] changed while version 2 was in flight; "
              "it is refused, publish a new version once they hold still")
