@@ -19,3 +19,40 @@ def test_every_library_event_is_documented():
     assert logged, "no log calls found: the pattern is stale"
     missing = {name: str(path) for name, path in logged.items() if name not in documented}
     assert not missing, f"events missing from docs/LOGS.md: {missing}"
+
+
+def _resolve(dotted: str) -> object:
+    """The object a dotted name names: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_the_set_up_the_logs_doc_shows_runs_and_every_name_it_gives_exists():
+    """The doc's code blocks are executed and every `elastic_refit.*` name it spells resolves
+    (it named `elastic_refit.runtime.logging.configure_logging` and
+    `membership.log.configure_json_logging`, neither of which existed)."""
+    import structlog
+
+    text = (ROOT / "docs" / "LOGS.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert blocks, "docs/LOGS.md shows no set-up code"
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/LOGS.md", "exec"), {})
+    finally:
+        structlog.reset_defaults()
+    # (event names such as `membership.lease.lost` look like module paths; code is under elastic_refit.)
+    names = set(re.findall(r"`(elastic_refit\.[A-Za-z_.]+)(?:\(\))?`", text))
+    assert any(n.startswith("elastic_refit.log.") for n in names), names
+    for name in sorted(names):
+        _resolve(name)
