@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.versions < 3:
         parser.error("--versions must be >= 3")
 
-    from elastic_refit.testing.demo import demo_spec
     from elastic_refit.testing.etcd import EtcdServer
+    from elastic_refit.testing.specs import demo_spec
 
     spec = json.dumps(demo_spec(4, hidden=args.hidden, num_layers=2, vocab=4 * args.hidden))
     versions = tuple(range(1, args.versions + 1))

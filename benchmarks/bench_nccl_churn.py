@@ -32,7 +32,7 @@ def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int
                    kill_phase: str = "ack.before", connect_ahead: bool = True):
     from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario
 
-    from elastic_refit.testing.demo import demo_spec
+    from elastic_refit.testing.specs import demo_spec
 
     chunk = {"chunk": 1} if kill_phase == "transfer" else {}
     plan = FaultPlan().kill(role="inference", rank=1, at=kill_phase, version=kill_at, restart=True,

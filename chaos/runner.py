@@ -37,36 +37,11 @@ from elastic_refit.chaos.worker import worker_main
 from elastic_refit._validate import require_at_least
 from elastic_refit.testing.logs import read_logs
 from elastic_refit.testing.processes import pid_alive
+from elastic_refit.testing.specs import tiny_spec_json
 
-__all__ = ["ChaosRun", "TrialResult", "run_matrix", "spec_json", "summarize"]
+__all__ = ["ChaosRun", "TrialResult", "run_matrix", "summarize"]
 
 TTL_S = 2
-
-
-def spec_json(num_inference: int) -> str:
-    """The trial model: tiny tensors; trainers 0, 1 are replicas (whole tensors); inference
-    ranks are replicas too (2), or replicas of TP=2 (4, 6, ...)."""
-    if num_inference < 2:
-        raise ValueError(f"num_inference must be >= 2, got {num_inference}")
-    first = 2
-    if num_inference == 2 or num_inference % 2:
-        dst_mesh: Any = list(range(first, first + num_inference))
-        placements = {"w": ["R"], "experts": ["R"], "norm": ["R"]}
-    else:
-        dst_mesh = [[first + 2 * r, first + 2 * r + 1] for r in range(num_inference // 2)]
-        placements = {"w": ["R", "S(0)"], "experts": ["R", "S(1)"], "norm": ["R", "R"]}
-    src = {"mesh": [0, 1], "placements": ["R"]}
-    return json.dumps({
-        "domains": [0, 0] + [1] * num_inference,
-        "tensors": [
-            {"name": "w", "shape": [96, 64], "dtype": "bfloat16", "source": src,
-             "destination": {"mesh": dst_mesh, "placements": placements["w"]}},
-            {"name": "experts", "shape": [4, 32, 16], "dtype": "float32", "source": src,
-             "destination": {"mesh": dst_mesh, "placements": placements["experts"]}},
-            {"name": "norm", "shape": [64], "dtype": "float32", "source": src,
-             "destination": {"mesh": dst_mesh, "placements": placements["norm"]}},
-        ],
-    })
 
 
 # Small buckets: a tensor travels as several messages, so "transfer chunk k" has meaning.
@@ -302,7 +277,7 @@ class ChaosRun:
             ("inference", f"i{k}", 2 + k) for k in range(scenario.num_inference)]
         layout_of = {m: (role, rank) for role, m, rank in members}
         versions = tuple(range(1, scenario.versions + 1))
-        spec = scenario.spec_json or spec_json(scenario.num_inference)
+        spec = scenario.spec_json or tiny_spec_json(scenario.num_inference)
         self.pool.ensure(len(members))
         t_start = time.monotonic()
         running: dict[str, tuple[Any, str, int]] = {}  # incarnation -> (worker, member_id, life)

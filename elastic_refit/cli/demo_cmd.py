@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; exit status 0 only if every version committed, recovered and verified."""
     import logging
 
+    from elastic_refit.chaos.demo import DemoConfig, run_demo
     from elastic_refit.log import configure_logging
-    from elastic_refit.testing.demo import DemoConfig, run_demo
 
     # The demo's own narrative is the progress on stderr; the parent's library events
     # (etcd start/stop) only matter when something goes wrong. Members log to files.

@@ -10,7 +10,11 @@ Nothing in the library imports this package. It holds:
   pattern data that a destination can verify bit-exactly;
 - ``FaultyTransport`` and ``fault_hooks``: the one fault seam (a fault-injecting
   transport wrapper, and hooks at the runtime's named phases, given to a context);
-- ``read_logs``: the JSON event logs of member processes.
+- ``read_logs``: the JSON event logs of member processes;
+- ``tiny_spec_json`` / ``demo_spec``: the small models of the chaos trials, the soak and
+  the demo.
+
+It never imports ``elastic_refit.chaos``: the chaos harness builds on this package.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ _EXPORTS = {
     "fault_hooks": "elastic_refit.testing.faults",
     "MemberSpec": "elastic_refit.testing.job",
     "run_member": "elastic_refit.testing.job",
+    "demo_spec": "elastic_refit.testing.specs",
+    "tiny_spec_json": "elastic_refit.testing.specs",
 }
 
 __all__ = [
@@ -44,11 +50,13 @@ __all__ = [
     "RankResult",
     "allocate",
     "check_pieces",
+    "demo_spec",
     "fault_hooks",
     "fill_pieces",
     "read_logs",
     "run_local_world",
     "run_member",
+    "tiny_spec_json",
 ]
 
 if TYPE_CHECKING:
@@ -58,6 +66,7 @@ if TYPE_CHECKING:
     from elastic_refit.testing.logs import read_logs
     from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
     from elastic_refit.testing.processes import RankResult, run_local_world
+    from elastic_refit.testing.specs import demo_spec, tiny_spec_json
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

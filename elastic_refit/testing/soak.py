@@ -42,6 +42,7 @@ from elastic_refit.membership.versions import VersionStore
 from elastic_refit.testing.etcd import EtcdServer
 from elastic_refit.testing.job import MemberSpec, run_member
 from elastic_refit.testing.processes import apply_environ, fork_server_context
+from elastic_refit.testing.specs import tiny_spec_json
 
 TRAINERS = ("t0", "t1")
 INFERENCE = ("i0", "i1", "i2", "i3")
@@ -152,9 +153,7 @@ class _SoakJob:
         self.trainers = {t: ctx.RawArray("q", 2) for t in TRAINERS}
         self.reports: dict[str, dict[str, Any]] = {}
         self.procs: dict[str, Any] = {}
-        from elastic_refit.chaos.runner import spec_json  # the chaos trials' tiny model
-
-        spec = spec_json(len(INFERENCE))
+        spec = tiny_spec_json(len(INFERENCE))
         versions = tuple(range(1, num_versions + 1))
         for rank, member_id in enumerate(TRAINERS + INFERENCE):
             role = "trainer" if member_id in TRAINERS else "inference"

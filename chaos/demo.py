@@ -25,46 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from elastic_refit.chaos.faults import FaultPlan, Scenario
+from elastic_refit.chaos.oracle import TrialEvidence
+from elastic_refit.chaos.runner import ChaosRun, TrialResult
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.testing.specs import NUM_TRAINERS, demo_spec
 
-__all__ = ["DemoConfig", "DemoSummary", "FaultRecord", "demo_scenario", "demo_spec", "run_demo"]
+__all__ = ["DemoConfig", "DemoSummary", "FaultRecord", "demo_scenario", "run_demo"]
 
-TRAINERS = ("t0", "t1")
-
-
-def demo_spec(num_inference: int = 4, inference_tp: int = 2, hidden: int = 192, num_layers: int = 2,
-              vocab: int = 960) -> dict[str, Any]:
-    """Spec of the demo model: trainers 0 and 1 are data-parallel replicas (whole tensors);
-    inference ranks 2.. are ``num_inference / inference_tp`` replicas of a tensor-parallel
-    layout (column-parallel S(0), row-parallel S(1), norms replicated), all in one domain.
-    Replicas on the inference side are what let a restarted rank catch up from its peers
-    after the trainers dropped the version."""
-    if inference_tp < 1 or num_inference < 2 * inference_tp or num_inference % inference_tp:
-        raise ValueError(f"num_inference must be a multiple >= 2x of inference_tp={inference_tp} (a killed rank "
-                         f"needs a replica), got {num_inference}")
-    src = {"mesh": list(range(len(TRAINERS))), "placements": ["R"]}
-    first = len(TRAINERS)
-    dst_mesh = [list(range(first + r * inference_tp, first + (r + 1) * inference_tp))
-                for r in range(num_inference // inference_tp)]
-
-    def tensor(name: str, shape: list[int], placement: str) -> dict[str, Any]:
-        return {"name": name, "shape": shape, "dtype": "bfloat16", "source": src,
-                "destination": {"mesh": dst_mesh, "placements": ["R", placement]}}
-
-    tensors = [tensor("embed_tokens.weight", [vocab, hidden], "S(0)")]
-    for layer in range(num_layers):
-        p = f"layers.{layer}."
-        tensors += [
-            tensor(p + "input_layernorm.weight", [hidden], "R"),
-            tensor(p + "self_attn.qkv_proj.weight", [3 * hidden, hidden], "S(0)"),
-            tensor(p + "self_attn.o_proj.weight", [hidden, hidden], "S(1)"),
-            tensor(p + "post_attention_layernorm.weight", [hidden], "R"),
-            tensor(p + "mlp.up_proj.weight", [4 * hidden, hidden], "S(0)"),
-            tensor(p + "mlp.down_proj.weight", [hidden, 4 * hidden], "S(1)"),
-        ]
-    tensors += [tensor("norm.weight", [hidden], "R"), tensor("lm_head.weight", [vocab, hidden], "S(0)")]
-    return {"domains": [0] * len(TRAINERS) + [1] * num_inference, "tensors": tensors}
+TRAINERS = tuple(f"t{r}" for r in range(NUM_TRAINERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +141,10 @@ class DemoSummary:
         }
 
 
-def demo_scenario(config: DemoConfig):
+def demo_scenario(config: DemoConfig) -> Scenario:
     """The demo as a chaos :class:`~elastic_refit.chaos.faults.Scenario`: SIGKILL inference
     rank i1 (restarted at once) and then trainer t1, each right after its first message of
     the named version's transfer."""
-    from elastic_refit.chaos.faults import FaultPlan, Scenario
-
     plan = FaultPlan()
     if config.kill_inference_at is not None:
         plan = plan.kill(role="inference", rank=1, at="transfer", version=config.kill_inference_at, chunk=1,
@@ -193,8 +161,6 @@ def demo_scenario(config: DemoConfig):
 
 def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] | None = None) -> DemoSummary:
     """Run the demo job end to end and return its summary; leaves no process behind."""
-    from elastic_refit.chaos.runner import ChaosRun
-
     config = config or DemoConfig()
     say = progress or (lambda _msg: None)
     root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="elastic-refit-demo-"))
@@ -221,36 +187,31 @@ def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] |
     return summary
 
 
-def _summarize(config: DemoConfig, scenario, result, t0: float, wall_s: float, leaked: tuple[int, ...],
-               errors: list[str]) -> DemoSummary:
-    """The summary, from the trial's evidence: member logs, reports, etcd commits, faults."""
+def _plan_bytes(spec_json: str) -> dict[str, int]:
+    """One full-membership refit of the demo's model: reshard vs gather-and-broadcast bytes."""
     from elastic_refit.layout import parse_spec
     from elastic_refit.plan import make_plan
 
-    spec = parse_spec(json.loads(scenario.spec_json))
+    spec = parse_spec(json.loads(spec_json))
     s = make_plan(spec.source, spec.destination, spec.topology).stats
-    plan = {"model_bytes": s.model_bytes, "cross_domain_bytes": s.cross_domain_bytes,
+    return {"model_bytes": s.model_bytes, "cross_domain_bytes": s.cross_domain_bytes,
             "intra_domain_bytes": s.intra_domain_bytes, "lower_bound_bytes": s.lower_bound_bytes,
             "gather_broadcast_bytes": s.gather_broadcast_bytes}
-    evidence = result.evidence if result is not None else None
-    logs = evidence.logs if evidence is not None else {}
-    events = sorted((e for per in logs.values() for e in per if e.get("_t") is not None), key=lambda e: e["_t"])
-    committed_at: dict[int, float] = {}
-    for e in events:
-        if e.get("event") == "refit.version.committed":
-            committed_at.setdefault(int(e["version"]), e["_t"])
-    committed_state = evidence.committed if evidence is not None else {}
-    committed = tuple({"version": v, "epoch": int(c["epoch"]), "digest": c["digest"],
-                       "at_s": round(committed_at.get(v, t0) - t0, 3)} for v, c in sorted(committed_state.items()))
+
+
+def _fault_records(scenario: Scenario, evidence: TrialEvidence, committed_at: dict[int, float],
+                   t0: float) -> list[FaultRecord]:
+    """Each fault that fired, the next commit after it and, for a restarted rank, when its
+    new incarnation started and first served a version (from its log)."""
     faults = []
-    for record in (evidence.faults if evidence is not None else ()):
+    for record in evidence.faults:
         fault = scenario.plan.faults[record["index"]]
         after = sorted((t, v) for v, t in committed_at.items() if t >= record["t"])
         recovered_at, version = after[0] if after else (None, None)
         caught_up = restarted_at = None
         if fault.restart:
             prefix = f"{record['member_id']}-L{record['life'] + 1}-"
-            mine = [e for inc, per in logs.items() if inc.startswith(prefix) for e in per if e.get("_t")]
+            mine = [e for inc, per in evidence.logs.items() if inc.startswith(prefix) for e in per if e.get("_t")]
             started = [e["_t"] for e in mine if e.get("event") == "refit.member.started"]
             serving = [e["_t"] for e in mine if e.get("event") == "refit.version.serving"]
             restarted_at = min(started) - t0 if started else None
@@ -259,7 +220,30 @@ def _summarize(config: DemoConfig, scenario, result, t0: float, wall_s: float, l
                                   str(record["phase"]), record["t"] - t0,
                                   None if recovered_at is None else recovered_at - t0, version,
                                   fault.restart, caught_up, restarted_at))
-    reports = evidence.reports if evidence is not None else {}
+    return faults
+
+
+def _count_attempts(events: list[dict[str, Any]], event: str) -> int:
+    return len({(e.get("epoch"), e.get("seq")) for e in events if e.get("event") == event})
+
+
+def _summarize(config: DemoConfig, scenario: Scenario, result: TrialResult | None, t0: float, wall_s: float,
+               leaked: tuple[int, ...], errors: list[str]) -> DemoSummary:
+    """The summary, from the trial's evidence: member logs, reports, etcd commits, faults."""
+    plan = _plan_bytes(scenario.spec_json)
+    evidence = result.evidence if result is not None else None
+    if evidence is None:
+        evidence = TrialEvidence(logs={}, committed={}, reports={}, last_version=config.num_versions)
+    events = sorted((e for per in evidence.logs.values() for e in per if e.get("_t") is not None),
+                    key=lambda e: e["_t"])
+    committed_at: dict[int, float] = {}
+    for e in events:
+        if e.get("event") == "refit.version.committed":
+            committed_at.setdefault(int(e["version"]), e["_t"])
+    committed = tuple({"version": v, "epoch": int(c["epoch"]), "digest": c["digest"],
+                       "at_s": round(committed_at.get(v, t0) - t0, 3)} for v, c in sorted(evidence.committed.items()))
+    faults = _fault_records(scenario, evidence, committed_at, t0)
+    reports = evidence.reports
     checks = [c for r in reports.values() if r.get("role") == "inference" for c in r.get("committed", ())]
     problems = [p for r in reports.values() for p in r.get("problems", ())]
     violations = tuple(f"{v.category}: {v.check}: {v.detail}" for v in result.verdict.violations) if result else ()
@@ -269,7 +253,7 @@ def _summarize(config: DemoConfig, scenario, result, t0: float, wall_s: float, l
     moved = {
         "network_recv_bytes": sum(int(e.get("network_recv_bytes", 0)) for e in done),
         "intra_recv_bytes": sum(int(e.get("intra_recv_bytes", 0)) for e in done),
-        "gather_broadcast_bytes": s.gather_broadcast_bytes * len(committed),
+        "gather_broadcast_bytes": plan["gather_broadcast_bytes"] * len(committed),
     }
     verified = (result is not None and result.verdict.passed and bool(checks)
                 and all(c.get("verified") for c in checks) and not problems and not leaked and not errors)
@@ -283,9 +267,8 @@ def _summarize(config: DemoConfig, scenario, result, t0: float, wall_s: float, l
         problems=tuple(problems),
         plan=plan,
         moved=moved,
-        num_attempts=len({(e.get("epoch"), e.get("seq")) for e in events if e.get("event") == "refit.attempt.proposed"}),
-        num_failed_attempts=len({(e.get("epoch"), e.get("seq")) for e in events
-                                 if e.get("event") == "refit.attempt.failed"}),
+        num_attempts=_count_attempts(events, "refit.attempt.proposed"),
+        num_failed_attempts=_count_attempts(events, "refit.attempt.failed"),
         num_epochs=len({e.get("epoch") for e in events if e.get("event") == "refit.epoch.entered"}),
         wall_s=round(wall_s, 3),
         num_inference=config.num_inference,
