@@ -46,7 +46,14 @@ from elastic_refit.membership.view import MembershipView, diff
 
 from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
-from elastic_refit.transport.c10d import C10dTransport
+from elastic_refit.transport.factory import (
+    grow_nccl4py,
+    init_nccl4py,
+    make_transport,
+    probe_nccl4py,
+    revive_nccl4py,
+    shrink_nccl4py,
+)
 from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
 
 BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
@@ -134,23 +141,7 @@ def _nccl_version() -> tuple[int, int, int] | None:
 
 def probe_runtime() -> RuntimeSupport:
     """Probe torch, NCCL and nccl4py once; cheap and side-effect free."""
-    nccl4py_version = None
-    nccl4py_nccl_version = None
-    nccl4py_shrink = nccl4py_grow = False
-    try:
-        import nccl.core as nccl_core  # nccl4py
-
-        comm_cls = getattr(nccl_core, "Communicator", None)
-        nccl4py_version = str(getattr(nccl_core, "__version__", None)
-                              or getattr(__import__("nccl"), "__version__", "unknown"))
-        nccl4py_shrink = comm_cls is not None and hasattr(comm_cls, "shrink")
-        nccl4py_grow = comm_cls is not None and hasattr(comm_cls, "grow")
-        lib = nccl_core.get_version().libnccl
-        if lib is not None:
-            release = lib.version.release
-            nccl4py_nccl_version = (int(release[0]), int(release[1]), int(release[2]) if len(release) > 2 else 0)
-    except Exception:  # absent, or present without a CUDA runtime
-        pass
+    nccl4py = probe_nccl4py()
     pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
     return RuntimeSupport(
         torch_version=torch.__version__,
@@ -158,10 +149,10 @@ def probe_runtime() -> RuntimeSupport:
         nccl_version=_nccl_version(),
         torch_shrink_group=hasattr(dist, "shrink_group"),
         nccl_backend_shrink=pg_nccl is not None and hasattr(pg_nccl, "shrink"),
-        nccl4py_version=nccl4py_version,
-        nccl4py_shrink=nccl4py_shrink,
-        nccl4py_grow=nccl4py_grow,
-        nccl4py_nccl_version=nccl4py_nccl_version,
+        nccl4py_version=nccl4py.version,
+        nccl4py_shrink=nccl4py.shrink,
+        nccl4py_grow=nccl4py.grow,
+        nccl4py_nccl_version=nccl4py.nccl_version,
     )
 
 
@@ -454,13 +445,8 @@ class CommunicatorManager:
         comm = self.current
         if comm is None or comm.backend != Backend.NCCL4PY:
             return comm is not None and not broken
-        from elastic_refit.transport.nccl import nccl_call, quiesce
-
-        state = quiesce(comm.pg, self.config.abort_timeout_s)
-        if state != 0:
-            with contextlib.suppress(Exception):
-                nccl_call(lambda: comm.pg.revoke())
-            state = quiesce(comm.pg, self.config.abort_timeout_s)
+        state, revoked = revive_nccl4py(comm.pg, self.config.abort_timeout_s)
+        if revoked:
             self.log.info("comm.parent.revoked", epoch=comm.epoch, state=state)
         return state == 0
 
@@ -468,14 +454,12 @@ class CommunicatorManager:
         """The epoch's transport over ``comm`` (a new one per epoch: the previous epoch's
         was closed, and with it every reference outside this manager)."""
         if comm.backend == Backend.NCCL4PY:
-            from elastic_refit.transport.nccl import NcclTransport
-
-            return NcclTransport(comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
-                                 device=self.device, can_shrink=self.support.nccl4py_can_shrink,
-                                 can_grow=self.support.nccl_grow)
-        return C10dTransport(comm.pg, comm.rank, comm.size, backend=comm.backend,
-                             timeout_s=self.transport_timeout_s, store=comm.pg_store,
-                             can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
+            return make_transport(comm.backend, comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
+                                  device=self.device, can_shrink=self.support.nccl4py_can_shrink,
+                                  can_grow=self.support.nccl_grow)
+        return make_transport(comm.backend, comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
+                              store=comm.pg_store,
+                              can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
 
     def _close_transport(self) -> None:
         # The watchdog must hold the last reference to an old process group, so that its
@@ -629,12 +613,10 @@ class CommunicatorManager:
         rank's listeners), so the unique id's read and the init give up only when a
         participant is gone (:func:`build_stranded`), never merely because a newer epoch
         exists: a build every participant is in completes, and is then freed whole."""
-        from elastic_refit.transport.nccl import init_communicator
-
         torch.cuda.set_device(self.device)
         stranded = self._stranded(view)
         store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded)
-        return init_communicator(store, rank, view.num_ranks, self.config.epoch_deadline_s, stranded)
+        return init_nccl4py(store, rank, view.num_ranks, self.config.epoch_deadline_s, stranded)
 
     def _futile(self, epoch: int) -> Callable[[], bool] | None:
         """``cancel`` for waits of ``epoch``'s rendezvous: true once a newer epoch exists."""
@@ -655,21 +637,11 @@ class CommunicatorManager:
             flags = dist.distributed_c10d.SHRINK_ABORT if abort else 0
             child = parent.pg.shrink(excluded, flags)
         else:
-            import nccl.core as nccl_core
-
-            from elastic_refit.transport.nccl import nccl_call, nccl_config, quiesce, settle_child
-
-            if not abort:
-                # Leavers are alive: quiesce whatever this rank still has in flight first.
-                with contextlib.suppress(Exception):
-                    nccl_call(parent.pg.revoke)
-            # No NCCL call may follow one still in progress (a revoke from the transport's
-            # abort, say); an error state is what an abortive shrink is for.
-            quiesce(parent.pg, self.config.abort_timeout_s)
-            flag = nccl_core.CommShrinkFlag.ABORT if abort else nccl_core.CommShrinkFlag.DEFAULT
-            child = nccl_call(lambda: parent.pg.shrink(excluded, config=nccl_config(), flag=flag))
-            with self._aborted_on_failure(child, "shrink_child"):
-                settle_child(parent.pg, child, self.config.epoch_deadline_s, "nccl4py shrink", self._futile(new.epoch))
+            # A child that never settles is aborted there (it would leak NCCL's bootstrap
+            # sockets and proxy thread) before the error reaches the fallback.
+            child = shrink_nccl4py(parent.pg, excluded, abort=abort, timeout_s=self.config.epoch_deadline_s,
+                                   abort_timeout_s=self.config.abort_timeout_s, cancel=self._futile(new.epoch),
+                                   logger=self.log)
         build_s = time.monotonic() - t0
         # The parent is aborted, never destroyed: destroy would wait on the dead peer. The
         # child shares nothing with it (no shrink_share), so the abort (about 0.5 s on NCCL
@@ -680,25 +652,9 @@ class CommunicatorManager:
                                     self.device, "shrink_abort" if abort else "shrink", pg_store=parent.pg_store)
         return abort_s, build_s
 
-    @contextlib.contextmanager
-    def _aborted_on_failure(self, child: Any, what: str):
-        """A shrunk or grown child that never settled (a peer died meanwhile) still holds
-        NCCL's bootstrap sockets and proxy thread: abort it (bounded) before the error goes
-        on to the fallback, which otherwise leaks them for the life of the process."""
-        try:
-            yield
-        except BaseException:
-            if getattr(child, "is_valid", False):
-                abort_with_watchdog(child, self.config.abort_timeout_s, self.log, what)
-            raise
-
     def _grow(self, old: MembershipView | None, new: MembershipView) -> float:
         """Existing ranks keep their numbers; the grow root (rank 0, a survivor) publishes
         the communicator's grow id in the epoch's store, newcomers join with it."""
-        import nccl.core as nccl_core
-
-        from elastic_refit.transport.nccl import nccl_call, nccl_config, settle_child
-
         t0 = time.monotonic()
         # The grow root's bootstrap thread waits for every rank of the new communicator
         # (newcomers too) and nothing but their check-in ends it: start it only once all of
@@ -708,21 +664,14 @@ class CommunicatorManager:
         store = self._store(new, "grow")  # the epoch's store from here on (its waits: superseded)
         rank = new.rank_of(self.member_id)
         existing = self.current is not None and old is not None and self.member_id in old
-        config = nccl_config()
-        if existing and rank == 0:
-            uid = self.current.pg.get_unique_id()  # type: ignore[union-attr]
-            store.set("grow_unique_id", uid.as_bytes)
-            comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, uid, config=config))  # type: ignore[union-attr]
-        elif existing:
-            comm = nccl_call(lambda: self.current.pg.grow(new.num_ranks, config=config))  # type: ignore[union-attr]
+        if existing:
+            parent, id_store = self.current.pg, store  # type: ignore[union-attr]
         else:
+            # A newcomer reads the grow root's id; it gives up only when a participant is gone.
             torch.cuda.set_device(self.device)
-            uid_store = self._store(new, "grow", cancellable=stranded is not None, cancel=stranded)
-            uid = nccl_core.UniqueId.from_bytes(uid_store.get("grow_unique_id"))
-            comm = nccl_call(lambda: nccl_core.Communicator().grow(new.num_ranks, uid, rank=rank, config=config))
-        with self._aborted_on_failure(comm, "grow_child"):
-            settle_child(self.current.pg if existing else None, comm,  # type: ignore[union-attr]
-                         self.config.epoch_deadline_s, "nccl4py grow", stranded)
+            parent, id_store = None, self._store(new, "grow", cancellable=stranded is not None, cancel=stranded)
+        comm = grow_nccl4py(parent, new.num_ranks, rank, id_store, timeout_s=self.config.epoch_deadline_s,
+                            abort_timeout_s=self.config.abort_timeout_s, cancel=stranded, logger=self.log)
         if existing:
             # The parent is spent once the child exists.
             self._abort_current("grow_parent")

@@ -3,7 +3,9 @@
 Compared with torch's ProcessGroupNCCL, owning the communicator gives the runtime NCCL's
 whole lifecycle: non-blocking initialisation that can be aborted, ``revoke`` to quiesce
 in-flight work (NCCL >= 2.28.7), ``shrink`` (>= 2.27) and ``grow`` (>= 2.29.2). The
-lifecycle lives in ``membership.comm``; this module moves bytes.
+lifecycle is driven by ``membership.comm`` through the transport factory
+(``elastic_refit.transport.factory``); this module holds its NCCL calls (init, revive,
+shrink, grow, each settled by polling) and moves bytes.
 
 Every batch of operations is posted inside one NCCL group on the transport's own CUDA
 stream, ordered after the work already queued on the caller's stream (a CUDA event, no
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -33,7 +36,8 @@ from elastic_refit.transport.protocol import (
     first_line,
 )
 
-__all__ = ["NcclTransport", "init_communicator", "nccl_call", "nccl_config", "quiesce", "settle", "settle_child"]
+__all__ = ["GROW_ID_KEY", "Nccl4pySupport", "NcclTransport", "grow_communicator", "init_communicator", "nccl_call", "nccl_config",
+           "probe_nccl4py", "quiesce", "revive", "settle", "settle_child", "shrink_communicator"]
 
 _POLL_S = 0.0005
 _CANCEL_CHECK_S = 0.02  # cancel() may read shared state; the poll itself stays tight
@@ -52,6 +56,38 @@ def _in_progress_code() -> int:
     from nccl.bindings import nccl as bindings
 
     return int(bindings.Result.InProgress)
+
+
+@dataclass(frozen=True, slots=True)
+class Nccl4pySupport:
+    """What the installed nccl4py offers: its version, the libnccl it loaded, and whether
+    its communicators can shrink and grow (all empty when nccl4py is absent)."""
+
+    version: str | None = None
+    nccl_version: tuple[int, int, int] | None = None
+    shrink: bool = False
+    grow: bool = False
+
+
+def probe_nccl4py() -> Nccl4pySupport:
+    """Probe nccl4py (cheap, side-effect free, never raises): what it reported before a
+    failure (no CUDA runtime, say) is kept."""
+    found: dict[str, Any] = {}
+    try:
+        import nccl.core as nccl_core  # nccl4py
+
+        comm_cls = getattr(nccl_core, "Communicator", None)
+        found["version"] = str(getattr(nccl_core, "__version__", None)
+                               or getattr(__import__("nccl"), "__version__", "unknown"))
+        found["shrink"] = comm_cls is not None and hasattr(comm_cls, "shrink")
+        found["grow"] = comm_cls is not None and hasattr(comm_cls, "grow")
+        lib = nccl_core.get_version().libnccl
+        if lib is not None:
+            release = lib.version.release
+            found["nccl_version"] = (int(release[0]), int(release[1]), int(release[2]) if len(release) > 2 else 0)
+    except Exception:  # absent, or present without a CUDA runtime
+        pass
+    return Nccl4pySupport(**found)
 
 
 def nccl_call(fn: Callable[[], Any]) -> Any:
@@ -163,6 +199,85 @@ def init_communicator(store: Any, rank: int, world_size: int, timeout_s: float,
         abort_with_watchdog(comm, timeout_s, log, "init")  # else its bootstrap sockets outlive the failed init
         raise
     return comm
+
+
+# Where the grow root puts the unique id the newcomers join with (a key of the epoch's store).
+GROW_ID_KEY = "grow_unique_id"
+
+
+def revive(comm: Any, timeout_s: float) -> tuple[int, bool]:
+    """Bring ``comm`` back to a state management calls (shrink, grow) accept: wait while it
+    is ``ncclInProgress``; on an error state (a peer died under a transfer) revoke it and
+    wait again (a revoked communicator that is quiescent is back at success). Returns its
+    state then (0 when ready) and whether it was revoked. Never raises."""
+    state = quiesce(comm, timeout_s)
+    if state == 0:
+        return state, False
+    with contextlib.suppress(Exception):
+        nccl_call(lambda: comm.revoke())
+    return quiesce(comm, timeout_s), True
+
+
+def shrink_communicator(parent: Any, excluded: Sequence[int], *, abort: bool, timeout_s: float,
+                        abort_timeout_s: float, cancel: Callable[[], bool] | None = None,
+                        logger: Any = None) -> Any:
+    """The child of ``parent`` without the ranks ``excluded``, settled (see
+    :func:`settle_child`). ``abort``: a peer died, so in-flight work on the parent is aborted
+    (``CommShrinkFlag.ABORT``); otherwise the leavers are alive and this rank's own work in
+    flight is revoked first. A child that never settles is aborted (bounded by
+    ``abort_timeout_s``, reported on ``logger``) before the error propagates. The parent is
+    the caller's to abort afterwards."""
+    nccl = _nccl()
+    if not abort:
+        # Leavers are alive: quiesce whatever this rank still has in flight first.
+        with contextlib.suppress(Exception):
+            nccl_call(parent.revoke)
+    # No NCCL call may follow one still in progress (a revoke from the transport's abort,
+    # say); an error state is what an abortive shrink is for.
+    quiesce(parent, abort_timeout_s)
+    flag = nccl.CommShrinkFlag.ABORT if abort else nccl.CommShrinkFlag.DEFAULT
+    child = nccl_call(lambda: parent.shrink(excluded, config=nccl_config(), flag=flag))
+    with _aborted_on_failure(child, abort_timeout_s, logger, "shrink_child"):
+        settle_child(parent, child, timeout_s, "nccl4py shrink", cancel)
+    return child
+
+
+def grow_communicator(parent: Any | None, num_ranks: int, rank: int, store: Any, *, timeout_s: float,
+                      abort_timeout_s: float, cancel: Callable[[], bool] | None = None,
+                      logger: Any = None) -> Any:
+    """A communicator of ``num_ranks`` grown from ``parent``, settled (see
+    :func:`settle_child`). Existing ranks pass their communicator and keep their numbers;
+    the grow root (rank 0, an existing rank) publishes the grow id in ``store``
+    (:data:`GROW_ID_KEY`), and a newcomer (``parent`` None, on its CUDA device already)
+    reads it there. A child that never settles is aborted as in
+    :func:`shrink_communicator`; the parent is the caller's to abort."""
+    nccl = _nccl()
+    config = nccl_config()
+    if parent is not None and rank == 0:
+        uid = parent.get_unique_id()
+        store.set(GROW_ID_KEY, uid.as_bytes)
+        child = nccl_call(lambda: parent.grow(num_ranks, uid, config=config))
+    elif parent is not None:
+        child = nccl_call(lambda: parent.grow(num_ranks, config=config))
+    else:
+        uid = nccl.UniqueId.from_bytes(store.get(GROW_ID_KEY))
+        child = nccl_call(lambda: nccl.Communicator().grow(num_ranks, uid, rank=rank, config=config))
+    with _aborted_on_failure(child, abort_timeout_s, logger, "grow_child"):
+        settle_child(parent, child, timeout_s, "nccl4py grow", cancel)
+    return child
+
+
+@contextlib.contextmanager
+def _aborted_on_failure(child: Any, timeout_s: float, logger: Any, what: str):
+    """A shrunk or grown child that never settled (a peer died meanwhile) still holds
+    NCCL's bootstrap sockets and proxy thread: abort it (bounded) before the error goes
+    on to the caller's fallback, which otherwise leaks them for the life of the process."""
+    try:
+        yield
+    except BaseException:
+        if getattr(child, "is_valid", False):
+            abort_with_watchdog(child, timeout_s, logger if logger is not None else log, what)
+        raise
 
 
 def nccl_config() -> Any:

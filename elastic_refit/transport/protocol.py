@@ -7,7 +7,8 @@ blocked on this rank fail instead of hanging) and closed. Capability flags say w
 communicator behind it can do when membership changes.
 
 Implementations: :mod:`elastic_refit.transport.c10d` (torch ProcessGroupGloo /
-ProcessGroupNCCL). The test toolkit wraps any transport to inject faults
+ProcessGroupNCCL) and :mod:`elastic_refit.transport.nccl` (nccl4py), made by
+:mod:`elastic_refit.transport.factory` (callers never name a concrete transport). The test toolkit wraps any transport to inject faults
 (the test toolkit's ``FaultyTransport``); nothing patches a transport.
 """
 

@@ -1,0 +1,122 @@
+"""The one place that makes a transport of a backend.
+
+Whoever owns communicators (``membership.comm``: build, shrink, grow, rebuild; the test
+toolkit's local worlds) asks here for a :class:`~elastic_refit.transport.protocol.Transport`
+and never names a concrete one:
+
+- :func:`make_transport` wraps a communicator the caller built (a c10d process group for
+  gloo and torch NCCL, an nccl4py communicator);
+- :func:`create_transport` builds the communicator of a world from a store, then wraps it;
+- the nccl4py lifecycle (:func:`probe_nccl4py`, :func:`init_nccl4py`,
+  :func:`shrink_nccl4py`, :func:`grow_nccl4py`, :func:`revive_nccl4py`) for owners of
+  nccl4py communicators.
+
+Concrete transports are imported on first use, so importing this module loads neither
+them nor nccl4py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from elastic_refit.transport.backend import Backend
+from elastic_refit.transport.protocol import Transport
+
+__all__ = ["create_transport", "grow_nccl4py", "init_nccl4py", "make_transport", "probe_nccl4py",
+           "revive_nccl4py", "shrink_nccl4py"]
+
+
+def make_transport(backend: Backend | str, communicator: Any, rank: int, world_size: int, *,
+                   timeout_s: float = 30.0, device: torch.device | None = None, store: Any = None,
+                   can_shrink: bool = False, can_grow: bool = False) -> Transport:
+    """A transport over ``communicator``, already built by the caller, which keeps owning
+    it (a transport never destroys its communicator).
+
+    ``backend`` gloo or nccl: ``communicator`` is a c10d process group; ``store`` is the
+    store it was built with, kept alive as long as the transport (a Python store collected
+    while C++ uses it fails every call); the device is the group's (CPU for gloo, the
+    current CUDA device for NCCL) and ``device`` is ignored. nccl4py: ``communicator`` is an
+    initialised nccl4py communicator on ``device`` (default: the current CUDA device).
+    ``can_shrink`` / ``can_grow`` become the transport's :class:`Capabilities`; a c10d
+    group cannot grow (``ValueError``). ``timeout_s`` bounds every wait and the vote."""
+    kind = Backend.parse(backend)
+    if kind is Backend.NCCL4PY:
+        from elastic_refit.transport.nccl import NcclTransport
+
+        return NcclTransport(communicator, rank, world_size, timeout_s=timeout_s, device=device,
+                             can_shrink=can_shrink, can_grow=can_grow)
+    if can_grow:
+        raise ValueError(f"a {kind.value} process group cannot grow (only nccl4py communicators can), "
+                         f"got can_grow={can_grow!r}")
+    from elastic_refit.transport.c10d import C10dTransport
+
+    return C10dTransport(communicator, rank, world_size, backend=kind, timeout_s=timeout_s, store=store,
+                         can_shrink=can_shrink)
+
+
+def create_transport(backend: Backend | str, store: Any, rank: int, world_size: int, *,
+                     timeout_s: float = 30.0, init_timeout_s: float = 60.0) -> Transport:
+    """Build the communicator of a world of ``world_size`` ranks over ``store`` (a
+    ``torch.distributed.Store``; every rank calls this with the same one) and wrap it. GPU
+    backends use the current CUDA device; ``init_timeout_s`` bounds an nccl4py
+    communicator's initialisation (a c10d group's build is bounded by ``timeout_s``)."""
+    kind = Backend.parse(backend)
+    if kind is Backend.NCCL4PY:
+        from elastic_refit.transport.nccl import NcclTransport
+
+        return NcclTransport.create(store, rank, world_size, timeout_s=timeout_s, init_timeout_s=init_timeout_s)
+    from elastic_refit.transport.c10d import C10dTransport
+
+    return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------------ nccl4py lifecycle
+def probe_nccl4py() -> Any:
+    """What the installed nccl4py offers (``Nccl4pySupport``: version, the libnccl it
+    loaded, shrink, grow); empty when it is absent. Never raises."""
+    from elastic_refit.transport.nccl import probe_nccl4py as probe
+
+    return probe()
+
+
+def init_nccl4py(store: Any, rank: int, world_size: int, timeout_s: float,
+                 cancel: Callable[[], bool] | None = None) -> Any:
+    """A new nccl4py communicator of ``world_size`` ranks, settled; rank 0 publishes the
+    unique id in ``store``. ``cancel()`` true gives up early (``TransportAborted``); a
+    half-made communicator is aborted."""
+    from elastic_refit.transport.nccl import init_communicator
+
+    return init_communicator(store, rank, world_size, timeout_s, cancel)
+
+
+def revive_nccl4py(communicator: Any, timeout_s: float) -> tuple[int, bool]:
+    """Whether ``communicator`` can be shrunk or grown from: its NCCL state once quiescent
+    (0: ready), revoked first when it was an error; and whether it was revoked."""
+    from elastic_refit.transport.nccl import revive
+
+    return revive(communicator, timeout_s)
+
+
+def shrink_nccl4py(parent: Any, excluded: Sequence[int], *, abort: bool, timeout_s: float,
+                   abort_timeout_s: float, cancel: Callable[[], bool] | None = None,
+                   logger: Any = None) -> Any:
+    """``parent`` shrunk to the ranks not in ``excluded``, settled within ``timeout_s``
+    (``abort``: a peer died, in-flight work is aborted). The parent stays the caller's."""
+    from elastic_refit.transport.nccl import shrink_communicator
+
+    return shrink_communicator(parent, excluded, abort=abort, timeout_s=timeout_s,
+                               abort_timeout_s=abort_timeout_s, cancel=cancel, logger=logger)
+
+
+def grow_nccl4py(parent: Any | None, num_ranks: int, rank: int, store: Any, *, timeout_s: float,
+                 abort_timeout_s: float, cancel: Callable[[], bool] | None = None,
+                 logger: Any = None) -> Any:
+    """A communicator of ``num_ranks`` grown from ``parent`` (None on a newcomer, which
+    reads the grow root's id from ``store``), settled within ``timeout_s``."""
+    from elastic_refit.transport.nccl import grow_communicator
+
+    return grow_communicator(parent, num_ranks, rank, store, timeout_s=timeout_s,
+                             abort_timeout_s=abort_timeout_s, cancel=cancel, logger=logger)
