@@ -1,4 +1,4 @@
-"""The executor's FP8 senders (``_SourceQuantizer``) against the in-process oracle
+"""The executor's FP8 senders (``SourceQuantizer``) against the in-process oracle
 (``quantize_source_buffers``) on random uneven source grids (replicas, blocks cut anywhere):
 the torch path, and the fused kernel through Triton's CPU interpreter (whole blocks in the
 kernel, split edge blocks on the torch path), both byte for byte. The partial-amax exchange
@@ -19,7 +19,7 @@ from elastic_refit.testing.inprocess import (
     quantize_source_buffers,
     scatter_tensors,
 )
-from elastic_refit.transport.executor import _SourceQuantizer
+from elastic_refit.transport.source_quant import SourceQuantizer
 
 from .test_plan_formats import _bf16_values, fp8_cases
 
@@ -63,7 +63,7 @@ def test_senders_stage_the_oracles_fp8_bytes_and_scales(backend, case):
     scatter_tensors(q.logical_source, tensors, logical)
     want = quantize_source_buffers(plan, logical)
     ranks = sorted(set(plan.source.ranks))
-    quantizers = {r: _SourceQuantizer(plan, r, torch.device("cpu"), backend) for r in ranks}
+    quantizers = {r: SourceQuantizer(plan, r, torch.device("cpu"), backend) for r in ranks}
     box: dict = {}
     for _ in range(2):  # the first pass fills the mailbox
         staged = {}
