@@ -51,6 +51,22 @@ _TRANSIENT = (
 )
 
 
+def _quiet_grpc_poller(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The client loops' exception handler: drop two harmless reports of gRPC's shared poller.
+
+    gRPC's asyncio completion queue is one per process, read by every loop that uses gRPC
+    (each client has one, so does its lease keeper). The loop that reads an event hands it to
+    the loop of the call it belongs to; when that loop was closed (a client closed at exit, its
+    last events still in flight) the hand-over raises "Event loop is closed", and a loop that
+    woke for an event another loop took raises BlockingIOError (grpc/grpc#25364). Both were
+    printed as tracebacks at exit; anything else is reported as asyncio would."""
+    exc = context.get("exception")
+    if "PollerCompletionQueue._handle_events" in str(context.get("message", "")) and (
+            isinstance(exc, BlockingIOError) or (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc))):
+        return
+    loop.default_exception_handler(context)
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     return aetcd.utils.prefix_range_end(prefix)
 
@@ -321,6 +337,7 @@ class EtcdClient:
             endpoints=tuple([endpoints] if isinstance(endpoints, str) else endpoints), **options)
         self._log = get_logger(component="etcd-client")
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_grpc_poller)
         self._thread = threading.Thread(target=self._run_loop, name="etcd-client-loop",
                                         daemon=True)
         self._thread.start()
