@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -43,13 +43,15 @@ from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view, digest, resolve_buffers
-from elastic_refit.transport.protocol import P2POp, Transport
+from elastic_refit.transport.protocol import P2POp, Transport, Work
 from elastic_refit.transport.schedule import (
     STAGED,
     BoxCopy,
     Bucket,
     BufferRef,
+    Forward,
     ForwardPart,
+    Message,
     RankSchedule,
     Step,
     build_rank_schedule,
@@ -243,6 +245,94 @@ class _ForwardIn:
         return len(self.landing)
 
 
+@dataclass(slots=True, eq=False)
+class _Op:
+    """One send or receive of a window's batch: the operation, what its wait is called
+    (``"send (phase ... round ...)"``), the bucket it carries when it is a message's (None
+    for a forward's span or digests), and its handle while it is in flight."""
+
+    op: P2POp
+    what: str
+    io: _BucketIO | None = None
+    work: Work | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Posted and not waited for yet."""
+        return self.work is not None
+
+    def wait(self, transport: Transport) -> None:
+        transport.wait(self.work, self.op.peer, self.what)  # type: ignore[arg-type]
+        self.work = None
+
+
+@dataclass(slots=True, eq=False)
+class _Message:
+    """A message this rank sends or receives in a window: bucket ``i`` travels in batch
+    ``i`` through slot ``i % 2``; ``slots`` holds the operation last posted in each (a
+    received bucket's bytes are read there after its wait, by a relay's forwards).
+    ``first_slot``: its first staging buffer, when any of its buckets packs."""
+
+    msg: Message
+    place: str
+    first_slot: int | None
+    slots: list[_Op | None] = field(default_factory=lambda: [None, None])
+
+
+@dataclass(slots=True, eq=False)
+class _ForwardRecord:
+    """A forward this rank sends (from ``source``, the message it relays) or receives in a
+    window: its parts by network bucket, the operations of the part in flight, and (a
+    needer's) where that part lands (its ``_ForwardIn`` and staging, None when nothing is
+    staged). ``first_slot``: its staging buffer, when it gathers into one."""
+
+    forward: Forward
+    place: str
+    parts: dict[int, ForwardPart]
+    first_slot: int | None = None
+    source: _Message | None = None
+    ops: list[_Op] = field(default_factory=list)
+    landing: tuple[_ForwardIn, torch.Tensor | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The records of one window's messages and forwards, in the order their operations
+    are posted in each batch (sends, receives, forwards sent, forwards received)."""
+
+    sends: list[_Message]
+    recvs: list[_Message]
+    forward_sends: list[_ForwardRecord]
+    forward_recvs: list[_ForwardRecord]
+
+    @classmethod
+    def of(cls, window: tuple[Step, ...], slots: dict[int, int]) -> _Window:
+        def place(s: Step) -> str:
+            return f"phase {s.phase.name} round {s.round}"
+
+        sends = [_Message(s.send, place(s), slots.get(id(s.send))) for s in window if s.send is not None]
+        recvs = [_Message(s.recv, place(s), slots.get(id(s.recv))) for s in window if s.recv is not None]
+        received = {id(m.msg): m for m in recvs}
+        forward_sends = [_ForwardRecord(f, f"forward to rank {f.peer} of round {s.round}", {p.bucket: p for p in f.parts},
+                                        source=received[id(s.recv)])
+                         for s in window for f in s.forward_sends]
+        forward_recvs = [_ForwardRecord(f, f"forward from rank {f.peer} of round {s.round}",
+                                        {p.bucket: p for p in f.parts}, slots.get(id(f)))
+                         for s in window for f in s.forward_recvs]
+        return cls(sends, recvs, forward_sends, forward_recvs)
+
+    @property
+    def relayed(self) -> list[_Message]:
+        """The received messages this rank forwards from, in receive order."""
+        return [m for m in self.recvs if any(f.source is m for f in self.forward_sends)]
+
+    @property
+    def num_batches(self) -> int:
+        """Batches of the window: one per bucket index, plus one for the last forwards."""
+        return 1 + max([len(m.msg.buckets) for m in self.sends + self.recvs]
+                       + [p.bucket + 1 for f in self.forward_recvs + self.forward_sends for p in f.forward.parts])
+
+
 class Executor:
     """Runs rank ``rank``'s share of ``plan`` over ``transport``; build once per epoch."""
 
@@ -392,134 +482,154 @@ class Executor:
         relay waits for bucket ``i - 1`` before it posts batch ``i``, and every forward of
         batch ``i`` is done before batch ``i + 1`` reuses its staging. Batch ``i`` waits only
         on batches before it, on every rank, so no rank waits in a cycle."""
-        transport, verify = self.transport, self.options.verify
-        sends = [(s.send, f"phase {s.phase.name} round {s.round}") for s in window if s.send is not None]
-        recvs = [(s.recv, f"phase {s.phase.name} round {s.round}") for s in window if s.recv is not None]
-        recv_index = {id(m): j for j, (m, _) in enumerate(recvs)}
-        forward_sends = [(f, recv_index[id(s.recv)], f"forward to rank {f.peer} of round {s.round}")
-                         for s in window for f in s.forward_sends]
-        forward_recvs = [(f, f"forward from rank {f.peer} of round {s.round}")
-                         for s in window for f in s.forward_recvs]
-        relaying = sorted({j for _, j, _ in forward_sends})  # received messages this rank forwards from
-        send_parts = [{p.bucket: p for p in f.parts} for f, _, _ in forward_sends]
-        recv_parts = [{p.bucket: p for p in f.parts} for f, _ in forward_recvs]
-        send_work: list[list] = [[None, None] for _ in sends]
-        recv_work: list[list] = [[None, None] for _ in recvs]
-        recv_target: list[list] = [[None, None] for _ in recvs]
-        forward_send_work: list[list] = [[] for _ in forward_sends]  # one handle per span in flight
-        forward_recv_work: list[list] = [[] for _ in forward_recvs]
-        forward_recv_target: list = [None] * len(forward_recvs)
-        num_steps = max([len(m.buckets) for m, _ in sends + recvs]
-                        + [p.bucket + 1 for f, _ in forward_recvs for p in f.parts]
-                        + [p.bucket + 1 for f, _, _ in forward_sends for p in f.parts])
-
-        def finish_recv(j: int, slot: int) -> None:
-            msg, place = recvs[j]
-            transport.wait(recv_work[j][slot], msg.peer, f"receive ({place})")
-            io, target = recv_target[j][slot]
-            if io.direct is None:
-                counts["num_verified_boxes"] += io.unpack(tensors, target, verify, f"rank {self.rank} {place}")
-            else:
-                counts["num_zero_copy_buckets"] += 1
-            recv_work[j][slot] = None
-
-        for i in range(num_steps + 1):
-            slot = i % 2
+        transport = self.transport
+        w = _Window.of(window, slots)
+        for i in range(w.num_batches):
             prev = (i - 1) % 2
-            for j in relaying:  # the forwards of bucket i - 1 join this batch: have it first
-                if 1 <= i <= len(recvs[j][0].buckets):
-                    finish_recv(j, prev)
+            for m in w.relayed:  # the forwards of bucket i - 1 join this batch: have it first
+                if 1 <= i <= len(m.msg.buckets):
+                    self._finish_recv(m, prev, tensors, counts)
             # Bucket i of every message goes in one batch: a rank sends to one peer and
             # receives from another, and a backend that connects pairs lazily inside a group
             # (NCCL) would otherwise wait in a cycle of such ranks.
-            ops: list[P2POp] = []
-            posted: list[tuple[list, int]] = []  # (work list, slot) per op, in op order
-            for j, (msg, place) in enumerate(sends):
-                if i >= len(msg.buckets):
-                    continue
-                io = self._io[id(msg.buckets[i])]
-                if send_work[j][slot] is not None:  # the staging slot is free once its send is done
-                    transport.wait(send_work[j][slot], msg.peer, f"send ({place})")
-                    send_work[j][slot] = None
-                if io.direct is not None:
-                    payload = io.direct_view(tensors)
+            ops = (self._post_sends(w.sends, i, tensors, counts) + self._post_recvs(w.recvs, i, tensors, counts)
+                   + self._post_forward_sends(w.forward_sends, i, counts)
+                   + self._post_forward_recvs(w.forward_recvs, i, tensors, counts))
+            if ops:
+                for op, work in zip(ops, transport.post([op.op for op in ops]), strict=True):
+                    op.work = work
+            for m in w.recvs:
+                if i >= 1 and i - 1 < len(m.msg.buckets) and m.slots[prev] is not None and m.slots[prev].pending:
+                    self._finish_recv(m, prev, tensors, counts)
+            for f in w.forward_recvs:
+                self._finish_forward_recv(f, tensors, counts)
+            for f in w.forward_sends:
+                for op in f.ops:  # the bytes' staging is reused by batch i + 1
+                    op.wait(transport)
+                f.ops = []
+        for m in w.sends:
+            for op in m.slots:
+                if op is not None and op.pending:
+                    op.wait(transport)
+
+    def _staging_of(self, first_slot: int | None, slot: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of staging buffer ``slot`` (0 or 1) of a packing message."""
+        return self._staging[first_slot + slot][:nbytes]  # type: ignore[operator]
+
+    def _post_sends(self, sends: list[_Message], i: int, tensors, counts) -> list[_Op]:
+        """Bucket ``i`` of every message this rank sends: packed into its staging slot once
+        that slot's previous send is done, or straight from the parameter."""
+        ops = []
+        slot = i % 2
+        for m in sends:
+            if i >= len(m.msg.buckets):
+                continue
+            io = self._io[id(m.msg.buckets[i])]
+            prior = m.slots[slot]
+            if prior is not None and prior.pending:  # the staging slot is free once its send is done
+                prior.wait(self.transport)
+            if io.direct is not None:
+                payload = io.direct_view(tensors)
+                counts["num_zero_copy_buckets"] += 1
+            else:
+                payload = self._staging_of(m.first_slot, slot, io.wire_bytes)
+                io.pack(tensors, payload, self.options.verify)
+            m.slots[slot] = _Op(P2POp("send", payload, m.msg.peer, i), f"send ({m.place})", io)
+            ops.append(m.slots[slot])
+            counts["num_buckets"] += 1
+        return ops
+
+    def _post_recvs(self, recvs: list[_Message], i: int, tensors, counts) -> list[_Op]:
+        """Bucket ``i`` of every message this rank receives: into its staging slot, or
+        straight into the parameter."""
+        ops = []
+        slot = i % 2
+        for m in recvs:
+            if i >= len(m.msg.buckets):
+                continue
+            io = self._io[id(m.msg.buckets[i])]
+            target = (io.direct_view(tensors) if io.direct is not None
+                      else self._staging_of(m.first_slot, slot, io.wire_bytes))
+            m.slots[slot] = _Op(P2POp("recv", target, m.msg.peer, i), f"receive ({m.place})", io)
+            ops.append(m.slots[slot])
+            counts["num_buckets"] += 1
+        return ops
+
+    def _post_forward_sends(self, forwards: list[_ForwardRecord], i: int, counts) -> list[_Op]:
+        """A relay's forwards of bucket ``i - 1``: each span straight from where it arrived
+        (that bucket was received before this batch), then, with verification on, the
+        digests its boxes arrived with (checked then)."""
+        ops = []
+        for f in forwards:
+            part = f.parts.get(i - 1)
+            if part is None:
+                continue
+            arrived = f.source.slots[(i - 1) % 2]  # type: ignore[union-attr]
+            io, data = arrived.io, arrived.op.tensor  # type: ignore[union-attr]
+            payloads = [data[offset : offset + nbytes] for offset, nbytes in part.spans]
+            if self.options.verify:
+                trailer = data[io.trailer_offset : io.wire_bytes].view(torch.int64)
+                payloads.append(trailer[list(part.digests)].view(torch.uint8))
+            f.ops = [_Op(P2POp("send", payload, f.forward.peer, FORWARD_TAG + i - 1), f"send ({f.place})")
+                     for payload in payloads]
+            ops += f.ops
+            counts["num_buckets"] += 1
+        return ops
+
+    def _post_forward_recvs(self, forwards: list[_ForwardRecord], i: int, tensors, counts) -> list[_Op]:
+        """A needer's receives of bucket ``i - 1``'s forwards: each span straight into the
+        parameter when it is one contiguous box there, else at its place in staging; then,
+        with verification on, the digests the boxes came with at the relay."""
+        ops = []
+        for f in forwards:
+            part = f.parts.get(i - 1)
+            if part is None:
+                continue
+            arrival = self._forward_in[id(part)]
+            staging = None if arrival.io is None else self._staging_of(f.first_slot, 0, part.nbytes)
+            targets = []
+            for direct, offset, nbytes in arrival.spans:
+                if direct is not None:
+                    targets.append(_BucketIO.direct_view_of(tensors, direct))
                     counts["num_zero_copy_buckets"] += 1
                 else:
-                    payload = self._staging[slots[id(msg)] + slot][: io.wire_bytes]
-                    io.pack(tensors, payload, verify)
-                ops.append(P2POp("send", payload, msg.peer, i))
-                posted.append((send_work[j], slot))
-                counts["num_buckets"] += 1
-            for j, (msg, _) in enumerate(recvs):
-                if i >= len(msg.buckets):
-                    continue
-                io = self._io[id(msg.buckets[i])]
-                target = (io.direct_view(tensors) if io.direct is not None
-                          else self._staging[slots[id(msg)] + slot][: io.wire_bytes])
-                ops.append(P2POp("recv", target, msg.peer, i))
-                posted.append((recv_work[j], slot))
-                recv_target[j][slot] = (io, target)
-                counts["num_buckets"] += 1
-            for k, (forward, j, _) in enumerate(forward_sends):
-                part = send_parts[k].get(i - 1)
-                if part is None:
-                    continue
-                io, data = recv_target[j][prev]
-                payloads = [data[offset : offset + nbytes] for offset, nbytes in part.spans]  # straight from arrival
-                if verify:  # the digests the boxes arrived with (checked then), after the data
-                    trailer = data[io.trailer_offset : io.wire_bytes].view(torch.int64)
-                    payloads.append(trailer[list(part.digests)].view(torch.uint8))
-                for payload in payloads:
-                    ops.append(P2POp("send", payload, forward.peer, FORWARD_TAG + i - 1))
-                    posted.append((forward_send_work[k], len(forward_send_work[k])))
-                    forward_send_work[k].append(None)
-                counts["num_buckets"] += 1
-            for k, (forward, _) in enumerate(forward_recvs):
-                part = recv_parts[k].get(i - 1)
-                if part is None:
-                    continue
-                arrival = self._forward_in[id(part)]
-                staging = None if arrival.io is None else self._staging[slots[id(forward)]][: part.nbytes]
-                targets = []
-                for direct, offset, nbytes in arrival.spans:
-                    if direct is not None:
-                        targets.append(_BucketIO.direct_view_of(tensors, direct))
-                        counts["num_zero_copy_buckets"] += 1
-                    else:
-                        targets.append(staging[offset : offset + nbytes])  # type: ignore[index]
-                if verify:  # the digests the boxes came with at the relay, after the data
-                    targets.append(arrival.digests.view(torch.uint8))  # type: ignore[union-attr]
-                for target in targets:
-                    ops.append(P2POp("recv", target, forward.peer, FORWARD_TAG + i - 1))
-                    posted.append((forward_recv_work[k], len(forward_recv_work[k])))
-                    forward_recv_work[k].append(None)
-                forward_recv_target[k] = (arrival, staging)
-                counts["num_buckets"] += 1
-            if ops:
-                for (work_list, k), work in zip(posted, transport.post(ops), strict=True):
-                    work_list[k] = work
-            for j in range(len(recvs)):
-                if i >= 1 and i - 1 < len(recvs[j][0].buckets) and recv_work[j][prev] is not None:
-                    finish_recv(j, prev)
-            for k, (forward, place) in enumerate(forward_recvs):
-                if not forward_recv_work[k]:
-                    continue
-                for work in forward_recv_work[k]:
-                    transport.wait(work, forward.peer, f"receive ({place})")
-                arrival, staging = forward_recv_target[k]
-                if verify:  # before anything is unpacked from staging
-                    counts["num_verified_boxes"] += arrival.check(tensors, staging, f"rank {self.rank} {place}")
-                if arrival.io is not None:
-                    arrival.io.unpack(tensors, staging, False, f"rank {self.rank} {place}")
-                forward_recv_work[k] = []
-            for k, (forward, _, place) in enumerate(forward_sends):
-                for work in forward_send_work[k]:  # the bytes' staging is reused by batch i + 1
-                    transport.wait(work, forward.peer, f"send ({place})")
-                forward_send_work[k] = []
-        for j, (msg, place) in enumerate(sends):
-            for slot in (0, 1):
-                if send_work[j][slot] is not None:
-                    transport.wait(send_work[j][slot], msg.peer, f"send ({place})")
+                    targets.append(staging[offset : offset + nbytes])  # type: ignore[index]
+            if self.options.verify:
+                targets.append(arrival.digests.view(torch.uint8))  # type: ignore[union-attr]
+            f.ops = [_Op(P2POp("recv", target, f.forward.peer, FORWARD_TAG + i - 1), f"receive ({f.place})")
+                     for target in targets]
+            ops += f.ops
+            f.landing = (arrival, staging)
+            counts["num_buckets"] += 1
+        return ops
+
+    def _finish_recv(self, m: _Message, slot: int, tensors, counts) -> None:
+        """Wait for the bucket in flight in ``slot`` of received message ``m`` and unpack it
+        (a bucket received straight into its parameter has nothing to unpack). Its bytes
+        stay where they arrived: a relay forwards them from there in the next batch."""
+        op = m.slots[slot]
+        assert op is not None and op.io is not None
+        op.wait(self.transport)
+        if op.io.direct is None:
+            counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify,
+                                                         f"rank {self.rank} {m.place}")
+        else:
+            counts["num_zero_copy_buckets"] += 1
+
+    def _finish_forward_recv(self, f: _ForwardRecord, tensors, counts) -> None:
+        """Wait for the part of forward ``f`` in flight (if any), check its digests where
+        the boxes landed, then unpack what landed in staging."""
+        if not f.ops:
+            return
+        for op in f.ops:
+            op.wait(self.transport)
+        arrival, staging = f.landing  # type: ignore[misc]
+        where = f"rank {self.rank} {f.place}"
+        if self.options.verify:  # before anything is unpacked from staging
+            counts["num_verified_boxes"] += arrival.check(tensors, staging, where)
+        if arrival.io is not None:
+            arrival.io.unpack(tensors, staging, False, where)
+        f.ops = []
 
 
 def _aligned(nbytes: int) -> int:
