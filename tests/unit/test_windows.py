@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.plan import Phase, PlanOptions
 from elastic_refit.testing.world import RefitCase
-from elastic_refit.transport.executor import _windows
 from elastic_refit.transport.schedule import Step, build_rank_schedule
+from elastic_refit.transport.window import cut_windows
 
 TINY = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=3, vocab_size=250, num_heads=4, num_kv_heads=2,
                    head_dim=16, intermediate_size=96)
@@ -37,7 +37,7 @@ def test_concurrency_is_part_of_the_fingerprint_and_one_round_keeps_the_old_one(
        width=st.integers(1, 8))
 def test_windows_cut_by_phase_and_round_number_only(rounds, width):
     steps = tuple(Step(phase, r, None, None) for phase, r in sorted(rounds))
-    windows = _windows(steps, width)
+    windows = cut_windows(steps, width)
     assert [s for w in windows for s in w] == list(steps)  # every step once, in order
     for w in windows:
         assert len({s.phase for s in w}) == 1  # a fan-out never runs beside the deliveries it copies
@@ -50,7 +50,7 @@ def test_every_rank_of_a_plan_opens_the_same_windows():
     plan = RefitCase(**{**_fields(CASE), "concurrent_rounds": 2}).plan()
     per_rank = {}
     for rank in sorted(set(plan.source.ranks) | set(plan.destination.ranks)):
-        for w in _windows(build_rank_schedule(plan, rank).steps, 2):
+        for w in cut_windows(build_rank_schedule(plan, rank).steps, 2):
             per_rank.setdefault(rank, set()).add((w[0].phase, w[0].round // 2))
             for step in w:  # a peer's half of each message sits in the same window
                 for msg, peer in ((step.send, step.send and step.send.peer), (step.recv, step.recv and step.recv.peer)):
