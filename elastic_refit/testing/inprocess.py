@@ -202,6 +202,105 @@ def _torch_view(array: np.ndarray, dtype: str):
     return torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, dtype))
 
 
+class _ReferenceQuantizer:
+    """What :func:`quantize_source_buffers` reads of a quantized plan: its source side, the
+    quantized tensors and their formats, the pieces that send, the scale piece of each
+    quantized piece and the partial-amax rows each piece consumes."""
+
+    def __init__(self, plan: Plan, logical_buffers: Mapping[BufferKey, Any]) -> None:
+        q = plan.quantization
+        if q is None:
+            raise ValueError("the plan has no quantization: its source buffers are the caller's")
+        self.q = q
+        self.src = src = plan.source
+        self.logical_buffers = logical_buffers
+        self.quantized = {src.tensor_index(name): q.format_of(name) for name in q.scale_tensor
+                          if name in src._tensor_index}
+        # Which pieces send: source pieces of every row read from the source side.
+        x = plan.expand(np.flatnonzero(plan.transfers.src_side == int(SourceSide.SOURCE)))
+        self.sending = set(x.src_piece.tolist())
+        self.scale_piece: dict[tuple[int, int, tuple, tuple, tuple], int] = {}
+        for tid, fmt in self.quantized.items():
+            sid = src.tensor_index(fmt.scale_name(src.tensors[tid].name))
+            for p in np.flatnonzero(src.piece_tensor == sid).tolist():
+                nd = len(src.tensors[sid].shape)
+                self.scale_piece[(sid, int(src.piece_rank[p]), _buffer_key(src, p)[1],
+                                  tuple(src.piece_offsets[p, :nd].tolist()),
+                                  tuple(src.piece_lengths[p, :nd].tolist()))] = p
+        self.amax_rows: dict[int, list[int]] = {}
+        for i, consumer in enumerate(q.amax.consumer_piece.tolist()):
+            self.amax_rows.setdefault(consumer, []).append(i)
+
+    def piece_data(self, p: int):
+        src = self.src
+        key, _, local = piece_slices(src, p)
+        logical = self.q.logical_source.tensor(src.tensors[int(src.piece_tensor[p])].name)
+        box = np.asarray(self.logical_buffers[key])[local]
+        return _torch_view(box, logical.dtype).reshape(tuple(int(n) for n in src.piece_lengths[p, :len(logical.shape)]))
+
+    def block_box(self, p: int, fmt) -> tuple[np.ndarray, np.ndarray]:
+        nd = len(self.src.tensors[int(self.src.piece_tensor[p])].shape)
+        o, n = fmt.block_box(self.src.piece_offsets[p, :nd].tolist(), self.src.piece_lengths[p, :nd].tolist())
+        return np.array(o), np.array(n)
+
+    def origin(self, p: int, fmt) -> tuple[int, int]:
+        nd = len(self.src.tensors[int(self.src.piece_tensor[p])].shape)
+        return tuple(int(o) % b for o, b in zip(self.src.piece_offsets[p, nd - 2 : nd], fmt.block_shape, strict=True))
+
+    def scale_piece_of(self, p: int, fmt) -> tuple[int | None, np.ndarray]:
+        """The scale piece of quantized piece ``p`` (None if its rank holds none) and the
+        offsets of ``p``'s block box."""
+        src = self.src
+        b_off, b_len = self.block_box(p, fmt)
+        name = src.tensors[int(src.piece_tensor[p])].name
+        s_piece = self.scale_piece.get((src.tensor_index(fmt.scale_name(name)), int(src.piece_rank[p]),
+                                        _buffer_key(src, p)[1] + fmt.scale_suffix, tuple(b_off.tolist()),
+                                        tuple(b_len.tolist())))
+        return s_piece, b_off
+
+    def amax(self, p: int, fmt, b_off: np.ndarray, data):
+        """Piece ``p``'s block amax (of its ``data``), combined with the partial amax of the pieces that share
+        its blocks split across source shards."""
+        from elastic_refit.kernels.quantize import block_amax, combine_amax
+
+        nd = len(self.src.tensors[int(self.src.piece_tensor[p])].shape)
+        amax = block_amax(data, fmt, self.origin(p, fmt))
+        for i in self.amax_rows.get(p, []):
+            provider = int(self.q.amax.provider_piece[i])
+            p_off, _ = self.block_box(provider, fmt)
+            partial = block_amax(self.piece_data(provider), fmt, self.origin(provider, fmt))
+            lo = self.q.amax.block_offsets[i, :nd]
+            ln = self.q.amax.block_lengths[i, :nd]
+            # lead dims are elements (the pieces' own offsets), the last two blocks
+            mine = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
+            theirs = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, p_off, ln, strict=True))
+            amax[mine] = combine_amax(amax[mine], partial[theirs])
+        return amax
+
+    def quantize_piece(self, out: dict[BufferKey, np.ndarray], p: int, fmt, s_piece: int | None,
+                       b_off: np.ndarray) -> None:
+        """Write piece ``p``'s FP8 data (and its scales, when its rank holds them) into ``out``."""
+        import torch
+
+        from elastic_refit.kernels.quantize import (
+            check_scales,
+            quantize_with_scales,
+            scales_from_amax,
+        )
+
+        data = self.piece_data(p)
+        scales = scales_from_amax(self.amax(p, fmt, b_off, data), fmt)
+        check_scales(scales, fmt, self.src.tensors[int(self.src.piece_tensor[p])].name, tuple(int(v) for v in b_off))
+        fp8 = quantize_with_scales(data, scales, fmt, self.origin(p, fmt))
+        key, _, local = piece_slices(self.src, p)
+        region = out[key][local]
+        region[...] = fp8.view(torch.uint8).numpy().reshape(region.shape)
+        if s_piece is not None:
+            s_key, _, s_local = piece_slices(self.src, s_piece)
+            region = out[s_key][s_local]
+            region[...] = scales.contiguous().view(torch.uint8).numpy().view(region.dtype).reshape(region.shape)
+
+
 def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any],
                             ranks: set[int] | None = None) -> dict[BufferKey, np.ndarray]:
     """The source buffers of a quantized ``plan`` (``plan.source``, in the destination
@@ -212,18 +311,7 @@ def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any]
     uint32 float32 scales or uint8 E8M0 codes) keyed like ``allocate_buffers``; ``ranks``
     limits the work to some ranks. ``NonFiniteBlockError`` (naming the tensor and block) for
     a block with NaN or Inf."""
-    import torch
-
-    from elastic_refit.kernels.quantize import (
-        block_amax,
-        check_scales,
-        combine_amax,
-        quantize_with_scales,
-        scales_from_amax,
-    )
-
-    q = plan.quantization
-    if q is None:
+    if plan.quantization is None:
         return dict(logical_buffers)
     src = plan.source
     out = allocate_buffers(src)
@@ -231,73 +319,15 @@ def quantize_source_buffers(plan: Plan, logical_buffers: Mapping[BufferKey, Any]
         if key in logical_buffers and out[key].dtype == np.asarray(logical_buffers[key]).dtype \
                 and out[key].shape == np.asarray(logical_buffers[key]).shape:
             out[key] = np.asarray(logical_buffers[key])
-    quantized = {src.tensor_index(name): q.format_of(name) for name in q.scale_tensor if name in src._tensor_index}
-    # Which pieces send: source pieces of every row read from the source side.
-    t = plan.transfers
-    x = plan.expand(np.flatnonzero(t.src_side == int(SourceSide.SOURCE)))
-    sending = set(x.src_piece.tolist())
-    scale_piece: dict[tuple[int, int, tuple, tuple], int] = {}
-    for tid, fmt in quantized.items():
-        sid = src.tensor_index(fmt.scale_name(src.tensors[tid].name))
-        for p in np.flatnonzero(src.piece_tensor == sid).tolist():
-            nd = len(src.tensors[sid].shape)
-            scale_piece[(sid, int(src.piece_rank[p]), _buffer_key(src, p)[1], tuple(src.piece_offsets[p, :nd].tolist()),
-                         tuple(src.piece_lengths[p, :nd].tolist()))] = p
-
-    def piece_data(p: int):
-        key, _, local = piece_slices(src, p)
-        name = src.tensors[int(src.piece_tensor[p])].name
-        logical = q.logical_source.tensor(name)
-        box = np.asarray(logical_buffers[key])[local]
-        return _torch_view(box, logical.dtype).reshape(tuple(int(n) for n in src.piece_lengths[p, :len(logical.shape)]))
-
-    def block_box(p: int, fmt) -> tuple[np.ndarray, np.ndarray]:
-        nd = len(src.tensors[int(src.piece_tensor[p])].shape)
-        o, n = fmt.block_box(src.piece_offsets[p, :nd].tolist(), src.piece_lengths[p, :nd].tolist())
-        return np.array(o), np.array(n)
-
-    def origin(p: int, fmt) -> tuple[int, int]:
-        nd = len(src.tensors[int(src.piece_tensor[p])].shape)
-        return tuple(int(o) % b for o, b in zip(src.piece_offsets[p, nd - 2 : nd], fmt.block_shape, strict=True))
-
-    amax_rows: dict[int, list[int]] = {}
-    for i, consumer in enumerate(q.amax.consumer_piece.tolist()):
-        amax_rows.setdefault(consumer, []).append(i)
-    for tid, fmt in quantized.items():
-        name = src.tensors[tid].name
-        nd = len(src.tensors[tid].shape)
+    ref = _ReferenceQuantizer(plan, logical_buffers)
+    for tid, fmt in ref.quantized.items():
         for p in np.flatnonzero(src.piece_tensor == tid).tolist():
-            rank = int(src.piece_rank[p])
-            if ranks is not None and rank not in ranks:
+            if ranks is not None and int(src.piece_rank[p]) not in ranks:
                 continue
-            b_off, b_len = block_box(p, fmt)
-            s_piece = scale_piece.get((src.tensor_index(fmt.scale_name(name)), rank,
-                                       _buffer_key(src, p)[1] + fmt.scale_suffix, tuple(b_off.tolist()),
-                                       tuple(b_len.tolist())))
-            if p not in sending and s_piece not in sending:
+            s_piece, b_off = ref.scale_piece_of(p, fmt)
+            if p not in ref.sending and s_piece not in ref.sending:
                 continue  # a holder that sends nothing of it quantizes nothing
-            x_data = piece_data(p)
-            amax = block_amax(x_data, fmt, origin(p, fmt))
-            for i in amax_rows.get(p, []):
-                provider = int(q.amax.provider_piece[i])
-                p_off, _ = block_box(provider, fmt)
-                partial = block_amax(piece_data(provider), fmt, origin(provider, fmt))
-                lo = q.amax.block_offsets[i, :nd]
-                ln = q.amax.block_lengths[i, :nd]
-                # lead dims are elements (the pieces' own offsets), the last two blocks
-                mine = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, b_off, ln, strict=True))
-                theirs = tuple(slice(int(a - b), int(a - b + n)) for a, b, n in zip(lo, p_off, ln, strict=True))
-                amax[mine] = combine_amax(amax[mine], partial[theirs])
-            scales = scales_from_amax(amax, fmt)
-            check_scales(scales, fmt, name, tuple(int(v) for v in b_off))
-            fp8 = quantize_with_scales(x_data, scales, fmt, origin(p, fmt))
-            key, _, local = piece_slices(src, p)
-            region = out[key][local]
-            region[...] = fp8.view(torch.uint8).numpy().reshape(region.shape)
-            if s_piece is not None:
-                s_key, _, s_local = piece_slices(src, s_piece)
-                region = out[s_key][s_local]
-                region[...] = scales.contiguous().view(torch.uint8).numpy().view(region.dtype).reshape(region.shape)
+            ref.quantize_piece(out, p, fmt, s_piece, b_off)
     return out
 
 

@@ -58,35 +58,77 @@ class Trial:
     epoch: int
 
 
+class _EpochWatch:
+    """What a watch of the job's control range saw, with the times it saw it: members'
+    keys deleted (their leases expired) and each new epoch's view."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
+        self.keys = keys
+        self.gone: dict[str, float] = {}  # member_id -> when its key was deleted
+        self.epochs: list[tuple[float, MembershipView]] = []
+        self.lock = threading.Lock()
+        start, end = keys.control_range
+        self.watcher = RangeWatcher(client, start, end, name="bench")
+        self.watcher.add_listener(self._on_change)
+        self.watcher.start()
+
+    def _on_change(self, reset, events, snap) -> None:
+        now = time.time()
+        with self.lock:
+            for ev in events:
+                parsed = self.keys.parse_member_key(ev.key)
+                if parsed and ev.kind == "delete":
+                    self.gone[parsed[1]] = now
+            kv = snap.items.get(self.keys.epoch)
+            if kv is not None:
+                v = MembershipView.decode(kv.value)
+                if not self.epochs or self.epochs[-1][1].epoch != v.epoch:
+                    self.epochs.append((now, v))
+
+    def wait_without(self, member_id: str, since: float, timeout_s: float) -> tuple[float, float, MembershipView]:
+        """When ``member_id``'s key went and the first epoch without it (both after
+        ``since``) was seen: (gone at, epoch at, the epoch's view)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                t_gone = self.gone.get(member_id, 0.0)
+                new = next(((t, v) for t, v in self.epochs if t >= since and member_id not in v), None)
+            if t_gone >= since and new is not None:
+                return t_gone, new[0], new[1]
+            time.sleep(0.005)
+        raise TimeoutError(f"no epoch without {member_id}")
+
+    def stop(self) -> None:
+        self.watcher.stop()
+
+
+def _kill_one(cfg: BenchConfig, members: list[AgentProcess], victim: AgentProcess, watch: _EpochWatch,
+              k: int) -> Trial:
+    """SIGKILL ``victim`` and time the survivors' way to a verified communicator without it."""
+    survivors = [m for m in members if m is not victim]
+    t_kill = time.time()
+    victim.kill()
+    try:
+        t_gone, t_epoch, view = watch.wait_without(victim.member_id, t_kill, cfg.settle_timeout_s)
+    except TimeoutError as exc:
+        raise TimeoutError(f"trial {k}: {exc}") from None
+    recs = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.reconfigured"
+                         and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
+    oks = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.verified"
+                        and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
+    return Trial(victim=victim.member_id, detect_s=t_gone - t_kill, epoch_s=t_epoch - t_kill,
+                 rebuild_s=max(r["seconds"] for r in recs), ready_s=max(o["_t"] for o in oks) - t_kill,
+                 epoch=view.epoch)
+
+
 def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
     """Run the benchmark and return its summary (seconds; see the module docstring)."""
     rng = random.Random(cfg.seed)
     job = f"bench-{os.getpid()}"
-    keys = JobKeys(job)
     trials: list[Trial] = []
     with EtcdServer(name="bench") as etcd:
         client = EtcdClient(etcd.endpoints)
-        gone: dict[str, float] = {}
-        epochs: list[tuple[float, MembershipView]] = []
-        lock = threading.Lock()
-
-        def on_change(reset, events, snap) -> None:
-            now = time.time()
-            with lock:
-                for ev in events:
-                    parsed = keys.parse_member_key(ev.key)
-                    if parsed and ev.kind == "delete":
-                        gone[parsed[1]] = now
-                kv = snap.items.get(keys.epoch)
-                if kv is not None:
-                    v = MembershipView.decode(kv.value)
-                    if not epochs or epochs[-1][1].epoch != v.epoch:
-                        epochs.append((now, v))
-
-        start, end = keys.control_range
-        watcher = RangeWatcher(client, start, end, name="bench")
-        watcher.add_listener(on_change)
-        watcher.start()
+        watch = _EpochWatch(client, JobKeys(job))
         members = [AgentProcess(etcd.endpoints, job, f"m{i}", ttl=cfg.ttl_s, comm="gloo", start=False) for i in range(cfg.members)]
         try:
             progress(f"starting etcd and {cfg.members} member processes")
@@ -95,40 +137,23 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
             epoch = _wait_all_verified(members, cfg.members, 0, cfg.settle_timeout_s)
             for k in range(cfg.trials):
                 victim = rng.choice(members)
-                survivors = [m for m in members if m is not victim]
-                t_kill = time.time()
-                victim.kill()
-                deadline = time.monotonic() + cfg.settle_timeout_s
-                while time.monotonic() < deadline:
-                    with lock:
-                        t_gone = gone.get(victim.member_id, 0.0)
-                        new = next(((t, v) for t, v in epochs
-                                    if t >= t_kill and victim.member_id not in v), None)
-                    if t_gone >= t_kill and new is not None:
-                        break
-                    time.sleep(0.005)
-                else:
-                    raise TimeoutError(f"trial {k}: no epoch without {victim.member_id}")
-                t_epoch, view = new
-                recs = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.reconfigured"
-                                     and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
-                oks = [m.wait_event(lambda e, ep=view.epoch: e.get("event") == "comm.verified"
-                              and e.get("epoch") == ep, cfg.settle_timeout_s) for m in survivors]
-                trial = Trial(victim=victim.member_id, detect_s=t_gone - t_kill,
-                              epoch_s=t_epoch - t_kill, rebuild_s=max(r["seconds"] for r in recs),
-                              ready_s=max(o["_t"] for o in oks) - t_kill, epoch=view.epoch)
+                trial = _kill_one(cfg, members, victim, watch, k)
                 trials.append(trial)
                 progress(f"trial {k + 1}/{cfg.trials}: killed {victim.member_id}, detect "
                          f"{trial.detect_s:.3f}s, epoch {trial.epoch_s:.3f}s, rebuild "
                          f"{trial.rebuild_s * 1e3:.1f}ms")
                 victim.start()
-                epoch = _wait_all_verified(members, cfg.members, view.epoch, cfg.settle_timeout_s)
+                epoch = _wait_all_verified(members, cfg.members, trial.epoch, cfg.settle_timeout_s)
         finally:
             for m in members:
                 m.stop()
-            watcher.stop()
+            watch.stop()
             leases_left = len(client.leases())
             client.close()
+    return _summary(cfg, trials, leases_left, epoch)
+
+
+def _summary(cfg: BenchConfig, trials: list[Trial], leases_left: int, last_epoch: int) -> dict:
     detect = [t.detect_s for t in trials]
     epoch_t = [t.epoch_s for t in trials]
     rebuild = [t.rebuild_s for t in trials]
@@ -149,7 +174,7 @@ def run_membership_bench(cfg: BenchConfig, progress: Callable[[str], None] = lam
         "goal_epoch_p99_s": cfg.ttl_s + 0.5,
         "goal_met": percentile(epoch_t, 99) <= cfg.ttl_s + 0.5,
         "leases_left": leases_left,
-        "last_epoch": epoch,
+        "last_epoch": last_epoch,
         "per_trial": [asdict(t) for t in trials],
     }
 

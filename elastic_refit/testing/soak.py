@@ -41,6 +41,7 @@ from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.versions import VersionStore
 from elastic_refit.testing.etcd import EtcdServer
 from elastic_refit.testing.job import MemberSpec, run_member
+from elastic_refit.testing.probes import cpu_seconds, etcd_requests, rss_bytes
 from elastic_refit.testing.processes import apply_environ, fork_server_context
 from elastic_refit.testing.specs import tiny_spec_json
 
@@ -204,7 +205,7 @@ class _SoakJob:
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds of each member and of etcd so far."""
         pids = {m: p.pid for m, p in self.procs.items()} | {f"etcd{k or ''}": pid for k, pid in enumerate(self.etcd.pids)}
-        cpu = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
         return {name: c for name, c in cpu.items() if c is not None}
 
     def _kill(self) -> None:
@@ -214,40 +215,65 @@ class _SoakJob:
             p.join(10)
 
 
-def _rss_bytes(pid: int) -> int | None:
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return None
+class _Sampler:
+    """Every ``sample_s``, on a thread of its own: the long job's etcd key count and db size,
+    its members' resident memory, and the CPU seconds of each job's processes. Paused while
+    the idle window is measured, so that its own requests stay out of it."""
 
+    def __init__(self, config: SoakConfig, jobs: dict[str, _SoakJob], window: int,
+                 progress: Callable[[str], None]) -> None:
+        self.config = config
+        self.jobs = jobs
+        self.window = window
+        self.progress = progress
+        self.prefix = JobKeys(jobs[LONG].job).prefix
+        self.samples: list[dict[str, Any]] = []
+        self.failed: list[BaseException] = []
+        self.stop = threading.Event()
+        self.paused = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+        self._thread.start()
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(10)
 
+    def _read(self) -> dict[str, Any]:
+        long_job = self.jobs[LONG]
+        latest = long_job.store.snapshot().latest_committed or 0
+        rss = {m: rss_bytes(p.pid) for m, p in long_job.procs.items() if p.pid is not None}
+        # What a version costs the members and etcd, whatever else the (shared) machine runs
+        # meanwhile; by process, to see which one does more work.
+        cpu = long_job.cpu_seconds()
+        reading = {"t": time.monotonic(), "version": latest,
+                   "keys": long_job.client.count_prefix(self.prefix), "db_bytes": long_job.client.db_size(),
+                   "rss": {m: r for m, r in rss.items() if r is not None},
+                   "cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu}
+        if REFERENCE in self.jobs:
+            cpu = self.jobs[REFERENCE].cpu_seconds()
+            reading |= {"reference_version": self.jobs[REFERENCE].committed(),
+                        "reference_cpu_s": sum(cpu.values()), "reference_cpu_s_by_process": cpu}
+        return reading
 
-def _cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of process ``pid`` so far."""
-    with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # past "pid (comm)": utime, stime are 14, 15
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    return None
-
-
-def etcd_requests(endpoint: str) -> dict[str, float]:
-    """etcd's count of gRPC messages received so far, by method (unary requests and stream
-    messages such as lease keepalives and watch progress requests), from its metrics."""
-    import urllib.request
-
-    url = endpoint if "://" in endpoint else f"http://{endpoint}"  # the soak's etcd is plain http
-    with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("grpc_server_msg_received_total{"):
-            labels, value = line.rsplit(" ", 1)
-            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
-            out[method] = out.get(method, 0.0) + float(value)
-    return out
+    def _run(self) -> None:
+        last_said = 0.0
+        while not self.stop.wait(self.config.sample_s):
+            if self.paused.is_set():
+                continue
+            try:
+                reading = self._read()
+                self.samples.append(reading)
+            except (RefitError, OSError):
+                continue  # etcd busy for a moment: the next sample
+            except Exception as exc:  # a bug here would leave the run without samples: fail it
+                self.failed.append(exc)
+                return
+            if time.monotonic() - last_said > 10:
+                last_said = time.monotonic()
+                said = f"version {reading['version']}/{self.config.num_versions}, {reading['keys']} etcd keys"
+                if REFERENCE in self.jobs:
+                    said += f"; reference {reading['reference_version']}/{self.window}"
+                self.progress(said)
 
 
 def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
@@ -256,9 +282,6 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
     steps = interleave_schedule(config.num_versions, window, _block(config), config.reference)
     ctx = fork_server_context()
     release = ctx.Event()
-    samples: list[dict[str, Any]] = []
-    stop = threading.Event()
-    paused = threading.Event()  # the sampler's own requests stay out of the idle window
     idle: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         stack.callback(release.set)
@@ -268,45 +291,8 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
             jobs[REFERENCE] = _SoakJob(stack, ctx, "soak-ref", window, window, release, config.etcd_compaction,
                                        config.timeout_s)
         long_job = jobs[LONG]
-        prefix = JobKeys(long_job.job).prefix
-        sampler_failed: list[BaseException] = []
-
-        def sample() -> None:
-            last_said = 0.0
-            while not stop.wait(config.sample_s):
-                if paused.is_set():
-                    continue
-                try:
-                    latest = long_job.store.snapshot().latest_committed or 0
-                    rss = {m: _rss_bytes(p.pid) for m, p in long_job.procs.items() if p.pid is not None}
-                    # What a version costs the members and etcd, whatever else the (shared)
-                    # machine runs meanwhile; by process, to see which one does more work.
-                    cpu = long_job.cpu_seconds()
-                    reading = {"t": time.monotonic(), "version": latest,
-                               "keys": long_job.client.count_prefix(prefix), "db_bytes": long_job.client.db_size(),
-                               "rss": {m: r for m, r in rss.items() if r is not None},
-                               "cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu}
-                    if REFERENCE in jobs:
-                        cpu = jobs[REFERENCE].cpu_seconds()
-                        reading |= {"reference_version": jobs[REFERENCE].committed(),
-                                    "reference_cpu_s": sum(cpu.values()), "reference_cpu_s_by_process": cpu}
-                    samples.append(reading)
-                except (RefitError, OSError):
-                    continue  # etcd busy for a moment: the next sample
-                except Exception as exc:  # a bug here would leave the run without samples: fail it
-                    sampler_failed.append(exc)
-                    return
-                if time.monotonic() - last_said > 10:
-                    last_said = time.monotonic()
-                    said = f"version {latest}/{config.num_versions}, {reading['keys']} etcd keys"
-                    if REFERENCE in jobs:
-                        said += f"; reference {reading['reference_version']}/{window}"
-                    progress(said)
-
-        sampler = threading.Thread(target=sample, name="soak-sampler", daemon=True)
-        sampler.start()
-        stack.callback(sampler.join, 10)
-        stack.callback(stop.set)
+        sampler = _Sampler(config, jobs, window, progress)
+        stack.callback(sampler.close)
         deadline = time.monotonic() + config.timeout_s
         step = -1  # the step under way; -1: the members are still joining
 
@@ -315,13 +301,14 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                 return all(j.ready() for j in jobs.values())
             job, version = steps[step]
             # the last step ends with a sample past it: the last window's CPU figures need one
-            return jobs[job].committed() >= version and (step < len(steps) - 1 or _sampled_the_end(samples, jobs))
+            return jobs[job].committed() >= version and (step < len(steps) - 1
+                                                         or _sampled_the_end(sampler.samples, jobs))
 
         while not all(j.done() for j in jobs.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"soak timed out after {config.timeout_s} s at step {step} of {steps}")
-            if sampler_failed:
-                raise RuntimeError(f"the soak's sampler failed: {sampler_failed[0]!r}") from sampler_failed[0]
+            if sampler.failed:
+                raise RuntimeError(f"the soak's sampler failed: {sampler.failed[0]!r}") from sampler.failed[0]
             for job in jobs.values():
                 job.collect()
             if step < len(steps) and step_done():
@@ -330,14 +317,14 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda _m: No
                     jobs[steps[step][0]].open(steps[step][1])
                 else:  # every version committed: what idle members cost etcd, then let them go
                     long_job.requests_run = sum(etcd_requests(long_job.endpoints[0]).values())
-                    idle.update(_measure_idle(long_job.endpoints[0], config.idle_s, paused, len(long_job.procs)))
-                    stop.set()  # no samples of members on their way out
-                    sampler.join(10)
+                    idle.update(_measure_idle(long_job.endpoints[0], config.idle_s, sampler.paused,
+                                              len(long_job.procs)))
+                    sampler.close()  # no samples of members on their way out
                     release.set()
             time.sleep(0.005)
-        final_keys = long_job.client.count_prefix(prefix)
+        final_keys = long_job.client.count_prefix(sampler.prefix)
     # Every member reported without an error here: collect() raised on the first error or death.
-    figures = summarize(config, long_job.reports, samples, final_keys, idle,
+    figures = summarize(config, long_job.reports, sampler.samples, final_keys, idle,
                         reference=jobs[REFERENCE].reports if REFERENCE in jobs else None)
     # everything of the run (start-up, the sampler's reads) over its versions
     figures["etcd_requests_per_version"] = (long_job.requests_run - long_job.requests_start) / config.num_versions
