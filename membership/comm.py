@@ -1,22 +1,13 @@
 """The communicator lifecycle across epochs: build, shrink, grow, abort-and-rebuild.
 
-One communicator spans every rank of an epoch, ranked in the view's member order.
-On a new epoch :meth:`CommunicatorManager.reconfigure` picks the cheapest path the
-installed runtime supports:
-
-- removals only, NCCL >= 2.27 with a backend that can shrink -> ``shrink``
-  (``shrink_abort`` when a peer died: in-flight work on the parent is aborted first);
-  afterwards the parent is aborted, not destroyed;
-- additions only, NCCL >= 2.29.2 with nccl4py's grow -> ``grow`` (existing ranks keep
-  their numbers, newcomers get the unique id through the epoch's etcd store);
-- anything else, and always for gloo -> ``rebuild``: abort the old communicator and
-  rendezvous a new one under ``store/{epoch}/``.
-
-On NCCL every rank takes the path rank 0 of the epoch picked (``path-{backend}/`` in the
-epoch's store), and rank 0 picks a path that keeps the communicator only when every survivor
-reported it ready (:func:`agree_fast_path`): NCCL will not shrink a communicator whose
-state is an error unless a revoke brings it back, and torch's ``ProcessGroupNCCL.shrink``
-needs a store it can clone, which the etcd store is not.
+One communicator spans every rank of an epoch, ranked in the view's member order. On a new
+epoch :meth:`CommunicatorManager.reconfigure` takes the cheapest path the installed runtime
+supports (:mod:`elastic_refit.membership.comm_paths`: shrink on removals, grow on additions,
+otherwise, and always for gloo, rebuild under ``store/{epoch}/``). On NCCL every rank takes
+the path rank 0 of the epoch picked (``path-{backend}/`` in the epoch's store), and rank 0
+keeps the communicator only when every survivor reported it ready. Transports, and the
+nccl4py calls of the lifecycle, come from the transport package's factory
+(:mod:`elastic_refit.transport.factory`); this module names no concrete transport.
 
 Every path is timed and logged as ``comm.reconfigured`` with the epoch the rank's previous
 communicator belonged to (``from_epoch``): "build" is an incarnation's first communicator
@@ -28,7 +19,6 @@ is parked (never destroyed on the caller's thread) and logged as ``comm.abort.ti
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,206 +28,48 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from elastic_refit.membership.client import Compare, Delete, EtcdClient
+from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.comm_paths import (
+    FAST_PATHS,
+    NCCL_MIN_SHRINK,
+    RuntimeSupport,
+    agree_fast_path,
+    build_stranded,
+    choose_path,
+    probe_runtime,
+    rebuild_if_formed,
+)
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import CommunicatorError, MembershipLost, StoreTimeout
+from elastic_refit.membership.rendezvous import (
+    GLOO_PASSIVE_CONNECT_FACTOR,
+    GlooRendezvousStore,
+    arrive,
+)
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
 
 from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
 from elastic_refit.transport.factory import (
+    gloo_group,
     grow_nccl4py,
     init_nccl4py,
     make_transport,
-    probe_nccl4py,
+    nccl_group,
     revive_nccl4py,
     shrink_nccl4py,
 )
 from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
 
-BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
-PATHS: tuple[str, ...] = ("build", "unchanged", "shrink", "shrink_abort", "grow", "rebuild")
-NCCL_MIN_SHRINK = (2, 27, 0)
-NCCL_MIN_GROW = (2, 29, 2)
-# gloo's connect (torch 2.13 and 2.11) waits for a peer that is to connect to it (the passive
-# side of a pair) five times its context timeout, whatever that peer does meanwhile: measured
-# 3 s -> 15 s, 4 s -> 20 s, 6 s -> 30 s, and gloo leaves the listener's timeout a "TODO". A
-# build therefore gives gloo a fifth of the connect bound, and its rendezvous store keeps the
-# whole bound for the address keys (see _GlooRendezvousStore).
-_GLOO_PASSIVE_CONNECT_FACTOR = 5
-# etcd allows 128 operations per transaction by default (--max-txn-ops): a barrier of more
-# ranks cannot be read in one transaction, and falls back to leaving by a plain delete.
-_MAX_BARRIER_COMPARES = 100
+# The path decisions are comm_paths'; they stay importable from here, where callers look.
+__all__ = ["NCCL_MIN_SHRINK", "Communicator", "CommunicatorManager", "ReconfigureResult", "RuntimeSupport",
+           "abort_with_watchdog", "agree_fast_path", "build_stranded", "choose_path", "probe_runtime",
+           "rebuild_if_formed"]
 
-
-# --------------------------------------------------------------------- probing
-@dataclass(frozen=True, slots=True)
-class RuntimeSupport:
-    """What the installed torch / NCCL / nccl4py can do for reconfiguration."""
-
-    torch_version: str
-    num_gpus: int
-    nccl_version: tuple[int, int, int] | None
-    torch_shrink_group: bool
-    nccl_backend_shrink: bool
-    nccl4py_version: str | None
-    nccl4py_shrink: bool
-    nccl4py_grow: bool
-    nccl4py_nccl_version: tuple[int, int, int] | None = None  # the libnccl nccl4py loaded
-    # torch's ProcessGroupNCCL.shrink clones the group's store (c10d::Store::clone), which a
-    # store written in Python, like EtcdStore, cannot give: on torch 2.11 it fails with "Tried
-    # to call pure virtual function c10d::Store::clone". Groups built on such a store rebuild.
-    store_clone: bool = False
-
-    @property
-    def nccl_shrink(self) -> bool:
-        """ncclCommShrink reachable through torch's ProcessGroupNCCL."""
-        return (self.nccl_version is not None and self.nccl_version >= NCCL_MIN_SHRINK
-                and self.nccl_backend_shrink and self.store_clone)
-
-    @property
-    def nccl4py_can_shrink(self) -> bool:
-        """ncclCommShrink reachable through nccl4py."""
-        return (self.nccl4py_nccl_version is not None and self.nccl4py_nccl_version >= NCCL_MIN_SHRINK
-                and self.nccl4py_shrink)
-
-    @property
-    def nccl_grow(self) -> bool:
-        """ncclCommGrow reachable through nccl4py (on the libnccl nccl4py loaded)."""
-        return (self.nccl4py_nccl_version is not None and self.nccl4py_nccl_version >= NCCL_MIN_GROW
-                and self.nccl4py_grow)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "torch_version": self.torch_version,
-            "num_gpus": self.num_gpus,
-            "nccl_version": ".".join(map(str, self.nccl_version)) if self.nccl_version else None,
-            "torch_shrink_group": self.torch_shrink_group,
-            "nccl_backend_shrink": self.nccl_backend_shrink,
-            "nccl4py_version": self.nccl4py_version,
-            "nccl4py_nccl_version": (".".join(map(str, self.nccl4py_nccl_version))
-                                     if self.nccl4py_nccl_version else None),
-            "nccl_shrink": self.nccl_shrink,
-            "nccl4py_shrink": self.nccl4py_can_shrink,
-            "nccl_grow": self.nccl_grow,
-            "store_clone": self.store_clone,
-            "gloo_shrink": False,
-        }
-
-
-def _nccl_version() -> tuple[int, int, int] | None:
-    if not torch.cuda.is_available() or not dist.is_nccl_available():
-        return None
-    try:
-        v = torch.cuda.nccl.version()
-    except Exception:
-        return None
-    if isinstance(v, tuple):
-        return (int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 else 0)
-    v = int(v)  # older torch: a code like 22809 or 2809
-    return (v // 10000, (v // 100) % 100, v % 100) if v >= 10000 else (v // 1000, (v // 100) % 10, v % 100)
-
-
-def probe_runtime() -> RuntimeSupport:
-    """Probe torch, NCCL and nccl4py once; cheap and side-effect free."""
-    nccl4py = probe_nccl4py()
-    pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
-    return RuntimeSupport(
-        torch_version=torch.__version__,
-        num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        nccl_version=_nccl_version(),
-        torch_shrink_group=hasattr(dist, "shrink_group"),
-        nccl_backend_shrink=pg_nccl is not None and hasattr(pg_nccl, "shrink"),
-        nccl4py_version=nccl4py.version,
-        nccl4py_shrink=nccl4py.shrink,
-        nccl4py_grow=nccl4py.grow,
-        nccl4py_nccl_version=nccl4py.nccl_version,
-    )
-
-
-def _order_kept(old: MembershipView, new: MembershipView) -> bool:
-    """Survivors appear in the same relative order and occupy the first ranks of ``new``."""
-    old_ids = old.identities
-    survivors_new = [m.identity for m in new.members if m.identity in old_ids]
-    survivors_old = [m.identity for m in old.members if m.identity in new.identities]
-    prefix = [m.identity for m in new.members[: len(survivors_new)]]
-    return survivors_new == survivors_old and prefix == survivors_new
-
-
-def choose_path(old: MembershipView | None, new: MembershipView, backend: str,
-                support: RuntimeSupport, *, peer_died: bool = True) -> str:
-    """The reconfiguration path for ``old -> new`` (pure: no I/O)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if old is None:
-        return "build"
-    # A member asked for a new communicator (its old one broke): every rank rebuilds.
-    old_records = {m.identity: m for m in old.members}
-    if any(m.identity in old_records and m.reform != old_records[m.identity].reform for m in new.members):
-        return "rebuild"
-    d = diff(old, new)
-    if d.unchanged and old.member_ids == new.member_ids:
-        return "unchanged"
-    if backend in ("nccl", "nccl4py") and _order_kept(old, new):
-        can_shrink = support.nccl_shrink if backend == "nccl" else support.nccl4py_can_shrink
-        if d.removals_only and can_shrink:
-            return "shrink_abort" if peer_died else "shrink"
-        if d.additions_only and backend == "nccl4py" and support.nccl_grow:
-            return "grow"
-    return "rebuild"
-
-
-def rebuild_if_formed(path: str, came_from: int | None) -> str:
-    """``path`` as this rank takes it (pure): a rank that formed a communicator before (in
-    epoch ``came_from``) and builds a new one rebuilds, even when nothing of the old one is
-    left to reuse (a transport that broke was dropped, a formation failed). "build" is a
-    rank's first communicator only: a new incarnation's, never a survivor's."""
-    return "rebuild" if path == "build" and came_from is not None else path
-
-
-# The paths that keep (or start from) the current communicator: each survivor must be ready.
-FAST_PATHS: tuple[str, ...] = ("unchanged", "shrink", "shrink_abort", "grow")
-
-
-def agree_fast_path(path: str, parents_ready: dict[str, bool]) -> str:
-    """The epoch's path once every surviving member reported whether its communicator can
-    be shrunk or grown from (pure). NCCL refuses to shrink a communicator whose state is an
-    error (a transfer with the dead peer failed on it) unless a revoke brought it back to
-    success, and the survivors must all take part: one unready parent means a rebuild for
-    everyone, decided before anyone calls into NCCL, never a shrink that waits for a rank
-    that cannot join it."""
-    if path in FAST_PATHS and not all(parents_ready.values()):
-        return "rebuild"
-    return path
-
-
-def build_stranded(build: MembershipView, latest: MembershipView | None) -> bool:
-    """Whether an NCCL build of ``build``'s epoch that is past its arrival barrier must be
-    given up for ``latest`` (pure): only when a newer epoch no longer holds one of its
-    participants (that incarnation died or left, and NCCL's bootstrap would wait for it).
-
-    A newer epoch that keeps every participant (a newcomer joined, a member asked for a
-    reform) does not strand the build: every participant is in it and it completes within
-    moments, and only a completed communicator can be freed whole. An abandoned one cannot:
-    ncclCommAbort reaches neither the bootstrap root thread that ``get_unique_id`` started on
-    rank 0 (it waits for every rank's check-in, listening, for the life of the process) nor
-    the listener each rank opened for the root's answer (NCCL keeps it on the stack of the
-    init job, which returns without closing it when aborted)."""
-    return latest is not None and latest.epoch > build.epoch and not build.identities <= latest.identities
 
 
 # ---------------------------------------------------------------- communicator
-class _GlooRendezvousStore(EtcdStore):
-    """The store a gloo group is built with: its waits keep this store's own timeout. gloo
-    passes its context timeout to every wait for a peer's address key, and a build sets that
-    to a fifth of the connect bound (``_GLOO_PASSIVE_CONNECT_FACTOR``): an address written a
-    moment late by a slow but live peer must not fail the build."""
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        super().wait(keys)
-
-
 @dataclass(slots=True)
 class Communicator:
     """One epoch's communicator, owned by the manager. ``pg`` is a torch c10d backend (or
@@ -492,40 +324,10 @@ class CommunicatorManager:
 
     def _arrive(self, view: MembershipView, namespace: str) -> None:
         """Mark this rank's arrival at the epoch's rendezvous and wait until every rank of
-        the epoch is there (up to the epoch deadline; given up at once when a newer epoch
-        supersedes this one). gloo's connect cannot be cancelled: a rank that left it half
-        done (it had written its address, then gave up for a newer epoch) stranded a peer
-        in connect for the whole rendezvous timeout, and every later epoch waited for that
-        peer. Past this barrier every peer is here and connects within moments."""
-        store = self._store(view, namespace)
-        mine = f"arrived/{self.member_id}/{view.member(self.member_id).incarnation}"
-        keys = [f"arrived/{m.member_id}/{m.incarnation}" for m in view.members]
-        store.set(mine, "1")
-        consistent = len(keys) <= _MAX_BARRIER_COMPARES
-        while True:
-            try:
-                store.wait(keys)
-            except StoreTimeout:
-                if consistent and self._barrier_complete(store, keys, leave=mine):
-                    return  # everyone arrived before we could leave: a peer may be connecting
-                if not consistent:  # peers still waiting must not count this rank as arrived
-                    with contextlib.suppress(Exception):
-                        store.delete_key(mine)
-                raise
-            # The wait read the keys one by one: a peer may have left between two reads.
-            # Pass only on one consistent read, so that a peer's leave (below) and our pass
-            # can never both happen.
-            if not consistent or self._barrier_complete(store, keys):
-                return
-
-    def _barrier_complete(self, store: EtcdStore, keys: list[str], *, leave: str | None = None) -> bool:
-        """One transaction: are all ``keys`` there (at one revision)? With ``leave``, delete
-        that key in the same transaction when they are not: a rank leaves the barrier only
-        when no peer can have seen it complete, so nobody is stranded in gloo's connect (a
-        peer that passed it waits there for the whole connect timeout)."""
-        res = self.client.txn([Compare(store._k(k), "create", ">", 0) for k in keys], [],
-                              [Delete(store._k(leave))] if leave is not None else [])
-        return res.succeeded
+        the epoch is there (see :func:`~elastic_refit.membership.rendezvous.arrive`)."""
+        arrive(self.client, self._store(view, namespace),
+               f"arrived/{self.member_id}/{view.member(self.member_id).incarnation}",
+               [f"arrived/{m.member_id}/{m.incarnation}" for m in view.members])
 
     def _build(self, view: MembershipView, path: str) -> Communicator:
         rank = view.rank_of(self.member_id)
@@ -541,14 +343,11 @@ class CommunicatorManager:
                 # peer that gave up (its address key came too late for it) held every rank
                 # that had read its address for 15 s (restart+kill, 15.7 s, 2026-12-03).
                 connect = self.transport_timeout_s
-                pg_store = _GlooRendezvousStore(self.client, self.job, view.epoch, namespace=f"comm-{self.backend}",
+                pg_store = GlooRendezvousStore(self.client, self.job, view.epoch, namespace=f"comm-{self.backend}",
                                                 timeout=timedelta(seconds=connect))
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = timedelta(seconds=connect / _GLOO_PASSIVE_CONNECT_FACTOR)
-                options._devices = [dist.ProcessGroupGloo.create_device(interface=self.bind_interface)
-                                    if self.bind_interface else dist.ProcessGroupGloo.create_default_device()]
                 try:
-                    pg = dist.ProcessGroupGloo(pg_store, rank, view.num_ranks, options)
+                    pg = gloo_group(pg_store, rank, view.num_ranks, timeout_s=connect / GLOO_PASSIVE_CONNECT_FACTOR,
+                                    interface=self.bind_interface)
                 except BaseException:
                     self._built(view, ok=False)  # peers waiting for this rank go on at once
                     raise
@@ -556,7 +355,7 @@ class CommunicatorManager:
                 self._built(view, ok=True)
             elif self.backend == "nccl":
                 self._arrive(view, f"comm-{self.backend}")
-                pg = self._build_nccl(store, rank, view.num_ranks, collective)
+                pg = nccl_group(store, rank, view.num_ranks, timeout=collective, device=self.device)
             else:
                 # Only once every rank is here: a rank that dies before it arrives (killed as
                 # it rejoins) must not leave NCCL's bootstrap (the unique id's root thread,
@@ -596,17 +395,6 @@ class CommunicatorManager:
         except Exception as exc:  # the group itself is fine: peers that never finish re-form later
             self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=brief(exc)
                              if str(exc) else type(exc).__name__)
-
-    def _build_nccl(self, store, rank: int, size: int, timeout: timedelta):
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        with contextlib.suppress(AttributeError):
-            opts.config.blocking = 0  # non-blocking comms can be aborted mid-init
-        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-        # Eager init binds the device now, so a broken peer shows up here, not in a refit.
-        if hasattr(pg, "eager_connect_single_device"):
-            pg.eager_connect_single_device(self.device)
-        return pg
 
     def _build_nccl4py(self, view: MembershipView, rank: int):
         """Past the arrival barrier: NCCL's bootstrap starts (rank 0's root thread, every

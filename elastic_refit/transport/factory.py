@@ -7,6 +7,8 @@ and never names a concrete one:
 - :func:`make_transport` wraps a communicator the caller built (a c10d process group for
   gloo and torch NCCL, an nccl4py communicator);
 - :func:`create_transport` builds the communicator of a world from a store, then wraps it;
+- :func:`gloo_group` and :func:`nccl_group` build the c10d process groups an owner keeps
+  across epochs (with the options membership's lifecycle needs);
 - the nccl4py lifecycle (:func:`probe_nccl4py`, :func:`init_nccl4py`,
   :func:`shrink_nccl4py`, :func:`grow_nccl4py`, :func:`revive_nccl4py`) for owners of
   nccl4py communicators.
@@ -17,7 +19,9 @@ them nor nccl4py.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,8 +29,8 @@ import torch
 from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.protocol import Transport
 
-__all__ = ["create_transport", "grow_nccl4py", "init_nccl4py", "make_transport", "probe_nccl4py",
-           "revive_nccl4py", "shrink_nccl4py"]
+__all__ = ["create_transport", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
+           "probe_nccl4py", "revive_nccl4py", "shrink_nccl4py"]
 
 
 def make_transport(backend: Backend | str, communicator: Any, rank: int, world_size: int, *,
@@ -71,6 +75,36 @@ def create_transport(backend: Backend | str, store: Any, rank: int, world_size: 
     from elastic_refit.transport.c10d import C10dTransport
 
     return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------------ c10d process groups
+def gloo_group(store: Any, rank: int, world_size: int, *, timeout_s: float, interface: str | None = None) -> Any:
+    """A ``ProcessGroupGloo`` of ``world_size`` ranks over ``store``, its context timeout
+    ``timeout_s`` (its connect waits up to five times that for a passive peer), its device
+    bound to ``interface`` (None: gloo's default device)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
+                        if interface else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def nccl_group(store: Any, rank: int, world_size: int, *, timeout: timedelta, device: torch.device) -> Any:
+    """A ``ProcessGroupNCCL`` of ``world_size`` ranks over ``store``, non-blocking where
+    torch lets it be (so it can be aborted mid-init), connected eagerly on ``device``."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    with contextlib.suppress(AttributeError):
+        opts.config.blocking = 0  # non-blocking comms can be aborted mid-init
+    pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    # Eager init binds the device now, so a broken peer shows up here, not in a refit.
+    if hasattr(pg, "eager_connect_single_device"):
+        pg.eager_connect_single_device(device)
+    return pg
 
 
 # ------------------------------------------------------------------ nccl4py lifecycle
