@@ -83,3 +83,39 @@ def test_etcd_command_without_a_data_dir_removes_its_folder_and_refuses_a_busy_p
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     assert _gone(etcd_pid) and not Path(folder).exists()
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_quickstart() -> list[str]:
+    """The commands of README's quickstart block, as written."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Quickstart"):]
+    block = section[section.index("```\n") + 4:]
+    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
+
+
+def test_readme_quickstart_runs_as_written(tmp_path):
+    """README's quickstart, line by line in one shell (the install line aside: this checkout is
+    installed already; etcd's port made free for the test), then its output checked."""
+    from elastic_refit.testing.etcd import free_ports
+
+    commands = readme_quickstart()
+    assert commands[0].startswith("pip install -e") and "[examples]" in commands[0]
+    assert any(c.startswith("elastic-refit etcd") for c in commands)
+    assert any(c.startswith("python examples/hf_quickstart.py") for c in commands)
+    assert any(c.startswith("elastic-refit status") for c in commands)
+    port = str(free_ports(1)[0])
+    bin_dir = Path(sys.executable).parent
+    script = "set -e\n" + "\n".join(c.replace("2379", port) for c in commands[1:]) + "\nwait\n"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert f"export ELASTIC_REFIT_ETCD=127.0.0.1:{port}" in out
+    assert "every engine's weights equal the trainer's bit for bit" in out
+    assert "job first-job" in out and "latest committed 3" in out, out
+    assert f"etcd at 127.0.0.1:{port} stopped" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
