@@ -38,6 +38,10 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
         raise ValueError(f"--last must be >= 1, got {last}")
     keys = JobKeys(job)
     with EtcdClient(endpoints) as client:
+        if client.count_prefix(keys.prefix) == 0:
+            where = ",".join(endpoints.endpoints if hasattr(endpoints, "endpoints") else endpoints)
+            raise ValueError(f"no job {job!r} in the etcd at {where} (nothing under {keys.prefix}): "
+                             f"check --job and --etcd")
         members_kv = client.get_prefix(keys.members_prefix).kvs
         leader_kv = client.get(keys.leader)
         epoch_kv = client.get(keys.epoch)

@@ -80,10 +80,14 @@ def test_status_of_a_running_job(etcd_server, capsys):
         job.stop()
 
 
-def test_status_of_an_unknown_job_is_empty(etcd_server):
-    data = job_status([etcd_server.endpoint], "nobody")
-    assert data["epoch"] is None and data["leader"] is None and data["latest_committed"] is None
-    assert data["members"] == {"trainer": [], "inference": []}
+def test_status_of_an_unknown_job_is_one_error_line_and_exit_2(etcd_server, capsys):
+    """It printed empty tables and exited 0, as if the job existed and had nobody."""
+    with pytest.raises(ValueError, match="no job 'nobody'"):
+        job_status([etcd_server.endpoint], "nobody")
+    assert main(["status", "--etcd", etcd_server.endpoint, "--job", "nobody"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"elastic-refit: error: no job 'nobody' in the etcd at {etcd_server.endpoint}"), err
 
 
 def test_status_rejects_bad_input(etcd_server, capsys):
