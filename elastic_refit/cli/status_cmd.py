@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", required=True, help="job name")
     parser.add_argument("--last", type=int, default=5, help="committed versions to list (default 5)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--watch", nargs="?", type=float, const=1.0, default=None, metavar="SECONDS",
+                        help="refresh the table in place every SECONDS (default 1) until Ctrl-C")
     parser.set_defaults(handler=run)
 
 
@@ -62,6 +64,7 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
             "rank": view.rank_of(record.member_id) if in_epoch else None})
     for group in members.values():
         group.sort(key=lambda m: (m["layout_rank"], m["member_id"]))
+    add_serving(members, state)
     leader = None
     if leader_kv is not None:
         data = json.loads(leader_kv.value)
@@ -72,7 +75,7 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
                  for _, c in sorted(state.committed.items())[-last:]][::-1]
     acks = [{"member_id": m, "incarnation": a.incarnation, "epoch": a.epoch, "digest": a.digest}
             for m, a in sorted(state.acks.get(latest, {}).items())] if latest is not None else []
-    pending = sorted(v for v in state.sources if latest is None or v > latest)
+    pending = sorted(v for v in state.sources if (latest is None or v > latest) and v not in state.failed)
     return {
         "job": job,
         "revision": state.revision,
@@ -84,17 +87,81 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
         "committed": committed,
         "latest_acks": acks,
         "pending_versions": pending,
+        "pending": [{"version": v, "reason": pending_reason(v, pending, members, state.sources.get(v, {}),
+                                                            state.acks.get(v, {}), view.epoch if view else None)}
+                    for v in pending],
+        "failed": [{"version": v, "cause": f.cause, "num_attempts": f.num_attempts, "epoch": f.epoch}
+                   for v, f in sorted(state.failed.items())[-last:]][::-1],
     }
+
+
+def add_serving(members: dict[str, list[dict[str, Any]]], state) -> None:
+    """Per member: ``serving``, the newest committed version it acked in this incarnation
+    (inference; None: it serves nothing yet) or the newest version it published (trainers),
+    and ``lag``, how many versions behind the newest committed one it is."""
+    latest = state.latest_committed
+    for m in members["inference"]:
+        held = [v for v, acks in state.acks.items() if v in state.committed
+                and (a := acks.get(m["member_id"])) is not None and a.incarnation == m["incarnation"]]
+        m["serving"] = max(held) if held else None
+        m["lag"] = latest - m["serving"] if m["serving"] is not None and latest is not None else None
+    for m in members["trainer"]:
+        sent = [v for v, sources in state.sources.items() if sources.get(m["member_id"]) == m["incarnation"]]
+        m["serving"] = max(sent) if sent else None  # the newest version it published
+        m["lag"] = None
+
+
+def pending_reason(version: int, pending: list[int], members: dict[str, list[dict[str, Any]]],
+                   sources: dict[str, str], acks: dict[str, Any], epoch: int | None) -> str:
+    """Why ``version`` (published, not committed) is not committed yet, in one line (pure)."""
+    newest = max(pending)
+    if version < newest:
+        return f"superseded by v{newest}: dropped once a newer version commits"
+    trainers = [m["member_id"] for m in members["trainer"] if sources.get(m["member_id"]) != m["incarnation"]]
+    if trainers:
+        return f"waiting for trainer(s) {', '.join(trainers)} to publish it"
+    inference = members["inference"]
+    if not inference:
+        return "no inference member in the job to receive it"
+    outside = [m["member_id"] for m in inference if not m["in_epoch"]]
+    if outside:
+        return (f"member(s) {', '.join(outside)} not in epoch {epoch if epoch is not None else '-'} yet: "
+                f"a new epoch is forming")
+    missing = [m["member_id"] for m in inference if m["member_id"] not in acks]
+    if missing:
+        return (f"acked by {len(inference) - len(missing)} of {len(inference)} inference members; "
+                f"moving to {', '.join(missing)}")
+    return "every inference member acked it: the commit is being written"
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the status table (or JSON)."""
+    if args.watch is not None:
+        return _watch(args)
     data = job_status(etcd_config(args), args.job, args.last)
     if args.json:
         print_json(data)
         return 0
     print(render_status(data))
     return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """The table, redrawn in place (cursor home, clear below) every ``args.watch`` seconds."""
+    import sys
+    import time
+
+    if not args.watch > 0 or args.json:
+        raise ValueError(f"--watch needs SECONDS > 0 and no --json, got {args.watch} {'--json' if args.json else ''}")
+    config = etcd_config(args)
+    try:
+        while True:
+            text = render_status(job_status(config, args.job, args.last))
+            sys.stdout.write(f"\x1b[H\x1b[J{text}\n(every {args.watch:g} s; Ctrl-C stops)\n")
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def render_status(data: dict[str, Any]) -> str:
@@ -105,12 +172,14 @@ def render_status(data: dict[str, Any]) -> str:
            f"latest committed {data['latest_committed'] if data['latest_committed'] is not None else '-'}"]
     for role in ("trainer", "inference"):
         rows = [[m["member_id"], m["incarnation"], m["host"], m["domain"], m["layout_rank"],
-                 m["layout"][:12] or "-", m["state"], "-" if m["rank"] is None else m["rank"]]
+                 m["layout"][:12] or "-", _serving(m, role), "-" if m.get("lag") is None else m["lag"],
+                 "-" if m["rank"] is None else m["rank"]]
                 for m in data["members"][role]]
         out.append("")
         out.append(f"{role} ranks ({len(rows)})")
-        out.append(render_table(["member", "incarnation", "host", "domain", "layout rank", "layout", "state",
-                                 "epoch rank"], rows) if rows else "  none")
+        out.append(render_table(["member", "incarnation", "host", "domain", "layout rank", "layout",
+                                 "published" if role == "trainer" else "serving", "lag", "rank in epoch"], rows)
+                   if rows else "  none")
     out.append("")
     out.append(render_table(["version", "epoch", "digest"],
                             [[f"v{c['version']}", c["epoch"], c["digest"]] for c in data["committed"]])
@@ -121,6 +190,17 @@ def render_status(data: dict[str, Any]) -> str:
         out.append(render_table(["member", "incarnation", "epoch", "digest"],
                                 [[a["member_id"], a["incarnation"], a["epoch"], a["digest"]]
                                  for a in data["latest_acks"]]))
-    if data["pending_versions"]:
-        out.append(f"\npublished, not committed yet: {', '.join(f'v{v}' for v in data['pending_versions'])}")
+    for p in data.get("pending", []):
+        out.append(f"\nv{p['version']} pending: {p['reason']}")
+    for f in data.get("failed", []):
+        out.append(f"\nv{f['version']} failed after {f['num_attempts']} attempt(s) in epoch {f['epoch']}: {f['cause']}")
+    out.append("\nepoch: the membership generation (a new one at every join, leave or death); rank in epoch: the "
+               "member's rank in that epoch's communicator; serving: the newest committed version the member "
+               "holds, verified; lag: versions behind the newest committed one")
     return "\n".join(out)
+
+
+def _serving(member: dict[str, Any], role: str) -> str:
+    if member.get("serving") is None:
+        return "nothing" if role == "inference" else "-"
+    return f"v{member['serving']}"

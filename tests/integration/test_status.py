@@ -38,7 +38,10 @@ def test_status_of_a_running_job(etcd_server, capsys):
             job.start(m)
         deadline = time.monotonic() + 60
         while True:
-            data = job_status([etcd], "job")
+            try:
+                data = job_status([etcd], "job")
+            except ValueError:  # nothing of the job in etcd yet
+                data = {"latest_committed": None}
             if data["latest_committed"] == 2:
                 break
             assert time.monotonic() < deadline, f"version 2 never committed: {data}"
@@ -58,6 +61,7 @@ def test_status_of_a_running_job(etcd_server, capsys):
         i1 = data["members"]["inference"][0]
         assert (i1["incarnation"], i1["layout_rank"], i1["domain"], i1["state"], i1["rank"]) == ("i1-a", 3, "d1",
                                                                                                  "ready", 0)
+        assert (i1["serving"], i1["lag"]) == (2, 0)  # what it serves, verified, and how far behind
         assert len(i1["layout"]) == 32  # the fingerprint of the layout i1 described its side with
         assert data["leader"]["member_id"] == "i1" and data["leader"]["token"] > 0
         assert [c["version"] for c in data["committed"]] == [2, 1]
@@ -76,6 +80,7 @@ def test_status_of_a_running_job(etcd_server, capsys):
         table = capsys.readouterr().out
         assert "inference ranks (1)" in table and "i1-a" in table and "v2" in table and "acks of v2" in table
         assert i1["layout"][:12] in table
+        assert "serving" in table and "rank in epoch" in table
     finally:
         job.stop()
 
