@@ -13,8 +13,12 @@ _BENCH_MODULES: tuple[str, ...] = ("bench_membership", "bench_soak", "bench_cont
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (data path, membership)")
-    targets = parser.add_subparsers(dest="bench_target", metavar="TARGET")
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks (data path, membership)",
+        description="Without a TARGET: the refit benchmark (--spec or --model), reshard vs gather-and-broadcast "
+                    "on this machine. With one: membership, soak or control-plane (each has its own --help).")
+    # optional: `bench --model ...` runs the refit benchmark
+    targets = parser.add_subparsers(dest="bench_target", metavar="[TARGET]", required=False)
     for module_name in _BENCH_MODULES:
         importlib.import_module(f"elastic_refit.cli.{module_name}").register(targets)
     # `bench --spec FILE` / `bench --model ...` (no target): reshard vs gather-and-broadcast.

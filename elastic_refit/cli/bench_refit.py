@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The refit benchmark's arguments, on the `bench` parser itself (next to its targets)."""
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--spec", help="layout spec file (JSON)")
-    what.add_argument("--model", help="model preset (e.g. qwen3-30b-a3b)")
+    from elastic_refit.cli.plan_cmd import model_help
+
+    what.add_argument("--model", help=model_help())
     parser.add_argument("--source", help="training parallelism, e.g. tp=2,pp=2,ep=2")
     parser.add_argument("--destination", help="inference parallelism, e.g. tp=2,dp=2")
     parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")

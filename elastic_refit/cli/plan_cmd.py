@@ -42,7 +42,7 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments that describe a refit: a spec file, or a model with two parallelisms."""
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--spec", help="layout spec file (JSON)")
-    what.add_argument("--model", help="model preset (e.g. deepseek-v3, qwen3-235b-a22b)")
+    what.add_argument("--model", help=model_help())
     parser.add_argument("--source", help="training parallelism, e.g. tp=4,pp=8,ep=16,dp=4")
     parser.add_argument("--destination", help="inference parallelism, e.g. tp=8,dp=16")
     parser.add_argument("--layers", type=int, default=None, help="cut the model to its first N layers")
@@ -56,6 +56,13 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ingress balance over every NIC of a destination domain, regions forwarded over "
                              "NVLink under the network transfer (PlanOptions.relay): auto (default) where it "
                              "lowers the busiest NIC, on (also a bare --relay) always, off never")
+
+
+def model_help() -> str:
+    """``--model``'s help: every preset by name (``--help`` lists the choices)."""
+    from elastic_refit.layout.models import MODELS
+
+    return f"model preset: {', '.join(MODELS)}; or a local Hugging Face config.json"
 
 
 def add_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +130,8 @@ def load_case(args: argparse.Namespace, cluster_domain_size: int | None = None) 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="build a refit plan and print its figures")
     add_case_arguments(parser)
-    parser.add_argument("--cluster", choices=sorted(CLUSTERS), help="predict seconds on this cluster")
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS),
+                        help=f"predict seconds on this cluster: {', '.join(sorted(CLUSTERS))}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rank", type=int, default=None,
                         help="plan only this rank's view (what it sends, receives and copies), as every rank "
