@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_refit.layout.box import DTYPE_ITEMSIZE, DTYPES, Box, canonical_dtype
-from elastic_refit.layout.digest import dtype_for_range, update_int_arrays
+from elastic_refit.layout.fingerprint import (
+    block_digest,
+    buffer_block,
+    combine_fingerprint,
+    piece_block,
+)
 
 __all__ = [
     "Buffer",
@@ -216,60 +221,13 @@ class Layout:
 
     @property
     def fingerprint(self) -> str:
-        """Stable hash of every tensor, buffer and piece (computed on first use).
-
-        Two levels: one sha256 per rank over that rank's buffers and pieces (see
-        ``_rank_digests``), then one over the tensors, buffer names, ranks, how the ranks'
-        rows interleave (a flag for the canonical orders, else the rank of every row) and
-        the per-rank digests. Together they cover every column and the row order. A layout
-        derived by dropping ranks reuses the digests of the ranks it keeps, whose rows are
-        unchanged.
-        """
+        """Canonical hash of every tensor, buffer and piece (computed on first use): per
+        tensor and per buffer name, each shifted to its first rank, so a ``SymbolicLayout``
+        of the same pieces hashes alike without listing them (``layout.fingerprint``)."""
         cached = self.__dict__.get("_fingerprint")
         if cached is None:
-            digests = self._rank_digests()
-            digest = hashlib.sha256()  # about twice blake2b's speed over tens of MB
-            digest.update(self._names_digest())
-            digest.update(f"ndim={self.ndim}".encode())
-            update_int_arrays(digest, [("ranks", np.array(self.ranks, dtype=np.int64))])
-            # How the ranks' rows interleave. Built and derived layouts keep buffers in rank
-            # order and pieces in (tensor, rank) order, which the per-rank rows determine;
-            # any other order is hashed row by row.
-            stride = self.ranks[-1] + 1 if self.ranks else 1
-            if _non_decreasing(self.buffer_rank):
-                digest.update(b"buffer_rank:sorted;")
-            else:
-                update_int_arrays(digest, [("buffer_rank", self.buffer_rank)])
-            if _non_decreasing(self.piece_tensor * stride + self.piece_rank):
-                digest.update(b"piece_rank:sorted by tensor, rank;")
-            else:
-                update_int_arrays(digest, [("piece_rank", self.piece_rank)])
-            digest.update(b"".join(digests[r] for r in self.ranks))
-            cached = digest.hexdigest()[:32]
+            cached = _explicit_fingerprint(self)
             object.__setattr__(self, "_fingerprint", cached)
-        return cached
-
-    def _names_digest(self) -> bytes:
-        """sha256 of the tensors and buffer names (memoised; derived layouts share both)."""
-        cached = self.__dict__.get("_names_sha")
-        if cached is None:
-            digest = hashlib.sha256(repr([(t.name, t.shape, t.dtype) for t in self.tensors]).encode())
-            digest.update(repr(self.buffer_names).encode())
-            cached = digest.digest()
-            object.__setattr__(self, "_names_sha", cached)
-        return cached
-
-    def _rank_digests(self) -> dict[int, bytes]:
-        """sha256 of each rank's rows (memoised; inherited from the parent layout by
-        layouts derived by dropping ranks)."""
-        cached = self.__dict__.get("_rank_digest")
-        if cached is None:
-            inherited = self.__dict__.get("_rank_digest_hint") or {}
-            if all(r in inherited for r in self.ranks):
-                cached = {r: inherited[r] for r in self.ranks}
-            else:
-                cached = _rank_digests(self)
-            object.__setattr__(self, "_rank_digest", cached)
         return cached
 
     def tensor_layout_ids(self) -> np.ndarray:
@@ -425,13 +383,10 @@ class Layout:
             piece_local_lengths=take(self.piece_local_lengths, pieces),
         )
         # What survives dropping whole ranks: the tensors and names (the same objects); the
-        # kept ranks, which all hold buffers; pieces that did not overlap still do not; a
-        # kept rank's rows (and so its digest) are unchanged; tensors laid out identically
-        # still are (both lose the same ranks' pieces). The last is a hint only: tensors
+        # kept ranks, which all hold buffers; pieces that did not overlap still do not;
+        # tensors laid out identically still are (both lose the same ranks' pieces). The last is a hint only: tensors
         # that differed may now be equal, so tensor_layout_ids compares them again.
         object.__setattr__(derived, "_ranks", tuple(int(r) for r in ranks))
-        if "_names_sha" in self.__dict__:
-            object.__setattr__(derived, "_names_sha", self.__dict__["_names_sha"])
         if self.__dict__.get("_no_overlap"):
             object.__setattr__(derived, "_no_overlap", True)
         nbytes = self.__dict__.get("_nbytes")
@@ -439,9 +394,6 @@ class Layout:
             dropped = np.flatnonzero(~keep_piece)
             dropped_bytes = np.prod(self.piece_lengths[dropped], axis=1) * self.tensor_itemsize[self.piece_tensor[dropped]]
             object.__setattr__(derived, "_nbytes", nbytes - int(dropped_bytes.sum()))
-        digests = self.__dict__.get("_rank_digest") or self.__dict__.get("_rank_digest_hint")
-        if digests:
-            object.__setattr__(derived, "_rank_digest_hint", digests)
         hint = self.__dict__.get("_layout_ids")
         if hint is None:
             hint = self.__dict__.get("_layout_ids_hint")
@@ -455,83 +407,51 @@ class Layout:
         return text + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")
 
 
-def _rank_digests(layout: Layout) -> dict[int, bytes]:
-    """sha256 of the rows of every rank: its buffers (name, ndim, dtype, shape) and its
-    pieces (tensor, buffer counted from the rank's first buffer, global box, local box), in
-    layout order, each block in the narrowest dtype that holds it. A pure function of the
-    rank's rows, so equal on every layout that holds them."""
-    if not layout.num_buffers:
-        return {}
-    k = layout.ndim
-    ranks = np.array(layout.ranks, dtype=np.int64)
-    num_slots = int(ranks[-1]) + 1
-    # Rows of every rank back to back, in layout order inside a rank.
-    b_order = _order_by_rank(layout.buffer_rank)
-    p_order = _order_by_rank(layout.piece_rank)
-    b_count = np.bincount(layout.buffer_rank, minlength=num_slots)
-    p_count = np.bincount(layout.piece_rank, minlength=num_slots)
-    b_first, p_first = np.cumsum(b_count) - b_count, np.cumsum(p_count) - p_count
-    position = np.arange(layout.num_buffers)  # of every buffer in rank order
-    if b_order is not None:
-        position[b_order] = np.arange(b_order.size)
+def _explicit_fingerprint(layout: Layout) -> str:
+    """``Layout.fingerprint`` from the columns (``layout.fingerprint`` module docstring)."""
+    num_names = len(layout.buffer_names)
+    order: list[tuple[str, np.ndarray]] = []
+    if not _increasing(layout.buffer_rank * max(num_names, 1) + layout.buffer_name):
+        order += [("buffer_rank", layout.buffer_rank), ("buffer_name", layout.buffer_name)]
+    if not _non_decreasing(layout.piece_tensor):
+        order.append(("piece_tensor", layout.piece_tensor))
+    # Pieces grouped by tensor (layout order kept inside), with the index of their buffer's
+    # name among the names the tensor uses.
+    by_tensor = np.argsort(layout.piece_tensor, kind="stable")
+    tensor = layout.piece_tensor[by_tensor]
+    buffer = layout.piece_buffer[by_tensor]
+    name = layout.buffer_name[buffer]
+    pair = tensor * max(num_names, 1) + name
+    pairs = np.unique(pair)
+    name_index = np.searchsorted(pairs, pair) - np.searchsorted(pairs, tensor * max(num_names, 1))
+    starts = np.searchsorted(tensor, np.arange(len(layout.tensors) + 1))
+    pair_starts = np.searchsorted(pairs, np.arange(len(layout.tensors) + 1) * max(num_names, 1))
+    tensor_blocks = []
+    for t in range(len(layout.tensors)):
+        rows = by_tensor[starts[t]: starts[t + 1]]
+        r0, block = piece_block(layout.buffer_rank[buffer[starts[t]: starts[t + 1]]],
+                                name_index[starts[t]: starts[t + 1]], layout.piece_offsets[rows],
+                                layout.piece_lengths[rows], layout.piece_local_offsets[rows],
+                                layout.piece_local_lengths[rows])
+        names = tuple((pairs[pair_starts[t]: pair_starts[t + 1]] % max(num_names, 1)).tolist())
+        tensor_blocks.append((r0, names, block_digest("pieces", block)))
+    by_name = np.argsort(layout.buffer_name, kind="stable")
+    name_starts = np.searchsorted(layout.buffer_name[by_name], np.arange(num_names + 1))
+    buffer_blocks = []
+    for n in range(num_names):
+        rows = by_name[name_starts[n]: name_starts[n + 1]]
+        r0, block = buffer_block(layout.buffer_rank[rows], layout.buffer_ndim[rows], layout.buffer_dtype[rows],
+                                 layout.buffer_shape[rows])
+        buffer_blocks.append((r0, block_digest("buffers", block)))
+    return combine_fingerprint(layout.ndim, layout.tensors, layout.buffer_names, tensor_blocks, buffer_blocks, order)
 
-    # Rows as matrices in layout order (sequential copies), then one gather of whole rows
-    # into rank order: ~10x faster than gathering each column in rank order.
-    # Matrices in a dtype that holds every value (often 4 bytes): less memory to fill and
-    # gather; each block is then narrowed by its own values, so the digests do not depend
-    # on this choice.
-    b_columns = (layout.buffer_name, layout.buffer_ndim, layout.buffer_dtype, layout.buffer_shape)
-    p_columns = (layout.piece_tensor, layout.piece_offsets, layout.piece_lengths, layout.piece_local_offsets,
-                 layout.piece_local_lengths)
-    columns = [c for c in b_columns + p_columns if c.size]
-    lo = min([0] + [int(c.min()) for c in columns])
-    hi = max([layout.num_buffers] + [int(c.max()) for c in columns])
-    dtype = dtype_for_range(lo, hi) if lo < 0 or hi >= 1 << 31 else np.dtype(np.int32)
-    buffers = np.empty((layout.num_buffers, 3 + k), dtype=dtype)
-    buffers[:, 0], buffers[:, 1], buffers[:, 2] = layout.buffer_name, layout.buffer_ndim, layout.buffer_dtype
-    buffers[:, 3:] = layout.buffer_shape
-    pieces = np.empty((layout.num_pieces, 2 + 4 * k), dtype=dtype)
-    pieces[:, 0] = layout.piece_tensor
-    pieces[:, 1] = position[layout.piece_buffer] - b_first[layout.piece_rank]  # index inside the rank
-    for j, column in enumerate((layout.piece_offsets, layout.piece_lengths, layout.piece_local_offsets,
-                                layout.piece_local_lengths)):
-        pieces[:, 2 + j * k : 2 + (j + 1) * k] = column
-    if b_order is not None:
-        buffers = np.take(buffers, b_order, axis=0)
-    if p_order is not None:
-        pieces = np.take(pieces, p_order, axis=0)
 
-    digests = {int(r): hashlib.sha256() for r in ranks}
-    for name, rows, first, count in (("buffers", buffers, b_first, b_count), ("pieces", pieces, p_first, p_count)):
-        # Extremes of every rank's block in one pass: blocks are contiguous in the raveled
-        # matrix, where reduceat is ~10x faster than along axis 0.
-        filled = ranks[count[ranks] > 0]
-        flat, cuts = rows.reshape(-1), first[filled] * rows.shape[1]
-        lo = np.minimum.reduceat(flat, cuts).tolist() if filled.size else []
-        hi = np.maximum.reduceat(flat, cuts).tolist() if filled.size else []
-        dtypes = dict(zip(filled.tolist(), (dtype_for_range(a, b) for a, b in zip(lo, hi, strict=True)),
-                          strict=True))
-        for r in ranks.tolist():
-            block = rows[first[r] : first[r] + count[r]]
-            dtype = dtypes.get(r, np.dtype("<u1"))
-            digests[r].update(f"{name}:{dtype.str}:{block.shape};".encode())
-            digests[r].update(np.ascontiguousarray(block, dtype=dtype))
-    return {r: d.digest() for r, d in digests.items()}
+def _increasing(values: np.ndarray) -> bool:
+    return values.size < 2 or bool(np.all(values[1:] > values[:-1]))
 
 
 def _non_decreasing(values: np.ndarray) -> bool:
     return values.size < 2 or bool(np.all(values[1:] >= values[:-1]))
-
-
-def _order_by_rank(rank: np.ndarray) -> np.ndarray | None:
-    """Stable order of rows by rank; None when they are in rank order already."""
-    if _non_decreasing(rank):
-        return None
-    # rank in the high bits, row index in the low ones: one plain sort is the stable order
-    shift = (rank.size - 1).bit_length()
-    packed = (rank << shift) | np.arange(rank.size)
-    packed.sort()
-    return packed & ((1 << shift) - 1)
 
 
 # Odd multipliers of the row hash (any fixed odd constants; equality is verified exactly).
