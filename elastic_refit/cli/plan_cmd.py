@@ -133,6 +133,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", choices=sorted(CLUSTERS),
                         help=f"predict seconds on this cluster: {', '.join(sorted(CLUSTERS))}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE", default=None,
+                        help="also draw the plan into FILE (.png or .svg): a domain x domain matrix of planned "
+                             "bytes and the bytes of every NIC against the bound (needs the [plot] extra)")
     parser.add_argument("--rank", type=int, default=None,
                         help="plan only this rank's view (what it sends, receives and copies), as every rank "
                              "does at run time; plans that relay are refused")
@@ -260,6 +263,13 @@ def run(args: argparse.Namespace) -> int:
     if args.bucket_mib < 1:
         raise ValueError(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
     check_format_flag(args)
+    plot_path = None
+    if getattr(args, "plot", None) is not None:
+        from elastic_refit.cli.plan_plot import check_plot_path
+
+        if args.rank is not None:
+            raise ValueError("--plot draws the whole plan; leave out --rank")
+        plot_path = check_plot_path(args.plot)
     if not args.json:
         progress("building layouts ...")
     t0 = time.perf_counter()
@@ -287,6 +297,12 @@ def run(args: argparse.Namespace) -> int:
             progress("planning the same refit in bf16, for comparison ...")
         bf16 = make_plan(spec.source, spec.destination, spec.topology, options)
         figures.update(quantized_figures(plan, bf16, cluster))
+    if plot_path is not None:
+        from elastic_refit.cli.plan_plot import save_plot
+
+        save_plot(plan, plot_path, description)
+        if not args.json:
+            progress(f"plot written to {plot_path}")
     if args.json:
         print_json(figures)
         return 0
