@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from elastic_refit.membership.comm import probe_runtime
+
 from elastic_refit.transport import create_transport, make_transport
 from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.factory import probe_nccl4py
@@ -37,7 +37,7 @@ def test_make_transport_wraps_a_gloo_group_with_the_capabilities_asked_for():
 def test_make_transport_refuses_what_a_backend_cannot_do():
     store = dist.HashStore()
     group = _gloo_group(store, 0, 1)
-    with pytest.raises(ValueError, match="cannot grow.*can_grow=True"):
+    with pytest.raises(ValueError, match=r"cannot grow.*can_grow=True"):
         make_transport(Backend.GLOO, group, 0, 1, store=store, can_grow=True)
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, nccl4py, got 'mpi'"):
         make_transport("mpi", group, 0, 1)
