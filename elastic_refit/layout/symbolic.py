@@ -404,11 +404,16 @@ class SymbolicLayout:
         rules and the ranks asked for."""
         return self._build(np.unique(np.asarray(ranks, dtype=np.int64).reshape(-1)))
 
-    def _positions(self, mesh: Mesh, ranks: np.ndarray | None) -> np.ndarray:
+    def _positions(self, mesh: Mesh, ranks: np.ndarray | None, cache: dict | None = None) -> np.ndarray:
         if ranks is None:
             return np.arange(mesh.size, dtype=np.int64)
-        found = mesh.positions_of(ranks)
-        return np.sort(found[found >= 0])
+        hit = None if cache is None else cache.get(mesh)
+        if hit is None:  # layers repeat a few meshes: decode each once
+            found = mesh.positions_of(ranks)
+            hit = np.sort(found[found >= 0])
+            if cache is not None:
+                cache[mesh] = hit
+        return hit
 
     def _build(self, ranks: np.ndarray | None) -> Layout:
         b = LayoutBuilder(self.ndim)
@@ -417,19 +422,29 @@ class SymbolicLayout:
         for name in self.buffer_names:  # every name, also where the ranks hold none
             b.buffers(name, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), _buffer_dtype(self, name))
         ids: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        meshes: dict = {}
+        shapes_of: dict = {}  # (shape, mesh, splits) -> (ranks, local shapes): layers repeat them
         for rule in self.buffers:
-            positions = self._positions(rule.mesh, ranks)
-            rank = rule.mesh.ranks(positions)
-            got = b.buffers(rule.name, rank, _local_shape(rule.shape, rule.mesh, rule.splits, positions), rule.dtype)
+            key = (rule.shape, rule.mesh, rule.splits)
+            if key not in shapes_of:
+                positions = self._positions(rule.mesh, ranks, meshes)
+                shapes_of[key] = (rule.mesh.ranks(positions),
+                                  _local_shape(rule.shape, rule.mesh, rule.splits, positions))
+            rank, local_shape = shapes_of[key]
+            got = b.buffers(rule.name, rank, local_shape, rule.dtype)
             prev = ids.get(rule.name)
             ids[rule.name] = (rank, got) if prev is None else (np.concatenate([prev[0], rank]),
                                                                np.concatenate([prev[1], got]))
         lookup = {name: (rank[np.argsort(rank)], got[np.argsort(rank)]) for name, (rank, got) in ids.items()}
         shapes = {t.name: t.shape for t in self.tensors}
+        pieces_of: dict = {}
         for rule in self.rules:
-            positions = self._positions(rule.mesh, ranks)
-            index, offsets, lengths, local = _rule_pieces(shapes[rule.tensor], rule, positions)
-            rank = rule.mesh.ranks(positions[index])
+            key = (shapes[rule.tensor], rule.mesh, rule.splits, rule.local_dim, rule.local_start)
+            if key not in pieces_of:
+                positions = self._positions(rule.mesh, ranks, meshes)
+                index, offsets, lengths, local = _rule_pieces(shapes[rule.tensor], rule, positions)
+                pieces_of[key] = (rule.mesh.ranks(positions[index]), offsets, lengths, local)
+            rank, offsets, lengths, local = pieces_of[key]
             b.pieces(rule.tensor, _buffer_ids(lookup, rule, rank), offsets, lengths, local)
         if self.explicit is not None:
             _add_explicit(b, self.explicit if ranks is None else self.explicit.restrict_to_ranks(ranks.tolist()))
