@@ -113,3 +113,23 @@ def test_status_of_an_unreachable_etcd_is_one_line_and_exit_1(capsys, json_flag)
     errors = [line for line in err.splitlines() if line.startswith("elastic-refit: error: ")]
     assert len(errors) == 1 and f"etcd unreachable at 127.0.0.1:{port}" in errors[0], err
     assert "Traceback" not in err
+
+
+def test_status_watch_redraws_in_place_until_ctrl_c(etcd_server):
+    """--watch redraws the table (cursor home, clear) until Ctrl-C, then exits 0."""
+    import signal
+
+    from elastic_refit.membership import EtcdClient, JobKeys
+
+    with EtcdClient([etcd_server.endpoint]) as client:  # the job exists once anything is under its prefix
+        client.put(JobKeys("watched").prefix + "run", b"{}")
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "status", "--etcd", etcd_server.endpoint,
+                             "--job", "watched", "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(6)  # start-up (imports, the etcd client) and a few rounds
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.count("\x1b[H\x1b[J") >= 2 and out.count("job watched") >= 2, out[-2000:]
+    assert "Traceback" not in err
+    assert main(["status", "--etcd", etcd_server.endpoint, "--job", "watched", "--watch", "0"]) == 2
