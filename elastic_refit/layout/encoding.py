@@ -27,7 +27,8 @@ import numpy as np
 from elastic_refit.layout.core import Layout, LogicalTensor
 from elastic_refit.layout.formats import TensorFormats
 
-__all__ = ["decode_described", "decode_layout", "described_fingerprint", "encode_layout"]
+__all__ = ["decode_described", "decode_layout", "decode_symbolic", "described_fingerprint", "encode_layout",
+           "encode_symbolic"]
 
 _MAGIC = b"ERL1"  # elastic-refit layout, format 1: the layout alone
 _MAGIC_FORMATS = b"ERL2"  # format 2: the layout and its destination formats
@@ -104,3 +105,40 @@ def decode_layout(blob: bytes, fingerprint: str | None = None) -> Layout:
     """The layout ``blob`` encodes (its formats, if any, dropped); ``ValueError`` as
     :func:`decode_described` raises it."""
     return decode_described(blob, fingerprint)[0]
+
+
+# ---- symbolic layouts (ERL3): the rules, O(tensors) bytes whatever the ranks -----------------
+_MAGIC_SYMBOLIC = b"ERL3"
+
+
+def encode_symbolic(layout) -> bytes:
+    """A ``SymbolicLayout`` as bytes: its tensors, buffer rules and piece rules as JSON (and
+    its explicit part, if any, as an ``ERL1`` blob), zlib-compressed, under its fingerprint;
+    :func:`decode_symbolic` inverts it. Kilobytes for a model's presets at any scale."""
+    explicit = encode_layout(layout.explicit).hex() if layout.explicit is not None else None
+    head = {"tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors],
+            "buffers": [b.to_json() for b in layout.buffers], "rules": [r.to_json() for r in layout.rules],
+            "explicit": explicit, "fingerprint": layout.fingerprint}
+    return _MAGIC_SYMBOLIC + zlib.compress(json.dumps(head, separators=(",", ":")).encode(), level=6)
+
+
+def decode_symbolic(blob: bytes, fingerprint: str | None = None):
+    """The ``SymbolicLayout`` ``blob`` encodes; ``ValueError`` if it is not one, or (with
+    ``fingerprint``) its fingerprint differs from the one asked for."""
+    from elastic_refit.layout.symbolic import BufferRule, PieceRule, SymbolicLayout
+
+    if bytes(blob[:4]) != _MAGIC_SYMBOLIC:
+        raise ValueError("not an encoded symbolic layout (bad magic)")
+    try:
+        head = json.loads(zlib.decompress(bytes(blob[4:])))
+        layout = SymbolicLayout(
+            tensors=tuple(LogicalTensor(name, tuple(shape), dtype) for name, shape, dtype in head["tensors"]),
+            buffers=tuple(BufferRule.from_json(b) for b in head["buffers"]),
+            rules=tuple(PieceRule.from_json(r) for r in head["rules"]),
+            explicit=decode_layout(bytes.fromhex(head["explicit"])) if head["explicit"] else None)
+    except (zlib.error, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"corrupt encoded symbolic layout: {exc}") from None
+    want = fingerprint or head["fingerprint"]
+    if layout.fingerprint != want or layout.fingerprint != head["fingerprint"]:
+        raise ValueError(f"encoded symbolic layout has fingerprint {layout.fingerprint}, expected {want}")
+    return layout

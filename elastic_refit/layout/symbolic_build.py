@@ -51,6 +51,7 @@ class SymbolicBuilder:
         if old != t:
             raise ValueError(f"tensor {name!r} declared twice with different shape/dtype: "
                              f"{old.shape} {old.dtype} vs {t.shape} {t.dtype}")
+        self.explicit.tensor(name, t.shape, t.dtype)  # so explicit pieces may name it
         return name
 
     def buffer(self, name: str, mesh: Mesh | np.ndarray | Sequence, shape: Sequence[int], dtype: object,

@@ -123,3 +123,30 @@ def test_mesh_decodes_ranks_and_refuses_overlaps():
     assert Mesh.of(np.array([[5, 6], [9, 10]])) == Mesh((2, 2), 5, (4, 1))
     with pytest.raises(ValueError, match="lists a rank twice"):
         Mesh((2, 2), 0, (1, 1))
+
+
+def test_symbolic_encoding_round_trips_is_small_and_checks_the_fingerprint():
+    from elastic_refit.layout.encoding import decode_symbolic, encode_symbolic
+
+    layout = vllm_symbolic("kimi-k2", "tp=16,dp=256", first_rank=4096)  # 4,096 ranks
+    blob = encode_symbolic(layout)
+    assert len(blob) < 64 << 10
+    back = decode_symbolic(blob, layout.fingerprint)
+    assert back.fingerprint == layout.fingerprint
+    assert_same_rows(back.layout_of_ranks([5000]), layout.layout_of_ranks([5000]))
+    with pytest.raises(ValueError, match=r"expected 0+$"):
+        decode_symbolic(blob, "0" * 32)
+    with pytest.raises(ValueError, match="bad magic"):
+        decode_symbolic(b"ERL1" + blob[4:])
+    # an explicit part travels with the rules
+    b = SymbolicBuilder()
+    b.sharded_tensor("w", (6, 2), "float32", [0, 1], ["S(0)"])
+    b.tensor("x", (3,), "float32")
+    b.explicit.pieces("x", b.explicit.buffers("x", [1], (3,), "float32"), [[0]], [[3]], [[0]])
+    mixed = b.build()
+    want = LayoutBuilder()
+    add_sharded_tensor(want, "w", (6, 2), "float32", [0, 1], ["S(0)"])
+    want.tensor("x", (3,), "float32")
+    want.pieces("x", want.buffers("x", [1], (3,), "float32"), [[0]], [[3]], [[0]])
+    assert_same_rows(want.build(), decode_symbolic(encode_symbolic(mixed)).to_layout())
+    assert mixed.fingerprint == want.build().fingerprint
