@@ -28,8 +28,10 @@ from elastic_refit.layout.dtensor import (
 from elastic_refit.layout.encoding import (
     decode_described,
     decode_layout,
+    decode_symbolic,
     described_fingerprint,
     encode_layout,
+    encode_symbolic,
 )
 from elastic_refit.layout.formats import (
     BF16,
@@ -66,6 +68,9 @@ from elastic_refit.layout.spec import (
     parse_side_formats,
     parse_spec,
 )
+from elastic_refit.layout.symbolic import BufferRule, Mesh, PieceRule, Split, SymbolicLayout
+from elastic_refit.layout.symbolic_build import SymbolicBuilder
+from elastic_refit.layout.symbolic_presets import megatron_symbolic, vllm_symbolic
 
 __all__ = [
     "BF16",
@@ -76,19 +81,25 @@ __all__ = [
     "MXFP8",
     "Box",
     "Buffer",
+    "BufferRule",
     "DestinationFormat",
     "InferenceParallelism",
     "Layout",
     "LayoutBuilder",
     "LogicalTensor",
+    "Mesh",
     "ModelConfig",
     "Piece",
+    "PieceRule",
     "Placement",
     "RefitSpec",
     "Replicate",
     "Shard",
     "ShardPieces",
+    "Split",
     "StridedShard",
+    "SymbolicBuilder",
+    "SymbolicLayout",
     "TensorFormats",
     "Topology",
     "TrainingParallelism",
@@ -99,8 +110,10 @@ __all__ = [
     "config_from_hf",
     "decode_described",
     "decode_layout",
+    "decode_symbolic",
     "described_fingerprint",
     "encode_layout",
+    "encode_symbolic",
     "formats_from_tensors",
     "from_dtensors",
     "get_model",
@@ -111,6 +124,7 @@ __all__ = [
     "local_shards",
     "logical_tensors",
     "megatron_layout",
+    "megatron_symbolic",
     "parameter_count",
     "parse_format",
     "parse_parallelism",
@@ -123,4 +137,5 @@ __all__ = [
     "shard_pieces",
     "stage_layers",
     "vllm_layout",
+    "vllm_symbolic",
 ]
