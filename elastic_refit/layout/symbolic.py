@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from elastic_refit.layout.box import canonical_dtype
+from elastic_refit.layout.box import DTYPES, canonical_dtype
 from elastic_refit.layout.core import Layout, LayoutBuilder, LogicalTensor
 from elastic_refit.layout.dtensor import _chunk, _merge_intervals
 
@@ -466,12 +466,10 @@ def _buffer_dtype(layout: SymbolicLayout, name: str) -> str:
     for rule in layout.buffers:
         if rule.name == name:
             return rule.dtype
-    ex = layout.explicit
+    ex = layout.explicit  # a name only the explicit part declares (it has a buffer row)
     assert ex is not None
-    from elastic_refit.layout.box import DTYPES
-
-    row = int(np.flatnonzero(np.asarray(ex.buffer_names)[ex.buffer_name] == name)[0]) if ex.num_buffers else -1
-    return DTYPES[int(ex.buffer_dtype[row])] if row >= 0 else "uint8"
+    rows = np.flatnonzero(ex.buffer_name == ex.buffer_names.index(name))
+    return DTYPES[int(ex.buffer_dtype[rows[0]])] if rows.size else "uint8"  # no rows: the dtype is moot
 
 
 def _buffer_ids(lookup, rule: PieceRule, rank: np.ndarray) -> np.ndarray:
@@ -488,8 +486,6 @@ def _buffer_ids(lookup, rule: PieceRule, rank: np.ndarray) -> np.ndarray:
 
 def _add_explicit(b: LayoutBuilder, layout: Layout) -> None:
     """Declare ``layout``'s buffers and pieces in ``b`` (its tensors are declared already)."""
-    from elastic_refit.layout.box import DTYPES
-
     new_id = np.full(layout.num_buffers, -1, dtype=np.int64)
     groups = np.column_stack([layout.buffer_name, layout.buffer_ndim, layout.buffer_dtype])
     for name_id, nd, dtype in (np.unique(groups, axis=0).tolist() if layout.num_buffers else []):
