@@ -220,7 +220,8 @@ def rank_figures(view: RankPlan, plan_seconds: float, cluster=None) -> dict[str,
     return figures
 
 
-def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOptions, cluster) -> int:
+def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOptions, cluster,
+              layout_seconds: float) -> int:
     if not args.json:
         progress(f"planning rank {args.rank}'s view ({spec.source.num_pieces} source pieces, "
                  f"{spec.destination.num_pieces} destination pieces) ...")
@@ -230,6 +231,7 @@ def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOpt
         source, destination, _ = format_layouts(source, destination, spec.destination_formats)
     view = make_rank_plan(source, destination, spec.topology, options, rank=args.rank)
     figures = rank_figures(view, time.perf_counter() - t0, cluster)
+    figures["layout_seconds"] = layout_seconds  # building both sides' layouts, before the rank's plan
     if args.json:
         print_json(figures)
         return 0
@@ -277,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     layout_seconds = time.perf_counter() - t0
     options = PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
     if args.rank is not None:
-        return _run_rank(args, spec, description, options, cluster)
+        return _run_rank(args, spec, description, options, cluster, layout_seconds)
     if not args.json:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
