@@ -105,11 +105,11 @@ class VerificationFailed(RefitError):
 _BRIEF_CHARS = 300
 
 
-def brief(exc: BaseException | str) -> str:
-    """The first line of a fault's message (an exception's, or a message), at most 300
-    characters; an exception with no message gives its type's name. What a log field or a
-    done key carries of a fault."""
+def brief(exc: BaseException | str, *, limit: int | None = _BRIEF_CHARS) -> str:
+    """The first line of a fault's message (an exception's, or a message), at most ``limit``
+    characters (300; ``None``: the whole line); an exception with no message gives its
+    type's name. What a log field or a done key carries of a fault."""
     lines = str(exc).strip().splitlines()
     if lines:
-        return lines[0].strip()[:_BRIEF_CHARS]
+        return lines[0].strip()[:limit]
     return "" if isinstance(exc, str) else type(exc).__name__

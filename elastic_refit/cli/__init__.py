@@ -51,7 +51,7 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, KeyError):
         return 2, str(exc.args[0] if exc.args else exc)
-    first = brief(exc)
+    first = brief(exc, limit=None)  # the one line a person reads: never cut
     if isinstance(exc, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
         return 2, f"{exc.filename}: {exc.strerror}" if exc.filename is not None else first
     if isinstance(exc, RecursionError):

@@ -93,7 +93,7 @@ def test_the_runtime_and_status_work_with_the_jobs_credentials(secure_etcd, caps
                  "--job", "job-a", "--json"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines()[-1] == (
-        f"elastic-refit: error: etcd at {server.endpoint} refused range {JobKeys('job-a').prefix}members/: "
+        f"elastic-refit: error: etcd at {server.endpoint} refused range {JobKeys('job-a').prefix}: "
         "etcdserver: permission denied")
 
 
@@ -148,7 +148,7 @@ def test_a_password_is_not_sent_without_tls_unless_allowed(secure_etcd):
 def _cli_cases(server, tls, other_ca: str) -> list[tuple[str, list[str], str | None, int, str]]:
     """(case, status arguments, password, exit code, the one error line after 'elastic-refit:
     error: '; a line ending in '...' is a prefix: grpc words the rest of a TLS failure)."""
-    op = f"range {JobKeys('job-a').prefix}members/"
+    op = f"range {JobKeys('job-a').prefix}"  # status first asks whether the job exists
     refused = f"etcd at {server.endpoint} refused {op}: etcdserver:"
     base = ["status", "--etcd", server.endpoint, "--job", "job-a", "--json"]
     return [
