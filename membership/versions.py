@@ -13,8 +13,9 @@ Keys (under ``/elastic-refit/{job}/``):
 - ``versions/{v}/failed`` -> ``{version, cause, num_attempts, epoch}``: ``v`` failed that
   many consecutive attempts for one cause and is given up. Created once, by the coordinator
   of the current epoch, and never for a committed version (nor a commit for a failed one).
-- ``store/{epoch}/attempts/{seq}`` -> the attempt the epoch's coordinator chose: which
-  version moves from which members to which. Epoch-scoped, so it is purged with the epoch.
+
+Attempts (``store/{epoch}/attempts/{seq}`` and their participants' keys) are the attempt
+ledger's (``membership.attempts``).
 
 Bounded: after each commit the coordinator deletes (fenced) the sources and acks of every
 older version, and everything of versions more than ``HISTORY_VERSIONS`` older, so the keys
@@ -28,10 +29,9 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, KeyValue, Put, _prefix_end
-from elastic_refit.membership.keys import AttemptKeys, JobKeys
+from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.view import MembershipView
 from elastic_refit.membership.watch import RangeWatcher, WatchEvent, WatchHub
@@ -267,39 +267,6 @@ class VersionStore:
             record_version_key(state, self.keys, kv)
         return state
 
-    def attempt(self, epoch: int, seq: int, known: Mapping[str, KeyValue] | None = None) -> dict[str, Any] | None:
-        """Attempt ``seq`` of ``epoch``; ``known``: as in :meth:`next_attempt`."""
-        key = self.keys.attempt(epoch, seq)
-        kv = known.get(key) if known is not None else self.client.get(key)
-        return json.loads(kv.value) if kv else None
-
-    def next_attempt(self, epoch: int, seq: int,
-                     known: Mapping[str, KeyValue] | None = None) -> tuple[int, dict[str, Any]] | None:
-        """The first attempt of ``epoch`` numbered ``seq`` or later, as ``(seq, attempt)``:
-        a member that fell behind skips the attempts the coordinator pruned (every one of
-        their participants had finished them, so it took no part). ``known``: the keys of
-        the epoch's store as a watch of it holds them, searched instead of reading etcd."""
-        if known is not None:
-            found = [(parsed[1], kv) for kv in known.values()
-                     if (parsed := self.keys.parse_attempt_key(kv.key)) is not None
-                     and parsed[0] == epoch and parsed[1] >= seq]
-            if not found:
-                return None
-            first, kv = min(found, key=lambda item: item[0])
-            return first, json.loads(kv.value)
-        prefix = self.keys.attempts(epoch)
-        kv = self.client.first(self.keys.attempt(epoch, seq), prefix[:-1] + "0")  # '0' follows '/'
-        if kv is None:
-            return None
-        return int(kv.key[len(prefix):]), json.loads(kv.value)
-
-    def prune_attempt(self, epoch: int, seq: int, store_prefix: str) -> None:
-        """Delete attempt ``seq`` of ``epoch`` and its participants' keys (under the epoch's
-        rendezvous store ``store_prefix``), so an epoch that lasts many versions keeps
-        O(ranks) keys. Only for an attempt whose participants all finished it."""
-        self.client.txn([], [Delete(self.keys.attempt(epoch, seq)),
-                             Delete(store_prefix + AttemptKeys(seq).prefix, prefix=True)])
-
     # ---- fenced writes ------------------------------------------------------------
     def publish_source(self, membership: Membership, version: int, digest: str = "",
                        regions: Mapping[int, str] | None = None, layout: str = "") -> None:
@@ -401,8 +368,8 @@ class VersionStore:
                 raise RuntimeError(f"{member_id}: could not retract acks {keys}")
         return len(keys)
 
-    def _epoch_guard(self, membership: Membership, epoch: int) -> list[Compare]:
-        """Guards for coordinator writes: I still own my key, and ``epoch`` is still current."""
+    def epoch_guard(self, membership: Membership, epoch: int) -> list[Compare]:
+        """Guards for coordinator writes (here and in the attempt ledger): I still own my key, and ``epoch`` is still current."""
         # The member's watched copy of the epoch key, decoded once per epoch write: reading
         # and decoding the key here cost O(members) per coordinator write. A stale copy is
         # harmless: the guard compares its mod_revision, so the write is refused.
@@ -411,20 +378,10 @@ class VersionStore:
             return []
         return [membership.ownership_compare(), Compare(self.keys.epoch, "mod", "==", kv.mod_revision)]
 
-    def propose_attempt(self, membership: Membership, epoch: int, seq: int, attempt: dict[str, Any]) -> bool:
-        """Create attempt ``seq`` of ``epoch`` if absent and the epoch is still current."""
-        guard = self._epoch_guard(membership, epoch)
-        if not guard:
-            return False
-        key = self.keys.attempt(epoch, seq)
-        result = self.client.txn(guard + [Compare(key, "create", "==", 0)],
-                                 [Put(key, json.dumps(attempt, sort_keys=True).encode())])
-        return result.succeeded
-
     def commit(self, membership: Membership, version: int, epoch: int, digest: str) -> bool:
         """Create ``committed`` for ``version`` once; refused for a stale epoch (fencing) and
         for a version that failed."""
-        guard = self._epoch_guard(membership, epoch)
+        guard = self.epoch_guard(membership, epoch)
         if not guard:
             return False
         key = self.keys.committed(version)
@@ -448,7 +405,7 @@ class VersionStore:
         """Create ``failed`` for ``version`` once: it failed ``num_attempts`` consecutive
         attempts for ``cause``. Refused for a stale epoch (fencing) and for a version that
         committed."""
-        guard = self._epoch_guard(membership, epoch)
+        guard = self.epoch_guard(membership, epoch)
         if not guard:
             return False
         key = self.keys.failed(version)
@@ -483,7 +440,7 @@ class VersionStore:
                     continue
             touched += 1
         for start in range(0, len(ops), _PRUNE_OPS_PER_TXN):
-            guard = self._epoch_guard(membership, epoch)
+            guard = self.epoch_guard(membership, epoch)
             if not guard or not self.client.txn(guard, ops[start:start + _PRUNE_OPS_PER_TXN]).succeeded:
                 return 0  # fenced off: a newer epoch's coordinator prunes the rest
         return touched

@@ -32,72 +32,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from elastic_refit._validate import is_integer
 from elastic_refit.errors import brief
 from elastic_refit.layout import Layout, TensorFormats, Topology, combine_layouts
+from elastic_refit.membership.attempts import CATCH_UP, REFIT, AttemptSpec, Done, DoneKind
 from elastic_refit.membership.versions import Commit, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 from elastic_refit.plan import Plan, PlanOptions, destination_format_layout, make_plan
 
-REFIT = "refit"  # move a newly published version from its sources (and holders)
-CATCH_UP = "catchup"  # bring ranks that joined or restarted to the latest committed version, from holders
-
-# A participant's ``done`` value (``AttemptKeys(seq).done(member)``) when it finished an attempt.
-DONE_OK = "ok"
-FAILED = "failed: "  # + cause: a fault of this participant's own
-ABORTED = "aborted: "  # + reason: a consequence (a peer failed first, the epoch moved on, etcd, lease)
 _CAUSE_CHARS = 300
-
-
-@dataclass(frozen=True, slots=True)
-class AttemptSpec:
-    """One attempt to bring ``destinations`` to ``version`` (member ids, sorted).
-
-    ``sources`` are trainers serving the version from the training layout; ``holders`` are
-    inference ranks that hold the version and serve it from the inference layout;
-    ``destinations`` are inference ranks that receive it.
-    """
-
-    version: int
-    kind: str
-    sources: tuple[str, ...]  # trainers, serving from the training layout
-    holders: tuple[str, ...]  # inference ranks that hold the version, serving from the inference layout
-    destinations: tuple[str, ...]  # inference ranks that receive the version
-    # (member_id, layout fingerprint) of every participant, sorted: the layout each is planned with
-    layouts: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind not in (REFIT, CATCH_UP):
-            raise ValueError(f"attempt kind must be {REFIT!r} or {CATCH_UP!r}, got {self.kind!r}")
-        if self.version < 0:
-            raise ValueError(f"version must be >= 0, got {self.version}")
-        if set(self.destinations) & (set(self.sources) | set(self.holders)):
-            raise ValueError("a member cannot be a source or holder and a destination: "
-                             f"{sorted(set(self.destinations) & (set(self.sources) | set(self.holders)))}")
-        object.__setattr__(self, "layouts", tuple(sorted((str(m), str(fp)) for m, fp in dict(self.layouts).items())))
-        unnamed = sorted(set(self.participants) - {m for m, _ in self.layouts})
-        if self.layouts and unnamed:
-            raise ValueError(f"attempt names no layout for participants {unnamed}")
-
-    def layout(self, member_id: str) -> str:
-        """The fingerprint of the layout ``member_id`` is planned with ("" if none named)."""
-        return dict(self.layouts).get(member_id, "")
-
-    @property
-    def participants(self) -> tuple[str, ...]:
-        return tuple(sorted(set(self.sources) | set(self.holders) | set(self.destinations)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "kind": self.kind, "sources": list(self.sources),
-                "holders": list(self.holders), "destinations": list(self.destinations),
-                "layouts": dict(self.layouts)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AttemptSpec:
-        return cls(int(data["version"]), str(data["kind"]), tuple(data["sources"]), tuple(data["holders"]),
-                   tuple(data["destinations"]), tuple(dict(data.get("layouts", {})).items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +319,7 @@ def fault_cause(exc: BaseException) -> str:
     return (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)[:_CAUSE_CHARS]
 
 
-def attempt_cause(done: Mapping[str, str]) -> str | None:
+def attempt_cause(done: Mapping[str, Done]) -> str | None:
     """Why an attempt failed, from its participants' done values (member id -> value; a
     participant that wrote none is left out), or ``None`` if no participant reported a
     fault of its own.
@@ -385,7 +329,7 @@ def attempt_cause(done: Mapping[str, str]) -> str | None:
     as a consequence), else the first ``TransportAborted``. ``aborted`` values never are a
     cause.
     """
-    causes = [done[m][len(FAILED):] for m in sorted(done) if done[m].startswith(FAILED)]
+    causes = [done[m].cause for m in sorted(done) if done[m].kind is DoneKind.FAILED]
     for cause in causes:
         if not cause.startswith("TransportAborted"):
             return cause

@@ -42,11 +42,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.membership.attempts import OK, AttemptLedger
 from elastic_refit.membership.epoch_kv import EpochKV
 from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.versions import AckRequest
 from elastic_refit.runtime.agent import Propose, coordinate
-from elastic_refit.runtime.attempt import DONE_OK, AttemptSpec, CommitAction
+from elastic_refit.runtime.attempt import AttemptSpec, CommitAction
 from elastic_refit.testing.stats import percentile
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this
@@ -156,6 +157,7 @@ class _Worker:
         self.store_hub = WatchHub(self.client, keys.store_root, keys.store_root[:-1] + "0", name="store")
         self.tracker = VersionTracker(self.client, spec.job, hub=self.versions_hub)
         self.versions = VersionStore(self.client, spec.job)
+        self.ledger = AttemptLedger(self.versions)
         self.pool = ThreadPoolExecutor(spec.pool_threads, thread_name_prefix="member")
         self.lock = threading.Lock()
         self.seen_epoch: dict[str, dict[int, float]] = {}  # member -> epoch -> first seen (time.time)
@@ -277,7 +279,7 @@ class _Worker:
         """Destinations "received" the version (nothing moves here): each acks with its done key."""
         prefix = self._store(epoch).prefix
         requests = [AckRequest(self.members[m], version, epoch, f"{m}@{version}",
-                               done=(prefix + AttemptKeys(seq).done(m), DONE_OK.encode())) for m in member_ids]
+                               done=(prefix + AttemptKeys(seq).done(m), OK.encode().encode())) for m in member_ids]
         try:
             errors = self.versions.ack_many(requests)
         except Exception as exc:
@@ -288,7 +290,7 @@ class _Worker:
 
     def _done_batch(self, member_ids: list[str], epoch: int, seq: int) -> None:
         try:
-            self._store(epoch).multi_set([AttemptKeys(seq).done(m) for m in member_ids], [DONE_OK] * len(member_ids))
+            self._store(epoch).multi_set([AttemptKeys(seq).done(m) for m in member_ids], [OK.encode()] * len(member_ids))
         except Exception as exc:
             with self.lock:
                 self.errors.append(f"done keys of attempt {epoch}/{seq}: {type(exc).__name__}: {exc}"[:300])
@@ -345,10 +347,10 @@ class _Worker:
                         self.versions.prune(me, epoch, state, move.version)
                     pending = None
                 elif (isinstance(move, Propose) and move.spec != pending
-                      and self.versions.propose_attempt(me, epoch, seq, move.spec.to_json())):
+                      and self.ledger.propose(me, epoch, seq, move.spec)):
                     self._phase(move.spec.version, "proposed")
                     if seq >= 2:  # as the runtime does: nobody reads attempt seq - 2 again
-                        self.versions.prune_attempt(epoch, seq - 2, self._store(epoch).prefix)
+                        self.ledger.prune(epoch, seq - 2, self._store(epoch))
                     pending, seq = move.spec, seq + 1
             except Exception as exc:
                 with self.lock:

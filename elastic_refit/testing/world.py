@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from elastic_refit.layout import Layout, RefitSpec, parse_spec
 from elastic_refit.layout.models import ModelConfig
+from elastic_refit.membership.attempts import agree_on_plan
 from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.testing.faults import FaultyTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
-from elastic_refit.transport.agreement import agree_on_plan
 from elastic_refit.transport.buffers import byte_view, split_box
 from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions

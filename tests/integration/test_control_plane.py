@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from elastic_refit.membership.attempts import REFIT, AttemptLedger, AttemptSpec
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.service import Membership
@@ -235,14 +236,14 @@ def test_store_values_and_attempts_come_in_one_request_or_from_a_watch(etcd_serv
         calls.clear()
         assert store.multi_get(names) == [f"fp{i}".encode() for i in range(5)]
         assert calls == ["txn"]  # was a wait and a get per key
-        versions = VersionStore(client, job)
+        ledger = AttemptLedger(VersionStore(client, job))
         for seq in (3, 5):
-            assert versions.propose_attempt(membership, view.epoch, seq, {"seq": seq})
+            assert ledger.propose(membership, view.epoch, seq, AttemptSpec(seq, REFIT, ("t0",), (), ()))
         known = {kv.key: kv for kv in client.get_prefix(JobKeys(job).store(view.epoch)).kvs}
         calls.clear()
         for seq in (0, 3, 4, 6):
-            assert versions.next_attempt(view.epoch, seq, known) == versions.next_attempt(view.epoch, seq)
-            assert versions.attempt(view.epoch, seq, known) == versions.attempt(view.epoch, seq)
+            assert ledger.next_attempt(view.epoch, seq, known) == ledger.next_attempt(view.epoch, seq)
+            assert ledger.attempt(view.epoch, seq, known) == ledger.attempt(view.epoch, seq)
         assert store.read(names, known) == store.read(names)
         assert calls.count("txn") == 1 and calls.count("first") == 4 and calls.count("get") == 4  # known: none
     finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from elastic_refit.membership.attempts import AttemptLedger
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.versions import VersionState, VersionStore
@@ -118,7 +119,7 @@ class RecordAckedAttempts:
         if phase != "ack.before" or context["member_id"] != self.member_id:
             return
         with EtcdClient([self.etcd]) as client:
-            attempt = VersionStore(client, "job").attempt(context["epoch"], context["seq"])
+            attempt = AttemptLedger(VersionStore(client, "job")).attempt(context["epoch"], context["seq"]).to_json()
         record = {k: context[k] for k in ("version", "epoch", "seq")}
         with open(self.path, "a") as out:
             out.write(json.dumps({**record, "attempt": attempt}) + "\n")

@@ -82,23 +82,27 @@ def test_prune_refuses_a_negative_history(coordinator, job):
 
 
 def test_pruned_attempts_are_skipped_and_their_participants_keys_deleted(coordinator, job):
+    from elastic_refit.membership.attempts import REFIT, AttemptLedger, AttemptSpec
     from elastic_refit.membership.keys import AttemptKeys
     from elastic_refit.membership.store import EtcdStore
 
+    def spec(version: int) -> AttemptSpec:
+        return AttemptSpec(version, REFIT, ("t0",), (), ())
+
     client, membership, epoch = coordinator
-    store = VersionStore(client, job)
+    store = AttemptLedger(VersionStore(client, job))
     rendezvous = EtcdStore(client, job, epoch, namespace="comm-gloo")
     for seq in range(6):
-        assert store.propose_attempt(membership, epoch, seq, {"version": seq})
+        assert store.propose(membership, epoch, seq, spec(seq))
         rendezvous.set(AttemptKeys(seq).done("t0"), "ok")
     for seq in range(4):
-        store.prune_attempt(epoch, seq, rendezvous.prefix)
+        store.prune(epoch, seq, rendezvous)
     # a member at seq 1 (it took no part in 1..3) goes on with attempt 4
-    assert store.next_attempt(epoch, 1) == (4, {"version": 4})
-    assert store.next_attempt(epoch, 5) == (5, {"version": 5}) and store.next_attempt(epoch, 6) is None
-    assert store.attempt(epoch, 3) is None and store.attempt(epoch, 4) == {"version": 4}
+    assert store.next_attempt(epoch, 1) == (4, spec(4))
+    assert store.next_attempt(epoch, 5) == (5, spec(5)) and store.next_attempt(epoch, 6) is None
+    assert store.attempt(epoch, 3) is None and store.attempt(epoch, 4) == spec(4)
     assert not rendezvous.check([AttemptKeys(3).done("t0")]) and rendezvous.check([AttemptKeys(4).done("t0")])
     # seq 10 sorts after seq 9 (zero-padded keys)
     for seq in (9, 10):
-        store.propose_attempt(membership, epoch, seq, {"version": seq})
-    assert store.next_attempt(epoch, 6) == (9, {"version": 9})
+        store.propose(membership, epoch, seq, spec(seq))
+    assert store.next_attempt(epoch, 6) == (9, spec(9))

@@ -13,6 +13,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from elastic_refit.membership.attempts import Done
 from elastic_refit.membership.versions import Ack, Commit, Failure, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 
@@ -328,7 +329,17 @@ CAUSE_ROWS = [
 
 @pytest.mark.parametrize(("done", "expected"), [row[1:] for row in CAUSE_ROWS], ids=[row[0] for row in CAUSE_ROWS])
 def test_attempt_cause(done, expected):
-    assert attempt_cause(done) == expected
+    assert attempt_cause({m: Done.decode(v) for m, v in done.items()}) == expected
+
+
+@pytest.mark.parametrize("value", ["ok", "failed: ValueError: bad", "aborted: _AttemptAborted: t0 failed"])
+def test_done_values_round_trip(value):
+    assert Done.decode(value).encode() == value
+
+
+@pytest.mark.parametrize("value", ["", "sha256:0123", "failed", "ok "])
+def test_a_fingerprint_is_not_a_done_value(value):
+    assert Done.decode(value) is None
 
 
 V1 = view(*ALL)

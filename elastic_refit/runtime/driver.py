@@ -1,0 +1,294 @@
+"""The driver: the agent thread of one member. Each turn it reads the latest membership
+view, lets the pure ``decide`` (``runtime.agent``) pick the action, carries it out and feeds
+back what came of it. Every decision is in ``decide``; here are only side effects.
+
+It owns the epoch's transport and the executor kept for it; it hands attempts to the
+participant and rank 0's duties to the coordinator, and records the version state it
+observes into the outcomes (serving what committed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from elastic_refit.errors import RefitError, TransportAborted, brief
+from elastic_refit.membership import CommunicatorError, EpochTimeout, MembershipLost, MembershipView
+from elastic_refit.membership.layouts import LayoutUnavailable
+from elastic_refit.membership.versions import VersionState
+from elastic_refit.plan import Plan
+from elastic_refit.runtime.agent import (
+    Action,
+    AgentInputs,
+    AgentSettings,
+    AgentState,
+    AttemptRan,
+    AwaitEpoch,
+    AwaitMembership,
+    Backoff,
+    CommunicatorFailed,
+    ConnectAhead,
+    Connected,
+    Entered,
+    EnterEpoch,
+    Fail,
+    Faulted,
+    Idle,
+    Lost,
+    NextAttempt,
+    Observe,
+    Observed,
+    Outcome,
+    RunAttempt,
+    decide,
+)
+from elastic_refit.runtime.attempt import fault_cause, steady_refit
+from elastic_refit.runtime.checks import Side
+from elastic_refit.runtime.coordinator import Coordinator
+from elastic_refit.runtime.outcomes import Outcomes
+from elastic_refit.runtime.participant import Participant
+from elastic_refit.runtime.planning import AttemptPlanner
+from elastic_refit.runtime.published import PublishedVersions
+from elastic_refit.runtime.services import Services
+from elastic_refit.runtime.serving import ServingSlot
+from elastic_refit.transport.connect import connect_ahead, plan_peers
+from elastic_refit.transport.executor import Executor, ExecutorOptions
+from elastic_refit.transport.protocol import Transport
+
+__all__ = ["Driver"]
+
+
+class Driver:
+    """The agent thread: ``decide`` -> execute, until the member closes or is lost."""
+
+    def __init__(self, services: Services, planner: AttemptPlanner, outcomes: Outcomes, participant: Participant,
+                 side: Callable[[], Side], *, published: PublishedVersions | None, serving: ServingSlot | None) -> None:
+        self.services = services
+        self.planner = planner
+        self.outcomes = outcomes
+        self.participant = participant
+        self.coordinator = Coordinator(services, planner)
+        self._side = side
+        self._published = published
+        self._serving = serving
+        self._transport: Transport | None = None  # the current epoch's (this thread's alone)
+        self._executor: tuple[tuple[str, int], Executor] | None = None  # see executor_for
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"refit-agent-{self.services.config.member_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Frames of this thread may outlive it in a latched error's traceback: they must
+            # not keep the communicator (and its sockets) alive after close().
+            self._release_transport()
+
+    def _release_transport(self) -> None:
+        self._executor = None  # an executor holds its transport
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+
+    def _loop(self) -> None:
+        s = self.services
+        settings = AgentSettings.of(s.config)
+        state, outcome = AgentState(), None
+        lost: MembershipLost | None = None
+        changed = s.changes.token()
+        while not s.stop.is_set() or isinstance(outcome, Lost):  # a lost membership fails waiters even when closing
+            if not isinstance(outcome, Observed):
+                # Before any read: a change after it wakes an idle wait. After an Observe the
+                # token taken before its reads stays (an older token can only wake sooner).
+                changed = s.changes.token()
+            action, state = decide(state, AgentInputs(settings, s.membership.view, outcome), time.monotonic())
+            if isinstance(action, Fail):
+                s.log.error("fault.detected", kind="membership_lost", error=action.reason)
+                self.outcomes.latch(lost if lost is not None else MembershipLost(action.reason))
+                return
+            try:
+                outcome = self._execute(action, state, changed)
+            except MembershipLost as exc:
+                lost, outcome = exc, Lost(str(exc))
+            except Exception as exc:  # a fault outside an attempt: back off until something changes
+                self._fault_detected(exc, state.epoch, state.seq)
+                outcome = Faulted(fault_cause(exc))
+
+    def _execute(self, action: Action, state: AgentState, changed: int) -> Outcome | None:
+        """Carry out one action in ``state`` (the state ``decide`` left); returns what came
+        of it, None after a wait. ``changed``: the change token an idle wait waits after."""
+        s = self.services
+        if isinstance(action, AwaitMembership):
+            s.membership.check()  # a member whose lease expired is out for good
+            s.stop.wait(action.timeout_s)
+        elif isinstance(action, AwaitEpoch):
+            if action.request_reform and not s.superseded(action.after_epoch):
+                # Unless a newer epoch is out already (it brings a new communicator anyway).
+                s.membership.request_reform()
+            with contextlib.suppress(EpochTimeout):
+                s.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        elif isinstance(action, EnterEpoch):
+            return self._enter_epoch(action)
+        elif isinstance(action, ConnectAhead):
+            view = _entered(state, action.epoch)
+            if self._connect_ahead(view):
+                return Connected(action.epoch)
+            return Connected(action.epoch, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Observe):
+            return self._look_for_attempt(_entered(state, action.epoch), action)
+        elif isinstance(action, RunAttempt):
+            view = _entered(state, action.epoch)
+            if self.participant.run(view, self._transport, action.seq, action.spec, self.executor_for):
+                return AttemptRan(action.epoch, action.seq)
+            return AttemptRan(action.epoch, action.seq, broke=True, can_shrink=self._broke(view))
+        elif isinstance(action, Idle):
+            # Nothing to do until a key changes; the timeout only bounds what a lost watch
+            # event could cost (the watches resume and relist themselves).
+            s.changes.wait_after(changed, action.timeout_s)
+        elif isinstance(action, Backoff):
+            with contextlib.suppress(Exception):  # a fault while backing off must not stack on the fault
+                s.membership.wait_for_view(after_epoch=action.after_epoch, timeout_s=action.timeout_s)
+        else:
+            raise TypeError(f"the agent has no way to execute {action!r}")
+        return None
+
+    def _enter_epoch(self, action: EnterEpoch) -> Outcome:
+        """Reconfigure the communicator from ``action.previous`` to ``action.view`` (shrink /
+        grow / rebuild, see ``CommunicatorManager``)."""
+        s = self.services
+        latest = action.view
+        self.coordinator.leaving(latest)
+        s.fire("comm.reconfiguring", epoch=latest.epoch, first=action.previous is None)
+        # The manager's watchdog must hold the last reference to the old process group, so
+        # that its destructor never runs (and blocks) on this thread.
+        self._release_transport()
+        try:
+            result = s.manager.reconfigure(action.previous, latest, broken=action.broken)
+        except CommunicatorError as exc:
+            s.log.warning("refit.communicator.broken", epoch=latest.epoch)
+            self._fault_detected(exc, None, 0)  # nothing of the old communicator survives
+            return CommunicatorFailed(latest.epoch)
+        self._transport = s.hooks.wrap_transport(result.transport)
+        s.fire("comm.ready", epoch=latest.epoch, rank=result.rank, path=result.path)
+        # The communicator is formed: the epoch is entered whatever follows (a fault of the
+        # watch below costs only wakeups, which the idle timeout bounds).
+        try:
+            s.watch_epoch(latest.epoch)
+        except Exception as exc:
+            self._fault_detected(exc, latest.epoch, 0)
+        s.stats["reconfigurations"] += 1
+        s.log.info("refit.epoch.entered", epoch=latest.epoch, rank=result.rank, num_ranks=result.num_ranks,
+                   path=result.path, seconds=result.seconds)
+        del result  # the manager and self._transport keep the only references
+        return Entered(latest)
+
+    def _look_for_attempt(self, view: MembershipView, action: Observe) -> Observed:
+        """Take in the version state (serve what committed), coordinate as the epoch's rank
+        0, then look for attempt ``action.seq`` or a later one. No etcd read unless the
+        coordinator moves: the state is the tracker's, the attempts the epoch watch's."""
+        s = self.services
+        state = s.tracker.state()
+        self.observe(state)
+        if action.coordinate:
+            proposed = self.coordinator.move(view, action.seq, state)
+            if proposed is not None:  # no need to wait for the watch to bring it back
+                return Observed(action.epoch, proposed)
+        found = s.ledger.next_attempt(view.epoch, action.seq, known=s.known(view.epoch))
+        if found is None:
+            return Observed(action.epoch, None)
+        return Observed(action.epoch, NextAttempt(*found))
+
+    def observe(self, state: VersionState) -> None:
+        """Record commits and failed versions; serve a committed version once this rank
+        holds it (its ack, by this incarnation, in the layout it holds now)."""
+        latest_done = self.outcomes.record(state.committed, state.failed)
+        if self._published is not None:
+            self._published.release_through(latest_done)  # committed, failed, or superseded by a later commit
+        latest = state.latest_committed
+        if self._serving is None or latest is None:
+            return
+        c = self.services.config
+        ack = state.acks.get(latest, {}).get(c.member_id)
+        if (ack is not None and ack.incarnation == c.incarnation and ack.layout == self._side().described
+                and self._serving.serve(latest)):
+            self.services.log.info("refit.version.serving", version=latest)
+
+    def _broke(self, view: MembershipView) -> bool:
+        """An operation broke this epoch's transport: it cannot be used again. Returns
+        whether it can shrink (then the communicator stays with the manager)."""
+        self.services.log.warning("refit.communicator.broken", epoch=view.epoch)
+        return self._transport is not None and self._transport.capabilities.can_shrink
+
+    def _fault_detected(self, exc: Exception, epoch: int | None, seq: int) -> None:
+        """A fault of the agent outside any attempt: counted, noted for timeouts, logged."""
+        self.services.stats["failed_attempts"] += 1
+        self.outcomes.note_fault(fault_cause(exc))
+        self.services.log.warning("fault.detected", kind=type(exc).__name__, error=brief(exc), epoch=epoch, seq=seq)
+
+    def executor_for(self, plan: Plan, transport: Transport) -> Executor:
+        """The executor of ``plan`` on ``transport``, kept for the epoch's later refits: its
+        schedule is built and its staging allocated once, not per version. Only the latest
+        is kept (its staging is memory); it goes with the transport."""
+        key = (plan.fingerprint, id(transport))
+        if self._executor is None or self._executor[0] != key:
+            self._executor = None  # the old staging goes before the new is allocated
+            c = self.services.config
+            self._executor = (key, Executor(plan, transport, ExecutorOptions(staging_bytes=c.staging_bytes,
+                                                                             verify=c.verify)))
+        return self._executor[1]
+
+    def _connect_ahead(self, view: MembershipView) -> bool:
+        """On entering an epoch: connect the pairs the epoch's refit plan uses (one byte
+        along each direction, then its vote), so the first refit after a reconfiguration
+        does not pay NCCL's lazy connection setup (see ``transport.connect``). Every member
+        votes for the plan it would connect, and all connect only when all agree;
+        otherwise (a layout not published yet, no refit possible) nobody does. Returns
+        False when the transport broke."""
+        s = self.services
+        spec = steady_refit(view)
+        if not s.config.connects_ahead or spec is None:
+            return True
+        log = s.log.bind(epoch=view.epoch)
+        t0 = time.perf_counter()
+        plan: Plan | None = None
+        try:
+            plan = self.planner.plan(view, spec)
+            mine = plan.fingerprint
+        except (LayoutUnavailable, ValueError) as exc:
+            mine = f"skip: {fault_cause(exc)}"
+        store = s.manager.store
+        try:
+            s.ledger.vote_connect(store, s.config.member_id, mine)
+            s.wait_written(store, s.ledger.connect_keys(spec.participants), view.epoch, "connecting ahead")
+            agreed = all(v == mine for v in s.ledger.connect_votes(store, spec.participants))
+        except Exception as exc:  # superseded, closing, etcd: the first refit connects instead
+            log.info("refit.connect.skipped", reason=brief(exc))
+            return True
+        if plan is None or not agreed:
+            log.info("refit.connect.skipped", reason=mine if plan is None else "members planned differently")
+            return True
+        try:
+            num_directions = connect_ahead(self._transport, plan_peers(plan, view.rank_of(s.config.member_id)))
+        except TransportAborted as exc:
+            log.warning("refit.connect.failed", error=brief(exc))
+            return False
+        s.stats["connected_ahead"] += 1
+        log.info("refit.connect.done", seconds=time.perf_counter() - t0, num_directions=num_directions,
+                 fingerprint=plan.fingerprint)
+        return True
+
+
+def _entered(state: AgentState, epoch: int) -> MembershipView:
+    if state.view is None or state.view.epoch != epoch:
+        raise RefitError(f"agent bug: an action for epoch {epoch} while in epoch {state.epoch}")
+    return state.view

@@ -1,0 +1,118 @@
+"""The outcomes of versions as one member saw them: where callers wait.
+
+``publish``, ``PublishHandle.wait``, ``wait_for_version`` and ``weights`` block here, on one
+condition, never on a poll. The driver records commits and failures as the version state
+changes; other parts (the trainer's published versions, the serving slot) call
+:meth:`Outcomes.changed` after a change a caller may wait for, and a waiter's ``ready``
+reads their state through their own locks (this lock is always taken first).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
+from elastic_refit.membership.versions import Commit, Failure
+
+__all__ = ["Outcomes"]
+
+T = TypeVar("T")
+
+_VERSIONS_REMEMBERED = 64  # commit and failure records a member keeps (memory flat over a long run)
+
+
+class Outcomes:
+    """Committed and failed versions, this rank's latest fault, the latched error of the
+    agent, and whether the context is closing."""
+
+    def __init__(self, member_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.member_id = member_id
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._committed: dict[int, Commit] = {}
+        self._failed: dict[int, Failure] = {}
+        self._last_fault: tuple[float, str] | None = None  # (clock time, cause)
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # ---- what the driver records ----------------------------------------------------------
+    def record(self, committed: Mapping[int, Commit], failed: Mapping[int, Failure]) -> int:
+        """Take in commit and failure records; returns the latest version that is over
+        (committed or failed; -1: none)."""
+        with self._cond:
+            self._committed.update(committed)
+            self._failed.update(failed)
+            # Bounded like etcd's version state: a waiter of an older version sees a newer
+            # commit (committed "at least"), long after it could have seen its own record.
+            for seen in (self._committed, self._failed):
+                for v in sorted(seen)[:-_VERSIONS_REMEMBERED]:
+                    del seen[v]
+            self._cond.notify_all()
+            return max([*self._committed, *self._failed], default=-1)
+
+    def note_fault(self, cause: str) -> None:
+        """This rank's latest fault, named by a later ``RefitTimeout``."""
+        with self._cond:
+            self._last_fault = (self._clock(), cause)
+
+    def latch(self, exc: BaseException) -> None:
+        """The agent failed for good: every waiter raises ``exc`` from now on."""
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def changed(self) -> None:
+        """Another part changed what a waiter may be waiting for: wake the waiters."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- reads (waiters' ``ready`` run under the lock) -------------------------------------
+    def committed_at_least(self, version: int) -> Commit | None:
+        """The commit of the oldest version >= ``version`` (a newer one supersedes it)."""
+        with self._cond:
+            done = [c for v, c in self._committed.items() if v >= version]
+        return min(done, key=lambda c: c.version) if done else None
+
+    def raise_if_failed(self, version: int) -> None:
+        with self._cond:
+            failure = self._failed.get(version)
+        if failure is not None:
+            raise RefitFailed(failure.version, failure.cause, failure.num_attempts, epoch=failure.epoch)
+
+    def outcome(self, version: int) -> Commit | None:
+        """The commit ``version`` came to (or a newer one), or raise its failure; None while
+        it is pending."""
+        self.raise_if_failed(version)
+        return self.committed_at_least(version)
+
+    def wait_for(self, ready: Callable[[], T | None], timeout_s: float, what: str) -> T:
+        """``ready()`` once it is not None (it may raise, e.g. ``RefitFailed``), else
+        ``RefitTimeout`` naming ``what`` and this rank's latest fault."""
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                value = ready()
+                if value is not None:
+                    return value
+                if self._closed:
+                    raise RefitError(f"{self.member_id}: closed while waiting for {what}")
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise RefitTimeout(what, timeout_s, member_id=self.member_id, last_failure=self._last_failure())
+                self._cond.wait(left)
+
+    def _last_failure(self) -> str | None:
+        if self._last_fault is None:
+            return None
+        at, cause = self._last_fault
+        return f"{cause} ({self._clock() - at:.1f} s ago)"

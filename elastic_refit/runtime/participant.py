@@ -1,0 +1,228 @@
+"""A participant runs one attempt on this rank: plan it (pure, memoised), agree on the
+plan's fingerprint with every other participant, move the bytes, verify them, and finish
+(a destination acks in the same transaction as its done key).
+
+Where it stands is one explicit :class:`Phase`, which decides what a fault must undo: before
+its plan key is written, peers waiting for it are told through that key; once the plan is
+agreed and bytes are moving, the peers depend on this rank, so the transport is aborted
+and they fail now instead of at the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from elastic_refit.errors import RefitError, SourceChanged, TransferRefused, TransportAborted, brief
+from elastic_refit.membership import MembershipError, MembershipLost, MembershipView
+from elastic_refit.membership.attempts import OK, AttemptSpec, Done
+from elastic_refit.plan import Plan
+from elastic_refit.runtime.attempt import fault_cause
+from elastic_refit.runtime.checks import Side
+from elastic_refit.runtime.outcomes import Outcomes
+from elastic_refit.runtime.planning import AttemptPlanner
+from elastic_refit.runtime.published import PublishedVersions
+from elastic_refit.runtime.services import AttemptAborted, Services
+from elastic_refit.runtime.serving import ServingSlot
+from elastic_refit.transport.executor import Executor
+from elastic_refit.transport.protocol import Transport
+
+__all__ = ["Participant", "Phase"]
+
+ExecutorFor = Callable[[Plan, Transport], Executor]
+
+
+class Phase(enum.Enum):
+    """Where this rank is in an attempt."""
+
+    PLANNING = "planning"  # nothing written yet: peers wait for this rank's plan key
+    PLANNED = "planned"  # its plan key is being written (the agreement)
+    AGREED = "agreed"  # every participant planned alike: bytes move, the peers depend on this rank
+    SENT = "sent"  # this rank's bytes are through; the executor votes either way
+    DONE = "done"
+
+
+class Participant:
+    """This rank's part in the attempts it is named in (one at a time: ``lock``)."""
+
+    def __init__(self, services: Services, planner: AttemptPlanner, outcomes: Outcomes, side: Callable[[], Side], *,
+                 published: PublishedVersions | None, serving: ServingSlot | None) -> None:
+        self.services = services
+        self.planner = planner
+        self.outcomes = outcomes
+        self._side = side
+        self._published = published
+        self._serving = serving
+        # Attempts and layout changes take turns (a change waits for the attempt in flight).
+        self.lock = threading.Lock()
+        self._acked: set[int] = set()  # versions this rank acked and has not retracted since
+        self.phase = Phase.DONE
+
+    def run(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec,
+            executor_for: ExecutorFor) -> bool:
+        """Run attempt ``seq`` of ``view``'s epoch; False when it broke the epoch's
+        communicator (a transport fault: gloo closes a pair for good once it times out or its
+        peer resets it)."""
+        with self.lock:
+            s = self.services
+            log = s.log.bind(epoch=view.epoch, seq=seq, version=spec.version, kind=spec.kind)
+            s.stats["attempts"] += 1
+            self.phase = Phase.PLANNING
+            try:
+                self._attempt(view, transport, seq, spec, executor_for, log)
+                self.phase = Phase.DONE
+                return True
+            except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
+                return self._failed(exc, view, transport, seq, log)
+
+    def _attempt(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec,
+                 executor_for: ExecutorFor, log) -> None:
+        s, me = self.services, self.services.config.member_id
+        store = s.manager.store
+        s.fire("attempt.start", epoch=view.epoch, seq=seq, version=spec.version)
+        t0 = time.perf_counter()
+        self._check_planned_layout(spec)
+        plan = self.planner.plan(view, spec)
+        st = plan.stats
+        log.info("refit.plan.built", seconds=time.perf_counter() - t0, fingerprint=plan.fingerprint,
+                 cross_domain_bytes=st.cross_domain_bytes, lower_bound_bytes=st.lower_bound_bytes,
+                 intra_domain_bytes=st.intra_domain_bytes, gather_broadcast_bytes=st.gather_broadcast_bytes)
+        # Everything this rank can get wrong on its own (its buffers, its staging budget)
+        # is checked before it agrees: a fault here fails the agreement, peers stop at once
+        # and no byte moves (the communicator stays usable for the retry).
+        source, destination = self._buffers(spec)
+        executor = executor_for(plan, transport)
+
+        def refused(member_id: str, done: Done) -> None:
+            raise AttemptAborted(f"{member_id} failed attempt {seq} of version {spec.version} before "
+                                 f"the plan was agreed ({done.encode()})")
+
+        self.phase = Phase.PLANNED
+        s.ledger.agree(store, seq, plan.fingerprint, me=me, participants=spec.participants, refused=refused,
+                       wait=lambda keys: s.wait_written(store, keys, view.epoch, "the plan was agreed"))
+        self.phase = Phase.AGREED
+        log.info("refit.plan.agreed", participants=len(spec.participants))
+        s.fire("plan.agreed", epoch=view.epoch, seq=seq, version=spec.version)
+        if me in spec.destinations:
+            self._begin_receiving()
+        s.fire("transfer.before", epoch=view.epoch, seq=seq, version=spec.version, executor=executor,
+               transport=transport)
+        report = executor.run(source, destination, before_vote=self._after_sends(spec, source))
+        if me in spec.sources and self._published is not None:
+            self._published.mark_sent(spec.version)
+        log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
+                 network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
+                 local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
+        self._finish(view, seq, spec, log)
+
+    def _begin_receiving(self) -> None:
+        """This rank's buffers are about to be overwritten: it holds nothing from now on.
+        Its own latest acks may not be in the watched state yet: they are named."""
+        s = self.services
+        self._serving.begin_apply()
+        s.versions.retract(s.membership, s.tracker.state(), also=self._acked)
+        self._acked.clear()
+
+    def _after_sends(self, spec: AttemptSpec, source: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+        """What runs once this rank's bytes are through, before the executor's closing vote.
+        A source checks its buffers against publish's digests there: the vote passing tells
+        every destination that no source changed under its sends (no extra round trip), and
+        the check runs while the receivers finish."""
+        s = self.services
+        check = (s.config.verify and s.config.member_id in spec.sources and self._published is not None
+                 and not self._published.is_copy(spec.version))  # publish's own copy: nobody else writes it
+
+        def transferred() -> None:
+            self.phase = Phase.SENT
+            if check:
+                self._check_unchanged(spec.version, source)
+
+        return transferred
+
+    def _finish(self, view: MembershipView, seq: int, spec: AttemptSpec, log) -> None:
+        s, me = self.services, self.services.config.member_id
+        if me in spec.destinations:
+            s.fire("ack.before", epoch=view.epoch, seq=seq, version=spec.version)
+            digest = self._serving.digest()
+            # One transaction: the coordinator that sees the done key knows the ack's
+            # revision, which its watched version state then waits for.
+            s.ledger.ack(s.membership, s.manager.store, seq, spec.version, view.epoch, digest)
+            self._acked.add(spec.version)
+            log.info("refit.version.acked", digest=digest)
+        else:
+            s.ledger.finish(s.manager.store, seq, me, OK, planned=True)
+
+    def _failed(self, exc: Exception, view: MembershipView, transport: Transport, seq: int, log) -> bool:
+        s, me = self.services, self.services.config.member_id
+        s.stats["failed_attempts"] += 1
+        # A fault of this rank's own is a cause the coordinator counts; a consequence of
+        # something outside the attempt (a peer failed first, the epoch moved on, etcd or
+        # the lease) is not: retrying with the same members may well succeed.
+        aborted = isinstance(exc, AttemptAborted | MembershipError | MembershipLost | TransferRefused)
+        cause = fault_cause(exc)
+        self.outcomes.note_fault(brief(exc) if isinstance(exc, AttemptAborted) else cause)
+        log.warning("refit.attempt.failed", error_type=type(exc).__name__, error=brief(exc), aborted=aborted)
+        done = Done.aborted(cause) if aborted else Done.failed(cause)
+        with contextlib.suppress(Exception):
+            if self.phase is Phase.AGREED and not transport.aborted:
+                # The peers are moving bytes with this rank: abort, so they fail now
+                # instead of at the transfer timeout (the executor does the same).
+                transport.abort()
+            s.ledger.finish(s.manager.store, seq, me, done, planned=self.phase is not Phase.PLANNING)
+        self.phase = Phase.DONE
+        if isinstance(exc, MembershipLost):
+            raise exc
+        if isinstance(exc, TransportAborted) and exc.peer is not None and 0 <= exc.peer < view.num_ranks:
+            # A reset or closed connection is evidence the peer died: suspect it now
+            # (it refutes if alive) instead of waiting for its lease to expire.
+            peer = view.members[exc.peer]
+            with contextlib.suppress(Exception):
+                s.membership.report_peer_failure(peer.member_id, peer.incarnation, str(exc))
+        if (isinstance(exc, TransportAborted) and not isinstance(exc, TransferRefused)) or transport.aborted:
+            return False
+        # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):
+        # back off briefly, then the next attempt (or epoch) retries.
+        with contextlib.suppress(Exception):
+            s.membership.wait_for_view(after_epoch=view.epoch, timeout_s=10 * s.config.poll_s)
+        return True
+
+    def _check_unchanged(self, version: int, source: Mapping[str, torch.Tensor]) -> None:
+        """After this trainer's sends: its buffers still hold what was published as
+        ``version``. Else the version is refused for the job (a retry would send the same
+        moving target) and :class:`SourceChanged` names the buffers."""
+        changed = self._published.changed_buffers(version, source)
+        if changed:
+            s = self.services
+            exc = SourceChanged(f"trainer {s.config.member_id!r}: published buffers {changed} changed while "
+                                f"version {version} was in flight; it is refused, publish a new version once "
+                                "they hold still")
+            s.versions.refuse(s.membership, version, fault_cause(exc))
+            raise exc
+
+    def _buffers(self, spec: AttemptSpec) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+        me = self.services.config.member_id
+        if me in spec.sources:
+            published = self._published.get(spec.version) if self._published is not None else None
+            if published is None:
+                raise RefitError(f"{me} was listed as a source of version {spec.version} but does not hold it")
+            return published.tensors, {}  # checked against the layout in publish
+        if me in spec.holders:
+            return self._serving.incoming, {}
+        return {}, self._serving.incoming
+
+    def _check_planned_layout(self, spec: AttemptSpec) -> None:
+        """The attempt plans this rank with the layout its buffers hold; else it was proposed
+        before a layout change reached the coordinator, and nothing may move under it."""
+        me = self.services.config.member_id
+        named = spec.layout(me)
+        mine = self._side().described
+        if me in spec.sources and self._published is not None:
+            published = self._published.get(spec.version)
+            mine = published.layout if published is not None else named
+        if named and named != mine:
+            raise AttemptAborted(f"attempt plans {me} with layout {named}, but it holds layout {mine} now")
