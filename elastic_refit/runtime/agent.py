@@ -5,8 +5,8 @@ gathers the inputs (the latest membership view, the outcome of the action it exe
 last), calls :func:`decide` and executes the action it returns: wait for this member to
 be listed, wait for an epoch after a broken one (asking for a reform once one is due),
 enter an epoch (reconfigure the communicator), connect ahead, observe the version state
-(the coordinator tidies up, then proposes, commits or refuses: :func:`coordinator_tidy`
-and :func:`coordinate` decide which), run an attempt (plan, agree, move, verify,
+(the coordinator tidies up, then proposes, commits or refuses: the pure
+``runtime.coordination`` decides which), run an attempt (plan, agree, move, verify,
 ack), idle until a watched key changes, back off after a fault, or fail.
 
 :func:`decide` does no I/O and reads no clock (``now`` is passed in): the same state,
@@ -19,16 +19,11 @@ next attempt, a fault, the membership lost).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from elastic_refit.membership.versions import VersionState
 from elastic_refit.membership.view import MembershipView
 from elastic_refit.runtime.attempt import (
-    REFIT,
     AttemptSpec,
-    CommitAction,
-    next_action,
     reform_due_in,
 )
 from elastic_refit.runtime.config import RefitConfig
@@ -45,7 +40,6 @@ __all__ = [
     "CommunicatorFailed",
     "ConnectAhead",
     "Connected",
-    "CoordinatorMove",
     "EnterEpoch",
     "Entered",
     "Fail",
@@ -56,12 +50,7 @@ __all__ = [
     "Observe",
     "Observed",
     "Outcome",
-    "Propose",
-    "Refuse",
     "RunAttempt",
-    "Tidy",
-    "coordinate",
-    "coordinator_tidy",
     "decide",
     "lists",
 ]
@@ -443,98 +432,3 @@ def _next(state: AgentState, inputs: AgentInputs, now: float) -> tuple[Action, A
         return ConnectAhead(latest.epoch, why="epoch entered"), state
     is_coordinator = state.view.members[0].member_id == s.member_id  # rank 0 of the epoch
     return Observe(latest.epoch, state.seq, is_coordinator, why="steady in the epoch"), state
-
-
-# ---- the coordinator's decisions -------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Tidy:
-    """What the epoch's coordinator does before its move at attempt ``seq``: ``proceed``
-    False while attempt ``seq - 1`` is still running somewhere (nothing else then);
-    ``count``: the attempt it proposed and has not counted yet (see ``count_failure``);
-    ``prune``: the attempt whose keys go; ``reread``: read the version state again."""
-
-    proceed: bool
-    count: int | None = None
-    prune: int | None = None
-    reread: bool = False
-    why: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.proceed and (self.count is not None or self.prune is not None or self.reread):
-            raise ValueError(f"a coordinator that waits does nothing else, got count {self.count}, "
-                             f"prune {self.prune}, reread {self.reread}")
-        for name in ("count", "prune"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_epoch(name, value)
-
-
-def coordinator_tidy(epoch: int, seq: int, *, previous_finished: bool, uncounted: tuple[int, int] | None,
-                     pruned: tuple[int, int] | None, has_store: bool) -> Tidy:
-    """Before the coordinator of ``epoch`` moves at attempt ``seq`` (pure).
-
-    ``previous_finished``: attempt ``seq - 1`` is absent or every participant wrote its
-    done key; ``uncounted``: the (epoch, seq) this coordinator proposed last and has not
-    counted; ``pruned``: the (epoch, seq) it pruned last; ``has_store``: the epoch's store
-    is open. Attempt ``seq - 1`` was proposed once ``seq - 2`` had finished everywhere, so
-    nobody reads ``seq - 2`` again (a member that fell behind skips to the next one). Acks
-    land before the done keys: a state read before ``seq - 1`` finished may miss the last
-    ones and propose a redundant catch-up, so it is read again.
-    """
-    _check_epoch("epoch", epoch)
-    _check_epoch("seq", seq)
-    if seq == 0:
-        return Tidy(True, why="the epoch's first attempt")
-    if not previous_finished:
-        return Tidy(False, why=f"attempt {seq - 1} is still running")
-    count = seq - 1 if uncounted == (epoch, seq - 1) else None
-    prune = seq - 2 if seq >= 2 and pruned != (epoch, seq - 2) and has_store else None
-    return Tidy(True, count, prune, reread=True, why=f"attempt {seq - 1} finished")
-
-
-@dataclass(frozen=True, slots=True)
-class Propose:
-    """Propose ``spec`` as attempt ``seq`` of the epoch (unless one is there already)."""
-
-    seq: int
-    spec: AttemptSpec
-
-    def __post_init__(self) -> None:
-        _check_epoch("seq", self.seq)
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Give ``version`` up before any attempt: its sources disagree (``reason`` says where)."""
-
-    version: int
-    reason: str
-
-    @property
-    def cause(self) -> str:
-        """The cause the ``failed`` record carries (as ``fault_cause`` spells a ``ValueError``)."""
-        return f"ValueError: {self.reason}"
-
-
-CoordinatorMove = CommitAction | Propose | Refuse
-
-
-def coordinate(view: MembershipView, seq: int, state: VersionState, *,
-               feasible: Callable[[AttemptSpec], bool] | None = None,
-               disagreement: Callable[[AttemptSpec], str | None] | None = None,
-               holders_serve: Callable[[AttemptSpec], bool] | None = None) -> CoordinatorMove | None:
-    """The coordinator's move at attempt ``seq`` of ``view``'s epoch (pure, given pure
-    ``feasible`` and ``disagreement``): commit what every live inference rank holds,
-    propose the attempt :func:`~elastic_refit.runtime.attempt.next_action` calls for, or
-    refuse a new version whose sources disagree on a region they share (``disagreement``
-    says where, None: they agree; not given: replicas are not checked); None: nothing.
-    ``holders_serve`` goes to ``next_action``."""
-    _check_epoch("seq", seq)
-    action = next_action(view, state, feasible=feasible, holders_serve=holders_serve)
-    if isinstance(action, AttemptSpec) and action.kind == REFIT and disagreement is not None:
-        where = disagreement(action)
-        if where is not None:  # nothing has moved: the version is refused before any attempt
-            return Refuse(action.version, where)
-    if isinstance(action, AttemptSpec):
-        return Propose(seq, action)
-    return action

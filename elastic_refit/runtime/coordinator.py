@@ -3,10 +3,9 @@ commits what every live inference rank holds, proposes the next attempt, refuses
 whose sources disagree, and gives a version up after ``max_attempts`` consecutive failures
 for one cause.
 
-Its memory is frozen data (:class:`CoordinatorState`) that pure functions turn into the
-next state (:func:`proposed`, :func:`counted`, :func:`forget_settled`); its decisions are
-the pure ``coordinator_tidy`` and ``coordinate`` of ``runtime.agent``. :class:`Coordinator`
-only reads etcd for them and carries out what they decide.
+Its memory is frozen data (``CoordinatorState``) and its decisions are the pure functions
+of ``runtime.coordination``; :class:`Coordinator` only reads etcd for them and carries out
+what they decide.
 """
 
 from __future__ import annotations
@@ -14,86 +13,29 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from elastic_refit.errors import brief
 from elastic_refit.membership import EtcdStore, MembershipLost, MembershipView
-from elastic_refit.membership.attempts import AttemptSpec, Done
+from elastic_refit.membership.attempts import Done
 from elastic_refit.membership.versions import VersionState
-from elastic_refit.runtime.agent import NextAttempt, Propose, Refuse, coordinate, coordinator_tidy
-from elastic_refit.runtime.attempt import CommitAction, FailureTally, attempt_cause, count_failure
+from elastic_refit.runtime.agent import NextAttempt
+from elastic_refit.runtime.attempt import CommitAction
+from elastic_refit.runtime.coordination import (
+    CoordinatorState,
+    Proposal,
+    Propose,
+    Refuse,
+    coordinate,
+    coordinator_tidy,
+    counted,
+    forget_settled,
+    proposed,
+)
 from elastic_refit.runtime.planning import AttemptPlanner, coordinator_checks
 from elastic_refit.runtime.services import Services
 
-__all__ = ["Coordinator", "CoordinatorState", "GiveUp", "Proposal", "counted", "forget_settled", "proposed"]
-
-
-@dataclass(frozen=True, slots=True)
-class Proposal:
-    """An attempt this coordinator proposed and has not counted yet."""
-
-    view: MembershipView
-    seq: int
-    spec: AttemptSpec
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorState:
-    """What the coordinator remembers between moves: consecutive failed attempts per
-    version, the attempt it proposed last and has not counted, the attempt it pruned last."""
-
-    tallies: Mapping[int, FailureTally] = field(default_factory=dict)
-    uncounted: Proposal | None = None
-    pruned: tuple[int, int] | None = None  # (epoch, seq)
-
-    def __post_init__(self) -> None:
-        bad = [v for v, t in self.tallies.items() if t.version != v]
-        if bad:
-            raise ValueError(f"tallies must be keyed by their version, got {bad}")
-
-
-@dataclass(frozen=True, slots=True)
-class GiveUp:
-    """``version`` failed ``num_attempts`` consecutive attempts for ``cause``."""
-
-    version: int
-    cause: str
-    num_attempts: int
-
-
-def proposed(state: CoordinatorState, proposal: Proposal) -> CoordinatorState:
-    return replace(state, uncounted=proposal)
-
-
-def counted(state: CoordinatorState, proposal: Proposal, done: Mapping[str, Done],
-            max_attempts: int) -> tuple[CoordinatorState, GiveUp | None]:
-    """The state after counting ``proposal``'s attempt from its participants' ``done``
-    values (those that wrote one), and whether its version is given up (pure).
-
-    Every participant ok: the version's tally goes. No own fault (only consequences: the
-    epoch moved on, etcd, a lease): nothing counts. Else the tally grows
-    (``count_failure``); at ``max_attempts`` the version is given up."""
-    spec = proposal.spec
-    tallies = dict(state.tallies)
-    if len(done) == len(spec.participants) and all(d.ok for d in done.values()):
-        tallies.pop(spec.version, None)
-        return replace(state, tallies=tallies), None
-    cause = attempt_cause(done)
-    if cause is None:
-        return state, None
-    tally = count_failure(tallies.get(spec.version), proposal.view, spec.version, cause)
-    tallies[spec.version] = tally
-    give_up = GiveUp(spec.version, cause, tally.num_attempts) if tally.num_attempts >= max_attempts else None
-    return replace(state, tallies=tallies), give_up
-
-
-def forget_settled(state: CoordinatorState, versions: VersionState) -> CoordinatorState:
-    """Tallies of versions that failed or that a commit settled are dropped."""
-    latest = versions.latest_committed
-    settled = [v for v in state.tallies if v in versions.failed or (latest is not None and v <= latest)]
-    if not settled:
-        return state
-    return replace(state, tallies={v: t for v, t in state.tallies.items() if v not in settled})
+__all__ = ["Coordinator"]
 
 
 class Coordinator:

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from elastic_refit._validate import check_timeout
 from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
 from elastic_refit.membership.versions import Commit, Failure
 
-__all__ = ["Outcomes"]
+__all__ = ["Outcomes", "PublishHandle"]
 
 T = TypeVar("T")
 
@@ -116,3 +117,40 @@ class Outcomes:
             return None
         at, cause = self._last_fault
         return f"{cause} ({self._clock() - at:.1f} s ago)"
+
+
+class PublishHandle:
+    """What ``ElasticRefit.publish(..., wait=False)`` returns: the version's way to its commit.
+
+    ``done()`` says whether it is over; ``wait(timeout_s)`` (and ``result()``) returns its
+    :class:`~elastic_refit.membership.versions.Commit`, which is a later version's when a
+    newer one superseded it, or raises what ``publish`` would (``RefitFailed``,
+    ``RefitTimeout``)."""
+
+    def __init__(self, outcomes: Outcomes, version: int, timeout_s: float, commit: Commit | None = None) -> None:
+        self.version = version
+        self._outcomes = outcomes
+        self._timeout_s = timeout_s
+        self._commit = commit
+
+    def _outcome(self) -> Commit | None:
+        if self._commit is None:
+            self._commit = self._outcomes.outcome(self.version)
+        return self._commit
+
+    def done(self) -> bool:
+        try:
+            return self._outcome() is not None
+        except RefitError:
+            return True
+
+    def wait(self, timeout_s: float | None = None) -> Commit:
+        timeout_s = check_timeout("timeout_s", timeout_s)
+        return self._outcomes.wait_for(self._outcome, self._timeout_s if timeout_s is None else timeout_s,
+                                       f"version {self.version} to commit")
+
+    def result(self) -> Commit:
+        return self.wait()
+
+    def __repr__(self) -> str:
+        return f"PublishHandle(version={self.version}, done={self.done()})"

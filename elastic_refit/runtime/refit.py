@@ -26,7 +26,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +54,7 @@ from elastic_refit.runtime.config import RefitConfig, RefitLayouts
 from elastic_refit.runtime.driver import Driver
 from elastic_refit.runtime.events import EventListener, EventLog
 from elastic_refit.runtime.layouts import LayoutCache
-from elastic_refit.runtime.outcomes import Outcomes
+from elastic_refit.runtime.outcomes import Outcomes, PublishHandle
 from elastic_refit.runtime.participant import Participant
 from elastic_refit.runtime.phases import NO_HOOKS, PhaseHooks
 from elastic_refit.runtime.planning import AttemptPlanner
@@ -124,10 +125,8 @@ class ElasticRefit:
         else:
             self._published = PublishedVersions(config.snapshot_bytes, self._outcomes)
         self._stop = threading.Event()
-        self._services: Services | None = None
-        self._driver: Driver | None = None
-        self._participant: Participant | None = None
-        self._planner: AttemptPlanner | None = None
+        self._running: _Running | None = None  # the parts, once started
+        self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
         self.stats: dict[str, int] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0,
                                       "connected_ahead": 0}
 
@@ -140,15 +139,23 @@ class ElasticRefit:
 
     def start(self) -> ElasticRefit:
         """Join the job: register, publish this side's layout, start the agent thread."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()  # what was opened before the failure
+            raise
+
+    def _start(self) -> ElasticRefit:
         services = self._connect()
-        self._planner = planner = AttemptPlanner(services.layouts, PlanOptions(
+        planner = AttemptPlanner(services.layouts, PlanOptions(
             bucket_bytes=self.config.bucket_bytes, concurrent_rounds=self.config.concurrent_rounds,
             relay=self.config.relay), self.log, check_replicas=self.config.check_replicas)
-        self._participant = Participant(services, planner, self._outcomes, lambda: self._side,
-                                        published=self._published, serving=self._serving)
-        self._driver = Driver(services, planner, self._outcomes, self._participant, lambda: self._side,
-                              published=self._published, serving=self._serving)
-        self._driver.start()
+        participant = Participant(services, planner, self._outcomes, lambda: self._side,
+                                  published=self._published, serving=self._serving)
+        driver = Driver(services, planner, self._outcomes, participant, lambda: self._side,
+                        published=self._published, serving=self._serving)
+        self._running = _Running(services, planner, participant, driver)
+        driver.start()
         self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.mode,
                       layout=self._side.described, num_quantized_tensors=len(self._side.formats))
         return self
@@ -159,12 +166,14 @@ class ElasticRefit:
         # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch
         # deadline). Lazy connection (TORCH_GLOO_LAZY_INIT) was tried and rejected: a send to a
         # peer that died before its pair connected blocks inside send() for ~50 s of retries.
-        self._client = client = EtcdClient(c.etcd_config())
+        client = EtcdClient(c.etcd_config())
+        self._closers.append(client.close)
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank, layout=self._side.described)
-        self.membership = membership = Membership(client, c.job, record, MembershipConfig(
+        membership = Membership(client, c.job, record, MembershipConfig(
             ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s))
-        self.layout_cache = LayoutCache(LayoutStore(client, c.job), self._known_layouts)
+        self._closers.append(membership.close)
+        layout_cache = LayoutCache(LayoutStore(client, c.job), self._known_layouts)
         if torch.device(c.device).type == "cuda":
             # Before joining: a newcomer's first refit must not compile the pack kernels.
             t0 = time.perf_counter()
@@ -172,48 +181,63 @@ class ElasticRefit:
             self.log.info("refit.kernels.warmed", seconds=time.perf_counter() - t0)
         membership.start()
         # Peers that see the record before this lands find the layout unavailable and wait.
-        self.layout_cache.publish(membership, self._side.layout, self._side.formats)
+        layout_cache.publish(membership, self._side.layout, self._side.formats)
         versions = VersionStore(client, c.job)
         # The agent reads version state and its epoch's keys when they change, not on a
         # timer: an idle member costs etcd its keepalive and a few watch streams. The version
         # state is the tracker's, kept from its watch (each key parsed once, when it lands).
         changes = ChangeSignal(client)
-        self.tracker = tracker = VersionTracker(client, c.job, progress_interval_s=changes.progress_interval_s,
+        self._closers.append(changes.close)
+        tracker = VersionTracker(client, c.job, progress_interval_s=changes.progress_interval_s,
                                                 stall_timeout_s=changes.stall_timeout_s)
         tracker.on_change(lambda _reset, _events: changes.bump())
         tracker.start()
+        self._closers.append(tracker.stop)
         changes.watch("layouts", versions.keys.layouts_prefix)  # a peer's layout unblocks a plan
         membership.on_view(lambda _old, _new: changes.bump())
-        manager = CommunicatorManager(client, c.job, c.member_id, backend=c.backend, config=membership.config,
-                                      superseded=self._superseded, latest_view=lambda: membership.view,
-                                      transport_timeout_s=c.transport_timeout_s, device=c.device,
-                                      bind_interface=c.bind_interface)
+        manager = CommunicatorManager(
+            client, c.job, c.member_id, backend=c.backend, config=membership.config,
+            superseded=lambda epoch: _superseded(membership, epoch), latest_view=lambda: membership.view,
+            transport_timeout_s=c.transport_timeout_s, device=c.device, bind_interface=c.bind_interface)
+        self._closers.append(manager.close)
         if c.bind_interface is not None and c.backend != "gloo":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init
-        self._services = Services(c, client, membership, versions, AttemptLedger(versions), tracker, changes,
-                                  self.layout_cache, manager, self.log, self._hooks, self._stop, self.stats)
-        return self._services
+        return Services(c, client, membership, versions, AttemptLedger(versions), tracker, changes,
+                        layout_cache, manager, self.log, self._hooks, self._stop, self.stats)
 
-    def _superseded(self, epoch: int) -> bool:
-        latest = self.membership.view
-        return latest is not None and latest.epoch > epoch
+    @property
+    def _services(self) -> Services:
+        if self._running is None:
+            raise RefitError(f"{self.config.member_id}: the context is not started (use `with ElasticRefit(...)`)")
+        return self._running.services
+
+    @property
+    def membership(self) -> Membership:
+        """This member's registration and view of the job."""
+        return self._services.membership
+
+    @property
+    def tracker(self) -> VersionTracker:
+        """The job's version state, as this member watches it."""
+        return self._services.tracker
+
+    @property
+    def layout_cache(self) -> LayoutCache:
+        """The layouts this member knows (its own, its peers' from etcd)."""
+        return self._services.layouts
 
     def close(self) -> None:
         """Leave the job: stop the agent, revoke the lease (peers see a clean leave)."""
         self._stop.set()
         self._outcomes.close()  # waiters raise now (a latched error first)
-        s = self._services
-        if s is not None:
-            s.changes.bump()  # an idle agent waits on it: let it see the stop now
-        if self._driver is not None:
-            self._driver.join(self.config.epoch_deadline_s)
-        if s is not None:
-            s.changes.close()
-            s.tracker.stop()
-        for closer in (s.manager if s else None, getattr(self, "membership", None), getattr(self, "_client", None)):
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    closer.close()
+        running = self._running
+        if running is not None:
+            running.services.changes.bump()  # an idle agent waits on it: let it see the stop now
+            running.driver.join(self.config.epoch_deadline_s)
+        # Also what a start that failed half-way opened.
+        while self._closers:
+            with contextlib.suppress(Exception):
+                self._closers.pop()()
 
     # ---- trainer API -------------------------------------------------------------------
     def publish(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, version: int,
@@ -289,7 +313,7 @@ class ElasticRefit:
         regions' digests when sources are checked against each other)."""
         layout, published = self._side.layout, self._published
         regions = (region_digests(layout, self.config.layout_rank, entry.tensors,
-                                  self._planner.replica_regions(layout),
+                                  self._running.planner.replica_regions(layout),
                                   known=dict(entry.digests)) if self.config.check_replicas else {})
         published.add(version, entry)
         try:
@@ -351,14 +375,15 @@ class ElasticRefit:
         elif parameters is not None:
             raise ValueError(f"trainer {me!r}: parameters are for inference ranks (trainers publish their buffers)")
         wait_s = 4 * self.config.collective_timeout_s if timeout_s is None else timeout_s
-        if self._participant is None:
+        if self._running is None:
             raise RefitError(f"{me}: update_layout needs a started context")
-        if not self._participant.lock.acquire(timeout=wait_s):
+        lock = self._running.participant.lock
+        if not lock.acquire(timeout=wait_s):
             raise RefitTimeout("the attempt in flight to finish before the layout change", wait_s, member_id=me)
         try:
             self._change_layout(side, new_parameters)
         finally:
-            self._participant.lock.release()
+            lock.release()
 
     def _change_layout(self, side: Side, parameters: dict[str, torch.Tensor] | None) -> None:
         """(No attempt in flight.) Publish ``side`` and, on an inference rank, hold
@@ -430,41 +455,19 @@ class ElasticRefit:
         check_buffers(layout, tensors, what, layout_rank=self.config.layout_rank, device=self.config.device)
 
 
-class PublishHandle:
-    """What ``ElasticRefit.publish(..., wait=False)`` returns: the version's way to its commit.
+@dataclass(frozen=True)
+class _Running:
+    """The parts of a started context (each owns its state and its lock)."""
 
-    ``done()`` says whether it is over; ``wait(timeout_s)`` (and ``result()``) returns its
-    :class:`~elastic_refit.membership.versions.Commit`, which is a later version's when a
-    newer one superseded it, or raises what ``publish`` would (``RefitFailed``,
-    ``RefitTimeout``)."""
+    services: Services
+    planner: AttemptPlanner
+    participant: Participant
+    driver: Driver
 
-    def __init__(self, outcomes: Outcomes, version: int, timeout_s: float, commit: Commit | None = None) -> None:
-        self.version = version
-        self._outcomes = outcomes
-        self._timeout_s = timeout_s
-        self._commit = commit
 
-    def _outcome(self) -> Commit | None:
-        if self._commit is None:
-            self._commit = self._outcomes.outcome(self.version)
-        return self._commit
-
-    def done(self) -> bool:
-        try:
-            return self._outcome() is not None
-        except RefitError:
-            return True
-
-    def wait(self, timeout_s: float | None = None) -> Commit:
-        timeout_s = check_timeout("timeout_s", timeout_s)
-        return self._outcomes.wait_for(self._outcome, self._timeout_s if timeout_s is None else timeout_s,
-                                       f"version {self.version} to commit")
-
-    def result(self) -> Commit:
-        return self.wait()
-
-    def __repr__(self) -> str:
-        return f"PublishHandle(version={self.version}, done={self.done()})"
+def _superseded(membership: Membership, epoch: int) -> bool:
+    latest = membership.view
+    return latest is not None and latest.epoch > epoch
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -46,8 +46,8 @@ from elastic_refit.membership.attempts import OK, AttemptLedger
 from elastic_refit.membership.epoch_kv import EpochKV
 from elastic_refit.membership.keys import AttemptKeys
 from elastic_refit.membership.versions import AckRequest
-from elastic_refit.runtime.agent import Propose, coordinate
 from elastic_refit.runtime.attempt import AttemptSpec, CommitAction
+from elastic_refit.runtime.coordination import Propose, coordinate
 from elastic_refit.testing.stats import percentile
 
 _TIMEOUT_S = 120.0  # one step of the driver (a startup, a round, a kill) gives up after this

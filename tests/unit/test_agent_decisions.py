@@ -37,12 +37,7 @@ from elastic_refit.runtime.agent import (
     NextAttempt,
     Observe,
     Observed,
-    Propose,
-    Refuse,
     RunAttempt,
-    Tidy,
-    coordinate,
-    coordinator_tidy,
     decide,
     lists,
 )
@@ -55,6 +50,7 @@ from elastic_refit.runtime.attempt import (
     version_digest,
 )
 from elastic_refit.runtime.config import RefitConfig
+from elastic_refit.runtime.coordination import Propose, Refuse, Tidy, coordinate, coordinator_tidy
 from tests.unit.test_runtime_decisions import state as version_state
 from tests.unit.test_runtime_decisions import view as version_view
 
