@@ -3,18 +3,31 @@ writes, the readers inside ``weights()``, and the committed version the paramete
 
 ``in_place``: a refit writes the parameters themselves; from the moment it starts writing
 (:meth:`ServingSlot.begin_apply`) no new reader enters until a version it holds commits.
-``staged``: a refit writes spare buffers, swapped in (one copy) between reads once the
-version commits, so serving never stops for a transfer. Its own condition (readers leave,
-the writer waits); it tells :class:`Outcomes` when the served version changes.
+The pause it causes (block to commit) is reported per version.
+
+``staged``: a refit writes spare buffers beside the served parameters while readers go on.
+At commit the switch (one copy of the rank's weights, spare -> parameters, at memory speed)
+runs *between reads*: at once when no reader is inside, else by the last reader as it
+leaves. Nobody waits for a reader: the agent thread returns from :meth:`serve` at once, and
+a reader in the middle of a long generation keeps the version it entered with, untouched,
+until it leaves (never torn). Readers that enter while a switch is pending join the version
+being read (no wait; the version ``weights()`` yields says which), so the switch needs a
+moment with no reader inside: an engine with one generation loop has one between every two
+``weights()`` blocks; one with overlapping readers should hold ``weights()`` per engine step.
+A refit that starts writing the spares while a switch is still pending skips that version
+(the readers never saw it; the next one is switched in instead). The only time readers are
+held back is the copy itself, under the slot's lock: ``refit.serving.paused``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 
 import torch
 
+from elastic_refit.runtime.events import EventLog
 from elastic_refit.runtime.outcomes import Outcomes
 from elastic_refit.transport.buffers import buffers_digest
 
@@ -24,15 +37,21 @@ __all__ = ["ServingSlot"]
 class ServingSlot:
     """The parameters of one inference rank and who reads them (its own condition)."""
 
-    def __init__(self, parameters: Mapping[str, torch.Tensor], *, staged: bool, outcomes: Outcomes) -> None:
+    def __init__(self, parameters: Mapping[str, torch.Tensor], *, staged: bool, outcomes: Outcomes,
+                 log: EventLog | None = None) -> None:
         self.staged = staged
         self._outcomes = outcomes
+        self._log = log
         self._cond = threading.Condition()
         self._readers = 0
         self._blocked = False  # in place: the parameters are being (or were partly) overwritten
+        self._blocked_at: float | None = None  # in place: when readers were first held back
         self._serving: int | None = None  # the committed version the parameters hold
+        self._pending: tuple[int, float] | None = None  # staged: (version, committed at) not switched in yet
+        self._dirty = False  # a refit started writing and has not completed (what is written is no version)
         self._parameters: dict[str, torch.Tensor] = dict(parameters)
         self._incoming = self._spares(self._parameters)
+        self.switches = 0  # staged: how many versions were switched in (tests and benchmarks read it)
 
     def _spares(self, parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in parameters.items()} if self.staged else parameters
@@ -44,7 +63,8 @@ class ServingSlot:
 
     @property
     def incoming(self) -> dict[str, torch.Tensor]:
-        """What a refit writes (the parameters themselves in place)."""
+        """What a refit writes (the parameters themselves in place). Staged, it also holds
+        the latest version this rank received (what it sends as a holder)."""
         return self._incoming
 
     @property
@@ -52,9 +72,20 @@ class ServingSlot:
         with self._cond:
             return self._serving
 
+    @property
+    def pending(self) -> int | None:
+        """Staged: the committed version waiting for a moment without readers."""
+        with self._cond:
+            return None if self._pending is None else self._pending[0]
+
     def digest(self) -> str:
-        """The digest of what a refit wrote: what this rank acks."""
-        return buffers_digest(self._incoming)
+        """The digest of what a complete, verified refit wrote: what this rank acks. From
+        here on what it wrote may be served (before, a commit the watch still shows from an
+        earlier ack must not serve half-written buffers)."""
+        digest = buffers_digest(self._incoming)
+        with self._cond:
+            self._dirty = False
+        return digest
 
     # ---- readers ------------------------------------------------------------------------
     def enter(self, want: int = -1) -> int | None:
@@ -67,9 +98,12 @@ class ServingSlot:
             return self._serving
 
     def leave(self) -> None:
+        """Stop reading; the last reader out switches in a pending version (staged)."""
         with self._cond:
             self._readers -= 1
+            switched = self._switch_if_free()
             self._cond.notify_all()
+        self._report(switched)
 
     def served(self, want: int) -> int | None:
         """The version served if it is >= ``want`` and readable now, without entering."""
@@ -84,26 +118,67 @@ class ServingSlot:
 
     # ---- the writer ----------------------------------------------------------------------
     def begin_apply(self) -> None:
-        """In place, writing the parameters starts: stop new reads, wait for current ones."""
-        if self.staged:
-            return
+        """A refit starts writing. In place: stop new reads, wait for current ones (the
+        pause starts). Staged: the spares are overwritten, so a version still waiting for
+        its switch is skipped; never waits."""
         with self._cond:
+            self._dirty = True
+            if self.staged:
+                if self._pending is not None and self._log is not None:
+                    self._log.info("refit.serving.skipped", version=self._pending[0], readers=self._readers)
+                self._pending = None
+                return
+            if self._blocked_at is None:
+                self._blocked_at = time.perf_counter()
             self._blocked = True
             self._wait_no_readers()
 
     def serve(self, version: int) -> bool:
-        """This rank holds committed ``version``: serve it (staged: swap it in between
-        reads). Returns whether the served version changed."""
+        """This rank holds committed ``version``: serve it. Staged: switch it in now if no
+        reader is inside, else when the last one leaves (never waits). Returns whether the
+        version was taken (served now or pending)."""
         with self._cond:
-            if self._serving == version:
+            if (self._dirty or self._serving == version
+                    or (self._pending is not None and self._pending[0] == version)):
                 return False
+            switched = None
             if self.staged:
-                self._wait_no_readers()
-                for name, tensor in self._parameters.items():
-                    tensor.copy_(self._incoming[name])
-            self._serving, self._blocked = version, False
+                self._pending = (version, time.perf_counter())
+                switched = self._switch_if_free()
+            else:
+                paused = 0.0 if self._blocked_at is None else time.perf_counter() - self._blocked_at
+                self._serving, self._blocked, self._blocked_at = version, False, None
+                switched = (version, paused, 0.0)
         self._outcomes.changed()
+        self._report(switched)
         return True
+
+    def _switch_if_free(self) -> tuple[int, float, float] | None:
+        """(Under the lock.) Copy the pending version in if no reader is inside: readers
+        that try to enter meanwhile wait on the lock, for the copy alone. Returns
+        (version, seconds readers were held back, seconds it waited for readers)."""
+        if self._pending is None or self._readers > 0:
+            return None
+        version, committed_at = self._pending
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in self._parameters.items():
+                tensor.copy_(self._incoming[name])
+            _synchronize(self._parameters)
+        t1 = time.perf_counter()
+        self._serving, self._pending = version, None
+        self.switches += 1
+        return version, t1 - t0, t0 - committed_at
+
+    def _report(self, switched: tuple[int, float, float] | None) -> None:
+        if switched is None:
+            return
+        if self.staged:
+            self._outcomes.changed()  # a deferred switch: wait_for_version may be waiting for it
+        if self._log is not None:
+            version, paused, deferred = switched
+            self._log.info("refit.serving.paused", version=version, seconds=paused, deferred_s=deferred,
+                           mode="staged" if self.staged else "in_place")
 
     def replace(self, parameters: Mapping[str, torch.Tensor]) -> None:
         """New parameters (a new layout): they hold no version until the next one arrives."""
@@ -111,5 +186,13 @@ class ServingSlot:
             self._wait_no_readers()
             self._parameters = dict(parameters)
             self._incoming = self._spares(self._parameters)
-            self._serving = None
+            self._serving, self._pending, self._dirty = None, None, False
         self._outcomes.changed()
+
+
+def _synchronize(tensors: Mapping[str, torch.Tensor]) -> None:
+    """The copy is over only once the device ran it: a reader entering next may read from
+    another stream, and the pause is measured to here."""
+    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
