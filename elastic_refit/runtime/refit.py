@@ -121,7 +121,8 @@ class ElasticRefit:
                 raise ValueError(f"inference member {config.member_id!r} needs its parameters")
             parameters = tensors_of(parameters)
             self._check_buffers(self._side.buffer_layout, parameters, f"inference rank {config.member_id!r}: parameter")
-            self._serving = ServingSlot(parameters, staged=config.mode == "staged", outcomes=self._outcomes)
+            self._serving = ServingSlot(parameters, staged=config.mode == "staged", outcomes=self._outcomes,
+                                        log=self.log)
         else:
             self._published = PublishedVersions(config.snapshot_bytes, self._outcomes)
         self._stop = threading.Event()
