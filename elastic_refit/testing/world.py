@@ -48,6 +48,7 @@ class RefitCase:
     bucket_bytes: int = 64 << 20
     direct_min_bytes: int = 256 << 10
     concurrent_rounds: int = 1
+    relay: str = "auto"  # PlanOptions.relay
     # Destination formats (``TensorFormats.to_json``): the bench also runs the refit into
     # this quantized destination (``plan_quantized``), beside the BF16 one.
     formats_json: str | None = None
@@ -66,7 +67,7 @@ class RefitCase:
         spec = self.build()
         return make_plan(spec.source, spec.destination, spec.topology,
                          PlanOptions(bucket_bytes=self.bucket_bytes, direct_min_bytes=self.direct_min_bytes,
-                                     concurrent_rounds=self.concurrent_rounds))
+                                     concurrent_rounds=self.concurrent_rounds, relay=self.relay))
 
     def plan_quantized(self) -> Plan | None:
         """The same refit into the destination formats ``formats_json`` names (None without)."""

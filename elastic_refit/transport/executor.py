@@ -34,6 +34,7 @@ rank whose own transfers all succeeded still learns that the refit did not.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,13 +47,14 @@ from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
 from elastic_refit.transport.bucket_io import BucketIO, ForwardIn
 from elastic_refit.transport.buffers import resolve_buffers
+from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
 from elastic_refit.transport.options import ExecutorOptions, MiB
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import Step, build_rank_schedule
 from elastic_refit.transport.source_quant import SourceQuantizer
 from elastic_refit.transport.window import Posted, Window, WindowForward, WindowMessage, cut_windows
 
-__all__ = ["FORWARD_TAG", "Executor", "ExecutorOptions", "MiB", "TransferReport"]
+__all__ = ["FORWARD_TAG", "DeltaInputs", "Executor", "ExecutorOptions", "MiB", "TransferReport"]
 
 log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever configuration is current
 
@@ -68,7 +70,10 @@ class TransferReport:
     """What one rank moved in one refit: bytes (``*_bytes``), counts (``num_*``) and the
     wall time (``seconds``). ``num_buckets`` counts buckets sent and received,
     ``num_zero_copy_buckets`` those of them that went straight from or into a parameter,
-    ``num_verified_boxes`` the received boxes whose digest was checked."""
+    ``num_verified_boxes`` the received boxes whose digest was checked. With deltas:
+    ``num_delta_buckets`` this rank sent as their change against the base, and the bytes
+    that saved on its network and intra-domain sends (``*_saved_bytes``; what went on the
+    wire is ``*_send_bytes`` less them)."""
 
     rank: int
     seconds: float
@@ -81,6 +86,9 @@ class TransferReport:
     num_zero_copy_buckets: int
     staging_bytes: int
     num_verified_boxes: int
+    num_delta_buckets: int = 0
+    network_saved_bytes: int = 0
+    intra_saved_bytes: int = 0
 
 
 class Executor:
@@ -96,11 +104,14 @@ class Executor:
         self.device = transport.device
         self._io: dict[int, BucketIO] = {}
         self._forward_in: dict[int, ForwardIn] = {}
+        # A message that may carry deltas packs every bucket (a delta travels in staging).
+        packing = dataclasses.replace(self.options, zero_copy=False)
         for step in self.schedule.steps:
             for msg in (step.send, step.recv):
                 if msg is not None:
+                    opts = packing if self.options.delta and DeltaCoder.may_carry(msg) else self.options
                     for bucket in msg.buckets:
-                        self._io[id(bucket)] = BucketIO(bucket, self.schedule, self.options, self.device)
+                        self._io[id(bucket)] = BucketIO(bucket, self.schedule, opts, self.device)
             for forward in step.forward_recvs:
                 for part in forward.parts:
                     self._forward_in[id(part)] = ForwardIn(part, self.schedule, self.options, self.device)
@@ -124,7 +135,13 @@ class Executor:
             self._slots.append(slots)
             num_slots.append(2 * len(packing) + len(gathering))
         self.num_staging_slots = max(num_slots)
-        needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
+        self._delta = (DeltaCoder(self.schedule, self._io, quantized=plan.quantization is not None,
+                                  verify=self.options.verify, device=self.device)
+                       if self.options.delta else None)
+        self._round: tuple[DeltaRound, Mapping[str, torch.Tensor]] | None = None  # the refit's deltas
+        num_scratch = 2 if self._delta is not None and self._delta.messages else 0
+        needed = (self.num_staging_slots + num_scratch) * _aligned(self.max_wire_bytes)
+        self.staging_needed = needed
         if needed > self.options.staging_bytes:
             rounds = plan.options.concurrent_rounds
             raise ValueError(
@@ -145,12 +162,15 @@ class Executor:
     # ---- public ----------------------------------------------------------------------
     @property
     def staging_allocated(self) -> int:
-        return sum(t.numel() for t in self._staging)
+        return sum(t.numel() for t in self._staging) + (self._delta.scratch_bytes if self._delta else 0)
 
     def run(self, source: Mapping[str, torch.Tensor] | None = None,
             destination: Mapping[str, torch.Tensor] | None = None, *,
-            before_vote: Callable[[], None] | None = None) -> TransferReport:
+            before_vote: Callable[[], None] | None = None, delta: DeltaInputs | None = None) -> TransferReport:
         """Move this rank's bytes: ``source`` and ``destination`` map buffer names to tensors.
+
+        ``delta`` (with ``ExecutorOptions.delta``): buckets to ``delta.receivers`` may go as
+        their change against ``delta.base`` (see :mod:`elastic_refit.transport.delta`).
 
         ``before_vote`` runs once this rank's sends and receives are done, before its
         closing vote; if it raises, this rank votes no (every participant then fails the
@@ -169,6 +189,10 @@ class Executor:
                                       device=self.device)
             self._ensure_staging()
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
+            if self._delta is not None and delta is not None:
+                rnd = self._delta.prepare(delta, tensors, self.transport,
+                                          keep_bytes=self.options.staging_bytes - self.staging_needed)
+                self._round = (rnd, delta.base)
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
             for window, slots in zip(self.windows, self._slots, strict=True):
@@ -179,6 +203,9 @@ class Executor:
             log.warning("transport.executor.failed", rank=self.rank, error=brief(exc))
             self.transport.abort()
             raise
+        finally:
+            rnd = self._round[0] if self._round is not None else DeltaRound()
+            self._round = None  # its kept payloads go with it
         refused: BaseException | None = None
         if before_vote is not None:
             try:
@@ -203,10 +230,15 @@ class Executor:
             num_zero_copy_buckets=counts["num_zero_copy_buckets"],
             staging_bytes=self.staging_allocated,
             num_verified_boxes=counts["num_verified_boxes"],
+            num_delta_buckets=rnd.num_buckets,
+            network_saved_bytes=rnd.saved_bytes["network"],
+            intra_saved_bytes=rnd.saved_bytes["intra"],
         )
         log.info("transport.executor.done", rank=self.rank, seconds=report.seconds,
                  sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,
-                 local_bytes=report.local_bytes, num_buckets=report.num_buckets)
+                 local_bytes=report.local_bytes, num_buckets=report.num_buckets,
+                 num_delta_buckets=report.num_delta_buckets,
+                 saved_bytes=report.network_saved_bytes + report.intra_saved_bytes)
         return report
 
     # ---- internals ---------------------------------------------------------------------
@@ -216,6 +248,8 @@ class Executor:
             size = _aligned(self.max_wire_bytes)
             self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(self.num_staging_slots)]
+        if self._delta is not None and self._delta.messages:
+            self._delta.scratch(_aligned(self.max_wire_bytes))
 
     def _local_copy(self, copy, tensors) -> None:
         src = tensors[copy.src.buffer][tuple(slice(o, o + n) for o, n in zip(copy.src.offsets, copy.src.lengths, strict=True))]
@@ -279,7 +313,11 @@ class Executor:
             prior = m.slots[slot]
             if prior is not None and prior.pending:  # the staging slot is free once its send is done
                 prior.wait(self.transport)
-            if io.direct is not None:
+            coded = None if self._round is None else self._delta.payload(  # type: ignore[union-attr]
+                self._round[0], io, tensors, self._staging_of(m.first_slot, slot, io.wire_bytes), self._round[1])
+            if coded is not None:
+                payload = coded
+            elif io.direct is not None:
                 payload = io.direct_view(tensors)
                 counts["num_zero_copy_buckets"] += 1
             else:
@@ -299,8 +337,9 @@ class Executor:
             if i >= len(m.msg.buckets):
                 continue
             io = self._io[id(m.msg.buckets[i])]
+            size = None if self._round is None else self._round[0].size(io)
             target = (io.direct_view(tensors) if io.direct is not None
-                      else self._staging_of(m.first_slot, slot, io.wire_bytes))
+                      else self._staging_of(m.first_slot, slot, io.wire_bytes if size is None else size))
             m.slots[slot] = Posted(P2POp("recv", target, m.msg.peer, i), f"receive ({m.place})", io)
             ops.append(m.slots[slot])
             counts["num_buckets"] += 1
@@ -362,7 +401,10 @@ class Executor:
         assert op is not None and op.io is not None
         op.wait(self.transport)
         if op.io.direct is None:
-            counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify,
+            data = op.op.tensor
+            if self._round is not None and self._round[0].size(op.io) is not None:  # a delta: rebuild the bucket
+                data = self._delta.rebuild(self._round[0], op.io, tensors, data)  # type: ignore[union-attr]
+            counts["num_verified_boxes"] += op.io.unpack(tensors, data, self.options.verify,
                                                          f"rank {self.rank} {m.place}")
         else:
             counts["num_zero_copy_buckets"] += 1

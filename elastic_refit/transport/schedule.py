@@ -43,6 +43,7 @@ class Message:
     peer: int
     kind: TransferKind  # NETWORK or INTRA
     buckets: tuple[Bucket, ...]
+    relayed: bool = False  # a relay forwards some of its bytes (alike on both ends: deltas skip it)
 
     @property
     def nbytes(self) -> int:
@@ -206,7 +207,8 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
         key = (int(t.phase[row]), int(t.round[row]))
         entry = per_step.setdefault(key, {})
         peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
-        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], []])
+        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], [], False])
+        msg[4] = msg[4] or int(t.message[row]) in relay_messages
         src_layout = plan.destination if src_side[i] == int(SourceSide.DESTINATION) else plan.source
         if not sending and not has_dst[i]:  # staged for forwarding only: no buffer of ours
             msg[3].append(BoxCopy(STAGED, (), (), 0, int(t.nbytes[row])))
@@ -231,7 +233,7 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     def message(spec) -> Message | None:
         if spec is None:
             return None
-        peer, kind_value, directs, packed = spec
+        peer, kind_value, directs, packed, relayed = spec
         buckets: dict[int, list[BoxCopy]] = {}
         position = 0
         for b in packed:  # sequential layout; a bucket holds the boxes starting in one half-window
@@ -245,7 +247,7 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
             end = max(b.packed_offset + b.nbytes for b in boxes)
             boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes) for b in boxes)
             out.append(Bucket(end - start, boxes))
-        return Message(peer, TransferKind(kind_value), tuple(out))
+        return Message(peer, TransferKind(kind_value), tuple(out), relayed)
 
     steps = []
     for (phase, rnd), entry in sorted(per_step.items()):
