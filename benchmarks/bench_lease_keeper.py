@@ -18,6 +18,7 @@ import sys
 import time
 
 from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.leases import lease_keeper
 
 from elastic_refit.testing.etcd import EtcdServer
 
@@ -33,7 +34,7 @@ def main() -> None:
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     with EtcdServer(name="lease-bench") as etcd:
         client = EtcdClient(etcd.endpoints)
-        keeper = client.lease_keeper()
+        keeper = lease_keeper(client)
         leases = []
         for _ in range(args.leases):  # each kept from its grant on (granting all takes longer than the TTL)
             asked = time.monotonic()

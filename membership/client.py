@@ -346,7 +346,7 @@ class EtcdClient:
         self._conn_lock: asyncio.Lock | None = None
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
-        self._keeper: Any = None  # the LeaseKeeper of this client's leases, made on first use
+        self._keeper: Any = None  # its companion (the LeaseKeeper of its leases), made on first use
         self._keeper_lock = threading.Lock()
 
     # ----------------------------------------------------------------- plumbing
@@ -411,16 +411,15 @@ class EtcdClient:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def lease_keeper(self):
-        """The :class:`~membership.leases.LeaseKeeper` that renews the leases of this
-        client's members, on a thread and a channel of its own (closed with the client)."""
-        from elastic_refit.membership.leases import LeaseKeeper  # it builds on this module
-
+    def companion(self, make: Callable[[EtcdConfig], T]) -> T:
+        """The one object ``make(self.config)`` of this client (made on first use), closed
+        first when the client closes: e.g. the ``LeaseKeeper`` of its members' leases
+        (``membership.leases.lease_keeper``), which runs on a thread and channel of its own."""
         with self._keeper_lock:
             if self._closed:
                 raise RuntimeError("EtcdClient is closed")
             if self._keeper is None:
-                self._keeper = LeaseKeeper(self.config)
+                self._keeper = make(self.config)
             return self._keeper
 
     async def connection(self) -> _Connection:

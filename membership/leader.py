@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from elastic_refit.membership.client import Compare, Get, Put
+from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
+from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import EtcdUnavailable, LeadershipLost
 from elastic_refit.membership.index import control_index
+from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import (
     MemberRecord,
     MembershipView,
@@ -31,8 +34,27 @@ from elastic_refit.membership.view import (
     next_member_order,
 )
 
-if TYPE_CHECKING:
-    from elastic_refit.membership.service import Membership
+
+class Membership(Protocol):
+    """What the leader loop reads and calls on its member (``membership.service.Membership``,
+    which builds on this module): its client, keys, record, timeouts, log, lease, watcher,
+    flags and fences."""
+
+    client: EtcdClient
+    keys: JobKeys
+    record: MemberRecord
+    config: MembershipConfig
+    log: Any
+    lease_id: int
+    lost: threading.Event
+    closing: bool
+    is_leader: bool
+    fenced_writes: int
+    watcher: Any
+
+    def ownership_compare(self) -> Compare: ...
+
+    def after_publish(self, view: MembershipView) -> None: ...
 
 
 async def apublish_epoch(client, keys, token: int, expected_mod_revision: int,

@@ -89,6 +89,12 @@ class _Stream:
         self.call.cancel()
 
 
+def lease_keeper(client: EtcdClient) -> LeaseKeeper:
+    """The :class:`LeaseKeeper` that renews the leases of ``client``'s members, on a thread
+    and a channel of its own (one per client, closed with it)."""
+    return client.companion(LeaseKeeper)
+
+
 class LeaseKeeper:
     """Keeps the leases of one process alive (see the module docstring).
 

@@ -29,6 +29,7 @@ from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, Membe
 from elastic_refit.membership.index import ControlIndex, control_index
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.leader import LeaderLoop
+from elastic_refit.membership.leases import lease_keeper
 from elastic_refit.membership.liveness import (
     LivenessRing,
     RingPeer,
@@ -109,7 +110,7 @@ class Membership:
         # Kept alive from the grant on, before anything else: at a thousand members joining
         # at once the registration below can take longer than the TTL, and a lease whose
         # first keepalive waited for it expired before its member ever registered.
-        self._keeper = self.client.lease_keeper()
+        self._keeper = lease_keeper(self.client)
         self._keeper.keep(self.lease_id, ttl_s=self.config.ttl_s, interval_s=self.config.keepalive_interval,
                           on_lost=self._lease_lost_threadsafe, renewed_at=asked)
         try:

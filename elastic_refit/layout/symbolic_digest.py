@@ -13,49 +13,44 @@ from __future__ import annotations
 import numpy as np
 
 from elastic_refit.layout.box import DTYPES
+from elastic_refit.layout.core import Layout, LogicalTensor
 from elastic_refit.layout.fingerprint import (
     block_digest,
     buffer_block,
     combine_fingerprint,
     piece_block,
 )
-from elastic_refit.layout.symbolic import (
-    BufferRule,
-    PieceRule,
-    SymbolicLayout,
-    _local_shape,
-    _rule_pieces,
-)
+from elastic_refit.layout.symbolic_rules import BufferRule, PieceRule, _local_shape, _rule_pieces
 
 __all__ = ["symbolic_fingerprint"]
 
 _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
 
 
-def symbolic_fingerprint(layout: SymbolicLayout) -> str:
-    """The fingerprint ``layout.to_layout()`` has (``layout.fingerprint`` scheme)."""
-    k = layout.ndim
-    names = layout.buffer_names
+def symbolic_fingerprint(k: int, names: tuple[str, ...], tensors: tuple[LogicalTensor, ...],
+                         buffers: tuple[BufferRule, ...], rules: tuple[PieceRule, ...], explicit: Layout | None,
+                         memo: dict) -> str:
+    """The fingerprint a symbolic layout's ``to_layout()`` has (``layout.fingerprint``
+    scheme), from its parts: ``k`` dims, buffer ``names``, ``tensors``, buffer and piece
+    rules, the ``explicit`` part; ``memo`` keeps each distinct rule's block."""
     name_id = {n: i for i, n in enumerate(names)}
-    explicit = layout.explicit
     explicit_tensors = set()
     if explicit is not None and explicit.num_pieces:
         explicit_tensors = {explicit.tensors[t].name for t in np.unique(explicit.piece_tensor).tolist()}
     by_tensor: dict[str, list[PieceRule]] = {}
-    for rule in layout.rules:
+    for rule in rules:
         by_tensor.setdefault(rule.tensor, []).append(rule)
-    memo = layout._memo.setdefault("blocks", {})
     tensor_blocks = []
-    for t in layout.tensors:
-        rules = by_tensor.get(t.name, [])
+    for t in tensors:
+        tensor_rules = by_tensor.get(t.name, [])
         if t.name in explicit_tensors:
-            tensor_blocks.append(_explicit_tensor_block(layout, t, rules, k, name_id))
+            tensor_blocks.append(_explicit_tensor_block(explicit, t, tensor_rules, k, name_id))
             continue
-        candidates = sorted({r.buffer for r in rules})
-        shift = min((r.mesh.min_rank for r in rules), default=0)
+        candidates = sorted({r.buffer for r in tensor_rules})
+        shift = min((r.mesh.min_rank for r in tensor_rules), default=0)
         # the rules up to their tensor, buffer names (by index among the tensor's) and first rank
         key = ("t", t.shape, k, tuple(PieceRule("", str(candidates.index(r.buffer)), r.mesh.shifted(shift), r.splits,
-                                                r.local_dim, r.local_start) for r in rules))
+                                                r.local_dim, r.local_start) for r in tensor_rules))
         hit = memo.get(key)
         if hit is None:
             rows = [_enumerate(t.shape, r, k, int(r.buffer)) for r in key[3]]
@@ -64,23 +59,23 @@ def symbolic_fingerprint(layout: SymbolicLayout) -> str:
         tensor_blocks.append((r0 + shift if used else r0, tuple(name_id[candidates[c]] for c in used), digest))
     buffer_blocks = []
     by_name: dict[str, list[BufferRule]] = {}
-    for b in layout.buffers:
+    for b in buffers:
         by_name.setdefault(b.name, []).append(b)
     for name in names:
-        rules = by_name.get(name, [])
+        named = by_name.get(name, [])
         if explicit is not None and name in explicit.buffer_names and np.any(
                 explicit.buffer_name == explicit.buffer_names.index(name)):
-            buffer_blocks.append(_buffer_block_of(rules, k, explicit, name))
+            buffer_blocks.append(_buffer_block_of(named, k, explicit, name))
             continue
-        shift = min((r.mesh.min_rank for r in rules), default=0)
-        key = ("b", k, tuple(BufferRule("b", r.mesh.shifted(shift), r.shape, r.dtype, r.splits) for r in rules))
+        shift = min((r.mesh.min_rank for r in named), default=0)
+        key = ("b", k, tuple(BufferRule("b", r.mesh.shifted(shift), r.shape, r.dtype, r.splits) for r in named))
         hit = memo.get(key)
         if hit is None:
             hit = memo[key] = _buffer_block_of([BufferRule("b", r.mesh.shifted(shift), r.shape, r.dtype, r.splits)
-                                                for r in rules], k)
+                                                for r in named], k)
         r0, digest = hit
-        buffer_blocks.append((r0 + shift if rules else r0, digest))
-    return combine_fingerprint(k, layout.tensors, names, tensor_blocks, buffer_blocks)
+        buffer_blocks.append((r0 + shift if named else r0, digest))
+    return combine_fingerprint(k, tensors, names, tensor_blocks, buffer_blocks)
 
 
 def _enumerate(shape, rule: PieceRule, k: int, candidate: int):
@@ -114,10 +109,8 @@ def _tensor_block(parts, k: int):
     return r0, tuple(used.tolist()), block_digest("pieces", rows)
 
 
-def _explicit_tensor_block(layout: SymbolicLayout, t, rules, k: int, name_id: dict[str, int]):
+def _explicit_tensor_block(explicit: Layout, t, rules, k: int, name_id: dict[str, int]):
     """A tensor with explicit pieces too: every piece enumerated (no memo)."""
-    explicit = layout.explicit
-    assert explicit is not None
     names = sorted({r.buffer for r in rules}
                    | {explicit.buffer_names[int(n)] for n in
                       explicit.buffer_name[explicit.piece_buffer[explicit.piece_tensor == explicit.tensor_index(t.name)]]})

@@ -88,8 +88,9 @@ class AgentSettings:
 
     @classmethod
     def of(cls, config: RefitConfig) -> AgentSettings:
-        return cls(config.member_id, config.incarnation, config.ttl_s, config.poll_s, config.collective_timeout_s,
-                   config.epoch_deadline_s, config.idle_wake_s)
+        t = config.timeouts
+        return cls(config.member_id, config.incarnation, t.ttl_s, t.poll_s, t.collective_timeout_s,
+                   t.epoch_deadline_s, t.idle_wake_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,7 +110,7 @@ class Coordinator:
         that just finished: a state without them would propose a redundant catch-up); read
         from etcd if the watch does not bring it within a collective timeout."""
         s = self.services
-        state = s.tracker.state_at(revision, s.config.collective_timeout_s)
+        state = s.tracker.state_at(revision, s.config.timeouts.collective_timeout_s)
         if state is None:
             s.log.warning("refit.versions.lagging", revision=revision, tracked_revision=s.tracker.revision)
             state = s.versions.snapshot()
@@ -129,7 +129,7 @@ class Coordinator:
             if done is None:
                 read = s.ledger.done_values(store, proposal.seq, proposal.spec.participants)
                 done = {m: d for m, (d, _) in read.items()}
-            state, give_up = counted(self._state, proposal, done, s.config.max_attempts)
+            state, give_up = counted(self._state, proposal, done, s.config.versions.max_attempts)
             self._set(state)
             if give_up is not None and s.versions.fail(s.membership, give_up.version, current.epoch,
                                                        give_up.cause, give_up.num_attempts):
@@ -164,5 +164,5 @@ class Coordinator:
         keys = s.ledger.done_keys(pending.seq, pending.spec.participants)
         with contextlib.suppress(Exception):  # counting is best effort (see _count): count what was written
             s.wait_written(store, keys, pending.view.epoch, "the done keys of the epoch's last attempt",
-                           timeout_s=s.config.ttl_s + 1.0, follow_epoch=False)
+                           timeout_s=s.config.timeouts.ttl_s + 1.0, follow_epoch=False)
         self._count(pending, store, latest)

@@ -54,7 +54,7 @@ from elastic_refit.runtime.published import PublishedVersions
 from elastic_refit.runtime.services import Services
 from elastic_refit.runtime.serving import ServingSlot
 from elastic_refit.transport.connect import connect_ahead, plan_peers
-from elastic_refit.transport.executor import Executor, ExecutorOptions
+from elastic_refit.transport.executor import Executor
 from elastic_refit.transport.protocol import Transport
 
 __all__ = ["Driver"]
@@ -242,9 +242,8 @@ class Driver:
         key = (plan.fingerprint, id(transport))
         if self._executor is None or self._executor[0] != key:
             self._executor = None  # the old staging goes before the new is allocated
-            c = self.services.config
-            self._executor = (key, Executor(plan, transport, ExecutorOptions(staging_bytes=c.staging_bytes,
-                                                                             verify=c.verify)))
+            options = self.services.config.transfer.executor_options()
+            self._executor = (key, Executor(plan, transport, options))
         return self._executor[1]
 
     def _connect_ahead(self, view: MembershipView) -> bool:

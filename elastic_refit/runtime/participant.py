@@ -134,7 +134,7 @@ class Participant:
         every destination that no source changed under its sends (no extra round trip), and
         the check runs while the receivers finish."""
         s = self.services
-        check = (s.config.verify and s.config.member_id in spec.sources and self._published is not None
+        check = (s.config.transfer.verify and s.config.member_id in spec.sources and self._published is not None
                  and not self._published.is_copy(spec.version))  # publish's own copy: nobody else writes it
 
         def transferred() -> None:
@@ -188,7 +188,7 @@ class Participant:
         # The communicator is fine (etcd hiccup, plan disagreement, superseded epoch):
         # back off briefly, then the next attempt (or epoch) retries.
         with contextlib.suppress(Exception):
-            s.membership.wait_for_view(after_epoch=view.epoch, timeout_s=10 * s.config.poll_s)
+            s.membership.wait_for_view(after_epoch=view.epoch, timeout_s=10 * s.config.timeouts.poll_s)
         return True
 
     def _check_unchanged(self, version: int, source: Mapping[str, torch.Tensor]) -> None:

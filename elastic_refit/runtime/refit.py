@@ -41,13 +41,11 @@ from elastic_refit.membership import (
     EtcdClient,
     MemberRecord,
     Membership,
-    MembershipConfig,
 )
 from elastic_refit.membership.attempts import AttemptLedger
 from elastic_refit.membership.layouts import LayoutStore
 from elastic_refit.membership.versions import Commit, VersionStore, VersionTracker
 from elastic_refit.membership.wakeup import ChangeSignal
-from elastic_refit.plan import PlanOptions
 from elastic_refit.runtime.attempt import check_publish, fault_cause
 from elastic_refit.runtime.checks import Side, check_buffers, side_of, tensors_of
 from elastic_refit.runtime.config import RefitConfig, RefitLayouts
@@ -121,10 +119,10 @@ class ElasticRefit:
                 raise ValueError(f"inference member {config.member_id!r} needs its parameters")
             parameters = tensors_of(parameters)
             self._check_buffers(self._side.buffer_layout, parameters, f"inference rank {config.member_id!r}: parameter")
-            self._serving = ServingSlot(parameters, staged=config.mode == "staged", outcomes=self._outcomes,
+            self._serving = ServingSlot(parameters, staged=config.versions.mode == "staged", outcomes=self._outcomes,
                                         log=self.log)
         else:
-            self._published = PublishedVersions(config.snapshot_bytes, self._outcomes)
+            self._published = PublishedVersions(config.versions.snapshot_bytes, self._outcomes)
         self._stop = threading.Event()
         self._running: _Running | None = None  # the parts, once started
         self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
@@ -148,16 +146,15 @@ class ElasticRefit:
 
     def _start(self) -> ElasticRefit:
         services = self._connect()
-        planner = AttemptPlanner(services.layouts, PlanOptions(
-            bucket_bytes=self.config.bucket_bytes, concurrent_rounds=self.config.concurrent_rounds,
-            relay=self.config.relay), self.log, check_replicas=self.config.check_replicas)
+        plan = self.config.plan
+        planner = AttemptPlanner(services.layouts, plan.options(), self.log, check_replicas=plan.check_replicas)
         participant = Participant(services, planner, self._outcomes, lambda: self._side,
                                   published=self._published, serving=self._serving)
         driver = Driver(services, planner, self._outcomes, participant, lambda: self._side,
                         published=self._published, serving=self._serving)
         self._running = _Running(services, planner, participant, driver)
         driver.start()
-        self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.mode,
+        self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.versions.mode,
                       layout=self._side.described, num_quantized_tensors=len(self._side.formats))
         return self
 
@@ -171,8 +168,7 @@ class ElasticRefit:
         self._closers.append(client.close)
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank, layout=self._side.described)
-        membership = Membership(client, c.job, record, MembershipConfig(
-            ttl_s=c.ttl_s, collective_timeout_s=c.collective_timeout_s, epoch_deadline_s=c.epoch_deadline_s))
+        membership = Membership(client, c.job, record, c.timeouts.membership())
         self._closers.append(membership.close)
         layout_cache = LayoutCache(LayoutStore(client, c.job), self._known_layouts)
         if torch.device(c.device).type == "cuda":
@@ -199,10 +195,10 @@ class ElasticRefit:
         manager = CommunicatorManager(
             client, c.job, c.member_id, backend=c.backend, config=membership.config,
             superseded=lambda epoch: _superseded(membership, epoch), latest_view=lambda: membership.view,
-            transport_timeout_s=c.transport_timeout_s, device=c.device, bind_interface=c.bind_interface)
+            transport_timeout_s=c.transport_timeout_s, device=c.device, bind_interface=c.transfer.bind_interface)
         self._closers.append(manager.close)
-        if c.bind_interface is not None and c.backend != "gloo":
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", c.bind_interface)  # NCCL reads it at init
+        if c.transfer.bind_interface is not None and c.backend != "gloo":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", c.transfer.bind_interface)  # NCCL reads it at init
         return Services(c, client, membership, versions, AttemptLedger(versions), tracker, changes,
                         layout_cache, manager, self.log, self._hooks, self._stop, self.stats)
 
@@ -234,7 +230,7 @@ class ElasticRefit:
         running = self._running
         if running is not None:
             running.services.changes.bump()  # an idle agent waits on it: let it see the stop now
-            running.driver.join(self.config.epoch_deadline_s)
+            running.driver.join(self.config.timeouts.epoch_deadline_s)
         # Also what a start that failed half-way opened.
         while self._closers:
             with contextlib.suppress(Exception):
@@ -315,7 +311,7 @@ class ElasticRefit:
         layout, published = self._side.layout, self._published
         regions = (region_digests(layout, self.config.layout_rank, entry.tensors,
                                   self._running.planner.replica_regions(layout),
-                                  known=dict(entry.digests)) if self.config.check_replicas else {})
+                                  known=dict(entry.digests)) if self.config.plan.check_replicas else {})
         published.add(version, entry)
         try:
             self._services.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
@@ -375,7 +371,7 @@ class ElasticRefit:
             self._check_buffers(side.buffer_layout, new_parameters, f"inference rank {me!r}: parameter")
         elif parameters is not None:
             raise ValueError(f"trainer {me!r}: parameters are for inference ranks (trainers publish their buffers)")
-        wait_s = 4 * self.config.collective_timeout_s if timeout_s is None else timeout_s
+        wait_s = 4 * self.config.timeouts.collective_timeout_s if timeout_s is None else timeout_s
         if self._running is None:
             raise RefitError(f"{me}: update_layout needs a started context")
         lock = self._running.participant.lock
@@ -446,7 +442,7 @@ class ElasticRefit:
         return self._serving
 
     def _timeout(self, timeout_s: float | None) -> float:
-        return self.config.version_timeout_s if timeout_s is None else timeout_s
+        return self.config.versions.version_timeout_s if timeout_s is None else timeout_s
 
     def _side_of(self, layout: Layout, formats: TensorFormats | None) -> Side:
         c = self.config

@@ -76,7 +76,7 @@ class Services:
         that moved on never writes its key here) or the member closes (``AttemptAborted``);
         after ``timeout_s`` (default the epoch deadline) raises ``RefitError`` naming
         ``stage``, or returns False when ``follow_epoch`` is off."""
-        timeout_s = self.config.epoch_deadline_s if timeout_s is None else timeout_s
+        timeout_s = self.config.timeouts.epoch_deadline_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             changed = self.changes.token()  # a key written after this wakes the wait below
@@ -95,4 +95,4 @@ class Services:
                 raise RefitError(f"{stage} did not happen within {timeout_s} s")
             # The watches resume and relist on their own: the bound only caps what a lost
             # event could cost.
-            self.changes.wait_after(changed, min(self.config.idle_wake_s, left))
+            self.changes.wait_after(changed, min(self.config.timeouts.idle_wake_s, left))

@@ -45,6 +45,7 @@ from elastic_refit._validate import require_at_least
 from elastic_refit.membership.attempts import OK, AttemptLedger
 from elastic_refit.membership.epoch_kv import EpochKV
 from elastic_refit.membership.keys import AttemptKeys
+from elastic_refit.membership.leases import lease_keeper
 from elastic_refit.membership.versions import AckRequest
 from elastic_refit.runtime.attempt import AttemptSpec, CommitAction
 from elastic_refit.runtime.coordination import Propose, coordinate
@@ -381,7 +382,7 @@ class _Worker:
     def diag(self) -> dict[str, Any]:
         """Since the last call: this process's CPU seconds, its lease keepalives' answer
         times and its client loop's worst lag (then both restart)."""
-        keeper = self.client.lease_keeper()
+        keeper = lease_keeper(self.client)
         latencies = sorted(keeper.latencies)
         keeper.latencies.clear()
         lag, self.loop_lag_max_s = self.loop_lag_max_s, 0.0

@@ -22,6 +22,7 @@ from pathlib import Path
 from elastic_refit.membership.attempts import REFIT, AttemptLedger, AttemptSpec
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.leases import lease_keeper
 from elastic_refit.membership.service import Membership
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.versions import VersionStore, VersionTracker
@@ -277,7 +278,7 @@ def test_a_member_keeps_its_lease_while_its_client_loop_is_blocked(etcd_server, 
     member = Membership(client, job, _record("i0"), config).start()
     try:
         member.wait_for_view(lambda v: v.num_ranks == 1, timeout_s=20)
-        keeper = client.lease_keeper()
+        keeper = lease_keeper(client)
         sent = keeper.keepalives_sent
 
         async def block() -> None:

@@ -30,24 +30,6 @@ FOLDERS = {"elastic_refit": "elastic_refit", "membership": "elastic_refit.member
 TOOLKITS = ("elastic_refit.testing", "elastic_refit.chaos")
 NOT_LIBRARY = (*TOOLKITS, "elastic_refit.cli")
 
-# Import cycles known when this test was written (issue 33), outside the testing/chaos
-# refactor that wrote it; each entry is the set of modules of one strongly connected
-# component. A cycle found must lie within one of these: any other fails
-# test_no_new_import_cycle. test_no_import_cycle_at_all is expected to fail (strictly) while
-# any remains: when the last is gone it passes, the xfail turns into a failure, and this
-# table and the marker are to be deleted.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # EtcdClient.lease_keeper() imports LeaseKeeper (in a function); leases.py imports EtcdClient.
-    frozenset({"elastic_refit.membership.client", "elastic_refit.membership.leases"}),
-    # leader.py names Membership under TYPE_CHECKING; service.py imports LeaderLoop.
-    frozenset({"elastic_refit.membership.leader", "elastic_refit.membership.service"}),
-    # SymbolicLayout.fingerprint imports symbolic_digest (in a function), which imports symbolic.
-    frozenset({"elastic_refit.layout.symbolic", "elastic_refit.layout.symbolic_digest"}),
-)
-KNOWN_CYCLES_REASON = ("known import cycles (issue 33): membership.client <-> membership.leases, "
-                       "membership.leader <-> membership.service, layout.symbolic <-> layout.symbolic_digest")
-
-
 def _module_name(path: Path) -> str | None:
     rel = path.relative_to(REPO)
     prefix = FOLDERS.get(rel.parts[0])
@@ -270,12 +252,6 @@ def test_relative_and_submodule_imports_resolve():
 
 
 # ---- the layers --------------------------------------------------------------------------
-def test_no_new_import_cycle(graph):
-    new = [c for c in strongly_connected(graph.edges) if not any(c <= known for known in KNOWN_CYCLES)]
-    assert not new, "import cycles:\n" + "\n".join(describe(graph, c) for c in new)
-
-
-@pytest.mark.xfail(bool(KNOWN_CYCLES), reason=KNOWN_CYCLES_REASON, strict=True)
 def test_no_import_cycle_at_all(graph):
     cycles = strongly_connected(graph.edges)
     assert not cycles, "import cycles:\n" + "\n".join(describe(graph, c) for c in cycles)
