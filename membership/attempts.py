@@ -49,6 +49,10 @@ class AttemptSpec:
     ``sources`` are trainers serving the version from the training layout; ``holders`` are
     inference ranks that hold the version and serve it from the inference layout;
     ``destinations`` are inference ranks that receive it.
+
+    Deltas (DESIGN.md, "Deltas"): ``deltas`` are the destinations that hold committed
+    version ``base`` verified and may be sent the change against it; every other
+    destination gets full bytes.
     """
 
     version: int
@@ -58,6 +62,8 @@ class AttemptSpec:
     destinations: tuple[str, ...]  # inference ranks that receive the version
     # (member_id, layout fingerprint) of every participant, sorted: the layout each is planned with
     layouts: tuple[tuple[str, str], ...] = ()
+    base: int | None = None  # the committed version deltas are taken against
+    deltas: tuple[str, ...] = ()  # destinations that hold ``base`` verified (sorted)
 
     def __post_init__(self) -> None:
         if self.kind not in (REFIT, CATCH_UP):
@@ -71,6 +77,11 @@ class AttemptSpec:
         unnamed = sorted(set(self.participants) - {m for m, _ in self.layouts})
         if self.layouts and unnamed:
             raise ValueError(f"attempt names no layout for participants {unnamed}")
+        object.__setattr__(self, "deltas", tuple(sorted(self.deltas)))
+        if self.deltas and (self.base is None or not 0 <= self.base < self.version):
+            raise ValueError(f"deltas need a base version older than {self.version}, got base {self.base!r}")
+        if set(self.deltas) - set(self.destinations):
+            raise ValueError(f"deltas go to destinations only, got {sorted(set(self.deltas) - set(self.destinations))}")
 
     def layout(self, member_id: str) -> str:
         """The fingerprint of the layout ``member_id`` is planned with ("" if none named)."""
@@ -83,12 +94,15 @@ class AttemptSpec:
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "kind": self.kind, "sources": list(self.sources),
                 "holders": list(self.holders), "destinations": list(self.destinations),
-                "layouts": dict(self.layouts)}
+                "layouts": dict(self.layouts),
+                **({"base": self.base, "deltas": list(self.deltas)} if self.deltas else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptSpec:
+        base = data.get("base")
         return cls(int(data["version"]), str(data["kind"]), tuple(data["sources"]), tuple(data["holders"]),
-                   tuple(data["destinations"]), tuple(dict(data.get("layouts", {})).items()))
+                   tuple(data["destinations"]), tuple(dict(data.get("layouts", {})).items()),
+                   None if base is None else int(base), tuple(data.get("deltas", ())))
 
 
 
