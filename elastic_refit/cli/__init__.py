@@ -1,4 +1,4 @@
-"""The `elastic-refit` command line: etcd, plan, bench, demo, chaos, status, worker.
+"""The `elastic-refit` command line: etcd, plan, bench, demo, chaos, status, worker, timeline.
 
 Each subcommand lives in its own module and registers itself through ``register``;
 every failure becomes one ``elastic-refit: error: ...`` line on stderr (exit status 2 for
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "describe_failure", "main"]
 
 # Modules that define `register(subparsers)`; each adds one top-level subcommand.
-_COMMAND_MODULES = ("etcd_cmd", "plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd", "worker_cmd")
+_COMMAND_MODULES = ("etcd_cmd", "plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd", "worker_cmd",
+                    "timeline_cmd")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="inference ranks, replicas of TP=2 (even, >= 4; default 4)")
     parser.add_argument("--no-faults", action="store_true", help="do not kill anything")
     parser.add_argument("--log-dir", help="keep every member's JSON log in this directory")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write a Chrome / Perfetto trace of the run (as `elastic-refit timeline` does)")
     parser.add_argument("--timeout", type=float, default=90.0, help="give up after this many seconds")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(handler=run)
@@ -34,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit status 0 only if every version committed, recovered and verified."""
     import logging
+    import shutil
+    import tempfile
 
     from elastic_refit.chaos.demo import DemoConfig, run_demo
     from elastic_refit.log import configure_logging
@@ -44,10 +48,20 @@ def run(args: argparse.Namespace) -> int:
 
     kill_inference = None if args.no_faults else min(3, args.versions)
     kill_trainer = None if args.no_faults else min(5, args.versions)
+    # The trace is built from the member logs: keep them (in a temporary folder if not asked to).
+    log_dir = args.log_dir or (tempfile.mkdtemp(prefix="elastic-refit-demo-") if args.trace else None)
     config = DemoConfig(num_versions=args.versions, num_inference=args.inference, kill_inference_at=kill_inference,
-                        kill_trainer_at=kill_trainer, timeout_s=args.timeout, log_dir=args.log_dir)
+                        kill_trainer_at=kill_trainer, timeout_s=args.timeout, log_dir=log_dir)
     summary = run_demo(config, progress=progress)
     data = summary.to_json()
+    if args.trace:
+        from elastic_refit.cli.timeline_cmd import write_trace
+
+        data["trace"] = write_trace([log_dir], args.trace)
+        progress(f"trace written to {args.trace} ({data['trace']['num_trace_events']} events): "
+                 "open it at ui.perfetto.dev")
+        if args.log_dir is None and data["verified"] and data["recovered"]:
+            shutil.rmtree(log_dir, ignore_errors=True)
     if args.json:
         print_json(data)
     else:

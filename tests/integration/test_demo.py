@@ -35,7 +35,9 @@ def _session_members(sid: int) -> list[str]:
 
 def test_demo_json_summary(tmp_path):
     env = dict(os.environ, PYTHONPATH=_pythonpath())
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "demo", "--json", "--log-dir", str(tmp_path)],
+    trace_path = tmp_path / "trace.json"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "demo", "--json", "--log-dir", str(tmp_path / "logs"),
+                             "--trace", str(trace_path)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     stdout, stderr = proc.communicate(timeout=180)
@@ -55,9 +57,31 @@ def test_demo_json_summary(tmp_path):
     assert data["plan"]["cross_domain_bytes"] == data["plan"]["lower_bound_bytes"]
     assert data["plan"]["gather_broadcast_bytes"] > data["plan"]["cross_domain_bytes"]
     assert "FAULT" in stderr and "caught up" in stderr
+    _check_trace(json.loads(trace_path.read_text()), data)
     # No process the demo started survives it. A killed process may still be on its way
     # out for a moment on a loaded machine (the demo's own check above found none alive).
     deadline = time.monotonic() + 5.0
     while _session_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _session_members(proc.pid) == []
+
+
+def _check_trace(trace: dict, data: dict) -> None:
+    """`demo --trace`: valid Chrome trace JSON, with every fault (a marker on the job's row
+    and on the killed member's) and the recovery after it, every commit, every member."""
+    pytest.importorskip("jsonschema")
+    from elastic_refit.testing.traces import check_chrome_trace
+
+    check_chrome_trace(trace)
+    events = trace["traceEvents"]
+    assert data["trace"]["num_faults"] == 2
+    for fault in data["faults"]:
+        label = f"fault: kill {fault['member_id']} ({fault['phase']} v{fault['version']})"
+        assert sum(1 for e in events if e["name"] == label and e["ph"] == "i") == 2, label
+        recovery = [e for e in events if e["name"] == f"recovery after kill {fault['member_id']}"]
+        assert len(recovery) == 1 and recovery[0]["dur"] / 1e6 == pytest.approx(fault["recovery_s"], abs=0.05)
+    assert {e["args"]["version"] for e in events if e["ph"] == "b"} == {1, 2, 3, 4, 5, 6}
+    members = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"trainer t0", "trainer t1", "inference i0", "inference i1", "inference i2", "inference i3"} <= members
+    # The restarted inference rank is a second row of its member.
+    assert sum(1 for e in events if e["ph"] == "M" and e["args"].get("name", "").startswith("incarnation i1-")) == 2
