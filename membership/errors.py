@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from elastic_refit.errors import MembershipLost, RefitError
 
-__all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "LeadershipLost",
+__all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "IdentityClash", "LeadershipLost",
            "MembershipError", "MembershipLost", "StoreTimeout"]
 
 
@@ -51,6 +51,11 @@ class FencedWrite(MembershipError):
     Raised to a leader whose token no longer matches the ``leader`` key, or to a member
     whose registration no longer owns its key.
     """
+
+
+class IdentityClash(MembershipError):
+    """A member tried to register under a ``member_id`` that a live member of the other
+    role holds: every member of a job needs its own id. Raised at start, before it joins."""
 
 
 class LeadershipLost(FencedWrite):

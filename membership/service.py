@@ -25,9 +25,14 @@ from dataclasses import replace
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
-from elastic_refit.membership.errors import EpochTimeout, EtcdUnavailable, MembershipLost
+from elastic_refit.membership.errors import (
+    EpochTimeout,
+    EtcdUnavailable,
+    IdentityClash,
+    MembershipLost,
+)
 from elastic_refit.membership.index import ControlIndex, control_index
-from elastic_refit.membership.keys import JobKeys
+from elastic_refit.membership.keys import ROLES, JobKeys
 from elastic_refit.membership.leader import LeaderLoop
 from elastic_refit.membership.leases import lease_keeper
 from elastic_refit.membership.liveness import (
@@ -121,8 +126,14 @@ class Membership:
                                           self.record.incarnation, self._on_ring_death, self.log)
                 probe = self.client.run(self._ring.start(), timeout_s=10)
                 self.record = replace(self.record, probe=probe)
-            res = self.client.txn([], [Get(self.member_key),
-                                       Put(self.member_key, self.record.encode(), self.lease_id)])
+            # Not under an id a live member of the other role holds (a restart of this
+            # role's member takes its key over, see below; two roles cannot share an id).
+            others = [self.keys.member(r, self.record.member_id) for r in ROLES if r != self.record.role]
+            res = self.client.txn([Compare(k, "create", "==", 0) for k in others],
+                                  [Get(self.member_key), Put(self.member_key, self.record.encode(), self.lease_id)],
+                                  [Get(k) for k in others])
+            if not res.succeeded:
+                raise IdentityClash(self._clash(res))
         except BaseException:
             # Not a member: neither the lease nor the ring's listener may outlive the call.
             self._keeper.release(self.lease_id)
@@ -146,6 +157,16 @@ class Membership:
         if self.config.candidate:
             self.client.spawn(self._leader.run(), name="leader")
         return self
+
+    def _clash(self, res: TxnResult) -> str:
+        holder = next((kvs[0] for kvs in res.gets if kvs), None)
+        who = ""
+        if holder is not None:
+            with contextlib.suppress(ValueError, KeyError):
+                other = MemberRecord.decode(holder.value)
+                who = f" (incarnation {other.incarnation} on host {other.host})"
+        return (f"member_id {self.record.member_id!r} is already registered in job {self.keys.job!r} by a member "
+                f"of the other role{who}: every member of a job needs its own member_id")
 
     def close(self) -> None:
         """Leave cleanly: stop loops and revoke the lease (member and leader keys vanish)."""
@@ -347,6 +368,15 @@ class Membership:
                 cb(reason)
         self._leader.changed_threadsafe(self.client)
 
+    def _taken_over(self, mine) -> str:
+        """Why this member is lost when another lease holds its key: who holds it."""
+        who = f"lease {mine.lease}"
+        with contextlib.suppress(ValueError, KeyError):
+            other = MemberRecord.decode(mine.value)
+            who = f"incarnation {other.incarnation} on host {other.host} (lease {mine.lease})"
+        return (f"member key taken over by {who}: this member restarted elsewhere, or another process runs "
+                f"with member_id {self.record.member_id!r}")
+
     def _poke_suspicions(self) -> None:
         if self._suspicions_changed is not None:
             self._suspicions_changed.set()
@@ -532,7 +562,7 @@ class Membership:
         if not self.closing and mine is None:
             self._mark_lost("member key deleted (lease expired or revoked, or fenced as a confirmed suspect)")
         elif not self.closing and mine.lease != self.lease_id:
-            self._mark_lost(f"member key taken over by lease {mine.lease}")
+            self._mark_lost(self._taken_over(mine))
         epoch_kv = snap.items.get(self.keys.epoch)
         if epoch_kv is not None and epoch_kv.mod_revision != self._epoch_mod_revision:
             # Decoded once per epoch write (and, through a shared watch, once per process).

@@ -193,7 +193,10 @@ def render_status(data: dict[str, Any]) -> str:
     for p in data.get("pending", []):
         out.append(f"\nv{p['version']} pending: {p['reason']}")
     for f in data.get("failed", []):
-        out.append(f"\nv{f['version']} failed after {f['num_attempts']} attempt(s) in epoch {f['epoch']}: {f['cause']}")
+        how = (f"failed after {f['num_attempts']} attempt(s)" if f["num_attempts"]
+               else "was refused (no attempt could succeed)")
+        where = f" in epoch {f['epoch']}" if f["epoch"] >= 0 else ""
+        out.append(f"\nv{f['version']} {how}{where}: {f['cause']}")
     out.append("\nepoch: the membership generation (a new one at every join, leave or death); rank in epoch: the "
                "member's rank in that epoch's communicator; serving: the newest committed version the member "
                "holds, verified; lag: versions behind the newest committed one")

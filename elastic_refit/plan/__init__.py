@@ -1,7 +1,7 @@
 """The planner: intersections, domain dedupe, sender balance, schedule, buckets, figures,
 per-rank views, destination formats (FP8 planned at block granularity)."""
 
-from elastic_refit.plan.planner import PLANNER_VERSION, gather_broadcast_bytes, make_plan
+from elastic_refit.plan.planner import PLANNER_VERSION, Uncovered, gather_broadcast_bytes, make_plan
 from elastic_refit.plan.quantized import (
     AmaxExchange,
     Quantization,
@@ -35,6 +35,7 @@ __all__ = [
     "SourceSide",
     "TransferKind",
     "TransferTable",
+    "Uncovered",
     "destination_format_layout",
     "format_layouts",
     "gather_broadcast_bytes",

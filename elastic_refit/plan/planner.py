@@ -784,6 +784,13 @@ def _atoms(src: _Regions, dst: _Regions, ndim: int):
             dst_region)
 
 
+class Uncovered(ValueError):
+    """A destination region no source piece covers: the sources named lack it (a member
+    holding it is gone or not there yet). Unlike the planner's other ``ValueError`` (shapes,
+    dtypes, tensors one side lacks, overlaps, a bucket too small) it may pass once the
+    members change."""
+
+
 def _check_coverage(atoms, dst: _Regions, dst_rows: np.ndarray, destination: Layout) -> None:
     _, _, atom_lengths, _, atom_dst_region = atoms
     covered = np.bincount(atom_dst_region, weights=_volume(atom_lengths).astype(np.float64),
@@ -797,7 +804,7 @@ def _check_coverage(atoms, dst: _Regions, dst_rows: np.ndarray, destination: Lay
         start = dst.piece_start[region]
         pieces = dst_rows[dst.pieces[start : start + dst.piece_count[region]]]
         box = Box(tuple(dst.offsets[region, :ndim]), tuple(dst.lengths[region, :ndim]))
-        raise ValueError(
+        raise Uncovered(
             f"tensor {tensor.name!r}: destination box {box} on ranks {destination.describe_ranks(pieces)} "
             f"is not covered by any source piece ({int(covered[region])} of {int(need[region])} elements "
             f"covered)"

@@ -93,7 +93,8 @@ class Propose:
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
-    """Give ``version`` up before any attempt: its sources disagree (``reason`` says where)."""
+    """Give ``version`` up before any attempt: it can never be planned with these members, or
+    its sources disagree (``reason`` says why)."""
 
     version: int
     reason: str

@@ -82,9 +82,12 @@ class Outcomes:
             done = [c for v, c in self._committed.items() if v >= version]
         return min(done, key=lambda c: c.version) if done else None
 
-    def raise_if_failed(self, version: int) -> None:
+    def raise_if_failed(self, version: int | None) -> None:
+        """Raise ``RefitFailed`` if ``version`` failed; for ``None`` (any version), if the
+        job committed nothing and its newest version over failed: the cause is why there is
+        nothing to serve (a refused version never commits, and none before it did)."""
         with self._cond:
-            failure = self._failed.get(version)
+            failure = self._job_failure() if version is None else self._failed.get(version)
         if failure is not None:
             raise RefitFailed(failure.version, failure.cause, failure.num_attempts, epoch=failure.epoch)
 
@@ -112,11 +115,24 @@ class Outcomes:
                     raise RefitTimeout(what, timeout_s, member_id=self.member_id, last_failure=self._last_failure())
                 self._cond.wait(left)
 
-    def _last_failure(self) -> str | None:
-        if self._last_fault is None:
+    def _job_failure(self) -> Failure | None:
+        """(Under the lock.) The newest failed version, when no version committed."""
+        if self._committed or not self._failed:
             return None
-        at, cause = self._last_fault
-        return f"{cause} ({self._clock() - at:.1f} s ago)"
+        return self._failed[max(self._failed)]
+
+    def _last_failure(self) -> str | None:
+        """This rank's latest fault and the job's newest failed version newer than every
+        commit (a cause found on another member reaches a timeout here too)."""
+        parts = []
+        if self._last_fault is not None:
+            at, cause = self._last_fault
+            parts.append(f"{cause} ({self._clock() - at:.1f} s ago)")
+        newest = max(self._failed, default=-1)
+        if newest > max(self._committed, default=-1):
+            failure = self._failed[newest]
+            parts.append(f"the job's version {newest} failed: {failure.cause}")
+        return "; ".join(parts) or None
 
 
 class PublishHandle:

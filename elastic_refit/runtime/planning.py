@@ -14,7 +14,7 @@ from elastic_refit.layout import Layout
 from elastic_refit.membership import MembershipView
 from elastic_refit.membership.layouts import LayoutUnavailable
 from elastic_refit.membership.versions import VersionState
-from elastic_refit.plan import Plan, PlanOptions
+from elastic_refit.plan import Plan, PlanOptions, Uncovered
 from elastic_refit.runtime.attempt import (
     REFIT,
     AttemptSpec,
@@ -42,7 +42,7 @@ class AttemptPlanner:
         self._log = log
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}
-        self._feasible: dict[tuple, bool] = {}
+        self._feasible: dict[tuple, bool | str] = {}  # see _verdict
         self._regions: tuple[str, tuple[ReplicaRegion, ...]] | None = None  # (training layout, its regions)
 
     def plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
@@ -68,10 +68,27 @@ class AttemptPlanner:
         return plan
 
     def feasible(self, view: MembershipView, spec: AttemptSpec) -> bool:
-        """Whether live members hold every byte ``spec`` needs (memoised per epoch)."""
+        """Whether live members hold every byte ``spec`` needs (memoised per epoch). A refit
+        that can never be planned with these members counts as feasible: the coordinator
+        refuses its version (:meth:`disagreement` says why) instead of waiting for it."""
+        verdict = self._verdict(view, spec)
+        return verdict is True or (isinstance(verdict, str) and spec.kind == REFIT)
+
+    def unplannable(self, view: MembershipView, spec: AttemptSpec) -> str | None:
+        """Why ``spec`` can never be planned with these members and layouts (inference
+        members that declare different formats, layouts whose tensors differ in name, shape
+        or dtype, two members claiming one layout rank, a bucket too small), or None (it can,
+        or it waits for a member or a layout to come)."""
+        verdict = self._verdict(view, spec)
+        return verdict if isinstance(verdict, str) else None
+
+    def _verdict(self, view: MembershipView, spec: AttemptSpec) -> bool | str:
+        """True: plannable; False: not yet (a layout not in etcd, a region no live member
+        holds); a string: never, with these members (why)."""
+        where = self.format_disagreement(view, spec)
+        if where is not None:
+            return where
         key = (view.epoch, spec)
-        if spec.kind == REFIT and self.format_disagreement(view, spec) is not None:
-            return True  # nothing can be planned, and the coordinator refuses the version (disagreement)
         if key not in self._feasible:
             try:
                 self.plan(view, spec)
@@ -80,13 +97,17 @@ class AttemptPlanner:
                 self._log.warning("refit.layout.unavailable", version=spec.version, epoch=view.epoch,
                                   reason=brief(exc))
                 return False
-            except ValueError as exc:
+            except Uncovered as exc:  # a member holding the region is gone: wait for it
                 self._feasible[key] = False
                 self._log.warning("refit.version.unavailable", version=spec.version, kind=spec.kind,
                                   epoch=view.epoch, reason=brief(exc))
+            except ValueError as exc:  # the layouts or the settings: no retry can plan it
+                self._feasible[key] = brief(exc)
+                self._log.error("refit.version.unplannable", version=spec.version, kind=spec.kind,
+                                epoch=view.epoch, reason=brief(exc))
             if len(self._feasible) > _FEASIBILITY_KEPT:
                 self._feasible.pop(next(iter(self._feasible)))
-        return self._feasible[key]
+        return self._feasible.get(key, False)
 
     def format_disagreement(self, view: MembershipView, spec: AttemptSpec) -> str | None:
         """Why the attempt's inference members cannot be planned together (they declare
@@ -98,9 +119,9 @@ class AttemptPlanner:
             return None
 
     def disagreement(self, view: MembershipView, state: VersionState, spec: AttemptSpec) -> str | None:
-        """Why a new version is refused before any attempt: inference members that declare
-        different destination formats, or (``check_replicas``) sources that disagree."""
-        where = self.format_disagreement(view, spec)
+        """Why a new version is refused before any attempt: it can never be planned with
+        these members (:meth:`unplannable`), or (``check_replicas``) sources that disagree."""
+        where = self.unplannable(view, spec)
         if where is None and self.check_replicas:
             where = self._replica_disagreement(view, state, spec)
         return where

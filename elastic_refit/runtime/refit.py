@@ -122,7 +122,8 @@ class ElasticRefit:
             self._serving = ServingSlot(parameters, staged=config.versions.mode == "staged", outcomes=self._outcomes,
                                         log=self.log)
         else:
-            self._published = PublishedVersions(config.versions.snapshot_bytes, self._outcomes)
+            self._published = PublishedVersions(config.versions.snapshot_bytes, self._outcomes,
+                                                base_bytes=config.transfer.delta_base_bytes)
         self._stop = threading.Event()
         self._running: _Running | None = None  # the parts, once started
         self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
@@ -418,13 +419,14 @@ class ElasticRefit:
         """Block until this rank serves a committed version >= ``version`` (any, if None).
 
         Raises :class:`RefitFailed` if ``version`` failed (and no newer version is served
-        yet), :class:`RefitTimeout` after ``timeout_s`` (default ``version_timeout_s``)."""
+        yet; for ``None``: the job committed nothing and its newest version failed),
+        :class:`RefitTimeout` after ``timeout_s`` (default ``version_timeout_s``)."""
         slot = self._inference("wait_for_version")
         want = -1 if version is None else version
 
         def serving() -> int | None:
             served = slot.served(want)
-            if served is None and version is not None:
+            if served is None:  # a failed version, or (any version) a job whose versions all failed
                 self._outcomes.raise_if_failed(version)
             return served
 
