@@ -32,6 +32,7 @@ from elastic_refit.runtime.coordination import (
     forget_settled,
     proposed,
 )
+from elastic_refit.runtime.deltas import with_deltas
 from elastic_refit.runtime.planning import AttemptPlanner, coordinator_checks
 from elastic_refit.runtime.services import Services
 
@@ -80,6 +81,9 @@ class Coordinator:
             versions = self._state_including(previous.acks_revision)
         self._set(forget_settled(self._state, versions))
         move = coordinate(view, seq, versions, **coordinator_checks(self.planner, view, versions))
+        if isinstance(move, Propose):  # who may be sent the change against the latest commit
+            move = replace(move, spec=with_deltas(move.spec, view, versions,
+                                                  enabled=s.config.transfer.delta_base_bytes > 0))
         return self._carry_out(view, move, versions)
 
     def _carry_out(self, view: MembershipView, move: object, versions: VersionState) -> NextAttempt | None:

@@ -214,6 +214,7 @@ class Driver:
         latest_done = self.outcomes.record(state.committed, state.failed)
         if self._published is not None:
             self._published.release_through(latest_done)  # committed, failed, or superseded by a later commit
+            self._published.keep_base(state.latest_committed)  # the base of the next version's deltas
         latest = state.latest_committed
         if self._serving is None or latest is None:
             return

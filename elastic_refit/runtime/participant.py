@@ -29,7 +29,7 @@ from elastic_refit.runtime.planning import AttemptPlanner
 from elastic_refit.runtime.published import PublishedVersions
 from elastic_refit.runtime.services import AttemptAborted, Services
 from elastic_refit.runtime.serving import ServingSlot
-from elastic_refit.transport.executor import Executor
+from elastic_refit.transport.executor import DeltaInputs, Executor
 from elastic_refit.transport.protocol import Transport
 
 __all__ = ["Participant", "Phase"]
@@ -97,6 +97,7 @@ class Participant:
         # and no byte moves (the communicator stays usable for the retry).
         source, destination = self._buffers(spec)
         executor = executor_for(plan, transport)
+        delta = self._delta_inputs(view, spec, executor)
 
         def refused(member_id: str, done: Done) -> None:
             raise AttemptAborted(f"{member_id} failed attempt {seq} of version {spec.version} before "
@@ -112,13 +113,40 @@ class Participant:
             self._begin_receiving()
         s.fire("transfer.before", epoch=view.epoch, seq=seq, version=spec.version, executor=executor,
                transport=transport)
-        report = executor.run(source, destination, before_vote=self._after_sends(spec, source))
+        report = executor.run(source, destination, before_vote=self._after_sends(spec, source), delta=delta)
         if me in spec.sources and self._published is not None:
             self._published.mark_sent(spec.version)
         log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,
                  network_send_bytes=report.network_send_bytes, intra_recv_bytes=report.intra_recv_bytes,
-                 local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes)
+                 local_bytes=report.local_bytes, num_verified_boxes=report.num_verified_boxes,
+                 base=spec.base, num_delta_buckets=report.num_delta_buckets,
+                 network_saved_bytes=report.network_saved_bytes, intra_saved_bytes=report.intra_saved_bytes)
         self._finish(view, seq, spec, log)
+
+    def _delta_inputs(self, view: MembershipView, spec: AttemptSpec, executor: Executor) -> DeltaInputs | None:
+        """What this rank's executor needs for the attempt's deltas (None: none). A source
+        gives its base (none when it does not hold ``spec.base`` as it publishes now: it
+        sends full bytes); a destination named for deltas first checks that its buffers
+        hold the base, bit for bit as it acked it, else it retracts that ack and refuses
+        the attempt before any byte moves (the next one sends it full bytes)."""
+        if not spec.deltas:
+            return None
+        s, me = self.services, self.services.config.member_id
+        if not executor.options.delta:
+            raise AttemptAborted(f"attempt {spec.version} sends deltas, but {me} has no delta_base_bytes: "
+                                 "set it alike on every member")
+        if me in spec.deltas:
+            ack = s.tracker.state().acks.get(spec.base, {}).get(me)
+            if ack is None or ack.digest != self._serving.digest():
+                s.versions.retract(s.membership, s.tracker.state(), also=self._acked)
+                self._acked.clear()
+                raise RefitError(f"{me} was named to receive version {spec.version} as a delta against version "
+                                 f"{spec.base}, but its buffers no longer hold that version as it acked it")
+        base: Mapping[str, torch.Tensor] = {}
+        if me in spec.sources and self._published is not None:
+            published = self._published.get(spec.version)
+            base = self._published.base(spec.base, published.layout) if published is not None else {}
+        return DeltaInputs(base, frozenset(view.rank_of(m) for m in spec.deltas))
 
     def _begin_receiving(self) -> None:
         """This rank's buffers are about to be overwritten: it holds nothing from now on.

@@ -4,7 +4,11 @@ trainer finished sending.
 
 ``ElasticRefit.publish`` adds a version here; the participant of an attempt that sources it
 takes its tensors from here (:meth:`PublishedVersions.source`) and marks it sent; the driver
-releases versions that are over. Its own lock; it tells :class:`Outcomes` of every change a
+releases versions that are over. With a delta budget (``base_bytes``) it also keeps the
+base deltas are taken against: a copy of each version as published (a candidate), which
+becomes the base once that version is the job's latest commit (:meth:`keep_base`, checked
+against the digests taken at publish); the base and the candidate in flight share the
+budget, so it takes twice a trainer's buffers for every version to go as a delta. Its own lock; it tells :class:`Outcomes` of every change a
 caller may wait for (room in the budget, a version sent), after releasing that lock.
 """
 
@@ -35,8 +39,11 @@ class Published:
 class PublishedVersions:
     """Versions this trainer published and has not seen over yet (its own lock)."""
 
-    def __init__(self, budget_bytes: int, outcomes: Outcomes) -> None:
+    def __init__(self, budget_bytes: int, outcomes: Outcomes, base_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
+        self.base_bytes = base_bytes
+        self._candidates: dict[int, Published] = {}  # versions published, copied to become a base
+        self._base: tuple[int, Published] | None = None  # the latest committed version, as published
         self._outcomes = outcomes
         self._lock = threading.Lock()
         self._versions: dict[int, Published] = {}
@@ -67,6 +74,51 @@ class PublishedVersions:
     def add(self, version: int, published: Published) -> None:
         with self._lock:
             self._versions[version] = published
+        self._offer_base(version, published)
+
+    # ---- the delta base -----------------------------------------------------------------
+    def _offer_base(self, version: int, published: Published) -> None:
+        """Copy ``published`` as a base candidate if it fits beside the base (a snapshot
+        copy is private already: it is kept as it is)."""
+        nbytes = sum(t.numel() * t.element_size() for t in published.tensors.values())
+        with self._lock:
+            held = sum(_nbytes(p) for p in self._candidates.values() if p is not published)
+            held += _nbytes(self._base[1]) if self._base is not None else 0
+            if not self.base_bytes or held + nbytes > self.base_bytes:
+                return
+        tensors = published.tensors if published.copy_bytes else {
+            name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in published.tensors.items()}
+        with self._lock:
+            self._candidates = {v: p for v, p in self._candidates.items() if v < version}
+            self._candidates[version] = Published(tensors, published.layout, published.digests)
+
+    def keep_base(self, latest_committed: int | None) -> None:
+        """The job's latest committed version is ``latest_committed``: its candidate, if
+        it still holds what was published, becomes the base; older candidates and bases go."""
+        if latest_committed is None:
+            return
+        with self._lock:
+            if self._base is not None and self._base[0] == latest_committed:
+                return
+            candidate = self._candidates.pop(latest_committed, None)
+            self._candidates = {v: p for v, p in self._candidates.items() if v > latest_committed}
+            self._base = None
+        if candidate is not None and buffer_digests(candidate.tensors) == dict(candidate.digests):
+            with self._lock:
+                self._base = (latest_committed, candidate)
+
+    def base(self, version: int | None, layout: str) -> Mapping[str, torch.Tensor]:
+        """The base tensors when this trainer holds ``version`` as published in ``layout``;
+        else {} (it sends full bytes)."""
+        with self._lock:
+            if version is None or self._base is None or self._base[0] != version or self._base[1].layout != layout:
+                return {}
+            return self._base[1].tensors
+
+    @property
+    def base_version(self) -> int | None:
+        with self._lock:
+            return None if self._base is None else self._base[0]
 
     def remember(self, version: int, digest: str) -> None:
         with self._lock:
@@ -129,3 +181,7 @@ class PublishedVersions:
             return []
         now = buffer_digests(source)
         return sorted(name for name, d in published.digests.items() if now.get(name) != d)
+
+
+def _nbytes(published: Published) -> int:
+    return sum(t.numel() * t.element_size() for t in published.tensors.values())

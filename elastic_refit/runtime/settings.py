@@ -180,14 +180,25 @@ class TransferSettings:
     bind_interface: str | None = None
     """The network interface the refit's communicators bind to (gloo's device; NCCL's
     ``NCCL_SOCKET_IFNAME`` where it is not set already); None: the host's default."""
+    delta_base_bytes: int = 0
+    """Deltas (DESIGN.md, "Deltas"): a trainer keeps a copy of what it published for the
+    last committed version (its base) within this many bytes on the tensors' device, and
+    sends each new version as its change against it to the inference ranks that hold it
+    verified (the others get full bytes). 0: full bytes every version. Set it alike on
+    every member of a job (inference ranks keep no copy, their executors take deltas);
+    plan with ``relay="off"``: a relay forwards bytes as they arrived, so relayed
+    messages always go in full."""
 
     def executor_options(self) -> ExecutorOptions:
         """The executor's options."""
-        return ExecutorOptions(staging_bytes=self.staging_bytes, verify=self.verify)
+        return ExecutorOptions(staging_bytes=self.staging_bytes, verify=self.verify,
+                               delta=self.delta_base_bytes > 0)
 
     def __post_init__(self) -> None:
         if not _is_int(self.staging_bytes) or self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
+        if not _is_int(self.delta_base_bytes) or self.delta_base_bytes < 0:
+            raise ValueError(f"delta_base_bytes must be an int >= 0, got {self.delta_base_bytes!r}")
         _check_bools(self, "verify")
         _check_choice("connect_ahead", self.connect_ahead, CONNECT_AHEAD)
         if self.bind_interface is not None:

@@ -27,6 +27,7 @@ from elastic_refit.testing.pattern import (
     fill_finite,
     fill_pieces,
 )
+from elastic_refit.testing.versions import version_buffers, version_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,9 @@ class MemberSpec:
     # Keep the first and last ``record_window`` committed versions only (see CommitRecord):
     # a soak's member must not grow with its versions, its report included.
     record_window: int | None = None
+    # Deltas' tests: version k changes about this fraction of version k - 1's elements
+    # (``testing.versions``) instead of being new data throughout.
+    delta_density: float | None = None
 
     def layouts(self) -> RefitLayouts:
         if self.spec_json is not None:
@@ -209,6 +213,11 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                 if version in ahead:  # the new weights
                     for name, t in tensors.items():
                         t.copy_(ahead[version][name])
+                elif member.delta_density is not None:
+                    new = version_buffers(layouts.source, member.layout_rank, version, density=member.delta_density,
+                                          device=device)
+                    for name, t in tensors.items():
+                        t.copy_(new[name])
                 else:
                     fill(layouts.source, member.layout_rank, tensors, seed=version)
                 start = time.monotonic()
@@ -227,6 +236,9 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
                       device=device)
 
     def check_version(version: int) -> list[str]:
+        if member.delta_density is not None:
+            return version_problems(layouts.destination, member.layout_rank, params, version,
+                                    density=member.delta_density)
         if formats:
             return check_quantized(layouts.destination, formats, member.layout_rank, params, seed=version)
         return check_pieces(layouts.destination, member.layout_rank, params, seed=version)
