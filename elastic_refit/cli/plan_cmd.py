@@ -28,7 +28,7 @@ from elastic_refit.plan import (
     make_plan,
     make_rank_plan,
 )
-from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict
+from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict, predict_delta
 from elastic_refit.plan.quantized import format_layouts
 
 __all__ = ["add_case_arguments", "add_format_argument", "check_format_flag", "destination_formats", "load_case", "plan_figures",
@@ -133,6 +133,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", choices=sorted(CLUSTERS),
                         help=f"predict seconds on this cluster: {', '.join(sorted(CLUSTERS))}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--delta-density", metavar="D[,D...]", default=None,
+                        help="with --cluster: also predict the refit sent as deltas when this fraction of "
+                             "the elements changed since the last commit (e.g. 0.02,0.05,0.13)")
     parser.add_argument("--plot", metavar="FILE", default=None,
                         help="also draw the plan into FILE (.png or .svg): a domain x domain matrix of planned "
                              "bytes and the bytes of every NIC against the bound (needs the [plot] extra)")
@@ -292,6 +295,11 @@ def run(args: argparse.Namespace) -> int:
     if prediction:
         figures.update(cluster=prediction.cluster, predicted_seconds=prediction.seconds,
                        bound_seconds=prediction.bound_seconds)
+    deltas = [predict_delta(plan, cluster, d) for d in _densities(args.delta_density, cluster)]
+    if deltas:
+        figures["deltas"] = [{"density": d.density, "wire_fraction": d.fraction, "predicted_seconds": d.seconds,
+                              "network_seconds": d.network_seconds, "codec_seconds": d.codec_seconds,
+                              "wire_bytes": d.wire_bytes, "bound_bytes": d.bound_bytes} for d in deltas]
     bf16 = None
     if formats:
         # The same refit in BF16, for the comparison the quantized plan is about.
@@ -331,6 +339,10 @@ def run(args: argparse.Namespace) -> int:
         ratio = prediction.seconds / prediction.bound_seconds if prediction.bound_seconds > 0 else float("nan")
         rows.append((f"predicted on {prediction.cluster}", format_seconds(prediction.seconds),
                      f"bound {format_seconds(prediction.bound_seconds)} ({ratio:.2f}x)"))
+    for d in deltas:
+        rows.append((f"deltas at density {d.density:g}", format_seconds(d.seconds),
+                     f"{format_bytes(d.wire_bytes)} cross-domain ({d.wire_bytes / lb:.3f} of the full bound"
+                     + ("; relayed plan: in full, plan with --relay off)" if plan.relayed else ")")))
     if bf16 is not None:
         b = bf16.stats
         rows.append(("destination formats", ", ".join(sorted({f.name for _, f in formats.entries})),
@@ -348,3 +360,19 @@ def run(args: argparse.Namespace) -> int:
     print(render_table(("figure", "value", "ratio / note"), rows))
     print(f"fingerprint {plan.fingerprint}")
     return 0
+
+
+def _densities(value: str | None, cluster) -> list[float]:
+    """``--delta-density``'s fractions (they need a cluster to predict on)."""
+    if value is None:
+        return []
+    if cluster is None:
+        raise ValueError("--delta-density predicts seconds: give a --cluster too")
+    try:
+        densities = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--delta-density takes fractions like 0.02,0.05, got {value!r}") from None
+    bad = [d for d in densities if not 0.0 <= d <= 1.0]
+    if bad or not densities:
+        raise ValueError(f"--delta-density fractions must be in [0, 1], got {value!r}")
+    return densities

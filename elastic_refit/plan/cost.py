@@ -22,7 +22,8 @@ import numpy as np
 
 from elastic_refit.plan.types import Plan, SourceSide
 
-__all__ = ["CLUSTERS", "GB", "Cluster", "Prediction", "bound_seconds", "get_cluster", "predict"]
+__all__ = ["CLUSTERS", "GB", "Cluster", "DeltaPrediction", "Prediction", "bound_seconds", "delta_fraction",
+           "get_cluster", "predict", "predict_delta"]
 
 GB = 1e9
 
@@ -129,3 +130,53 @@ def predict(plan: Plan, cluster: Cluster) -> Prediction:
         bound_seconds=bound_seconds(plan, cluster),
         fill_seconds=fill,
     )
+
+
+# Deltas (DESIGN.md, "Deltas"): a region whose elements changed with density ``d`` travels as
+# byte gaps plus values (``kernels.delta``): per changed element one byte of position and its
+# value, plus a skip byte per 255 unchanged elements. Encode and apply run at the rates
+# measured with plain torch on an H200 (issue 35): they read every byte of a sender's and a
+# receiver's buffers once.
+ENCODE_GBPS = 539.0
+APPLY_GBPS = 6700.0
+
+
+def delta_fraction(density: float, itemsize: int = 2) -> float:
+    """Bytes of a delta over the bytes of the region, for elements of ``itemsize`` bytes of
+    which a fraction ``density`` changed (never above 1: a larger delta goes in full)."""
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be in [0, 1], got {density}")
+    return min(1.0, density * (1 + itemsize) / itemsize + 1.0 / (255 * itemsize))
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaPrediction:
+    """Predicted seconds of ``plan`` sent as deltas at ``density`` beside its full refit:
+    the network bytes scale by ``fraction`` (messages a relay forwards go in full, so a
+    relayed plan keeps its network bytes), intra-domain fan-out stays full, and senders
+    encode and receivers apply at ``ENCODE_GBPS`` / ``APPLY_GBPS``."""
+
+    density: float
+    fraction: float
+    seconds: float
+    network_seconds: float
+    codec_seconds: float
+    wire_bytes: int  # cross-domain bytes at this density
+    bound_bytes: int  # the full-weights lower bound (cross-domain)
+    full: Prediction
+
+
+def predict_delta(plan: Plan, cluster: Cluster, density: float, itemsize: int = 2) -> DeltaPrediction:
+    """Predict ``plan``'s refit on ``cluster`` when a fraction ``density`` of the elements
+    changed since the base every destination holds (see :class:`DeltaPrediction`)."""
+    full = predict(plan, cluster)
+    fraction = 1.0 if plan.relayed else delta_fraction(density, itemsize)
+    nic = cluster.nic_gbps * GB
+    nvlink = cluster.nvlink_gbps * GB
+    nic_seconds = float((np.maximum(plan.network_send_bytes, plan.network_recv_bytes) * fraction).max(initial=0)) / nic
+    nvlink_seconds = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) / nvlink
+    codec = (float(plan.network_send_bytes.max(initial=0)) / (ENCODE_GBPS * GB)
+             + float(plan.network_recv_bytes.max(initial=0)) / (APPLY_GBPS * GB))
+    seconds = nic_seconds + nvlink_seconds + full.latency_seconds + codec
+    return DeltaPrediction(density, fraction, seconds, nic_seconds, codec,
+                           int(plan.stats.cross_domain_bytes * fraction), int(plan.stats.lower_bound_bytes), full)
