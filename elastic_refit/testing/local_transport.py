@@ -23,7 +23,8 @@ import torch
 
 from elastic_refit.layout import Layout
 from elastic_refit.plan import Plan, SourceSide
-from elastic_refit.transport.executor import ExecutorOptions, _BucketIO
+from elastic_refit.transport.bucket_io import BucketIO
+from elastic_refit.transport.executor import ExecutorOptions
 from elastic_refit.transport.schedule import RankSchedule, build_rank_schedule
 
 Buffers = Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]  # rank -> (src, dst)
@@ -36,15 +37,15 @@ class _Forward:
 
     needer: int
     spans: tuple[tuple[int, int], ...]
-    unpacker: _BucketIO
+    unpacker: BucketIO
 
 
 @dataclass(frozen=True, slots=True)
 class _Transfer:
     phase: int
     round: int
-    sender: _BucketIO
-    receiver: _BucketIO
+    sender: BucketIO
+    receiver: BucketIO
     src_rank: int
     dst_rank: int
     direct: tuple | None  # (sender span, receiver span) when both sides are one contiguous span
@@ -78,12 +79,12 @@ class LocalTransport:
                 forwards = self._forwards(peer, peer_step, options)
                 for index, (out_bucket, in_bucket) in enumerate(zip(step.send.buckets, recv.buckets, strict=True)):
                     assert out_bucket.nbytes == in_bucket.nbytes
-                    sender = _BucketIO(out_bucket, schedule, direct, self.device)
-                    receiver = _BucketIO(in_bucket, self.schedules[peer], direct, self.device)
+                    sender = BucketIO(out_bucket, schedule, direct, self.device)
+                    receiver = BucketIO(in_bucket, self.schedules[peer], direct, self.device)
                     spans = (sender.direct, receiver.direct) if sender.direct and receiver.direct else None
                     if spans is None:
-                        sender = _BucketIO(out_bucket, schedule, options, self.device)
-                        receiver = _BucketIO(in_bucket, self.schedules[peer], options, self.device)
+                        sender = BucketIO(out_bucket, schedule, options, self.device)
+                        receiver = BucketIO(in_bucket, self.schedules[peer], options, self.device)
                     transfers.append(_Transfer(int(step.phase), step.round, sender, receiver, rank, peer, spans,
                                                tuple(forwards.get(index, ()))))
         # Deliver phase before fan-out; inside a phase any order is valid.
@@ -109,7 +110,7 @@ class LocalTransport:
                 assert landing.boxes is not None and landing.nbytes == part.nbytes
                 out.setdefault(part.bucket, []).append(_Forward(
                     forward.peer, part.spans,
-                    _BucketIO(landing.boxes, self.schedules[forward.peer], options, self.device)))
+                    BucketIO(landing.boxes, self.schedules[forward.peer], options, self.device)))
         return out
 
     def run(self, buffers: Buffers) -> None:

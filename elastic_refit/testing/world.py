@@ -27,8 +27,8 @@ from elastic_refit.plan import Plan, PlanOptions, make_plan
 from elastic_refit.testing.faults import FaultyTransport
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 from elastic_refit.transport.buffers import byte_view, split_box
-from elastic_refit.transport.c10d import C10dTransport
 from elastic_refit.transport.executor import Executor, ExecutorOptions
+from elastic_refit.transport.factory import create_transport
 from elastic_refit.transport.protocol import Backend, Transport, post_recv, post_send
 
 SENTINEL = 0x5A
@@ -107,15 +107,9 @@ def make_transport(store: dist.Store, rank: int, world_size: int, backend: str, 
     """This rank's transport of a local world: gloo on the CPU, or NCCL (torch's process
     group or an nccl4py communicator) on the GPU ``nccl_rank_env`` gave this rank."""
     kind = Backend.parse(backend)
-    if kind is Backend.GLOO:
-        return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
-    device = int(os.environ.get("ELASTIC_REFIT_CUDA_DEVICE", rank % max(1, torch.cuda.device_count())))
-    torch.cuda.set_device(device)
-    if kind is Backend.NCCL:
-        return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
-    from elastic_refit.transport.nccl import NcclTransport
-
-    return NcclTransport.create(store, rank, world_size, timeout_s=timeout_s)
+    if kind is not Backend.GLOO:
+        torch.cuda.set_device(int(os.environ.get("ELASTIC_REFIT_CUDA_DEVICE", rank % max(1, torch.cuda.device_count()))))
+    return create_transport(kind, store, rank, world_size, timeout_s=timeout_s)
 
 
 def padding_problems(layout: Layout, rank: int, buffers: dict[str, torch.Tensor], sentinel: int) -> list[str]:

@@ -60,9 +60,6 @@ log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever 
 
 # Forwards between a pair are told apart from its network buckets by tag (gloo matches on it).
 FORWARD_TAG = 1 << 20
-# The name BucketIO had when it lived here: the test toolkit's in-process transport
-# (elastic_refit.testing.local_transport) still imports it from this module.
-_BucketIO = BucketIO
 
 
 @dataclass(frozen=True, slots=True)
