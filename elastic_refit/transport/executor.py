@@ -86,6 +86,7 @@ class TransferReport:
     num_delta_buckets: int = 0
     network_saved_bytes: int = 0
     intra_saved_bytes: int = 0
+    direct_recv_bytes: int = 0  # of the received bytes, those read straight from a peer's memory (IPC)
 
 
 class Executor:
@@ -99,6 +100,15 @@ class Executor:
         self.rank = transport.rank
         self.schedule = build_rank_schedule(plan, self.rank)
         self.device = transport.device
+        # Intra-domain messages with peers whose memory the transport maps (CUDA IPC on one
+        # host) are read directly, outside the windows; the report still counts every byte.
+        self._full_schedule = self.schedule
+        self._direct = None
+        if getattr(transport, "direct_peers", None):
+            from elastic_refit.transport.direct import DirectReads
+
+            self._direct = DirectReads(plan, self.schedule, transport, self.options)
+            self.schedule = self._direct.network_schedule
         self._io: dict[int, BucketIO] = {}
         self._forward_in: dict[int, ForwardIn] = {}
         # A message that may carry deltas packs every bucket (a delta travels in staging).
@@ -192,6 +202,8 @@ class Executor:
                 self._round = (rnd, delta.base)
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
+            if self._direct is not None:
+                self._direct.run(tensors)
             for window, slots in zip(self.windows, self._slots, strict=True):
                 self._exchange(window, slots, tensors, counts)
             if self.device.type == "cuda":
@@ -214,7 +226,7 @@ class Executor:
                 raise refused
             raise TransferRefused(f"rank {self.rank}: another rank voted the refit down at its close",
                                   rank=self.rank, phase="vote")
-        by_kind = self.schedule.bytes_by_kind()
+        by_kind = self._full_schedule.bytes_by_kind()
         report = TransferReport(
             rank=self.rank,
             seconds=time.perf_counter() - start,
@@ -230,6 +242,7 @@ class Executor:
             num_delta_buckets=rnd.num_buckets,
             network_saved_bytes=rnd.saved_bytes["network"],
             intra_saved_bytes=rnd.saved_bytes["intra"],
+            direct_recv_bytes=self._direct.nbytes if self._direct is not None else 0,
         )
         log.info("transport.executor.done", rank=self.rank, seconds=report.seconds,
                  sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,

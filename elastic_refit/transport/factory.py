@@ -7,6 +7,8 @@ and never names a concrete one:
 - :func:`make_transport` wraps a communicator the caller built (a c10d process group for
   gloo and torch NCCL, an nccl4py communicator);
 - :func:`create_transport` builds the communicator of a world from a store, then wraps it;
+- :func:`with_direct_reads` routes a transport by peer: CUDA IPC between ranks of one host,
+  the transport for everything else;
 - :func:`gloo_group` and :func:`nccl_group` build the c10d process groups an owner keeps
   across epochs (with the options membership's lifecycle needs);
 - the nccl4py lifecycle (:func:`probe_nccl4py`, :func:`init_nccl4py`,
@@ -30,7 +32,7 @@ from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.protocol import Transport
 
 __all__ = ["create_transport", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
-           "probe_nccl4py", "revive_nccl4py", "shrink_nccl4py"]
+           "probe_nccl4py", "revive_nccl4py", "shrink_nccl4py", "with_direct_reads"]
 
 
 def make_transport(backend: Backend | str, communicator: Any, rank: int, world_size: int, *,
@@ -75,6 +77,25 @@ def create_transport(backend: Backend | str, store: Any, rank: int, world_size: 
     from elastic_refit.transport.c10d import C10dTransport
 
     return C10dTransport.create(store, rank, world_size, backend=kind, timeout_s=timeout_s)
+
+
+def with_direct_reads(transport: Transport, store: Any, hosts: Sequence[str], *,
+                      device: torch.device | str | None = None) -> Transport:
+    """``transport`` routed by peer: ranks on this rank's host (``hosts[r]``: the host of
+    rank r of the world) read each other's memory over CUDA IPC on ``device`` (default: the
+    current CUDA device), everything else goes through ``transport``. ``store`` is the
+    epoch's store (IPC handles are shared there). The result owns ``transport``: closing
+    or aborting it releases every mapping, then closes or aborts ``transport``. Without a
+    peer on this host, ``transport`` itself."""
+    from elastic_refit.transport.ipc import IpcTransport, same_host_peers
+
+    if len(hosts) != transport.world_size:
+        raise ValueError(f"hosts names {len(hosts)} ranks, the world has {transport.world_size}")
+    peers = same_host_peers(hosts, transport.rank)
+    if not peers:
+        return transport
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return IpcTransport(transport, store, peers, dev)
 
 
 # ------------------------------------------------------------------ c10d process groups

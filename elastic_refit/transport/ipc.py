@@ -1,0 +1,218 @@
+"""A transport that routes by peer: CUDA IPC between ranks of one host, a base transport
+for every other byte.
+
+:class:`IpcTransport` wraps an epoch's transport (``base``: gloo, torch NCCL or nccl4py, over
+every rank of the world) and adds direct reads between the ranks that share this rank's
+host (``direct_peers``): the executor takes their intra-domain messages out of its windows
+and copies them straight from the source's memory
+(:class:`~elastic_refit.transport.direct.DirectReads`). Posted operations, votes and aborts
+go to ``base``; a GPU buffer posted to a CPU base (gloo) is staged through host memory, so a
+colocated job can run with gloo alone for its control and its few network bytes.
+
+Memory: a source shares its read buffers' IPC handles through the epoch's store once per
+set of addresses (``ipc/{rank}/{generation}``; a new generation when an address changes);
+a reader maps each peer's allocations once per generation. Every mapping is released when
+the transport is closed or aborted, i.e. on every epoch change, after the device has
+finished the reads in flight; :func:`~elastic_refit.transport.cuda_ipc.open_mappings`
+counts what a process still has mapped.
+
+Made by :func:`elastic_refit.transport.factory.with_direct_reads`; :func:`same_host_peers`
+is the routing decision (pure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from elastic_refit.errors import brief
+from elastic_refit.layout import Buffer
+from elastic_refit.transport.protocol import Capabilities, P2POp, Transport, Work
+from elastic_refit.transport.schedule import BufferRef
+
+__all__ = ["IpcTransport", "same_host_peers"]
+
+log = structlog.get_logger("elastic_refit.transport")
+
+
+def same_host_peers(hosts: Sequence[str], rank: int) -> frozenset[int]:
+    """The ranks other than ``rank`` on ``rank``'s host (``hosts[r]``: rank r's host)."""
+    if not 0 <= rank < len(hosts):
+        raise ValueError(f"rank {rank} is outside a world of {len(hosts)} hosts")
+    return frozenset(r for r, h in enumerate(hosts) if h == hosts[rank] and r != rank)
+
+
+class _StagedWork:
+    """A receive of a GPU buffer through a CPU base: copied in once the base's wait returns."""
+
+    __slots__ = ("host", "inner", "target")
+
+    def __init__(self, inner: Work, host: torch.Tensor | None, target: torch.Tensor | None) -> None:
+        self.inner, self.host, self.target = inner, host, target
+
+    def wait(self, timeout: object = None) -> bool | None:
+        return self.inner.wait(timeout) if timeout is not None else self.inner.wait()
+
+
+class _Peer:
+    __slots__ = ("gen", "segments", "views")
+
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.segments: dict[bytes, Any] = {}
+        self.views: dict[BufferRef, torch.Tensor] = {}
+
+
+class IpcTransport:
+    """``base`` plus direct reads between the ranks of ``direct_peers`` (see the module)."""
+
+    def __init__(self, base: Transport, store: Any, direct_peers: frozenset[int], device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"direct reads map CUDA memory; device must be a CUDA device, got {device}")
+        bad = sorted(p for p in direct_peers if not 0 <= p < base.world_size or p == base.rank)
+        if bad:
+            raise ValueError(f"direct peers {bad} are not other ranks of a world of {base.world_size}")
+        self.base = base
+        self.store = store  # kept: the epoch's store, where handles are shared
+        self.direct_peers = frozenset(direct_peers)
+        self._capabilities = dataclasses.replace(base.capabilities, device=device)
+        self._gen = 0
+        self._shared: tuple | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._closed = False
+
+    # ---- the Transport protocol ------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.base.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.base.world_size
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def device(self) -> torch.device:
+        return self._capabilities.device
+
+    @property
+    def aborted(self) -> bool:
+        return self._closed or self.base.aborted
+
+    def post(self, ops: Sequence[P2POp]) -> tuple[Work, ...]:
+        """To the base; a GPU buffer and a CPU base meet in host memory."""
+        on = self.base.device
+        if all(op.tensor.device == on for op in ops):
+            return self.base.post(ops)
+        moved, staged = [], []
+        for op in ops:
+            if op.tensor.device == on:
+                moved.append(op)
+                staged.append(None)
+            elif op.op == "send":
+                moved.append(dataclasses.replace(op, tensor=op.tensor.to(on)))
+                staged.append(None)
+            else:
+                host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device=on)
+                moved.append(dataclasses.replace(op, tensor=host))
+                staged.append((host, op.tensor))
+        works = self.base.post(moved)
+        return tuple(w if s is None else _StagedWork(w, *s) for w, s in zip(works, staged, strict=True))
+
+    def wait(self, work: Work, peer: int, what: str) -> None:
+        if isinstance(work, _StagedWork):
+            self.base.wait(work.inner, peer, what)
+            work.target.copy_(work.host)  # type: ignore[union-attr]
+            return
+        self.base.wait(work, peer, what)
+
+    def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
+        return self.base.vote(ok, participants)
+
+    def abort(self) -> None:
+        """Release every mapping, then abort the base (peers fail fast)."""
+        self._release()
+        self.base.abort()
+
+    def close(self) -> None:
+        """Release every mapping, then close the base."""
+        self._release()
+        self._closed = True
+        self.base.close()
+
+    # ---- direct reads ----------------------------------------------------------------
+    def share(self, buffers: Mapping[BufferRef, torch.Tensor]) -> int:
+        """Make ``buffers`` readable by this rank's direct peers; returns the generation
+        readers map (a new one, written to the store, when an address changed)."""
+        key = tuple((ref, t.data_ptr(), t.numel() * t.element_size()) for ref, t in sorted(buffers.items()))
+        if key != self._shared:
+            from elastic_refit.transport.cuda_ipc import export_tensor
+
+            exports = [[side, name, *export_tensor(t).to_json()] for (side, name), t in sorted(buffers.items())]
+            self._gen += 1
+            self.store.set(f"ipc/{self.rank}/{self._gen}", json.dumps(exports))
+            self._shared = key
+            log.info("transport.ipc.shared", rank=self.rank, generation=self._gen, buffers=len(exports))
+        return self._gen
+
+    def peer_buffers(self, peer: int, gen: int, specs: Mapping[BufferRef, Buffer]) -> dict[BufferRef, torch.Tensor]:
+        """Views of ``peer``'s buffers ``specs`` in generation ``gen`` (mapped on first use)."""
+        from elastic_refit.transport.cuda_ipc import IpcExport, MappedSegment
+
+        if peer not in self.direct_peers:
+            raise ValueError(f"rank {peer} is not a direct peer of rank {self.rank}")
+        state = self._peers.get(peer)
+        if state is None or state.gen != gen:
+            if state is not None:
+                self._unmap(peer)
+            state = self._peers[peer] = _Peer(gen)
+            raw = self.store.get(f"ipc/{peer}/{gen}")
+            for side, name, *exported in json.loads(raw.decode() if isinstance(raw, bytes) else raw):
+                ref = (int(side), name)
+                if ref not in specs:
+                    continue
+                e = IpcExport.from_json(exported)
+                seg = state.segments.get(e.handle)
+                if seg is None:
+                    seg = state.segments[e.handle] = MappedSegment(e.handle, self.device)
+                spec = specs[ref]
+                state.views[ref] = seg.view(e.offset, e.nbytes, getattr(torch, spec.dtype), spec.shape)
+        missing = sorted(set(specs) - set(state.views))
+        if missing:
+            raise ValueError(f"rank {peer} shared no buffer {missing[0][1]!r} in generation {gen}")
+        return {ref: state.views[ref] for ref in specs}
+
+    @property
+    def num_mapped(self) -> int:
+        """Allocations of peers this transport has mapped now."""
+        return sum(len(p.segments) for p in self._peers.values())
+
+    def _unmap(self, peer: int) -> None:
+        state = self._peers.pop(peer, None)
+        if state is None:
+            return
+        state.views.clear()
+        for seg in state.segments.values():
+            try:
+                seg.close()
+            except Exception as exc:  # a dead exporter: the mapping is gone either way
+                log.warning("transport.ipc.unmap_failed", rank=self.rank, peer=peer, error=brief(exc))
+
+    def _release(self) -> None:
+        if not self._peers:
+            return
+        try:
+            torch.cuda.synchronize(self.device)  # no read in flight touches what is unmapped
+        except Exception as exc:
+            log.warning("transport.ipc.sync_failed", rank=self.rank, error=brief(exc))
+        for peer in list(self._peers):
+            self._unmap(peer)
+        log.info("transport.ipc.released", rank=self.rank)

@@ -1,0 +1,200 @@
+"""Direct reads (CUDA IPC between ranks of one host), their CPU-testable parts: the routing
+decision (which peers, which messages), the copies a reader derives from the plan (gather,
+scatter, staged), and the copies themselves run on CPU tensors of every rank in one process
+(the torch reference and the Triton kernel in its interpreter). The mapping of a peer's
+memory is the one part a CPU cannot run: the double below hands out the peer's own tensors
+where the IPC transport hands out views of its mapped memory (tests/gpu covers that)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_refit.layout import parse_spec
+from elastic_refit.layout.core import Topology
+from elastic_refit.layout.models import ModelConfig
+from elastic_refit.layout.refit import model_refit_spec
+from elastic_refit.plan import PlanOptions, SourceSide, TransferKind, make_plan
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+from elastic_refit.transport.direct import DirectReads, plan_direct_copies, split_direct
+from elastic_refit.transport.executor import ExecutorOptions
+from elastic_refit.transport.factory import with_direct_reads
+from elastic_refit.transport.ipc import IpcTransport, same_host_peers
+from elastic_refit.transport.protocol import Backend, Capabilities
+from elastic_refit.transport.schedule import build_rank_schedule
+
+TINY_MOE = ModelConfig(name="tiny-moe", hidden_size=32, num_layers=2, vocab_size=70, num_heads=4,
+                       num_kv_heads=2, head_dim=8, intermediate_size=0, num_experts=4,
+                       moe_intermediate_size=16, qk_norm=True)
+
+
+def _plan(domains=(0,) * 8, layers=1, bucket=4 << 20, model="qwen3-30b-a3b"):
+    spec = model_refit_spec(model, "tp=2,pp=2,ep=2", "tp=2,dp=2", domain_size=8, num_layers=layers)
+    return make_plan(spec.source, spec.destination, Topology(tuple(domains)),
+                     PlanOptions(bucket_bytes=bucket, direct_min_bytes=256 << 10, relay="off"))
+
+
+def test_same_host_peers():
+    hosts = ("a", "a", "b", "b", "a", "a", "b", "b")
+    assert same_host_peers(hosts, 0) == {1, 4, 5}
+    assert same_host_peers(hosts, 6) == {2, 3, 7}
+    assert same_host_peers(("a", "b"), 0) == frozenset()
+    with pytest.raises(ValueError, match="outside"):
+        same_host_peers(hosts, 8)
+
+
+class _Base:
+    """A transport of one rank that never moves a byte (the routing tests need its shape)."""
+
+    def __init__(self, rank, world_size, device="cpu"):
+        self.rank, self.world_size = rank, world_size
+        self.capabilities = Capabilities(Backend.GLOO, torch.device(device))
+        self.device = self.capabilities.device
+        self.aborted = False
+
+    def close(self):
+        self.aborted = True
+
+
+def test_with_direct_reads_routes_by_host():
+    base = _Base(0, 4)
+    assert with_direct_reads(base, None, ("a", "b", "c", "d"), device="cuda:0") is base  # nobody to read from
+    routed = with_direct_reads(base, None, ("a", "a", "b", "a"), device="cuda:0")
+    assert isinstance(routed, IpcTransport) and routed.direct_peers == {1, 3}
+    assert routed.device == torch.device("cuda:0") and routed.capabilities.backend is Backend.GLOO
+    routed.close()
+    assert base.aborted and routed.aborted
+    with pytest.raises(ValueError, match="hosts names 3 ranks"):
+        with_direct_reads(base, None, ("a", "a", "b"))
+    with pytest.raises(ValueError, match="CUDA device"):
+        IpcTransport(base, None, frozenset({1}), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not other ranks"):
+        IpcTransport(base, None, frozenset({0}), torch.device("cuda:0"))
+
+
+def test_split_takes_only_intra_messages_of_direct_peers():
+    plan = _plan(domains=(0, 0, 1, 1, 0, 0, 1, 1))
+    hosts = ("a", "a", "b", "b", "a", "a", "b", "b")
+    for rank in range(8):
+        schedule = build_rank_schedule(plan, rank)
+        split = split_direct(schedule, same_host_peers(hosts, rank))
+        kept = [m for s in split.schedule.steps for m in (s.send, s.recv) if m is not None]
+        taken = [m for _, _, m in split.sends + split.recvs]
+        assert all(m.kind == TransferKind.INTRA and hosts[m.peer] == hosts[rank] for m in taken)
+        assert all(m.kind == TransferKind.NETWORK for m in kept)  # host == domain here
+        by_kind = schedule.bytes_by_kind()
+        assert sum(m.nbytes for _, _, m in split.recvs) == by_kind["intra_recv"]
+        assert sum(m.nbytes for _, _, m in split.sends) == by_kind["intra_send"]
+
+
+def test_reader_copies_are_mostly_one_copy():
+    plan = _plan(layers=2)
+    me = 4
+    schedule = build_rank_schedule(plan, me)
+    split = split_direct(schedule, frozenset(set(range(8)) - {me}))
+    senders = {p: build_rank_schedule(plan, p) for p in {m.peer for _, _, m in split.recvs}}
+    copies = plan_direct_copies(split.recvs, me, senders, schedule, 64 << 20)
+    assert copies.nbytes == schedule.bytes_by_kind()["intra_recv"] > 0
+    one_copy = copies.nbytes - copies.staged_bytes
+    assert one_copy >= 0.8 * copies.nbytes, (one_copy, copies.nbytes)
+    assert all(n <= 64 << 20 for _, _, n in copies.staged)
+
+
+# Boxes strided on both sides ("cube": staged), contiguous at the source only ("cols":
+# scattered), contiguous at the destination ("rows": gathered).
+MIXED_SPEC = {
+    "domains": [0, 0, 0, 0],
+    "tensors": [
+        {"name": "cube", "shape": [4, 8, 6], "dtype": "float32",
+         "source": {"mesh": [0, 1], "placements": ["S(2)"]},
+         "destination": {"mesh": [2, 3], "placements": ["S(1)"]}},
+        {"name": "cols", "shape": [8, 6], "dtype": "bfloat16",
+         "source": {"mesh": [0, 1], "placements": ["S(1)"]},
+         "destination": {"mesh": [2], "placements": ["R"]}},
+        {"name": "rows", "shape": [8, 6], "dtype": "int8",
+         "source": {"mesh": [0, 1], "placements": ["S(0)"]},
+         "destination": {"mesh": [3], "placements": ["R"]}},
+    ],
+}
+
+
+def _mixed_plan():
+    spec = parse_spec(MIXED_SPEC)
+    return make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=256, relay="off"))
+
+
+def test_reader_copies_of_every_kind():
+    plan = _mixed_plan()
+    kinds = {}
+    for me in (2, 3):
+        schedule = build_rank_schedule(plan, me)
+        split = split_direct(schedule, frozenset({0, 1, 2, 3} - {me}))
+        senders = {p: build_rank_schedule(plan, p) for p in {m.peer for _, _, m in split.recvs}}
+        copies = plan_direct_copies(split.recvs, me, senders, schedule, 256)
+        kinds[me] = (len(copies.gather), len(copies.scatter), copies.staged_bytes)
+        assert copies.nbytes == schedule.bytes_by_kind()["intra_recv"]
+        with pytest.raises(ValueError, match="above the budget"):
+            plan_direct_copies(split.recvs, me, senders, schedule, 8)
+    assert kinds[2][1] > 0 and kinds[2][2] > 0 and kinds[3][0] > 0, kinds
+
+
+class _Peers:
+    """A world's direct reads in one process: every rank's buffers are at hand, so a
+    reader's "mapping" of a peer is the peer's own tensors (see the module docstring)."""
+
+    def __init__(self, plan, rank, buffers, device, world_size):
+        self.rank, self.world_size = rank, world_size
+        self.capabilities = Capabilities(Backend.GLOO, device)
+        self.device = device
+        self.direct_peers = frozenset(set(range(world_size)) - {rank})
+        self.plan, self.buffers = plan, buffers
+        self.shared = 0
+
+    def share(self, tensors):
+        self.shared += 1
+        return 7
+
+    def peer_buffers(self, peer, gen, specs):
+        assert gen == 7
+        src, dst = self.buffers[peer]
+        return {ref: (src if ref[0] == int(SourceSide.SOURCE) else dst)[ref[1]] for ref in specs}
+
+    def post(self, ops):
+        for op in ops:
+            if op.op == "recv":
+                op.tensor.fill_(7)
+        return tuple(None for _ in ops)
+
+    def wait(self, work, peer, what):
+        pass
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["tiny-moe", "mixed"])
+def test_direct_reads_land_every_byte(backend, case):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    plan = _plan(layers=2, bucket=1 << 10, model=TINY_MOE) if case == "tiny-moe" else _mixed_plan()
+    world = plan.source.ranks + plan.destination.ranks
+    device = torch.device("cpu")
+    buffers = {}
+    for r in world:
+        src = allocate(plan.source, r, fill=0, device=device)
+        fill_pieces(plan.source, r, src, seed=5)
+        buffers[r] = (src, allocate(plan.destination, r, fill=0x5A, device=device))
+    # A small staging budget forces several staged groups.
+    options = ExecutorOptions(staging_bytes=256, pack_backend=backend)
+    readers = {}
+    for r in world:
+        schedule = build_rank_schedule(plan, r)
+        readers[r] = DirectReads(plan, schedule, _Peers(plan, r, buffers, device, len(world)), options)
+        assert not any(s.send or s.recv for s in readers[r].network_schedule.steps)
+    for r in world:
+        src, dst = buffers[r]
+        tensors = {(int(SourceSide.SOURCE), n): t for n, t in src.items()}
+        tensors.update({(int(SourceSide.DESTINATION), n): t for n, t in dst.items()})
+        readers[r].run(tensors)
+    for r in plan.destination.ranks:
+        assert check_pieces(plan.destination, r, buffers[r][1], seed=5) == []
+    assert sum(readers[r].nbytes for r in world) == sum(
+        build_rank_schedule(plan, r).bytes_by_kind()["intra_recv"] for r in world)
