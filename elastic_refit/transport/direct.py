@@ -255,4 +255,7 @@ class DirectReads:
             for gather, scatter, _ in self._staged:
                 gather.run(src, [self._staging])
                 scatter.run(dst, [self._staging])
+        moved = getattr(t, "moved", None)
+        if moved is not None:
+            moved["direct"] += self.copies.nbytes
         return self.copies.nbytes

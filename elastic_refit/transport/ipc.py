@@ -85,6 +85,8 @@ class IpcTransport:
         self._shared: tuple | None = None
         self._peers: dict[int, _Peer] = {}
         self._closed = False
+        # Bytes received, by route, over the transport's life (benchmarks check the split).
+        self.moved = {"direct": 0, "base": 0}
 
     # ---- the Transport protocol ------------------------------------------------------
     @property
@@ -109,6 +111,10 @@ class IpcTransport:
 
     def post(self, ops: Sequence[P2POp]) -> tuple[Work, ...]:
         """To the base; a GPU buffer and a CPU base meet in host memory."""
+        from elastic_refit.transport.direct import DIRECT_TAG
+
+        self.moved["base"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                                  if op.op == "recv" and op.tag != DIRECT_TAG)
         on = self.base.device
         if all(op.tensor.device == on for op in ops):
             return self.base.post(ops)
