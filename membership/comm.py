@@ -59,6 +59,7 @@ from elastic_refit.transport.factory import (
     nccl_group,
     revive_nccl4py,
     shrink_nccl4py,
+    with_direct_reads,
 )
 from elastic_refit.transport.protocol import Backend, Transport, abort_with_watchdog
 
@@ -121,7 +122,8 @@ class CommunicatorManager:
                  support: RuntimeSupport | None = None,
                  superseded: Callable[[int], bool] | None = None,
                  transport_timeout_s: float | None = None, bind_interface: str | None = None,
-                 latest_view: Callable[[], MembershipView | None] | None = None):
+                 latest_view: Callable[[], MembershipView | None] | None = None,
+                 direct_reads_device: torch.device | str | None = None):
         backend = Backend.parse(backend).value
         self.client = client
         self.job = job
@@ -152,6 +154,9 @@ class CommunicatorManager:
         # (build_stranded); without it such a build is bounded by the epoch deadline only.
         self.latest_view = latest_view
         self.bind_interface = bind_interface  # gloo's device binds here (None: the default)
+        # Members on one host read each other's memory on this CUDA device (CUDA IPC), the
+        # communicator carries the rest (None: every byte through the communicator).
+        self.direct_reads_device = None if direct_reads_device is None else torch.device(direct_reads_device)
         self.log = get_logger(job=job, member_id=member_id, backend=backend)
         self.log.info("comm.runtime.probed", **self.support.to_json())
 
@@ -215,7 +220,7 @@ class CommunicatorManager:
                 raise CommunicatorError(
                     f"{path} of epoch {new_view.epoch} failed on {self.member_id}: {exc}") from exc
         assert self.current is not None
-        self.current.transport = self._transport_of(self.current)
+        self.current.transport = self._transport_of(self.current, tuple(m.host for m in new_view.members))
         seconds = time.monotonic() - t0
         self.formed_epoch = new_view.epoch
         self.log.info("comm.reconfigured", path=path, epoch=new_view.epoch, from_epoch=came_from,
@@ -282,16 +287,21 @@ class CommunicatorManager:
             self.log.info("comm.parent.revoked", epoch=comm.epoch, state=state)
         return state == 0
 
-    def _transport_of(self, comm: Communicator) -> Transport:
+    def _transport_of(self, comm: Communicator, hosts: tuple[str, ...]) -> Transport:
         """The epoch's transport over ``comm`` (a new one per epoch: the previous epoch's
-        was closed, and with it every reference outside this manager)."""
+        was closed, and with it every reference outside this manager, IPC mappings
+        included); routed by host (``hosts``, in rank order) when direct reads are on."""
         if comm.backend == Backend.NCCL4PY:
-            return make_transport(comm.backend, comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
-                                  device=self.device, can_shrink=self.support.nccl4py_can_shrink,
-                                  can_grow=self.support.nccl_grow)
-        return make_transport(comm.backend, comm.pg, comm.rank, comm.size, timeout_s=self.transport_timeout_s,
-                              store=comm.pg_store,
-                              can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
+            transport = make_transport(comm.backend, comm.pg, comm.rank, comm.size,
+                                       timeout_s=self.transport_timeout_s, device=self.device,
+                                       can_shrink=self.support.nccl4py_can_shrink, can_grow=self.support.nccl_grow)
+        else:
+            transport = make_transport(comm.backend, comm.pg, comm.rank, comm.size,
+                                       timeout_s=self.transport_timeout_s, store=comm.pg_store,
+                                       can_shrink=comm.backend == Backend.NCCL and self.support.nccl_shrink)
+        if self.direct_reads_device is None:
+            return transport
+        return with_direct_reads(transport, comm.store, hosts, device=self.direct_reads_device)
 
     def _close_transport(self) -> None:
         # The watchdog must hold the last reference to an old process group, so that its

@@ -86,15 +86,16 @@ def with_direct_reads(transport: Transport, store: Any, hosts: Sequence[str], *,
     current CUDA device), everything else goes through ``transport``. ``store`` is the
     epoch's store (IPC handles are shared there). The result owns ``transport``: closing
     or aborting it releases every mapping, then closes or aborts ``transport``. Without a
-    peer on this host, ``transport`` itself."""
+    peer on this host, ``transport`` itself, unless that moves other tensors than
+    ``device``'s (a gloo base: the result stages GPU buffers through host memory)."""
     from elastic_refit.transport.ipc import IpcTransport, same_host_peers
 
     if len(hosts) != transport.world_size:
         raise ValueError(f"hosts names {len(hosts)} ranks, the world has {transport.world_size}")
     peers = same_host_peers(hosts, transport.rank)
-    if not peers:
-        return transport
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if not peers and transport.device.type == dev.type:
+        return transport
     return IpcTransport(transport, store, peers, dev)
 
 

@@ -57,8 +57,11 @@ class _Base:
 
 
 def test_with_direct_reads_routes_by_host():
+    gpu = _Base(0, 4, device="cuda:0")
+    assert with_direct_reads(gpu, None, ("a", "b", "c", "d"), device="cuda:0") is gpu  # nobody to read from
     base = _Base(0, 4)
-    assert with_direct_reads(base, None, ("a", "b", "c", "d"), device="cuda:0") is base  # nobody to read from
+    alone = with_direct_reads(base, None, ("a", "b", "c", "d"), device="cuda:0")  # GPU buffers over gloo
+    assert isinstance(alone, IpcTransport) and alone.direct_peers == frozenset() and alone.device.type == "cuda"
     routed = with_direct_reads(base, None, ("a", "a", "b", "a"), device="cuda:0")
     assert isinstance(routed, IpcTransport) and routed.direct_peers == {1, 3}
     assert routed.device == torch.device("cuda:0") and routed.capabilities.backend is Backend.GLOO
