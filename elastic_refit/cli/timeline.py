@@ -214,40 +214,52 @@ def _attempts(events: Sequence[dict[str, Any]], rows: _Rows, us) -> list[dict[st
 
 
 def _epochs(events: Sequence[dict[str, Any]], us) -> list[dict[str, Any]]:
-    """Each epoch from the first time any member saw it to the next one."""
-    first: dict[int, dict[str, Any]] = {}
+    """Each epoch of each job from the first time any member saw it to the next one."""
+    first: dict[tuple[str, int], dict[str, Any]] = {}
     for e in events:
         if e["event"] == "membership.epoch.changed" and isinstance(e.get("epoch"), int):
-            first.setdefault(e["epoch"], e)
+            first.setdefault((str(e.get("job") or ""), e["epoch"]), e)
+    jobs = sorted({job for job, _ in first})
     end_of_run = events[-1]["_t"] if events else 0.0
-    out, ordered = [], sorted(first.items())
-    for i, (epoch, e) in enumerate(ordered):
-        end = ordered[i + 1][1]["_t"] if i + 1 < len(ordered) else end_of_run
-        out.append({"ph": "X", "name": f"epoch {epoch}", "cat": "epoch", "pid": _JOB_PID,
-                    "tid": _JOB_THREADS["epochs"], "ts": us(e["_t"]), "dur": round(max(0.0, end - e["_t"]) * 1e6, 1),
-                    "args": {k: e.get(k) for k in ("num_members", "added", "removed")}})
+    out = []
+    for job in jobs:
+        ordered = sorted((epoch, e) for (j, epoch), e in first.items() if j == job)
+        for i, (epoch, e) in enumerate(ordered):
+            end = ordered[i + 1][1]["_t"] if i + 1 < len(ordered) else _job_end(events, job, end_of_run)
+            out.append({"ph": "X", "name": f"{job} epoch {epoch}" if len(jobs) > 1 else f"epoch {epoch}",
+                        "cat": "epoch", "pid": _JOB_PID, "tid": _JOB_THREADS["epochs"], "ts": us(e["_t"]),
+                        "dur": round(max(0.0, end - e["_t"]) * 1e6, 1),
+                        "args": {"job": job, **{k: e.get(k) for k in ("num_members", "added", "removed")}}})
     return out
 
 
+def _job_end(events: Sequence[dict[str, Any]], job: str, default: float) -> float:
+    mine = [e["_t"] for e in events if str(e.get("job") or "") == job]
+    return max(mine) if mine else default
+
+
 def _versions(events: Sequence[dict[str, Any]], us) -> list[dict[str, Any]]:
-    """Each version from its first publish to its commit (or failure): async slices."""
-    published: dict[int, float] = {}
-    over: dict[int, tuple[float, str]] = {}
+    """Each version of each job from its first publish to its commit (or failure): async slices."""
+    published: dict[tuple[str, int], float] = {}
+    over: dict[tuple[str, int], tuple[float, str]] = {}
     for e in events:
-        v = e.get("version")
+        v, job = e.get("version"), str(e.get("job") or "")
         if not isinstance(v, int):
             continue
         if e["event"] == "refit.version.published":
-            published.setdefault(v, e["_t"])
-        elif e["event"] in ("refit.version.committed", "refit.version.failed") and v not in over:
-            over[v] = (e["_t"], "committed" if e["event"].endswith("committed") else "failed")
+            published.setdefault((job, v), e["_t"])
+        elif e["event"] in ("refit.version.committed", "refit.version.failed") and (job, v) not in over:
+            over[(job, v)] = (e["_t"], "committed" if e["event"].endswith("committed") else "failed")
+    several = len({job for job, _ in published}) > 1
     out = []
-    for v, begin in sorted(published.items()):
-        end, outcome = over.get(v, (None, "pending"))
+    for (job, v), begin in sorted(published.items()):
+        end, outcome = over.get((job, v), (None, "pending"))
         if end is None:
             continue
-        common = {"name": f"v{v} {outcome}", "cat": "version", "id": v, "pid": _JOB_PID, "tid": _JOB_THREADS["versions"]}
-        out.append({**common, "ph": "b", "ts": us(begin), "args": {"version": v, "outcome": outcome,
+        name = f"{job} v{v} {outcome}" if several else f"v{v} {outcome}"
+        common = {"name": name, "cat": "version", "id": f"{job}:{v}" if several else v, "pid": _JOB_PID,
+                  "tid": _JOB_THREADS["versions"]}
+        out.append({**common, "ph": "b", "ts": us(begin), "args": {"job": job, "version": v, "outcome": outcome,
                                                                    "seconds": end - begin}})
         out.append({**common, "ph": "e", "ts": us(end)})
     return out

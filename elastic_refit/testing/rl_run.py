@@ -1,0 +1,243 @@
+"""One RL loop around the refit, as real processes: the parent's side (start, kill and
+restart, collect, summarise). The members are in ``testing.rl_step``.
+
+:func:`run_rl` starts the trainer and engine processes, SIGKILLs the last engine during the
+asynchronous mode's refit of step ``kill_at - 1`` and restarts it as a new incarnation,
+then returns :func:`summarize`'s figures per mode: the step breakdown (train, refit,
+generate, generation paused, step time), the pool's tokens per second during refits
+against idle, every served version checked against the trainers', and the kill's recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elastic_refit.testing.rl_step import RLStepConfig, member_main
+
+__all__ = ["run_rl", "summarize"]
+
+
+def _env(config: RLStepConfig, slot: int) -> dict[str, str]:
+    env = dict(config.env)
+    if config.device == "cuda":
+        from elastic_refit.testing.processes import nccl_rank_env
+
+        env = {**nccl_rank_env(slot), **env}
+    return env
+
+
+class _Records:
+    """The members' record files, read as they grow (a line cut by a kill is skipped)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = Path(run_dir)
+        self._offsets: dict[Path, int] = {}
+        self.all: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        new = []
+        for path in sorted(self.run_dir.glob("*.jsonl")):
+            at = self._offsets.get(path, 0)
+            with open(path, "rb") as fh:
+                fh.seek(at)
+                data = fh.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = at + end
+            for line in data[:end].splitlines():
+                try:
+                    new.append(json.loads(line))
+                except ValueError:
+                    continue
+        self.all += new
+        return new
+
+
+def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
+           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the loop end to end; returns the summary (``summarize``) with ``errors``."""
+    say = progress or (lambda _m: None)
+    os.makedirs(config.log_dir, exist_ok=True)
+    os.makedirs(config.run_dir, exist_ok=True)
+    ctx = mp.get_context("spawn")  # gRPC channels and CUDA do not survive fork()
+    procs: dict[str, Any] = {}
+
+    def start(role: str, rank: int, slot: int, restarted: bool = False) -> None:
+        p = ctx.Process(target=member_main, args=(config, role, rank, _env(config, slot), restarted), daemon=True)
+        p.start()
+        procs[f"{role[0]}{rank}{'-R' if restarted else ''}"] = p
+
+    records, errors, trained = _Records(config.run_dir), [], {mode: set() for mode in config.modes}
+    kill: dict[str, Any] = {}
+    t0 = time.time()
+    try:
+        for r in range(config.num_trainers):
+            start("trainer", r, r)
+        for r in range(config.num_inference):
+            start("inference", r, config.num_trainers + r)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rec in records.poll():
+                _narrate(rec, t0, say)
+                if rec["kind"] == "error":
+                    errors.append(f"{rec['member']}: {rec['error']}\n{rec.get('traceback', '')}")
+                elif rec["kind"] == "trained":
+                    trained[rec["mode"]].add(rec["member"])
+                elif rec["kind"] == "served" and "-R-" in rec["incarnation"]:
+                    kill["served"] = True
+                elif (rec["kind"] == "step" and rec["mode"] == "async-staged" and rec["member"] == "t0"
+                      and config.kill_at is not None and rec["step"] == config.kill_at - 1 and not kill):
+                    victim = procs[f"i{config.num_inference - 1}"]
+                    os.kill(victim.pid, signal.SIGKILL)
+                    kill = {"member": f"i{config.num_inference - 1}", "t": time.time(), "pid": victim.pid,
+                            "after_step": rec["step"]}
+                    say(f"[{time.time() - t0:6.1f}s] FAULT: SIGKILL engine {kill['member']} (pid {victim.pid}) "
+                        f"while version {rec['step']} is being refit; restarting it")
+                    _record_fault(config, kill, rec["step"])
+                    start("inference", config.num_inference - 1, config.world_size, restarted=True)
+                    kill["restarted_at"] = time.time()
+            for mode, members in trained.items():
+                # A mode is over once every trainer is done, and a restarted engine caught up.
+                if len(members) == config.num_trainers and (mode != "async-staged" or not kill or "served" in kill):
+                    Path(config.run_dir, f"over-{mode}").touch()
+            if errors or all(p.exitcode is not None for k, p in procs.items() if k != kill.get("member")):
+                break
+            time.sleep(0.05)
+        else:
+            errors.append(f"timed out after {timeout_s} s")
+        records.poll()
+    finally:
+        for p in procs.values():
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+    failed = [f"{k}: exit status {p.exitcode}" for k, p in procs.items()
+              if p.exitcode not in (0, None) and k != kill.get("member")]
+    if failed and not errors:
+        errors.append("process(es) failed: " + ", ".join(failed))
+    summary = summarize(config, records.all, kill)
+    summary.update(errors=errors, wall_s=time.time() - t0)
+    return summary
+
+
+def _record_fault(config: RLStepConfig, kill: dict[str, Any], version: int) -> None:
+    """The kill as chaos records faults (``faults.jsonl`` beside the logs): the timeline shows it."""
+    line = json.dumps({"index": 0, "kind": "kill", "member_id": kill["member"], "role": "inference", "life": 0,
+                       "phase": "async refit", "version": version, "pid": kill["pid"], "t": kill["t"]}) + "\n"
+    with open(os.path.join(config.log_dir, "faults.jsonl"), "a") as fh:
+        fh.write(line)
+
+
+def _narrate(rec: dict[str, Any], t0: float, say: Callable[[str], None]) -> None:
+    at = f"[{rec['t'] - t0:6.1f}s]"
+    if rec["kind"] == "step" and rec["member"] == "t0":
+        say(f"{at} {rec['mode']}: step {rec['step']} trained in {rec['train_s']:.3f} s (samples of "
+            f"versions {rec['sample_versions']}), refit call {rec['refit_s']:.3f} s, reward {rec['reward']:.3f}")
+    elif rec["kind"] == "mode.started" and rec["member"] == "t0":
+        say(f"{at} mode {rec['mode']}")
+    elif rec["kind"] == "error":
+        say(f"{at} ERROR {rec['member']}: {rec['error']}")
+
+
+# ---- the figures -----------------------------------------------------------------------------
+
+def summarize(config: RLStepConfig, records: list[dict[str, Any]], kill: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: the step table, tokens/s during refits against idle, verification; and the kill."""
+    out: dict[str, Any] = {"modes": {}, "kill": None}
+    for mode in config.modes:
+        mine = [r for r in records if r.get("mode") == mode]
+        out["modes"][mode] = {"steps": _steps(config, mode, mine), "throughput": _throughput(mode, mine),
+                              "verified": _verified(mine)}
+    if kill:
+        out["kill"] = _recovery(config, records, kill)
+    return out
+
+
+def _steps(config: RLStepConfig, mode: str, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    trainer = {r["step"]: r for r in recs if r["kind"] == "step" and r["member"] == "t0"}
+    generated = [r for r in recs if r["kind"] == "generated"]
+    paused = [r for r in recs if r["kind"] == "refit.event" and r["event"] == "refit.serving.paused"]
+    rows = []
+    for step in range(1, config.steps + 1):
+        rec = trainer.get(step)
+        if rec is None:
+            continue
+        nxt = trainer.get(step + 1)
+        gens = [g for g in generated if g["version"] == step - (0 if mode == "async-staged" else 1)]
+        if mode == "async-staged":
+            held = [p["seconds"] for p in paused if p["version"] == step]
+            pause = max(held) if held else None
+        else:  # nobody generates from the end of training until the new version is served
+            resumed = [g["start"] for g in generated if g["version"] == step]
+            received = [r["end"] for r in recs if r["kind"] == "received" and r["version"] == step]
+            pause = (max(resumed or received) - rec["train_end"]) if (resumed or received) else None
+        rows.append({"step": step, "train_s": rec["train_s"], "refit_s": rec["refit_s"],
+                     "generate_s": statistics.mean(g["end"] - g["start"] for g in gens) if gens else None,
+                     "paused_s": pause, "wait_samples_s": rec["wait_samples_s"],
+                     "step_s": (nxt["train_start"] - rec["train_start"]) if nxt else None,
+                     "reward": rec["reward"]})
+    return rows
+
+
+def _windows(mode: str, recs: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """When weights were moving: trainer 0's refit calls (synchronous modes: nobody
+    generates meanwhile), or each engine's transfers (asynchronous)."""
+    if mode != "async-staged":
+        return [(r["refit_start"], r["refit_end"]) for r in recs if r["kind"] == "step" and r["member"] == "t0"]
+    return [(r["at"] - r["seconds"], r["at"]) for r in recs
+            if r["kind"] == "refit.event" and r["event"] == "refit.transfer.done"]
+
+
+def _throughput(mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engines' pool: tokens per second while weights move into any engine, and otherwise."""
+    steps = sorted((t, g["num_sequences"]) for g in recs if g["kind"] == "generated" for t in g["step_times"])
+    if len(steps) < 2:
+        return {}
+    union: list[list[float]] = []
+    for a, b in sorted(_windows(mode, recs)):
+        if union and a <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], b)
+        else:
+            union.append([a, b])
+    begin, end = steps[0][0], steps[-1][0]
+    inside = sum(max(0.0, min(b, end) - max(a, begin)) for a, b in union)
+    tokens_in = sum(n for t, n in steps if any(a <= t <= b for a, b in union))
+    tokens_all = sum(n for _, n in steps)
+    idle_s = (end - begin) - inside
+    rate_in = tokens_in / inside if inside > 0 else None
+    rate_idle = (tokens_all - tokens_in) / idle_s if idle_s > 0 else None
+    return {"refit_s": inside, "idle_s": idle_s, "tokens_per_s_refit": rate_in, "tokens_per_s_idle": rate_idle,
+            "ratio": rate_in / rate_idle if rate_in is not None and rate_idle else None}
+
+
+def _verified(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    published = {r["version"]: r["checksum"] for r in recs if r["kind"] == "published"}
+    served = [r for r in recs if r["kind"] == "served"]
+    bad = [f"{r['incarnation']} v{r['version']}" for r in served if published.get(r["version"]) != r["checksum"]]
+    return {"num_served": len(served), "num_versions_published": len(published), "mismatches": bad,
+            "ok": bool(served) and not bad}
+
+
+def _recovery(config: RLStepConfig, records: list[dict[str, Any]], kill: dict[str, Any]) -> dict[str, Any]:
+    """Kill -> the next commit (from the members' logs), and restart -> serving."""
+    from elastic_refit.testing.logs import read_logs
+
+    events = [e for per in read_logs(config.log_dir).values() for e in per if e.get("_t") is not None]
+    job = f"{config.job}-async-staged"
+    commits = sorted((e["_t"], e.get("version")) for e in events
+                     if e.get("event") == "refit.version.committed" and e.get("job") == job and e["_t"] >= kill["t"])
+    restarted = [r for r in records if r.get("incarnation", "").startswith(f"{kill['member']}-R")]
+    served = sorted(r["t"] for r in restarted if r["kind"] == "served")
+    joined = sorted(r["t"] for r in restarted if r["kind"] == "joined")
+    return {**kill, "next_commit_s": commits[0][0] - kill["t"] if commits else None,
+            "next_commit_version": commits[0][1] if commits else None,
+            "restart_to_joined_s": joined[0] - kill["restarted_at"] if joined else None,
+            "restart_to_serving_s": served[0] - kill["restarted_at"] if served else None,
+            "restarted_served_versions": sorted({r["version"] for r in restarted if r["kind"] == "served"})}
