@@ -420,12 +420,14 @@ class ElasticRefit:
 
         Raises :class:`RefitFailed` if ``version`` failed (and no newer version is served
         yet; for ``None``: the job committed nothing and its newest version failed),
-        :class:`RefitTimeout` after ``timeout_s`` (default ``version_timeout_s``)."""
-        slot = self._inference("wait_for_version")
+        :class:`RefitTimeout` after ``timeout_s`` (default ``version_timeout_s``). A trainer
+        serves nothing: there it only raises what ends this member (its agent's error, e.g.
+        ``MembershipLost``) or a failed version, at once, else times out."""
+        slot = self._serving
         want = -1 if version is None else version
 
         def serving() -> int | None:
-            served = slot.served(want)
+            served = slot.served(want) if slot is not None else None
             if served is None:  # a failed version, or (any version) a job whose versions all failed
                 self._outcomes.raise_if_failed(version)
             return served

@@ -144,3 +144,12 @@ def test_the_layout_and_the_layout_rank_are_checked_when_the_refit_is_built(name
     with pytest.raises(ValueError) as info:
         ElasticRefit(config, layout, parameters={})
     assert str(info.value) == message
+
+
+def test_a_trainer_waiting_for_a_version_serves_nothing_and_times_out(trainer):
+    """``wait_for_version`` on a trainer only raises what ends the member (the chaos worker
+    holds trainers in it): a plain timeout while the member is healthy, never a ValueError."""
+    refit, _job, _etcd = trainer
+    with pytest.raises(RefitTimeout):
+        refit.wait_for_version(10**9, timeout_s=0.05)
+    assert refit.serving_version is None
