@@ -54,8 +54,11 @@ PHASES = ("attempt.start", "plan.agreed", "comm.reconfiguring", "comm.ready", "t
 # (longer than the TTL: the rank is dropped and fenced; shorter: keepalive starvation it
 # survives); stall: the agent thread blocks for duration_s (keepalives continue); slow:
 # every transfer message is delayed by duration_s; etcd_restart: etcd is SIGKILLed for
-# duration_s and restarted while the victim sits in the phase.
-FAULT_KINDS = ("kill", "restart", "terminate", "stop", "stall", "slow", "etcd_restart")
+# duration_s and restarted while the victim sits in the phase; etcd_stall: every etcd node
+# is SIGSTOPped for duration_s (longer than the TTL: every lease expires, and each member
+# comes back as a new incarnation in its own process).
+FAULT_KINDS = ("kill", "restart", "terminate", "stop", "stall", "slow", "etcd_restart", "etcd_stall")
+ETCD_FAULTS = ("etcd_restart", "etcd_stall")  # the parent does them to etcd while the victim waits in the phase
 _RUNTIME_PHASE = {"transfer": "transfer.before", "commit": "commit.before", "rejoin": "comm.reconfiguring"}
 
 
@@ -97,7 +100,7 @@ class Fault:
             raise ValueError(f"chunk >= 0, nth >= 1 and life >= 0 required, got {self.chunk}, {self.nth}, {self.life}")
         if self.duration_s < 0 or self.restart_delay_s < 0:
             raise ValueError(f"durations must be >= 0, got {self.duration_s}, {self.restart_delay_s}")
-        if self.kind in ("stop", "stall", "slow", "etcd_restart") and self.duration_s <= 0:
+        if self.kind in ("stop", "stall", "slow", *ETCD_FAULTS) and self.duration_s <= 0:
             raise ValueError(f"a {self.kind} fault needs duration_s > 0, got {self.duration_s}")
         if self.kind == "restart" and not self.restart:
             object.__setattr__(self, "restart", True)
@@ -181,6 +184,11 @@ class FaultPlan:
         """SIGKILL etcd while a member (``rank``: ``t``/``i`` index, None: any) is at ``at``;
         restart it after ``duration_s``."""
         return self.add(Fault("etcd_restart", role, at, rank, version, duration_s=duration_s, **kw))
+
+    def etcd_stall(self, *, at: str, duration_s: float, role: str = "etcd", rank: int | None = None,
+                   version: int | None = None, **kw) -> FaultPlan:
+        """SIGSTOP every etcd node while a member is at ``at``; SIGCONT after ``duration_s``."""
+        return self.add(Fault("etcd_stall", role, at, rank, version, duration_s=duration_s, **kw))
 
     def __len__(self) -> int:
         return len(self.faults)
@@ -283,6 +291,11 @@ def _templates(rng: random.Random, versions: int, etcd_nodes: int = 1) -> list[t
                     FaultPlan().etcd_restart(at=at, version=v(), duration_s=0.3)))
     out.append(("etcd", "etcd_restart~ttl", "transfer",
                 FaultPlan().etcd_restart(at="transfer", version=v(), duration_s=1.0)))
+    # etcd stalls past the TTL (a GC pause, a VM hiccup): every lease expires; every member
+    # rejoins as a new incarnation, no process restarts, and the job goes on.
+    for ttls, at in ((2, "transfer"), (5, "plan.agreed")):
+        out.append(("etcd", f"etcd_stall{ttls}x>ttl", at,
+                    FaultPlan().etcd_stall(at=at, version=v(), duration_s=ttls * TTL_S)))
     if etcd_nodes > 1:
         # The raft leader is killed mid-transfer and stays down while the job refits through
         # the quorum left (the runner restarts it once the trial's versions are in).
@@ -307,6 +320,7 @@ QUICK_CELLS = (
     ("inference", "restart+kill", "rejoin"),
     ("etcd", "etcd_restart<ttl", "transfer"),
     ("etcd", "etcd_restart~ttl", "transfer"),
+    ("etcd", "etcd_stall2x>ttl", "transfer"),
 )
 # Cells kept out of the quick matrix for a known runtime bug (they stay in the full one),
 # with the reason. Empty: every cell the full matrix found failing was fixed in the runtime.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_refit.chaos.faults import Fault, runtime_phase
+from elastic_refit.chaos.faults import ETCD_FAULTS, Fault, runtime_phase
 
 from elastic_refit.testing.faults import FaultyTransport
 
@@ -128,7 +128,7 @@ class FaultHook:
             os.kill(pid, signal.SIGSTOP)
         elif fault.kind == "stall":
             time.sleep(fault.duration_s)
-        elif fault.kind == "etcd_restart":
+        elif fault.kind in ETCD_FAULTS:
             # Stay in the phase until the parent has taken etcd down (or give up after 3 s).
             ack = Path(self.trial_dir) / f"ack-{index}"
             deadline = time.monotonic() + 3.0

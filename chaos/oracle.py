@@ -109,18 +109,21 @@ def _events(evidence: TrialEvidence, name: str):
 
 # ---- checks ------------------------------------------------------------------------------
 def check_epochs(evidence: TrialEvidence) -> list[Violation]:
-    """Every incarnation enters strictly increasing epochs (refit and membership views)."""
+    """Every incarnation enters strictly increasing epochs (refit and membership views). A
+    process's log holds one incarnation, or several when its member rejoined after a lost
+    lease (each event names its own): each is checked on its own."""
     out = []
     for incarnation, events in evidence.logs.items():
         for name in ("refit.epoch.entered", "membership.epoch.changed"):
-            last = None
+            last: dict[object, int] = {}
             for e in events:
                 if e.get("event") != name or not isinstance(e.get("epoch"), int):
                     continue
-                if last is not None and e["epoch"] <= last:
+                life = e.get("incarnation")
+                if life in last and e["epoch"] <= last[life]:
                     out.append(Violation("unsafe", "epochs_increase",
-                                         f"{incarnation}: {name} epoch {e['epoch']} after epoch {last}"))
-                last = e["epoch"]
+                                         f"{incarnation}: {name} epoch {e['epoch']} after epoch {last[life]}"))
+                last[life] = e["epoch"]
     return out
 
 

@@ -135,6 +135,24 @@ class RunEtcd:
         t.start()
         return t
 
+    def stall(self, down_s: float, then: Callable[[], None]) -> threading.Thread:
+        """SIGSTOP every node, call ``then``, SIGCONT them after ``down_s``."""
+
+        def run() -> None:
+            pids = list(self.cluster.pids)
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                then()
+                time.sleep(down_s)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+
+        t = threading.Thread(target=run, name="etcd-stall", daemon=True)
+        t.start()
+        return t
+
     @property
     def pids(self) -> set[int]:
         return set(self.cluster.pids)

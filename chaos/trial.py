@@ -20,7 +20,7 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
-from elastic_refit.chaos.faults import TTL_S, Scenario
+from elastic_refit.chaos.faults import ETCD_FAULTS, TTL_S, Scenario
 from elastic_refit.chaos.inject import FaultHook, read_fault_records
 from elastic_refit.chaos.observe import CommitRecorder, Narrator
 from elastic_refit.chaos.oracle import CATEGORIES, TrialEvidence, TrialVerdict
@@ -205,13 +205,14 @@ class Trial:
                 self.narrator.fault(fault, record)
             incarnation = next((inc for inc, (_, m, life) in self.running.items()
                                 if m == record["member_id"] and life == record["life"]), None)
-            if fault.kind != "etcd_restart" and fault.kind != "slow" and incarnation:
+            if fault.kind not in (*ETCD_FAULTS, "slow") and incarnation:
                 self.victims.add(incarnation)
             if fault.kind == "stop":
                 self.pool.killer.cont_later(record["pid"], max(0.0, record["t"] + fault.duration_s - time.time()))
-            elif fault.kind == "etcd_restart":
+            elif fault.kind in ETCD_FAULTS:
                 ack = self.trial_dir / f"ack-{record['index']}"
-                self.etcd_threads.append(self.etcd.bounce(fault.duration_s, lambda ack=ack: ack.touch()))
+                act = self.etcd.bounce if fault.kind == "etcd_restart" else self.etcd.stall
+                self.etcd_threads.append(act(fault.duration_s, lambda ack=ack: ack.touch()))
             if fault.restart:
                 next_life = record["life"] + 1
                 if fault.kind == "stop" and incarnation and incarnation not in self.reports \
@@ -223,6 +224,10 @@ class Trial:
     def _ended(self) -> bool:
         """Tells every member to stop once each live one holds the last version; true once
         none is left, no restart is due and no etcd node is down."""
+        # A stopped member that reached the last version came back on its own (its lease was
+        # lost, it rejoined as a new incarnation in its process): no restart is due for it.
+        for inc in [inc for inc in self.restart_after_exit if inc in self.reached]:
+            del self.restart_after_exit[inc]
         open_members = [inc for inc in self.latest.values() if inc not in self.reports and inc not in self.died]
         no_restart_due = not self.pending_restarts and not self.restart_after_exit
         if open_members and all(inc in self.reached for inc in open_members) and no_restart_due \

@@ -11,7 +11,9 @@ process keeps its lease TTL as its bound: the lease expires and the leader publi
 new epoch.
 A member that finds its lease gone (or its key taken by a newer incarnation) is *lost*:
 ``lost`` is set, ``on_lost`` callbacks run, and every fenced write raises
-:class:`~membership.errors.MembershipLost`. It never silently re-joins.
+:class:`~membership.errors.MembershipLost`. It never silently re-joins: a new
+``Membership`` under a new incarnation may (the runtime does, unless ``replaced``: another
+process holds the member's key).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Membership:
         self.lease_id = 0
         self.lost = threading.Event()
         self.lost_reason = ""
+        self.replaced = False  # lost because another lease took the member key over (see _taken_over)
         self.closing = False
         self.is_leader = False
         self.fenced_writes = 0
@@ -562,6 +565,7 @@ class Membership:
         if not self.closing and mine is None:
             self._mark_lost("member key deleted (lease expired or revoked, or fenced as a confirmed suspect)")
         elif not self.closing and mine.lease != self.lease_id:
+            self.replaced = True  # another incarnation is this member now: it must not come back
             self._mark_lost(self._taken_over(mine))
         epoch_kv = snap.items.get(self.keys.epoch)
         if epoch_kv is not None and epoch_kv.mod_revision != self._epoch_mod_revision:

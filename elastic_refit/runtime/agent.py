@@ -50,6 +50,7 @@ __all__ = [
     "Observe",
     "Observed",
     "Outcome",
+    "Rejoin",
     "RunAttempt",
     "decide",
     "lists",
@@ -158,9 +159,12 @@ class Faulted:
 
 @dataclass(frozen=True, slots=True)
 class Lost:
-    """This member's lease is gone: it is out of the job for good."""
+    """This member's lease is gone; ``rejoin``: it may come back as a new incarnation (its
+    lease expired or it was fenced as a suspect; not when another process took its key, nor
+    while it closes)."""
 
     reason: str
+    rejoin: bool = False
 
 
 Outcome = Entered | CommunicatorFailed | Connected | Observed | AttemptRan | Faulted | Lost
@@ -328,6 +332,15 @@ class Backoff:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejoin:
+    """Register again as a new incarnation (nothing of the lost one can write: its lease is
+    gone), then start over in no epoch."""
+
+    reason: str
+    why: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     """Stop the agent: callers of ``publish`` / ``wait_for_version`` get the error."""
 
@@ -335,7 +348,7 @@ class Fail:
     why: str = field(default="", compare=False)
 
 
-Action = AwaitMembership | AwaitEpoch | EnterEpoch | ConnectAhead | Observe | RunAttempt | Idle | Backoff | Fail
+Action = AwaitMembership | AwaitEpoch | EnterEpoch | ConnectAhead | Observe | RunAttempt | Idle | Backoff | Rejoin | Fail
 
 
 def lists(view: MembershipView | None, settings: AgentSettings) -> bool:
@@ -349,8 +362,8 @@ def lists(view: MembershipView | None, settings: AgentSettings) -> bool:
 def decide(state: AgentState, inputs: AgentInputs, now: float) -> tuple[Action, AgentState]:
     """The agent's next action and its state after deciding it (pure).
 
-    First the outcome of the last action is taken in: the membership lost fails the
-    agent; a fault backs off until the epoch changes (skipping the attempt it was at); a
+    First the outcome of the last action is taken in: the membership lost rejoins as a new
+    incarnation from no epoch (or, when it may not, fails the agent); a fault backs off until the epoch changes (skipping the attempt it was at); a
     communicator that could not form, or a transport that broke and cannot shrink, marks
     its epoch broken and asks for a reform at once; a transport that broke but can shrink
     marks the epoch broken and leaves the reform for later (a dead peer's lease expires
@@ -363,6 +376,8 @@ def decide(state: AgentState, inputs: AgentInputs, now: float) -> tuple[Action, 
     s = inputs.settings
     outcome = inputs.outcome
     if isinstance(outcome, Lost):
+        if outcome.rejoin:
+            return Rejoin(outcome.reason, why="lease lost: back as a new incarnation"), AgentState()
         return Fail(outcome.reason, why="membership lost"), state
     if isinstance(outcome, Faulted):
         after = state.view.epoch if state.view is not None else 0

@@ -41,6 +41,7 @@ from elastic_refit.runtime.agent import (
     Observe,
     Observed,
     Outcome,
+    Rejoin,
     RunAttempt,
     decide,
 )
@@ -64,8 +65,10 @@ class Driver:
     """The agent thread: ``decide`` -> execute, until the member closes or is lost."""
 
     def __init__(self, services: Services, planner: AttemptPlanner, outcomes: Outcomes, participant: Participant,
-                 side: Callable[[], Side], *, published: PublishedVersions | None, serving: ServingSlot | None) -> None:
+                 side: Callable[[], Side], *, published: PublishedVersions | None, serving: ServingSlot | None,
+                 rejoin: Callable[[str], Services] | None = None) -> None:
         self.services = services
+        self._rejoin = rejoin  # reason -> the services of a new incarnation (see runtime.rejoin)
         self.planner = planner
         self.outcomes = outcomes
         self.participant = participant
@@ -107,6 +110,10 @@ class Driver:
         lost: MembershipLost | None = None
         changed = s.changes.token()
         while not s.stop.is_set() or isinstance(outcome, Lost):  # a lost membership fails waiters even when closing
+            if s.membership.lost.is_set() and not isinstance(outcome, Lost):
+                # Found by the keeper or the watch: act now, not at the next fenced write.
+                outcome = Lost(f"{s.config.member_id} (incarnation {s.config.incarnation}) lost: "
+                               f"{s.membership.lost_reason}", rejoin=self._may_rejoin())
             if not isinstance(outcome, Observed):
                 # Before any read: a change after it wakes an idle wait. After an Observe the
                 # token taken before its reads stays (an older token can only wake sooner).
@@ -116,13 +123,39 @@ class Driver:
                 s.log.error("fault.detected", kind="membership_lost", error=action.reason)
                 self.outcomes.latch(lost if lost is not None else MembershipLost(action.reason))
                 return
+            if isinstance(action, Rejoin):
+                outcome = self._come_back(action)
+                s, settings = self.services, AgentSettings.of(self.services.config)
+                continue
             try:
                 outcome = self._execute(action, state, changed)
             except MembershipLost as exc:
-                lost, outcome = exc, Lost(str(exc))
+                lost, outcome = exc, Lost(str(exc), rejoin=self._may_rejoin())
             except Exception as exc:  # a fault outside an attempt: back off until something changes
                 self._fault_detected(exc, state.epoch, state.seq)
                 outcome = Faulted(fault_cause(exc))
+
+    def _may_rejoin(self) -> bool:
+        """A lost member comes back as a new incarnation unless it closes, another process
+        holds its key (two members with one id, or its restart elsewhere), or the context
+        gave no way to (``rejoin``)."""
+        s = self.services
+        return self._rejoin is not None and not s.membership.replaced and not s.stop.is_set()
+
+    def _come_back(self, action: Rejoin) -> Lost | None:
+        """Register as a new incarnation (``rejoin``, retried while etcd is unreachable) and
+        take its services; the old epoch's transport goes first. A ``Lost`` that may not
+        rejoin when that fails for good (closing)."""
+        self._release_transport()
+        self.services.log.warning("refit.member.detached", reason=action.reason)
+        try:
+            services = self._rejoin(action.reason)
+        except MembershipLost as exc:
+            return Lost(str(exc))
+        self.services = services
+        self.coordinator = Coordinator(services, self.planner)
+        self.participant.services = services
+        return None
 
     def _execute(self, action: Action, state: AgentState, changed: int) -> Outcome | None:
         """Carry out one action in ``state`` (the state ``decide`` left); returns what came

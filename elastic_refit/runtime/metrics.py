@@ -33,6 +33,9 @@ class RefitMetrics:
         self.epoch = prom.Gauge("refit_epoch", "Membership epoch this process works in", **kw)
         self.serving_version = prom.Gauge("refit_serving_version", "Committed version an inference rank serves",
                                           **kw)
+        self.detached = prom.Gauge("refit_detached", "1 while this member is out of the job (its lease was lost) "
+                                   "and registers again as a new incarnation", **kw)
+        self.rejoins = prom.Counter("refit_rejoins", "Times this process came back as a new incarnation", **kw)
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
         role = str(fields.get("role", ""))
@@ -56,6 +59,11 @@ class RefitMetrics:
             self.epoch.set(int(fields["epoch"]))
         elif event == "refit.version.serving":
             self.serving_version.set(int(fields["version"]))
+        elif event == "refit.member.detached":
+            self.detached.set(1)
+        elif event == "refit.member.rejoined":
+            self.detached.set(0)
+            self.rejoins.inc()
 
     def serve(self, address: str = "127.0.0.1:9464") -> tuple[str, int]:
         """Serve the metrics over HTTP on ``address`` (``host:port``; port 0 picks a free one),

@@ -27,17 +27,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from elastic_refit._validate import check_timeout, is_integer
-from elastic_refit.errors import RefitError, RefitTimeout
+from elastic_refit.errors import MembershipLost, RefitError, RefitTimeout
 from elastic_refit.kernels import warm_up
 from elastic_refit.layout import Layout, TensorFormats
 from elastic_refit.log import get_logger
 from elastic_refit.membership import (
-    CommunicatorManager,
     EtcdClient,
     MemberRecord,
     Membership,
@@ -57,6 +56,7 @@ from elastic_refit.runtime.participant import Participant
 from elastic_refit.runtime.phases import NO_HOOKS, PhaseHooks
 from elastic_refit.runtime.planning import AttemptPlanner
 from elastic_refit.runtime.published import Published, PublishedVersions
+from elastic_refit.runtime.rejoin import communicator_manager, rejoin
 from elastic_refit.runtime.replicas import region_digests
 from elastic_refit.runtime.services import Services
 from elastic_refit.runtime.serving import ServingSlot
@@ -126,6 +126,7 @@ class ElasticRefit:
                                                 base_bytes=config.transfer.delta_base_bytes)
         self._stop = threading.Event()
         self._running: _Running | None = None  # the parts, once started
+        self._detached: str | None = None  # see detached
         self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
         self.stats: dict[str, int] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0,
                                       "connected_ahead": 0}
@@ -152,7 +153,7 @@ class ElasticRefit:
         participant = Participant(services, planner, self._outcomes, lambda: self._side,
                                   published=self._published, serving=self._serving)
         driver = Driver(services, planner, self._outcomes, participant, lambda: self._side,
-                        published=self._published, serving=self._serving)
+                        published=self._published, serving=self._serving, rejoin=self._come_back)
         self._running = _Running(services, planner, participant, driver)
         driver.start()
         self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.versions.mode,
@@ -193,15 +194,30 @@ class ElasticRefit:
         self._closers.append(tracker.stop)
         changes.watch("layouts", versions.keys.layouts_prefix)  # a peer's layout unblocks a plan
         membership.on_view(lambda _old, _new: changes.bump())
-        manager = CommunicatorManager(
-            client, c.job, c.member_id, backend=c.backend, config=membership.config,
-            superseded=lambda epoch: _superseded(membership, epoch), latest_view=lambda: membership.view,
-            transport_timeout_s=c.transport_timeout_s, device=c.device, bind_interface=c.transfer.bind_interface)
+        membership.on_lost(lambda _reason: changes.bump())  # the agent rejoins at once
+        manager = communicator_manager(client, c, membership)
         self._closers.append(manager.close)
         if c.transfer.bind_interface is not None and c.backend != "gloo":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.transfer.bind_interface)  # NCCL reads it at init
         return Services(c, client, membership, versions, AttemptLedger(versions), tracker, changes,
                         layout_cache, manager, self.log, self._hooks, self._stop, self.stats)
+
+    def _come_back(self, reason: str) -> Services:
+        """The agent's way back after this member's lease was lost (``runtime.rejoin``)."""
+        self._detached = reason
+        self._outcomes.changed()
+        services = rejoin(self._services, self._side, self._published, reason)
+        self._closers += [services.manager.close, services.membership.close]
+        self.config = services.config
+        self._running = replace(self._running, services=services)
+        self._detached = None
+        self._outcomes.changed()
+        return services
+
+    @property
+    def detached(self) -> str | None:
+        """Why this member is out of the job (its lease was lost; it rejoins), or None."""
+        return self._detached
 
     @property
     def _services(self) -> Services:
@@ -314,8 +330,17 @@ class ElasticRefit:
                                   self._running.planner.replica_regions(layout),
                                   known=dict(entry.digests)) if self.config.plan.check_replicas else {})
         published.add(version, entry)
-        try:
+
+        def source() -> None:  # as the member in the job: after a lost lease, its new incarnation
+            self._outcomes.wait_for(lambda: True if self._detached is None and not self.membership.lost.is_set()
+                                    else None, self.config.version_timeout_s, "this member to rejoin the job")
             self._services.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
+
+        try:
+            try:
+                source()
+            except MembershipLost:  # the lease was lost under the write: once more, rejoined
+                source()
             self.log.info("refit.version.published", version=version, copied=entry.copy_bytes > 0)
         except BaseException:
             published.drop(version)
@@ -407,9 +432,12 @@ class ElasticRefit:
     @contextlib.contextmanager
     def weights(self, timeout_s: float | None = None) -> Iterator[int]:
         """Hold the parameters still while reading them; yields the committed version they
-        hold. Blocks while an update is applied (and, in place, until it commits)."""
+        hold. Blocks while an update is applied (and, in place, until it commits), and while
+        this member is detached (``detached``) if ``serve_when_detached`` is ``block``."""
         slot = self._inference("weights")
-        version = self._outcomes.wait_for(slot.enter, self._timeout(timeout_s), "a committed version to serve")
+        keep = self.config.versions.serve_when_detached == "keep"
+        version = self._outcomes.wait_for(lambda: slot.enter() if keep or self._detached is None else None,
+                                          self._timeout(timeout_s), "a committed version to serve")
         try:
             yield version
         finally:
@@ -464,11 +492,6 @@ class _Running:
     planner: AttemptPlanner
     participant: Participant
     driver: Driver
-
-
-def _superseded(membership: Membership, epoch: int) -> bool:
-    latest = membership.view
-    return latest is not None and latest.epoch > epoch
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

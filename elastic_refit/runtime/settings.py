@@ -26,6 +26,8 @@ Mode = Literal["in_place", "staged"]
 ConnectAhead = Literal["auto", "on", "off"]
 Relay = Literal["auto", "on", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
+Detached = Literal["keep", "block"]
+DETACHED: tuple[str, ...] = get_args(Detached)
 CONNECT_AHEAD: tuple[str, ...] = get_args(ConnectAhead)
 
 
@@ -223,9 +225,14 @@ class VersionSettings:
     """A version that fails this many consecutive attempts for one cause is given up."""
     version_timeout_s: float = 120.0
     """Bounds ``publish``, ``wait_for_version`` and ``weights`` (a cause fails them sooner)."""
+    serve_when_detached: Detached = "keep"
+    """Inference: while this rank is out of the job (its lease was lost; it registers again
+    as a new incarnation, see ``ElasticRefit.detached``), ``keep`` serves its last committed
+    version through ``weights()``, ``block`` makes ``weights()`` wait until it is back."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
+        _check_choice("serve_when_detached", self.serve_when_detached, DETACHED)
         if not _is_int(self.snapshot_bytes) or self.snapshot_bytes < 0:
             raise ValueError(f"snapshot_bytes must be an int >= 0, got {self.snapshot_bytes!r}")
         if not _is_int(self.max_attempts) or self.max_attempts < 1:

@@ -37,6 +37,7 @@ from elastic_refit.runtime.agent import (
     NextAttempt,
     Observe,
     Observed,
+    Rejoin,
     RunAttempt,
     decide,
     lists,
@@ -104,6 +105,10 @@ ROWS = [
      AwaitMembership(POLL_S), None, agent()),
     ("membership lost -> fail", STEADY, V1, Lost("lease expired"), NOW, Fail("lease expired"), None, agent()),
     ("membership lost while not listed", AgentState(), None, Lost("gone"), NOW, Fail("gone"), None, agent()),
+    ("lease lost while steady -> rejoin as a new incarnation, from no epoch", STEADY, V1,
+     Lost("lease expired", rejoin=True), NOW, Rejoin("lease expired"), AgentState(), agent()),
+    ("lease lost while broken -> rejoin, nothing of the old epochs kept", broken(), V2,
+     Lost("fenced as a suspect", rejoin=True), NOW, Rejoin("fenced as a suspect"), AgentState(), agent()),
     # ---- entering epochs
     ("first epoch", AgentState(), V1, None, NOW, EnterEpoch(V1, None, broken=False), None, agent()),
     ("new epoch after a steady one", STEADY, V2, None, NOW, EnterEpoch(V2, V1, broken=False), None, agent()),

@@ -1,0 +1,97 @@
+"""A live member whose lease was lost comes back as a new incarnation, with no restart.
+
+Real etcd, real gloo; the members run in this process (each context's agent thread works
+on its own). Before issue 34 a lost lease was the end of a member: etcd stalled past the
+TTL and every member raised ``MembershipLost`` and stayed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+from elastic_refit.membership.client import EtcdClient
+
+from elastic_refit.runtime import ElasticRefit, RefitConfig
+from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
+
+from .conftest import wait_until
+from .test_causes import DESTINATION, SOURCE
+
+pytestmark = pytest.mark.etcd
+
+TTL_S = 2
+VERSION_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def small_job(etcd: str, job: str, **config):
+    """One trainer (t0) and a 2-way engine (i0, i1), started; yields (trainer, [engines], params)."""
+    def cfg(role: str, member_id: str, rank: int) -> RefitConfig:
+        return RefitConfig(job=job, role=role, member_id=member_id, layout_rank=rank, etcd=(etcd,),
+                           domain=f"d-{role}", ttl_s=TTL_S, version_timeout_s=VERSION_TIMEOUT_S, **config)
+
+    with contextlib.ExitStack() as stack:
+        params = {m: allocate(DESTINATION, r, fill=0) for m, r in (("i0", 1), ("i1", 2))}
+        engines = [stack.enter_context(ElasticRefit(cfg("inference", m, r), DESTINATION, parameters=params[m]))
+                   for m, r in (("i0", 1), ("i1", 2))]
+        trainer = stack.enter_context(ElasticRefit(cfg("trainer", "t0", 0), SOURCE))
+        yield trainer, engines, params
+
+
+def publish(trainer: ElasticRefit, version: int) -> float:
+    tensors = allocate(SOURCE, 0, fill=0)
+    fill_pieces(SOURCE, 0, tensors, seed=version)
+    t0 = time.monotonic()
+    trainer.publish(tensors, version)
+    return time.monotonic() - t0
+
+
+def assert_serving(engines: list[ElasticRefit], params: dict, version: int) -> None:
+    for engine, rank in zip(engines, (1, 2), strict=True):
+        assert engine.wait_for_version(version, timeout_s=VERSION_TIMEOUT_S) >= version
+        with engine.weights() as served:
+            assert not check_pieces(DESTINATION, rank, params[engine.config.member_id], seed=served)
+
+
+def test_a_member_whose_lease_was_revoked_rejoins_as_a_new_incarnation(etcd_server, job):
+    """i0's lease is revoked (as the leader does to a confirmed suspect): i0 registers again
+    under a new incarnation on its own, receives the latest version again, and the next
+    version commits on every rank."""
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, params):
+        publish(trainer, 1)
+        i0 = engines[0]
+        before = i0.config.incarnation
+        with EtcdClient([etcd_server.endpoint]) as client:
+            client.revoke_lease(i0.membership.lease_id)
+        wait_until(lambda: i0.config.incarnation != before and i0.detached is None, 20, "i0 to rejoin")
+        assert i0.membership.view is not None
+        publish(trainer, 2)
+        assert_serving(engines, params, 2)
+
+
+@pytest.mark.parametrize("stall_ttls", [2, 5])
+def test_etcd_stalled_past_the_ttl_loses_no_member_for_good(etcd_server, job, stall_ttls):
+    """etcd SIGSTOPped for 2x / 5x the TTL: every lease expires; each member comes back as a
+    new incarnation in its own process, and the next version commits with nothing torn."""
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, params):
+        publish(trainer, 1)
+        members = [trainer, *engines]
+        before = {m.config.member_id: m.config.incarnation for m in members}
+        pid = etcd_server.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_ttls * TTL_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        wait_until(lambda: all(m.config.incarnation != before[m.config.member_id] and m.detached is None
+                               for m in members), 30, "every member to rejoin")
+        rejoined_s = time.monotonic() - resumed
+        commit_s = publish(trainer, 2)
+        assert_serving(engines, params, 2)
+        print(f"etcd stalled {stall_ttls}x TTL: every member rejoined {rejoined_s:.2f} s after etcd resumed; "
+              f"version 2 committed in {commit_s:.2f} s")
