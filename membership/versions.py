@@ -70,9 +70,19 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
+    """``version`` committed in ``epoch``: ``digest`` of what its inference ranks hold;
+    ``sources``: (trainer, digest of the data it published as ``version``) of its sources,
+    so a later ``publish`` of the version with other data is refused after the sources'
+    records are pruned (a second run reusing the job's name)."""
+
     version: int
     epoch: int
     digest: str
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def source_digest(self, member_id: str) -> str | None:
+        """The digest of the data trainer ``member_id`` published as this version, if known."""
+        return dict(self.sources).get(member_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +141,8 @@ def record_version_key(state: VersionState, keys: JobKeys, kv: KeyValue) -> None
         state.failed[version] = Failure(int(data["version"]), str(data["cause"]),
                                         int(data["num_attempts"]), int(data["epoch"]))
     else:
-        state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]))
+        state.committed[version] = Commit(int(data["version"]), int(data["epoch"]), str(data["digest"]),
+                                          tuple(sorted((str(m), str(d)) for m, d in data.get("sources", {}).items())))
 
 
 def forget_version_key(state: VersionState, keys: JobKeys, key: str) -> None:
@@ -378,14 +389,17 @@ class VersionStore:
             return []
         return [membership.ownership_compare(), Compare(self.keys.epoch, "mod", "==", kv.mod_revision)]
 
-    def commit(self, membership: Membership, version: int, epoch: int, digest: str) -> bool:
-        """Create ``committed`` for ``version`` once; refused for a stale epoch (fencing) and
-        for a version that failed."""
+    def commit(self, membership: Membership, version: int, epoch: int, digest: str,
+               sources: Mapping[str, str] | None = None) -> bool:
+        """Create ``committed`` for ``version`` once (``sources``: trainer -> digest of the
+        data it published, kept with the commit, see :class:`Commit`); refused for a stale
+        epoch (fencing) and for a version that failed."""
         guard = self.epoch_guard(membership, epoch)
         if not guard:
             return False
         key = self.keys.committed(version)
-        value = json.dumps({"version": version, "epoch": epoch, "digest": digest}).encode()
+        value = json.dumps({"version": version, "epoch": epoch, "digest": digest,
+                            "sources": dict(sources or {})}).encode()
         return self.client.txn(guard + [Compare(key, "create", "==", 0),
                                         Compare(self.keys.failed(version), "create", "==", 0)],
                                [Put(key, value)]).succeeded

@@ -164,10 +164,12 @@ def check_publish(version: int, digest: str, member_id: str, state: VersionState
         raise ValueError(f"version must be an integer >= 0, got {version!r}")
     committed = state.committed.get(version)
     if committed is not None:
-        recorded = state.source_digests.get(version, {}).get(member_id)
+        # The source record goes once a later version commits; the commit keeps the digest.
+        recorded = state.source_digests.get(version, {}).get(member_id) or committed.source_digest(member_id)
         if recorded is not None and recorded != digest:
             raise ValueError(f"version {version} is already committed, and {member_id} published other data "
-                             f"for it then (digest {recorded}, now {digest}): publish a new version")
+                             f"for it then (digest {recorded}, now {digest}): publish a new version, or, if "
+                             "this is another run reusing the job's name, give it a name of its own")
         return committed
     latest = state.latest_committed
     if latest is not None and version < latest:

@@ -93,7 +93,8 @@ class Coordinator:
                 s.log.error("refit.version.refused", version=move.version, cause=move.reason)
         elif isinstance(move, CommitAction):
             s.fire("commit.before", version=move.version, epoch=view.epoch)
-            if s.versions.commit(s.membership, move.version, view.epoch, move.digest):
+            if s.versions.commit(s.membership, move.version, view.epoch, move.digest,
+                                 sources=versions.source_digests.get(move.version, {})):
                 s.log.info("refit.version.committed", version=move.version, epoch=view.epoch, digest=move.digest)
                 # etcd holds O(ranks) version keys however long the job runs (VersionStore.prune)
                 num_versions = s.versions.prune(s.membership, view.epoch, versions, move.version)

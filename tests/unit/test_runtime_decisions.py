@@ -537,7 +537,12 @@ def published(committed: dict[int, str] | None = None, digests: dict[int, str] |
     # the same version with other data
     (5, "y", published({5: "c"}, {5: "x"}), None,
      "version 5 is already committed, and t0 published other data for it then (digest x, now y): "
-     "publish a new version"),
+     "publish a new version, or, if this is another run reusing the job's name, give it a name of its own"),
+    # ...also once its source record was pruned: the commit keeps the digest (a second run)
+    (5, "y", VersionState(revision=1, committed={5: Commit(5, 1, "c", (("t0", "x"),))}), None,
+     "version 5 is already committed, and t0 published other data for it then (digest x, now y): "
+     "publish a new version, or, if this is another run reusing the job's name, give it a name of its own"),
+    (5, "x", VersionState(revision=1, committed={5: Commit(5, 1, "c", (("t0", "x"),))}), None, Commit(5, 1, "c")),
     (6, "b", published(), (6, "a"),
      "version 6 was published by t0 before with other data (digest a, now b): publish a new version"),
     # not a version
