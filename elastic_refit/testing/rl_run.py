@@ -187,10 +187,16 @@ def _steps(config: RLStepConfig, mode: str, recs: list[dict[str, Any]]) -> list[
 
 
 def _windows(mode: str, recs: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """When weights were moving: trainer 0's refit calls (synchronous modes: nobody
-    generates meanwhile), or each engine's transfers (asynchronous)."""
-    if mode != "async-staged":
-        return [(r["refit_start"], r["refit_end"]) for r in recs if r["kind"] == "step" and r["member"] == "t0"]
+    """When weights were moving: synchronous, from trainer 0's refit call until the first
+    engine has the version (nobody can generate meanwhile); asynchronous, each engine's
+    transfers."""
+    if mode != "async-staged":  # from the trainer's refit call until the first engine has the version
+        received = {}
+        for r in recs:
+            if r["kind"] == "received":
+                received[r["version"]] = min(received.get(r["version"], r["end"]), r["end"])
+        return [(r["refit_start"], received.get(r["step"], r["refit_end"])) for r in recs
+                if r["kind"] == "step" and r["member"] == "t0"]
     return [(r["at"] - r["seconds"], r["at"]) for r in recs
             if r["kind"] == "refit.event" and r["event"] == "refit.transfer.done"]
 

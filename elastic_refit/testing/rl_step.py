@@ -305,30 +305,32 @@ def _train_step(m: _Member, model, opt, step: int, fresh: Callable[[int], bool])
 
 def _train_gather(m: _Member) -> None:
     model, opt = _trainer_model(m)
-    _gather_broadcast(m, model, 0)
+    _gather_broadcast(m, model, 0, _trainer_checksum(m, model))
     for step in range(1, m.config.steps + 1):
         record = _train_step(m, model, opt, step, lambda v, s=step: v == s - 1)
+        total = _trainer_checksum(m, model)  # (before the clock: the check is not part of the refit)
         t0 = time.time()
-        _gather_broadcast(m, model, step)
+        _gather_broadcast(m, model, step, total)
         record.update(refit_s=time.time() - t0, refit_start=t0, refit_end=time.time())
         m.trace.info("rl.gather_broadcast", version=step, seconds=record["refit_s"])
         m.report("step", mode="sync-gather", step=step, **record)
 
 
-def _gather_broadcast(m: _Member, model, version: int) -> None:
+def _gather_broadcast(m: _Member, model, version: int, total: list[int]) -> None:
     """The baseline: every tensor gathered whole on every trainer, broadcast by trainer 0."""
     import torch
     import torch.distributed as dist
 
+    t0 = time.time()
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if m.rank == 0:
                 dist.broadcast(full.contiguous(), src=0, group=m.groups["broadcast"])
+    if m.device.type == "cuda":
+        torch.cuda.synchronize()
     if m.rank == 0:
-        m.report("published", mode="sync-gather", version=version, checksum=_trainer_checksum(m, model))
-    else:
-        _trainer_checksum(m, model)  # the all-reduce needs every trainer
+        m.report("published", mode="sync-gather", version=version, checksum=total, start=t0, end=time.time())
 
 
 def _train_elastic(m: _Member, mode: str) -> None:
@@ -342,17 +344,18 @@ def _train_elastic(m: _Member, mode: str) -> None:
     config = _refit_config(m, mode, **({"snapshot_bytes": (c.staleness + 1) * nbytes} if mode == "async-staged"
                                         else {}))
     with ElasticRefit(config, layout) as refit:
-        _publish(m, refit, model, 0, mode, wait=True)
+        _publish(m, refit, model, 0, mode, _trainer_checksum(m, model), wait=True)
         handles: deque = deque()
         for step in range(1, c.steps + 1):
             fresh = (lambda v, s=step: v == s - 1) if mode == "sync-reshard" else \
                 (lambda v, s=step: v >= s - 1 - c.staleness)
             record = _train_step(m, model, opt, step, fresh)
+            total = _trainer_checksum(m, model)  # (before the clock: the check is not part of the refit)
             t0 = time.time()
             if mode == "sync-reshard":
-                _publish(m, refit, model, step, mode, wait=True)
+                _publish(m, refit, model, step, mode, total, wait=True)
             else:
-                handles.append(_publish(m, refit, model, step, mode, wait=False))
+                handles.append(_publish(m, refit, model, step, mode, total, wait=False))
                 while len(handles) > c.staleness:  # bounded staleness: k - staleness committed first
                     handles.popleft().wait()
             record.update(refit_s=time.time() - t0, refit_start=t0, refit_end=time.time())
@@ -364,8 +367,7 @@ def _train_elastic(m: _Member, mode: str) -> None:
         m.wait_over(mode)  # the engines are done: leave together (no needless epoch)
 
 
-def _publish(m: _Member, refit, model, version: int, mode: str, *, wait: bool):
-    total = _trainer_checksum(m, model)
+def _publish(m: _Member, refit, model, version: int, mode: str, total: list[int], *, wait: bool):
     t0 = time.time()
     handle = refit.publish(model, version, wait=wait)
     if m.rank == 0:
