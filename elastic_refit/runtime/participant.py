@@ -103,6 +103,8 @@ class Participant:
             raise AttemptAborted(f"{member_id} failed attempt {seq} of version {spec.version} before "
                                  f"the plan was agreed ({done.encode()})")
 
+        if me in spec.destinations and not self._serving.staged:
+            self._wait_for_readers(spec)
         self.phase = Phase.PLANNED
         s.ledger.agree(store, seq, plan.fingerprint, me=me, participants=spec.participants, refused=refused,
                        wait=lambda keys: s.wait_written(store, keys, view.epoch, "the plan was agreed"))
@@ -147,6 +149,20 @@ class Participant:
             published = self._published.get(spec.version)
             base = self._published.base(spec.base, published.layout) if published is not None else {}
         return DeltaInputs(base, frozenset(view.rank_of(m) for m in spec.deltas))
+
+    def _wait_for_readers(self, spec: AttemptSpec) -> None:
+        """In place, the parameters are written once the plan is agreed, and a reader inside
+        would hold every peer at the transfer (and keep the others from serving: they would
+        be writing too). So readers are waited for here, where nothing moves yet, for at most
+        a collective timeout; else the attempt is given up naming them (a consequence, not a
+        fault: the next attempt waits again) and every peer goes on serving what it holds."""
+        me = self.services.config.member_id
+        held = self._serving.wait_readers_out(self.services.config.collective_timeout_s)
+        if held:
+            self.services.log.warning("refit.serving.reader_held", version=spec.version, seconds=round(held, 3))
+            raise AttemptAborted(f"inference rank {me!r}: readers have held weights() for {held:.1f} s; in_place "
+                                 f"mode writes version {spec.version} only once none is inside (staged mode does "
+                                 "not wait for readers)")
 
     def _begin_receiving(self) -> None:
         """This rank's buffers are about to be overwritten: it holds nothing from now on.

@@ -44,6 +44,7 @@ class ServingSlot:
         self._log = log
         self._cond = threading.Condition()
         self._readers = 0
+        self._read_since: float | None = None  # since when readers have been inside without a break
         self._blocked = False  # in place: the parameters are being (or were partly) overwritten
         self._blocked_at: float | None = None  # in place: when readers were first held back
         self._serving: int | None = None  # the committed version the parameters hold
@@ -95,12 +96,16 @@ class ServingSlot:
             if self._serving is None or self._blocked or self._serving < want:
                 return None
             self._readers += 1
+            if self._read_since is None:
+                self._read_since = time.monotonic()
             return self._serving
 
     def leave(self) -> None:
         """Stop reading; the last reader out switches in a pending version (staged)."""
         with self._cond:
             self._readers -= 1
+            if self._readers == 0:
+                self._read_since = None
             switched = self._switch_if_free()
             self._cond.notify_all()
         self._report(switched)
@@ -115,6 +120,15 @@ class ServingSlot:
     def _wait_no_readers(self) -> None:
         # Readers leave on their own; each leave notifies. Not a poll.
         self._cond.wait_for(lambda: self._readers == 0)
+
+    def wait_readers_out(self, timeout_s: float) -> float:
+        """Before an in-place refit agrees to write: wait (at most ``timeout_s``) for the
+        readers inside to leave, holding no new one back (nothing is written yet). 0.0 once
+        none is inside, else how long readers have been inside without a break."""
+        with self._cond:
+            if self._cond.wait_for(lambda: self._readers == 0, timeout_s):
+                return 0.0
+            return time.monotonic() - self._read_since if self._read_since is not None else timeout_s
 
     # ---- the writer ----------------------------------------------------------------------
     def begin_apply(self) -> None:
