@@ -195,20 +195,20 @@ def _seconds(event: dict[str, Any]) -> float:
 
 def _attempts(events: Sequence[dict[str, Any]], rows: _Rows, us) -> list[dict[str, Any]]:
     """One slice per member incarnation and attempt, around that attempt's events."""
-    groups: dict[tuple[int, int, Any, Any], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, int, str, Any, Any], list[dict[str, Any]]] = {}
     for e in events:
         if e.get("member_id") and e.get("seq") is not None and e.get("epoch") is not None:
             pid, tid = rows.of(e)
-            groups.setdefault((pid, tid, e["epoch"], e["seq"]), []).append(e)
+            groups.setdefault((pid, tid, str(e.get("job") or ""), e["epoch"], e["seq"]), []).append(e)
     out = []
-    for (pid, tid, epoch, seq), group in groups.items():
+    for (pid, tid, job, epoch, seq), group in groups.items():
         begin = min(e["_t"] - _seconds(e) for e in group)
         end = max(e["_t"] for e in group)
         failed = any(e["event"] == "refit.attempt.failed" for e in group)
         version = next((e.get("version") for e in group if e.get("version") is not None), None)
         out.append({"ph": "X", "name": f"attempt e{epoch}#{seq} v{version}" + (" (failed)" if failed else ""),
                     "cat": "attempt", "pid": pid, "tid": tid, "ts": us(begin), "dur": round((end - begin) * 1e6, 1),
-                    "args": {"epoch": epoch, "seq": seq, "version": version, "failed": failed,
+                    "args": {"job": job, "epoch": epoch, "seq": seq, "version": version, "failed": failed,
                              "kind": group[0].get("kind")}})
     return out
 
