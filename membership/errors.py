@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from elastic_refit.errors import MembershipLost, RefitError
 
-__all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "IdentityClash", "LeadershipLost",
+__all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "IdentityClash", "JobStateLost", "LeadershipLost",
            "MembershipError", "MembershipLost", "StoreTimeout"]
 
 
@@ -56,6 +56,13 @@ class FencedWrite(MembershipError):
 class IdentityClash(MembershipError):
     """A member tried to register under a ``member_id`` that a live member of the other
     role holds: every member of a job needs its own id. Raised at start, before it joins."""
+
+
+class JobStateLost(MembershipLost):
+    """The job's control state in etcd is not the one this member joined (its run id is
+    gone or another): etcd was wiped or restored from another state. Going on could commit
+    or serve versions out of order, so the member stops; start the job again (a new job
+    name, or ``elastic-refit job reset`` first)."""
 
 
 class LeadershipLost(FencedWrite):

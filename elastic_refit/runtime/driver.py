@@ -124,7 +124,10 @@ class Driver:
                 self.outcomes.latch(lost if lost is not None else MembershipLost(action.reason))
                 return
             if isinstance(action, Rejoin):
-                outcome = self._come_back(action)
+                try:
+                    outcome = self._come_back(action)
+                except MembershipLost as exc:  # closing, or the job's state is gone: no way back
+                    lost, outcome = exc, Lost(str(exc))
                 s, settings = self.services, AgentSettings.of(self.services.config)
                 continue
             try:
@@ -142,20 +145,16 @@ class Driver:
         s = self.services
         return self._rejoin is not None and not s.membership.replaced and not s.stop.is_set()
 
-    def _come_back(self, action: Rejoin) -> Lost | None:
+    def _come_back(self, action: Rejoin) -> None:
         """Register as a new incarnation (``rejoin``, retried while etcd is unreachable) and
-        take its services; the old epoch's transport goes first. A ``Lost`` that may not
-        rejoin when that fails for good (closing)."""
+        take its services; the old epoch's transport goes first. ``MembershipLost`` when
+        there is no way back (closing, ``JobStateLost``)."""
         self._release_transport()
         self.services.log.warning("refit.member.detached", reason=action.reason)
-        try:
-            services = self._rejoin(action.reason)
-        except MembershipLost as exc:
-            return Lost(str(exc))
+        services = self._rejoin(action.reason)
         self.services = services
         self.coordinator = Coordinator(services, self.planner)
         self.participant.services = services
-        return None
 
     def _execute(self, action: Action, state: AgentState, changed: int) -> Outcome | None:
         """Carry out one action in ``state`` (the state ``decide`` left); returns what came

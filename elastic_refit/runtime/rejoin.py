@@ -9,7 +9,9 @@ source of the versions it holds and the job has not settled yet; the agent start
 epoch. An inference rank keeps its buffers: its acks are the old incarnation's, so it
 receives the latest version again (``next_action``: it does not hold it). Another process
 holding the member key (a second member with the same id, or this member restarted
-elsewhere) is not a loss to come back from: the agent fails then (``Driver._may_rejoin``).
+elsewhere) is not a loss to come back from: the agent fails then (``Driver._may_rejoin``);
+nor is a job whose control state was replaced (etcd wiped or restored from another state:
+its run id changed, ``JobStateLost``), where going on could serve versions out of order.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from elastic_refit.membership import (
     CommunicatorManager,
     EtcdClient,
     IdentityClash,
+    JobStateLost,
     MemberRecord,
     Membership,
 )
@@ -65,7 +68,12 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
         membership = Membership(services.client, c.job, record, c.timeouts.membership())
         try:
             membership.start()
+            _check_same_run(membership, services.membership.run_id)
             services.layouts.publish(membership, side.layout, side.formats)
+        except JobStateLost:
+            with contextlib.suppress(Exception):
+                membership.close()  # never a member of a job whose state is not the one it joined
+            raise
         except IdentityClash as exc:
             raise MembershipLost(f"{c.member_id} cannot register again: {brief(exc)}") from exc
         except Exception as exc:  # etcd unreachable, its lease lost again: try again
@@ -79,6 +87,17 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
         membership.on_lost(lambda _reason: services.changes.bump())
         return membership
     raise AssertionError("unreachable")
+
+
+def _check_same_run(membership: Membership, joined: str) -> None:
+    """``JobStateLost`` unless the job's run id is still ``joined`` (the one this member
+    joined): a wiped etcd has none (the new registration just created one), an etcd
+    restored from another run's state another."""
+    if joined and membership.run_id != joined:
+        raise JobStateLost(f"{membership.record.member_id}: the job's control state in etcd is not the one it joined "
+                           f"(run {joined}, now run {membership.run_id}): etcd was wiped or restored from another "
+                           "state, and going on could commit or serve versions out of order; this member stops. "
+                           "Start the job again under a new name (or after `elastic-refit job reset`)")
 
 
 def rejoin(services: Services, side: Side, published: PublishedVersions | None, reason: str, *,

@@ -275,6 +275,19 @@ class EtcdCluster:
         self.wait_ready(index)
         self._log.info("membership.etcd.node_restarted", node=self.specs[index].name)
 
+    def wipe(self) -> None:
+        """Crash every node (SIGKILL), delete its data and start the cluster again, empty:
+        an etcd restored from an empty data directory (what a job's members must detect)."""
+        for node in self.nodes:
+            node.stop(signal.SIGKILL)
+        for spec in self.specs:
+            shutil.rmtree(spec.data_dir, ignore_errors=True)
+        for node in self.nodes:
+            node.start()
+        for index in range(len(self.nodes)):
+            self.wait_ready(index)
+        self._log.info("membership.etcd.wiped", nodes=len(self.nodes))
+
     def leader_index(self, timeout_s: float = 10.0) -> int:
         """Index of the node that is the raft leader (via each node's /v3 status)."""
         import json

@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+from elastic_refit.membership import JobStateLost
 from elastic_refit.membership.client import EtcdClient
 
 from elastic_refit.runtime import ElasticRefit, RefitConfig
@@ -95,3 +96,27 @@ def test_etcd_stalled_past_the_ttl_loses_no_member_for_good(etcd_server, job, st
         assert_serving(engines, params, 2)
         print(f"etcd stalled {stall_ttls}x TTL: every member rejoined {rejoined_s:.2f} s after etcd resumed; "
               f"version 2 committed in {commit_s:.2f} s")
+
+
+def test_a_wiped_etcd_stops_every_member_with_a_clear_error(etcd_server, job):
+    """etcd restarted with an empty data directory mid-job: every lease is gone with the
+    state; each member finds, registering again, that the job's run id is not the one it
+    joined, and stops: publish, wait_for_version and weights raise ``JobStateLost`` and no
+    version is served out of order (before: a fresh pair could commit version 2 after the
+    job had committed 3, and the old ranks went on serving)."""
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, _params):
+        publish(trainer, 1)
+        for engine in engines:
+            engine.wait_for_version(1)
+        etcd_server.wipe()
+        wiped = time.monotonic()
+        with pytest.raises(JobStateLost, match="the job's control state in etcd is not the one it joined"):
+            publish(trainer, 2)
+        for engine in engines:
+            with pytest.raises(JobStateLost):
+                engine.wait_for_version(2)
+            with pytest.raises(JobStateLost), engine.weights():
+                pass
+        stopped_s = time.monotonic() - wiped
+        assert stopped_s < 2 * TTL_S + 5.0, stopped_s
+        print(f"etcd wiped: every member stopped with JobStateLost within {stopped_s:.2f} s")
