@@ -56,9 +56,12 @@ PHASES = ("attempt.start", "plan.agreed", "comm.reconfiguring", "comm.ready", "t
 # every transfer message is delayed by duration_s; etcd_restart: etcd is SIGKILLed for
 # duration_s and restarted while the victim sits in the phase; etcd_stall: every etcd node
 # is SIGSTOPped for duration_s (longer than the TTL: every lease expires, and each member
-# comes back as a new incarnation in its own process).
-FAULT_KINDS = ("kill", "restart", "terminate", "stop", "stall", "slow", "etcd_restart", "etcd_stall")
-ETCD_FAULTS = ("etcd_restart", "etcd_stall")  # the parent does them to etcd while the victim waits in the phase
+# comes back as a new incarnation in its own process); etcd_wipe: etcd is SIGKILLed and,
+# after duration_s, started again with an empty data directory (every member must stop
+# with a clear error, nothing served out of order).
+FAULT_KINDS = ("kill", "restart", "terminate", "stop", "stall", "slow", "etcd_restart", "etcd_stall", "etcd_wipe")
+# The parent does them to etcd while the victim waits in the phase.
+ETCD_FAULTS = ("etcd_restart", "etcd_stall", "etcd_wipe")
 _RUNTIME_PHASE = {"transfer": "transfer.before", "commit": "commit.before", "rejoin": "comm.reconfiguring"}
 
 
@@ -190,6 +193,11 @@ class FaultPlan:
         """SIGSTOP every etcd node while a member is at ``at``; SIGCONT after ``duration_s``."""
         return self.add(Fault("etcd_stall", role, at, rank, version, duration_s=duration_s, **kw))
 
+    def etcd_wipe(self, *, at: str, duration_s: float, role: str = "etcd", rank: int | None = None,
+                  version: int | None = None, **kw) -> FaultPlan:
+        """SIGKILL etcd while a member is at ``at``; after ``duration_s`` start it again empty."""
+        return self.add(Fault("etcd_wipe", role, at, rank, version, duration_s=duration_s, **kw))
+
     def __len__(self) -> int:
         return len(self.faults)
 
@@ -296,6 +304,9 @@ def _templates(rng: random.Random, versions: int, etcd_nodes: int = 1) -> list[t
     for ttls, at in ((2, "transfer"), (5, "plan.agreed")):
         out.append(("etcd", f"etcd_stall{ttls}x>ttl", at,
                     FaultPlan().etcd_stall(at=at, version=v(), duration_s=ttls * TTL_S)))
+    # etcd comes back empty (a lost data directory): the job's state is gone; every member
+    # stops with JobStateLost, none commits or serves anything after it.
+    out.append(("etcd", "etcd_wipe", "transfer", FaultPlan().etcd_wipe(at="transfer", version=v(), duration_s=0.3)))
     if etcd_nodes > 1:
         # The raft leader is killed mid-transfer and stays down while the job refits through
         # the quorum left (the runner restarts it once the trial's versions are in).

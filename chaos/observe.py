@@ -77,7 +77,7 @@ class Narrator:
     def fault(self, fault: Any, record: dict[str, Any]) -> None:
         what = {"kill": "SIGKILLed", "restart": "SIGKILLed", "terminate": "sent SIGTERM", "stop": "SIGSTOPped",
                 "stall": "stalled", "slow": "slowed down", "etcd_restart": "saw etcd go down",
-                "etcd_stall": "saw etcd stall"}[fault.kind]
+                "etcd_stall": "saw etcd stall", "etcd_wipe": "saw etcd come back empty"}[fault.kind]
         self.say(f"{self._stamp()} FAULT: {record['member_id']} ({record.get('role')}) {what} during the refit "
                  f"of version {record.get('version')} ({record.get('phase')})")
 

@@ -40,6 +40,8 @@ __all__ = [
 CATEGORIES = ("torn", "lost", "hung", "leaked", "unsafe", "error")
 # Errors a fault's victim may end with: it was killed (no report), told to leave, or fenced.
 VICTIM_ERRORS = ("Terminated", "MembershipLost")
+# How every member must end once etcd came back empty (an ``etcd_wipe`` fault).
+WIPED_ERROR = "JobStateLost"
 # A member that gave up waiting (publish / wait_for_version past their deadline).
 TIMEOUT_ERRORS = ("TimeoutError", "RefitTimeout")
 
@@ -207,9 +209,38 @@ def check_bit_exact(evidence: TrialEvidence) -> list[Violation]:
     return out
 
 
+def wiped_at(evidence: TrialEvidence) -> float | None:
+    """When an ``etcd_wipe`` fault fired (its record's time), None if none did."""
+    times = [f["t"] for f in evidence.faults if f.get("kind") == "etcd_wipe" and isinstance(f.get("t"), int | float)]
+    return min(times) if times else None
+
+
+def check_stopped_on_wipe(evidence: TrialEvidence) -> list[Violation]:
+    """Once etcd came back empty, the job's state is gone: every member stops with
+    ``JobStateLost`` and nothing commits or is served after the wipe (DESIGN.md, invariant
+    5: versions only move forward, also across an etcd restored from an empty state)."""
+    wiped = wiped_at(evidence)
+    if wiped is None:
+        return []
+    out = []
+    for incarnation, report in sorted(evidence.reports.items()):
+        if report.get("error_type") != WIPED_ERROR:
+            out.append(Violation("unsafe", "stops_on_wipe", f"{incarnation} went on after etcd was wiped "
+                                                            f"({report.get('error_type') or 'no error'})"))
+    for name in ("refit.version.committed", "refit.version.serving"):
+        for incarnation, e in _events(evidence, name):
+            if isinstance(e.get("_t"), int | float) and e["_t"] > wiped + 0.5:  # 0.5 s: the fault record's own lag
+                out.append(Violation("unsafe", "stops_on_wipe", f"{incarnation}: {name} version {e.get('version')} "
+                                                                f"{e['_t'] - wiped:.2f} s after etcd was wiped"))
+    return out
+
+
 def check_no_version_lost(evidence: TrialEvidence) -> list[Violation]:
     """Every published version is committed or superseded by a later commit; the last
-    version commits; every member that ended well reached it."""
+    version commits; every member that ended well reached it. (After a wipe nothing may
+    commit: ``check_stopped_on_wipe``.)"""
+    if wiped_at(evidence) is not None:
+        return []
     out = []
     latest = max(evidence.committed, default=None)
     published = {e.get("version") for _, e in _events(evidence, "refit.version.published")}
@@ -250,6 +281,8 @@ def check_members(evidence: TrialEvidence) -> list[Violation]:
             continue
         if incarnation in evidence.victims and kind in VICTIM_ERRORS:
             continue
+        if kind == WIPED_ERROR and wiped_at(evidence) is not None:
+            continue  # what check_stopped_on_wipe asks of every member
         out.append(Violation("error", "members", f"{incarnation}: {kind}: {str(report.get('error'))[:300]}"))
     return out
 
@@ -315,7 +348,8 @@ def check_faults_fired(evidence: TrialEvidence) -> list[Violation]:
 
 
 CHECKS = (check_epochs, check_one_plan, check_no_stale_epoch, check_bit_exact, check_no_version_lost,
-          check_hung, check_members, check_leaks, check_faults_fired, check_no_live_member_fenced)
+          check_hung, check_members, check_leaks, check_faults_fired, check_no_live_member_fenced,
+          check_stopped_on_wipe)
 
 
 def recovery_times(evidence: TrialEvidence) -> list[float]:

@@ -153,6 +153,20 @@ class RunEtcd:
         t.start()
         return t
 
+    def wipe(self, down_s: float, then: Callable[[], None]) -> threading.Thread:
+        """SIGKILL every node, call ``then``, after ``down_s`` start them again empty."""
+
+        def run() -> None:
+            for index in range(self.cluster.size):
+                self.cluster.stop_node(index, signal.SIGKILL)
+            then()
+            time.sleep(down_s)
+            self.cluster.wipe()
+
+        t = threading.Thread(target=run, name="etcd-wipe", daemon=True)
+        t.start()
+        return t
+
     @property
     def pids(self) -> set[int]:
         return set(self.cluster.pids)

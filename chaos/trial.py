@@ -211,7 +211,8 @@ class Trial:
                 self.pool.killer.cont_later(record["pid"], max(0.0, record["t"] + fault.duration_s - time.time()))
             elif fault.kind in ETCD_FAULTS:
                 ack = self.trial_dir / f"ack-{record['index']}"
-                act = self.etcd.bounce if fault.kind == "etcd_restart" else self.etcd.stall
+                act = {"etcd_restart": self.etcd.bounce, "etcd_stall": self.etcd.stall,
+                       "etcd_wipe": self.etcd.wipe}[fault.kind]
                 self.etcd_threads.append(act(fault.duration_s, lambda ack=ack: ack.touch()))
             if fault.restart:
                 next_life = record["life"] + 1

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "describe_failure", "main"]
 
 # Modules that define `register(subparsers)`; each adds one top-level subcommand.
-_COMMAND_MODULES = ("etcd_cmd", "plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "chaos_cmd", "worker_cmd",
-                    "timeline_cmd")
+_COMMAND_MODULES = ("etcd_cmd", "plan_cmd", "bench_cmd", "demo_cmd", "status_cmd", "job_cmd", "chaos_cmd",
+                    "worker_cmd", "timeline_cmd")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -196,3 +196,27 @@ def test_only_killed_incarnations_may_be_fenced():
     # A slow (or stopped) rank is no killed one.
     slow = replace(fenced("i1-L0-ab12"), faults=(dict(kill, kind="slow"),))
     assert ("unsafe", "no_live_member_fenced") in categories(slow)
+
+
+def test_a_rejoined_process_checks_each_incarnation_s_epochs_on_their_own():
+    """A member that lost its lease rejoins in its process as a new incarnation (one log, two
+    incarnations): the new one enters the current epoch again, which is no step back."""
+    e = clean()
+    rejoined = [dict(x, incarnation="a") for x in e.logs["i0-L0"]] + [
+        ev("refit.epoch.entered", 3.0, epoch=2, incarnation="b")]
+    assert categories(replace(e, logs=dict(e.logs, **{"i0-L0": rejoined}))) == set()
+    again = rejoined + [ev("refit.epoch.entered", 3.5, epoch=1, incarnation="b")]
+    assert ("unsafe", "epochs_increase") in categories(replace(e, logs=dict(e.logs, **{"i0-L0": again})))
+
+
+def test_after_a_wipe_every_member_stops_and_nothing_commits_or_is_served():
+    e = clean()
+    wiped = {"index": 0, "t": T0 + 0.7, "kind": "etcd_wipe"}
+    stopped = {inc: {"error_type": "JobStateLost", "error": "the job's control state ..."} for inc in e.reports}
+    # Version 2's commit and serving in clean() come after the wipe: caught.
+    base = replace(e, faults=(wiped,), reports=stopped, victims=frozenset())
+    assert ("unsafe", "stops_on_wipe") in categories(base)
+    before = {inc: [x for x in events if x["_t"] < T0 + 0.7] for inc, events in e.logs.items()}
+    assert check_all(replace(base, logs=before)).passed, check_all(replace(base, logs=before)).violations
+    went_on = dict(stopped, **{"t0-L0": {"committed": [{"version": 1}], "problems": []}})
+    assert ("unsafe", "stops_on_wipe") in categories(replace(base, logs=before, reports=went_on))
