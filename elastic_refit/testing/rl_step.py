@@ -298,9 +298,9 @@ def _train_step(m: _Member, model, opt, step: int, fresh: Callable[[int], bool])
     opt.step()
     if m.device.type == "cuda":
         torch.cuda.synchronize()
-    m.trace.info("rl.train", step=step, seconds=time.time() - t1, loss=float(loss))
+    m.trace.info("rl.train", step=step, seconds=time.time() - t1, loss=float(loss.detach()))
     return {"wait_samples_s": t1 - t0, "train_s": time.time() - t1, "train_start": t1, "train_end": time.time(),
-            "loss": float(loss), "reward": mean_reward, "sample_versions": sorted({b["version"] for b in batches})}
+            "loss": float(loss.detach()), "reward": mean_reward, "sample_versions": sorted({b["version"] for b in batches})}
 
 
 def _train_gather(m: _Member) -> None:
@@ -441,6 +441,8 @@ def _serve_gather(m: _Member) -> None:
         with torch.no_grad():
             for _, p in sorted(model.named_parameters()):
                 dist.broadcast(p.data, src=0, group=m.groups["broadcast"])
+        if m.device.type == "cuda":
+            torch.cuda.synchronize()  # NCCL only enqueued the receives: received is when they ran
         m.report("received", mode="sync-gather", version=version, start=t0, end=time.time())
         if version < m.config.steps:
             _generate(m, model, version, seen, "sync-gather", version, m.rank % m.config.num_trainers)
