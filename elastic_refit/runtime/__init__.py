@@ -11,11 +11,14 @@ _EXPORTS = {
        ("AttemptSpec", "CommitAction", "by_role", "next_action", "plan_attempt")},
     "RefitConfig": "elastic_refit.runtime.config",
     "RefitLayouts": "elastic_refit.runtime.config",
+    **{name: "elastic_refit.runtime.settings" for name in
+       ("EtcdAccess", "PlanSettings", "Timeouts", "TransferSettings", "VersionSettings")},
     "ElasticRefit": "elastic_refit.runtime.refit",
     "PublishHandle": "elastic_refit.runtime.refit",
 }
 
-__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "PublishHandle", "RefitConfig", "RefitLayouts", "by_role",
-           "next_action", "plan_attempt"]
+__all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "EtcdAccess", "PlanSettings", "PublishHandle",
+           "RefitConfig", "RefitLayouts", "Timeouts", "TransferSettings", "VersionSettings", "by_role", "next_action",
+           "plan_attempt"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
