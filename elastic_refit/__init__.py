@@ -51,7 +51,17 @@ if TYPE_CHECKING:
     )
     from elastic_refit.membership.versions import Commit
     from elastic_refit.plan import Plan, PlanOptions, make_plan
-    from elastic_refit.runtime import ElasticRefit, PublishHandle, RefitConfig, RefitLayouts
+    from elastic_refit.runtime import (
+        ElasticRefit,
+        EtcdAccess,
+        PlanSettings,
+        PublishHandle,
+        RefitConfig,
+        RefitLayouts,
+        Timeouts,
+        TransferSettings,
+        VersionSettings,
+    )
 
 __version__ = "0.1.0"
 
