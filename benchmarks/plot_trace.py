@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     for y, row in enumerate(rows):
         for e in (e for e in slices if (e["pid"], e["tid"]) == row):
             width = max(e["dur"], (hi - lo) * 0.0015)  # a 0.2 ms pause stays visible
-            ax.barh(y, width / 1e6, left=(e["ts"] - lo) / 1e6, color=_colour(e), edgecolor="none", height=0.7)
+            # The runtime's slices (transfers, pauses) on a lane below the loop's own: they overlap.
+            lane = 0.28 if e["name"].startswith("refit.") else 0.0
+            height = 0.3 if lane else (0.8 if e.get("cat") in ("attempt", "epoch", "version", "recovery") else 0.5)
+            ax.barh(y + lane - (0.1 if not lane else 0), width / 1e6, left=(e["ts"] - lo) / 1e6, color=_colour(e),
+                    edgecolor="none", height=height)
     for f in faults:
         if lo <= f["ts"] <= hi:
             ax.axvline((f["ts"] - lo) / 1e6, color="red", lw=1.5)

@@ -150,13 +150,16 @@ def _narrate(rec: dict[str, Any], t0: float, say: Callable[[str], None]) -> None
 
 def summarize(config: RLStepConfig, records: list[dict[str, Any]], kill: dict[str, Any]) -> dict[str, Any]:
     """Per mode: the step table, tokens/s during refits against idle, verification; and the kill."""
-    out: dict[str, Any] = {"modes": {}, "kill": None}
+    out: dict[str, Any] = {"modes": {}, "kill": _recovery(config, records, kill) if kill else None}
+    # The pool's rate is compared outside the kill's recovery (kill -> next commit): a failed
+    # transfer logs no window, and what the fault costs is reported on its own.
+    recovery = None
+    if out["kill"] and out["kill"]["next_commit_s"] is not None:
+        recovery = (kill["t"], kill["t"] + out["kill"]["next_commit_s"])
     for mode in config.modes:
         mine = [r for r in records if r.get("mode") == mode]
-        out["modes"][mode] = {"steps": _steps(config, mode, mine), "throughput": _throughput(mode, mine),
-                              "verified": _verified(mine)}
-    if kill:
-        out["kill"] = _recovery(config, records, kill)
+        out["modes"][mode] = {"steps": _steps(config, mode, mine), "verified": _verified(mine),
+                              "throughput": _throughput(mode, mine, recovery if mode == "async-staged" else None)}
     return out
 
 
@@ -201,26 +204,44 @@ def _windows(mode: str, recs: list[dict[str, Any]]) -> list[tuple[float, float]]
             if r["kind"] == "refit.event" and r["event"] == "refit.transfer.done"]
 
 
-def _throughput(mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The engines' pool: tokens per second while weights move into any engine, and otherwise."""
+def _merged(intervals: list[tuple[float, float]], begin: float, end: float) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted((max(a, begin), min(b, end)) for a, b in intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _throughput(mode: str, recs: list[dict[str, Any]], exclude: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The engines' pool: tokens per second while weights move into any engine, and
+    otherwise (``exclude``: an interval left out of both)."""
     steps = sorted((t, g["num_sequences"]) for g in recs if g["kind"] == "generated" for t in g["step_times"])
     if len(steps) < 2:
         return {}
-    union: list[list[float]] = []
-    for a, b in sorted(_windows(mode, recs)):
-        if union and a <= union[-1][1]:
-            union[-1][1] = max(union[-1][1], b)
-        else:
-            union.append([a, b])
     begin, end = steps[0][0], steps[-1][0]
-    inside = sum(max(0.0, min(b, end) - max(a, begin)) for a, b in union)
-    tokens_in = sum(n for t, n in steps if any(a <= t <= b for a, b in union))
-    tokens_all = sum(n for _, n in steps)
-    idle_s = (end - begin) - inside
-    rate_in = tokens_in / inside if inside > 0 else None
-    rate_idle = (tokens_all - tokens_in) / idle_s if idle_s > 0 else None
-    return {"refit_s": inside, "idle_s": idle_s, "tokens_per_s_refit": rate_in, "tokens_per_s_idle": rate_idle,
-            "ratio": rate_in / rate_idle if rate_in is not None and rate_idle else None}
+    out = _merged([exclude] if exclude else [], begin, end)
+    refit = _merged(_windows(mode, recs), begin, end)
+    both = _merged([*refit, *out], begin, end)
+
+    def length(spans: list[tuple[float, float]]) -> float:
+        return sum(b - a for a, b in spans)
+
+    def inside(t: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a <= t <= b for a, b in spans)
+
+    refit_s = length(both) - length(out)  # refit windows outside the excluded interval
+    idle_s = (end - begin) - length(both)
+    kept = [(t, n) for t, n in steps if not inside(t, out)]
+    tokens_in = sum(n for t, n in kept if inside(t, refit))
+    tokens_idle = sum(n for _, n in kept) - tokens_in
+    rate_in = tokens_in / refit_s if refit_s > 0 else None
+    rate_idle = tokens_idle / idle_s if idle_s > 0 else None
+    return {"refit_s": refit_s, "idle_s": idle_s, "excluded_s": length(out), "tokens_per_s_refit": rate_in,
+            "tokens_per_s_idle": rate_idle, "ratio": rate_in / rate_idle if rate_in is not None and rate_idle else None}
 
 
 def _verified(recs: list[dict[str, Any]]) -> dict[str, Any]:
