@@ -102,6 +102,28 @@ class VerificationFailed(RefitError):
     """A digest of received bytes differs from the sender's: corrupted or missing data."""
 
 
+class VersionUnreachable(RefitError):
+    """``version`` committed, but it cannot reach this inference rank (one that joined or
+    restarted since): no live member holds what the rank needs of it (its peers hold their
+    own shards, the trainers released it at the commit). The rank receives the next version
+    the trainers publish; ``cause`` names the region nobody holds."""
+
+    def __init__(self, version: int, cause: str, *, member_id: str | None = None) -> None:
+        who = f"{member_id}: " if member_id else ""
+        super().__init__(f"{who}committed version {version} cannot reach this rank: {cause}; it will receive the "
+                         "next version the trainers publish")
+        self.version = version
+        self.cause = cause
+        self.member_id = member_id
+
+    def __reduce__(self):
+        return _rebuild_unreachable, (self.version, self.cause, self.member_id)
+
+
+def _rebuild_unreachable(version: int, cause: str, member_id: str | None) -> VersionUnreachable:
+    return VersionUnreachable(version, cause, member_id=member_id)
+
+
 _BRIEF_CHARS = 300
 
 

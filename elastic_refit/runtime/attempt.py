@@ -139,6 +139,25 @@ def next_action(view: MembershipView, state: VersionState,
     return None
 
 
+def own_catch_up(view: MembershipView, state: VersionState, member_id: str) -> AttemptSpec | None:
+    """The catch-up that would bring inference rank ``member_id`` to the latest committed
+    version from its holders (pure), when it does not hold that version and no newer one is
+    on its way (published and not failed: that one reaches it instead); else None. The
+    rank asks whether the holders can cover it (a peer of a TP engine holds its own shard
+    only): if not, the version cannot reach it."""
+    latest = state.latest_committed
+    if latest is None or member_id not in view or view.member(member_id).role != "inference":
+        return None
+    inference = view.members_of("inference")
+    if holds(state, latest, view.member(member_id)):
+        return None
+    if any(v > latest and v not in state.failed for v, published in state.sources.items() if published):
+        return None
+    holders = tuple(sorted(m.member_id for m in inference if holds(state, latest, m)))
+    behind = tuple(sorted(m.member_id for m in inference if not holds(state, latest, m)))
+    return AttemptSpec(latest, CATCH_UP, (), holders, behind, attempt_layouts(view, state, latest, (), holders + behind))
+
+
 def steady_refit(view: MembershipView) -> AttemptSpec | None:
     """The attempt a new version gets in ``view`` once every trainer published it and no
     inference rank holds it yet (the usual refit): every trainer sends, every inference

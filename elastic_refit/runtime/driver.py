@@ -45,7 +45,7 @@ from elastic_refit.runtime.agent import (
     RunAttempt,
     decide,
 )
-from elastic_refit.runtime.attempt import fault_cause, steady_refit
+from elastic_refit.runtime.attempt import fault_cause, own_catch_up, steady_refit
 from elastic_refit.runtime.checks import Side
 from elastic_refit.runtime.coordinator import Coordinator
 from elastic_refit.runtime.outcomes import Outcomes
@@ -231,6 +231,8 @@ class Driver:
         s = self.services
         state = s.tracker.state()
         self.observe(state)
+        if self._serving is not None:
+            self._check_reachable(view, state)
         if action.coordinate:
             proposed = self.coordinator.move(view, action.seq, state)
             if proposed is not None:  # no need to wait for the watch to bring it back
@@ -239,6 +241,16 @@ class Driver:
         if found is None:
             return Observed(action.epoch, None)
         return Observed(action.epoch, NextAttempt(*found))
+
+    def _check_reachable(self, view: MembershipView, state: VersionState) -> None:
+        """An inference rank that joined or restarted after a commit gets that version from
+        its holders; when they cannot cover it (TP peers hold their own shards) and nothing
+        newer is on its way, its waiters learn why now instead of at their timeout."""
+        spec = own_catch_up(view, state, self.services.config.member_id)
+        cause = None
+        if spec is not None and not self.planner.feasible(view, spec):
+            cause = self.planner.uncovered(view, spec)
+        self.outcomes.strand(spec.version if cause else None, cause or "")
 
     def observe(self, state: VersionState) -> None:
         """Record commits and failed versions; serve a committed version once this rank

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from elastic_refit._validate import check_timeout
-from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout
+from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout, VersionUnreachable
 from elastic_refit.membership.versions import Commit, Failure
 
 __all__ = ["Outcomes", "PublishHandle"]
@@ -37,6 +37,7 @@ class Outcomes:
         self._failed: dict[int, Failure] = {}
         self._last_fault: tuple[float, str] | None = None  # (clock time, cause)
         self._error: BaseException | None = None
+        self._stranded: tuple[int, str] | None = None  # (committed version, why it cannot reach this rank)
         self._closed = False
 
     # ---- what the driver records ----------------------------------------------------------
@@ -58,6 +59,15 @@ class Outcomes:
         """This rank's latest fault, named by a later ``RefitTimeout``."""
         with self._cond:
             self._last_fault = (self._clock(), cause)
+
+    def strand(self, version: int | None, cause: str = "") -> None:
+        """Committed ``version`` cannot reach this rank for ``cause`` (None: it can, or a
+        newer version is on its way): waiters for it raise ``VersionUnreachable``."""
+        with self._cond:
+            stranded = None if version is None else (version, cause)
+            if stranded != self._stranded:
+                self._stranded = stranded
+                self._cond.notify_all()
 
     def latch(self, exc: BaseException) -> None:
         """The agent failed for good: every waiter raises ``exc`` from now on."""
@@ -85,11 +95,16 @@ class Outcomes:
     def raise_if_failed(self, version: int | None) -> None:
         """Raise ``RefitFailed`` if ``version`` failed; for ``None`` (any version), if the
         job committed nothing and its newest version over failed: the cause is why there is
-        nothing to serve (a refused version never commits, and none before it did)."""
+        nothing to serve (a refused version never commits, and none before it did). Raise
+        ``VersionUnreachable`` if the latest committed version, at least ``version``, cannot
+        reach this rank (see :meth:`strand`)."""
         with self._cond:
             failure = self._job_failure() if version is None else self._failed.get(version)
+            stranded = self._stranded
         if failure is not None:
             raise RefitFailed(failure.version, failure.cause, failure.num_attempts, epoch=failure.epoch)
+        if stranded is not None and (version is None or version <= stranded[0]):
+            raise VersionUnreachable(stranded[0], stranded[1], member_id=self.member_id)
 
     def outcome(self, version: int) -> Commit | None:
         """The commit ``version`` came to (or a newer one), or raise its failure; None while

@@ -43,6 +43,7 @@ class AttemptPlanner:
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}
         self._feasible: dict[tuple, bool | str] = {}  # see _verdict
+        self._uncovered: dict[tuple, str] = {}  # why an infeasible attempt waits (see uncovered)
         self._regions: tuple[str, tuple[ReplicaRegion, ...]] | None = None  # (training layout, its regions)
 
     def plan(self, view: MembershipView, spec: AttemptSpec) -> Plan:
@@ -82,6 +83,13 @@ class AttemptPlanner:
         verdict = self._verdict(view, spec)
         return verdict if isinstance(verdict, str) else None
 
+    def uncovered(self, view: MembershipView, spec: AttemptSpec) -> str | None:
+        """Why ``spec`` waits: a region no participant holds (the planner's ``Uncovered``),
+        or None (it can be planned, or not yet for another reason)."""
+        if spec.holders and self._verdict(view, spec) is False:
+            return self._uncovered.get((view.epoch, spec))
+        return None if spec.holders else f"no live inference rank holds version {spec.version}"
+
     def _verdict(self, view: MembershipView, spec: AttemptSpec) -> bool | str:
         """True: plannable; False: not yet (a layout not in etcd, a region no live member
         holds); a string: never, with these members (why)."""
@@ -99,6 +107,7 @@ class AttemptPlanner:
                 return False
             except Uncovered as exc:  # a member holding the region is gone: wait for it
                 self._feasible[key] = False
+                self._uncovered[key] = brief(exc)
                 self._log.warning("refit.version.unavailable", version=spec.version, kind=spec.kind,
                                   epoch=view.epoch, reason=brief(exc))
             except ValueError as exc:  # the layouts or the settings: no retry can plan it
@@ -106,6 +115,7 @@ class AttemptPlanner:
                 self._log.error("refit.version.unplannable", version=spec.version, kind=spec.kind,
                                 epoch=view.epoch, reason=brief(exc))
             if len(self._feasible) > _FEASIBILITY_KEPT:
+                self._uncovered.pop(next(iter(self._feasible)), None)
                 self._feasible.pop(next(iter(self._feasible)))
         return self._feasible.get(key, False)
 

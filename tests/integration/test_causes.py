@@ -64,6 +64,7 @@ class Member:
     formats: TensorFormats | None = None
     config: dict[str, Any] = field(default_factory=dict)
     after: str | None = None  # start once this member has started
+    delay_s: float = 0.0  # start this much later (a late rank)
 
 
 def members(destination: Layout = DESTINATION, formats: tuple[TensorFormats | None, TensorFormats | None] = (None, None),
@@ -92,6 +93,12 @@ CASES = [
      "PlanMismatch"),
     ("one member_id in both roles", members(ids=("i0", "t0"), ranks=(1, 2)),
      {"trainer:t0": None, "i0": None, "inference:t0": "member_id 't0' is already registered in job"}),
+    # A TP rank that starts after the commit: its peer holds only its own shard and the
+    # trainer released the version, so the version cannot reach it (the next one will).
+    ("a late inference rank",
+     (Member("trainer", "t0", 0, SOURCE), Member("inference", "i0", 1, DESTINATION),
+      Member("inference", "i1", 2, DESTINATION, delay_s=2 * TTL_S)),
+     {"t0": None, "i0": None, "i1": "VersionUnreachable: i1: committed version 1 cannot reach this rank: tensor 'w'"}),
 ]
 
 
@@ -128,6 +135,7 @@ def run_members(etcd: str, job: str, spec: tuple[Member, ...]) -> dict[str, tupl
         if m.after is not None:
             started[m.after + "trainer"].wait(30)
             time.sleep(0.5)
+        time.sleep(m.delay_s)
         t0 = time.monotonic()
         try:
             config = RefitConfig(job=job, role=m.role, member_id=m.member_id, layout_rank=m.layout_rank, etcd=(etcd,),
@@ -172,7 +180,7 @@ def test_a_mistake_across_members_reaches_every_caller_naming_its_cause(etcd_ser
         assert error is not None and cause in error, f"{name}: {who} raised {error!r}, expected {cause!r}"
         assert "\n" not in error.strip(), f"{name}: {who}'s error is not one line: {error!r}"
         assert seconds <= BOUND_S, f"{name}: {who} raised after {seconds:.1f} s (bound {BOUND_S} s): {error}"
-    slowest = max(sec for who, (_, sec) in results.items() if every[who] is not None)
+    slowest = max((sec for who, (_, sec) in results.items() if every[who] is not None), default=0.0)
     print(f"time-to-error {name}: {slowest:.2f} s (bound {BOUND_S} s)")
     if isinstance(expected, str):  # the version's failed record names the cause (status shows it)
         failed = version_records(etcd_server.endpoint, job)["failed"]

@@ -37,6 +37,7 @@ from elastic_refit.runtime.attempt import (
     check_publish,
     count_failure,
     fault_cause,
+    own_catch_up,
     reform_due,
     reform_due_in,
     version_digest,
@@ -661,3 +662,23 @@ def test_plan_peers_match_between_the_two_ends_of_every_pair_and_cover_every_mes
 ])
 def test_connect_ahead_auto_means_nccl_backends(backend, device, connect_ahead, connects):
     assert config(backend=backend, device=device, connect_ahead=connect_ahead).connects_ahead is connects
+
+
+@pytest.mark.parametrize(("name", "me", "members", "versions", "expected"), [
+    ("holds the latest: nothing to reach", "i0", ("t0", "i0", "i1"),
+     state(acks={3: ["i0", "i1"]}, committed=(3,)), None),
+    ("joined after the commit: from its holders", "i1", ("t0", "i0", "i1"),
+     state(acks={3: ["i0"]}, committed=(3,)), (3, (), ("i0",), ("i1",))),
+    ("restarted since its ack: behind too", "i1", ("t0", "i0", "i1@b"),
+     state(acks={3: ["i0", "i1"]}, committed=(3,)), (3, (), ("i0",), ("i1",))),
+    ("a newer version on its way reaches it instead", "i1", ("t0", "i0", "i1"),
+     state(sources={4: ["t0"]}, acks={3: ["i0"]}, committed=(3,)), None),
+    ("a newer failed version does not", "i1", ("t0", "i0", "i1"),
+     state(sources={4: ["t0"]}, acks={3: ["i0"]}, committed=(3,), failed=(4,)), (3, (), ("i0",), ("i1",))),
+    ("nothing committed yet", "i1", ("t0", "i0", "i1"), state(sources={1: ["t0"]}), None),
+    ("a trainer never catches up", "t0", ("t0", "i0", "i1"), state(acks={3: ["i0"]}, committed=(3,)), None),
+])
+def test_own_catch_up(name, me, members, versions, expected):
+    spec = own_catch_up(view(*members), versions, me)
+    got = None if spec is None else (spec.version, spec.sources, spec.holders, spec.destinations)
+    assert got == expected, name
