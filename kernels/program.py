@@ -13,7 +13,7 @@ import torch
 
 from . import _triton_backend
 from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
-from .reference import copy_reference
+from .reference import cast_copy, copy_reference
 
 __all__ = [
     "BACKENDS",
@@ -73,6 +73,12 @@ class PackProgram:
     ``num_warps`` its warps; ``max_entry_bytes`` (<= 1 GiB, for tests) the size above which a
     region is split into several kernel entries.
 
+    ``packed_dtypes`` (one per tensor, default: its own dtype): the dtype a tensor's regions
+    have in the packed buffer. Where it differs, :meth:`pack` casts exactly as
+    ``tensor.to(packed_dtype)`` (and :meth:`unpack` casts back), so a sender's FP32 goes on
+    the wire as the destination's BF16; its regions take ``numel * packed itemsize`` bytes.
+    Cast regions run as torch copies (one per region) whatever the backend.
+
     Raises ValueError naming the region and tensor for a box out of bounds, a rank mismatch,
     or overlapping packed ranges. Boxes that overlap inside one tensor are allowed for
     :meth:`pack` but make :meth:`unpack` raise (the result would depend on write order).
@@ -89,6 +95,7 @@ class PackProgram:
         tile_bytes: int = DEFAULT_TILE_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        packed_dtypes: Sequence[torch.dtype] | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -115,6 +122,9 @@ class PackProgram:
                 raise ValueError(f"dtypes[{i}] must be a torch.dtype, got {dt!r}")
         self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
         self.itemsizes = tuple(torch.empty((), dtype=dt).element_size() for dt in self.dtypes)
+        self.packed_dtypes: tuple[torch.dtype, ...] = self._check_packed_dtypes(packed_dtypes)
+        # bytes per element in the packed buffer (== itemsizes unless a tensor is cast)
+        self.packed_itemsizes = tuple(torch.empty((), dtype=dt).element_size() for dt in self.packed_dtypes)
         self.device = _canonical_device(torch.device(device))
         if backend == "auto":
             backend = (
@@ -127,13 +137,27 @@ class PackProgram:
         self.regions: tuple[BoxRegion, ...] = tuple(
             self._check_region(i, r) for i, r in enumerate(regions)
         )
-        self.nbytes = packed_nbytes(self.regions, self.itemsizes)
+        self.nbytes = packed_nbytes(self.regions, self.packed_itemsizes)
         self._check_packed_overlap()
         self._unpack_conflict = self._find_box_overlap()
+        cast = [self.packed_dtypes[r.tensor_index] != self.dtypes[r.tensor_index] for r in self.regions]
+        self._cast_regions = tuple(r for r, c in zip(self.regions, cast, strict=True) if c)
+        self._byte_regions = tuple(r for r, c in zip(self.regions, cast, strict=True) if not c)
         self._plan = self._build_plan() if backend == "triton" else None
         self._descs: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     # -- validation ---------------------------------------------------------------------
+    def _check_packed_dtypes(self, packed_dtypes: Sequence[torch.dtype] | None) -> tuple[torch.dtype, ...]:
+        if packed_dtypes is None:
+            return self.dtypes
+        packed = tuple(packed_dtypes)
+        if len(packed) != len(self.dtypes):
+            raise ValueError(f"{len(self.dtypes)} dtypes but {len(packed)} packed_dtypes")
+        for i, dt in enumerate(packed):
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"packed_dtypes[{i}] must be a torch.dtype, got {dt!r}")
+        return packed
+
     def _check_region(self, i: int, region: BoxRegion | tuple) -> BoxRegion:
         if not isinstance(region, BoxRegion):
             try:
@@ -165,7 +189,7 @@ class PackProgram:
         spans = sorted(
             (
                 r.packed_offset_bytes,
-                r.packed_offset_bytes + r.nbytes(self.itemsizes[r.tensor_index]),
+                r.packed_offset_bytes + r.nbytes(self.packed_itemsizes[r.tensor_index]),
                 i,
             )
             for i, r in enumerate(self.regions)
@@ -232,7 +256,7 @@ class PackProgram:
     # -- Triton plan --------------------------------------------------------------------
     def _build_plan(self) -> _Plan:
         entries: list[Entry] = []
-        for r in self.regions:
+        for r in self._byte_regions:  # cast regions are torch copies
             if r.numel > 0:
                 entries.extend(
                     entries_for(
@@ -320,9 +344,11 @@ class PackProgram:
         self._check_tensors(tensors)
         self._check_buffer(buf, "out" if pack else "packed")
         if self._plan is None:
-            copy_reference(self.regions, tensors, buf, pack=pack)
+            copy_reference(self._byte_regions, tensors, buf, pack=pack)
         elif self._plan.num_tiles:
             self._launch(buf, self._resolved(tensors, buf), pack)
+        if self._cast_regions:
+            cast_copy(self._cast_regions, tensors, buf, self.packed_dtypes, pack=pack)
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -406,9 +432,11 @@ class PackBinding:
     def _copy(self, pack: bool) -> None:
         p = self.program
         if p._plan is None:
-            copy_reference(p.regions, self.tensors, self.buf, pack=pack)
+            copy_reference(p._byte_regions, self.tensors, self.buf, pack=pack)
         elif p._plan.num_tiles:
             self._run(pack)
+        if p._cast_regions:
+            cast_copy(p._cast_regions, self.tensors, self.buf, p.packed_dtypes, pack=pack)
 
     def _launch(self, pack: bool) -> None:
         assert self._desc is not None

@@ -13,7 +13,7 @@ import torch
 
 from .boxes import BoxRegion
 
-__all__ = ["copy_reference", "pack_reference", "unpack_reference"]
+__all__ = ["cast_copy", "copy_reference", "pack_reference", "unpack_reference"]
 
 
 def _byte_box(tensor: torch.Tensor, region: BoxRegion) -> torch.Tensor:
@@ -49,6 +49,39 @@ def copy_reference(
             flat.copy_(box)
         else:
             box.copy_(flat)
+
+
+def cast_copy(
+    regions: Sequence[BoxRegion],
+    tensors: Sequence[torch.Tensor],
+    packed: torch.Tensor,
+    packed_dtypes: Sequence[torch.dtype],
+    *,
+    pack: bool,
+) -> None:
+    """Like :func:`copy_reference` for regions whose packed dtype differs from their
+    tensor's: each region's packed bytes hold its box in ``packed_dtypes[tensor_index]``.
+    ``copy_`` between dtypes is the conversion ``Tensor.to`` runs, so a packed box is
+    bit-for-bit ``box.to(packed_dtype)``."""
+    for region in regions:
+        t = tensors[region.tensor_index]
+        dtype = packed_dtypes[region.tensor_index]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n = region.numel * itemsize
+        if n == 0:
+            continue
+        box = t.reshape(1) if t.dim() == 0 else t[tuple(slice(o, o + k) for o, k in zip(region.offsets, region.lengths, strict=True))]
+        flat = packed[region.packed_offset_bytes : region.packed_offset_bytes + n]
+        if flat.storage_offset() % itemsize == 0:  # a typed view of the packed bytes
+            typed = flat.view(dtype).view(box.shape)
+            if pack:
+                typed.copy_(box)
+            else:
+                box.copy_(typed)
+        elif pack:  # unaligned in the packed buffer: through a cast copy of the box
+            flat.copy_(box.to(dtype).reshape(-1).view(torch.uint8))
+        else:
+            box.copy_(flat.clone().view(dtype).view(box.shape))
 
 
 def pack_reference(

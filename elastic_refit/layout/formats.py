@@ -18,6 +18,11 @@ how the destination holds one of them. Three formats:
     (``2 ** (code - 127)``; 255 is NaN) in ``weight_scale`` of shape ``[..., rows,
     ceil(cols / 32)]``.
 
+A destination that holds a tensor in another floating dtype than its source (BF16 where the
+trainer keeps FP32) says so in its layout, not here: the refit casts it on the senders
+(``elastic_refit.layout.casts``), and ``bf16`` above then means the destination's own dtype.
+A cast and a quantized format are not combined (the planner refuses it).
+
 :class:`TensorFormats` is the per-tensor declaration of one destination side: tensors it does
 not name are ``bf16``. It is kept beside the destination :class:`Layout` (spec files,
 presets and self-described layouts declare it) rather than inside it: a layout describes

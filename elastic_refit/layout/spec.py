@@ -10,7 +10,9 @@ Placements are ``"R"``, ``"S(d)"`` or ``"_S(d, k)"`` (a strided shard), one per 
 with DTensor semantics. A destination may name its format, ``"destination": {"mesh": ...,
 "placements": ..., "format": "fp8-block128"}`` (``elastic_refit.layout.formats``; default
 ``bf16``); formats are kept in ``RefitSpec.destination_formats``, beside the layouts, whose
-fingerprints they leave unchanged. A rank may appear in both meshes (colocated training and
+fingerprints they leave unchanged. A side may hold a tensor in its own ``"dtype"`` (a
+destination in ``bfloat16`` where the source is ``float32``: the refit casts it,
+``elastic_refit.layout.casts``). A rank may appear in both meshes (colocated training and
 inference).
 A side file (``load_side``) describes one side only: each tensor has its own ``mesh`` and
 ``placements``, in that side's ranks, and optionally a ``format`` (``load_side_formats``).
@@ -135,7 +137,9 @@ def parse_spec(data: Any, origin: str = "spec") -> RefitSpec:
         name, shape, dtype, where = _tensor_entry(entry, f"{origin}: tensors[{i}]", origin)
         for side, builder in (("source", source), ("destination", destination)):
             side_spec = _require(entry, side, where)
-            max_rank = max(max_rank, _add_placed(builder, name, shape, dtype, side_spec, f"{where} {side}"))
+            # a side may hold the tensor in its own dtype (a refit casts: layout.casts)
+            held = side_spec.get("dtype", dtype) if isinstance(side_spec, dict) else dtype
+            max_rank = max(max_rank, _add_placed(builder, name, shape, held, side_spec, f"{where} {side}"))
         if isinstance(entry["source"], dict) and "format" in entry["source"]:
             raise ValueError(f"{where} source: 'format' describes how the destination stores a tensor; "
                              f"put it in 'destination'")

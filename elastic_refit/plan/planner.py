@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from elastic_refit.layout import Box, Layout, Topology
+from elastic_refit.layout.casts import SourceCast, cast_layout
 from elastic_refit.layout.digest import update_int_arrays
 from elastic_refit.layout.formats import TensorFormats
 from elastic_refit.plan.quantized import Quantization, amax_exchange, format_layouts
@@ -461,6 +462,11 @@ def make_plan(
     whose bytes the figures count. Every figure is in the destination format. All-``bf16``
     formats (the default) plan exactly as without them, fingerprints included.
 
+    A destination tensor declared in another floating dtype than its source (BF16 where the
+    trainer holds FP32) is cast by its sender as it packs (``layout.casts``): the plan's
+    ``source`` is then the source layout in the destination dtypes, every figure counts the
+    destination's bytes, and ``Plan.cast`` keeps the layout as given (what senders read).
+
     Raises ``ValueError`` naming the tensor and ranks for mismatched tensors, destination
     regions that no source piece covers, overlapping destination pieces, ranks outside
     the topology, or formats the layouts cannot hold.
@@ -469,6 +475,12 @@ def make_plan(
     quantization = None
     if formats is not None and not isinstance(formats, TensorFormats):
         raise ValueError(f"formats must be a TensorFormats, got {formats!r}")
+    cast = SourceCast.between(source, destination)
+    if cast is not None:
+        if formats:
+            raise ValueError(f"a destination format ({len(formats)} quantized tensor(s)) beside a dtype cast "
+                             f"({cast.describe()}): quantize from the destination's dtype, publish it so")
+        source = cast_layout(source, cast.dtypes)
     if formats:
         logical_source, logical_destination = source, destination
         source, destination, scale_tensor = format_layouts(source, destination, formats)
@@ -486,7 +498,7 @@ def make_plan(
         lower_bound_bytes,
     )
     fingerprint = _fingerprint(source, destination, topology, options, relayed, classes, table,
-                               formats.fingerprint if formats else "")
+                               (formats.fingerprint if formats else "") + (f"cast:{cast.fingerprint}" if cast else ""))
     if formats:
         quantization, stats, per_rank = _quantization(
             formats, logical_source, logical_destination, scale_tensor, source, destination, topology,
@@ -509,6 +521,7 @@ def make_plan(
         egress_group_ranks=egress_group[1],
         relayed=relayed,
         quantization=quantization,
+        cast=cast,
     )
 
 

@@ -29,6 +29,7 @@ import hashlib
 import numpy as np
 
 from elastic_refit.layout import Layout, Topology
+from elastic_refit.layout.casts import SourceCast, cast_layout
 from elastic_refit.plan.planner import (
     PLANNER_VERSION,
     _atom_columns,
@@ -97,6 +98,10 @@ def make_rank_plan(source: Layout, destination: Layout, topology: Topology, opti
     """
     options = options or PlanOptions()
     rank = _check_rank(rank, topology)
+    fingerprint = plan_input_fingerprint(source, destination, topology, options)  # the source as given
+    cast = SourceCast.between(source, destination)
+    if cast is not None:  # planned in the destination's dtypes, as make_plan does
+        source = cast_layout(source, cast.dtypes)
     tensor_map, classes, instances, domain_of_rank = _inputs(source, destination, topology)
     src_rows, dst_rows, src_regions, dst_regions, atoms = _atom_stage(source, destination, options, tensor_map,
                                                                       classes)
@@ -112,9 +117,8 @@ def make_rank_plan(source: Layout, destination: Layout, topology: Topology, opti
     transfers, _ = _messages(table, _rounds(table, space), space.num_rounds, options.bucket_bytes, instances,
                              topology.num_ranks)
     return RankPlan(rank=rank, source=source, destination=destination, topology=topology, options=options,
-                    transfers=transfers, classes=classes, source_tensor=tensor_map,
-                    fingerprint=plan_input_fingerprint(source, destination, topology, options),
-                    num_rounds=space.num_rounds, relayed=False)
+                    transfers=transfers, classes=classes, source_tensor=tensor_map, fingerprint=fingerprint,
+                    num_rounds=space.num_rounds, relayed=False, cast=cast)
 
 
 def _rows_of_full_plan(source, destination, topology, options, rank):
@@ -440,5 +444,6 @@ def rank_slice(plan: Plan, rank: int) -> RankPlan:
     return RankPlan(rank=rank, source=plan.source, destination=plan.destination, topology=plan.topology,
                     options=plan.options, transfers=TransferTable(**columns), classes=plan.classes,
                     source_tensor=plan.source_tensor,
-                    fingerprint=plan_input_fingerprint(plan.source, plan.destination, plan.topology, plan.options),
-                    num_rounds=space.num_rounds, relayed=False)
+                    fingerprint=plan_input_fingerprint(plan.cast.logical_source if plan.cast else plan.source,
+                                                       plan.destination, plan.topology, plan.options),
+                    num_rounds=space.num_rounds, relayed=False, cast=plan.cast)

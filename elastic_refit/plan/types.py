@@ -313,6 +313,10 @@ class Plan(_ClassRows):
     # ``source`` and ``destination`` are then the layouts in the destination format. None
     # when nothing is quantized.
     quantization: object = field(default=None, repr=False)
+    # Plans that cast (``layout.casts``): the source layout as given and the casts
+    # (``SourceCast``); ``source`` is then that layout in the destination dtypes. None when
+    # every dtype matches.
+    cast: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._index_pieces()
@@ -349,6 +353,7 @@ class RankPlan(_ClassRows):
     fingerprint: str = field()
     num_rounds: int = 0
     relayed: bool = False
+    cast: object = field(default=None, repr=False)  # as Plan.cast
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.topology.num_ranks:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from elastic_refit._validate import is_integer
 from elastic_refit.errors import brief
 from elastic_refit.layout import Layout, TensorFormats, Topology, combine_layouts
+from elastic_refit.layout.casts import source_casts
 from elastic_refit.membership.attempts import CATCH_UP, REFIT, AttemptSpec, Done, DoneKind
 from elastic_refit.membership.versions import Commit, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
@@ -270,6 +271,24 @@ def format_disagreement(formats_of: FormatsOf | None, view: MembershipView, atte
     return None
 
 
+def holder_cast(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec) -> str | None:
+    """Why ``attempt``'s holders cannot send beside its trainers, or ``None``: they hold the
+    version in another dtype than the trainers (an inference side in BF16, the trainers in
+    FP32: the trainers' bytes are cast on the way, the holders' are already the destination's,
+    and one source layout holds each tensor in one dtype)."""
+    if not attempt.sources or not attempt.holders:
+        return None
+    first = attempt.sources[0]
+    trainers = layout_of(view.member(first), attempt.layout(first))
+    for member_id in attempt.holders:
+        casts = source_casts(trainers, layout_of(view.member(member_id), attempt.layout(member_id)))
+        if casts:
+            name, (theirs, held) = next(iter(sorted(casts.items())))
+            return (f"holder {member_id!r} holds version {attempt.version} in {held} where the trainers hold "
+                    f"{theirs} ({name!r} and {len(casts) - 1} more): it cannot send beside them, make it a destination")
+    return None
+
+
 def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec,
                  options: PlanOptions | None = None, formats_of: FormatsOf | None = None) -> Plan:
     """The plan of ``attempt`` over the epoch's communicator ranks.
@@ -287,7 +306,9 @@ def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec
     sender that holds it); holders hold that format already, so a catch-up from holders
     moves their FP8 bytes and scales as they are (``destination_format_layout`` on both
     sides, nothing to quantize), and a refit with holders beside trainers is refused
-    (``next_action``'s ``holders_serve`` makes them destinations instead).
+    (``next_action``'s ``holders_serve`` makes them destinations instead). Likewise holders
+    whose dtypes differ from the trainers' (``holder_cast``): a destination in BF16 fed by
+    FP32 trainers gets the trainers' bytes cast by their senders (``make_plan``).
     """
     def parts(member_ids: tuple[str, ...]) -> list[tuple[Layout, dict[int, int]]]:
         groups: dict[int, tuple[Layout, dict[int, int], dict[int, str]]] = {}
@@ -305,6 +326,9 @@ def plan_attempt(layout_of: LayoutOf, view: MembershipView, attempt: AttemptSpec
         return [(layout, ranks) for layout, ranks, _ in groups.values()]
 
     formats = attempt_formats(formats_of, view, attempt)
+    mixed = holder_cast(layout_of, view, attempt)
+    if mixed is not None:
+        raise ValueError(mixed)
     if not formats:
         src = combine_layouts(parts(attempt.sources) + parts(attempt.holders))
         dst = combine_layouts(parts(attempt.destinations))

@@ -19,6 +19,7 @@ from elastic_refit.runtime.attempt import (
     REFIT,
     AttemptSpec,
     format_disagreement,
+    holder_cast,
     plan_attempt,
     source_layout_disagreement,
 )
@@ -138,9 +139,11 @@ class AttemptPlanner:
 
     def holders_serve(self, view: MembershipView, spec: AttemptSpec) -> bool:
         """Whether the holders of a refit can send beside its trainers: not when they hold
-        a quantized destination format (they then receive the version again)."""
+        a quantized destination format, or other dtypes than the trainers (``holder_cast``;
+        they then receive the version again)."""
         try:
-            return not any(self.layouts.formats_of(view.member(m), spec.layout(m)) for m in spec.holders)
+            return (not any(self.layouts.formats_of(view.member(m), spec.layout(m)) for m in spec.holders)
+                    and holder_cast(self.layouts.layout_of, view, spec) is None)
         except LayoutUnavailable:
             return True  # the feasibility check waits for the description
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from elastic_refit.layout import TensorFormats
+from elastic_refit.layout.casts import source_casts
 from elastic_refit.membership.client import EtcdClient
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import MembershipView
@@ -235,13 +236,16 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     params = allocate(destination_format_layout(layouts.destination, formats), member.layout_rank, fill=0,
                       device=device)
 
+    # tensors the trainers publish in another dtype (a refit casts them: layout.casts)
+    cast_from = {name: src for name, (src, _) in source_casts(layouts.source, layouts.destination).items()}
+
     def check_version(version: int) -> list[str]:
         if member.delta_density is not None:
             return version_problems(layouts.destination, member.layout_rank, params, version,
                                     density=member.delta_density)
         if formats:
             return check_quantized(layouts.destination, formats, member.layout_rank, params, seed=version)
-        return check_pieces(layouts.destination, member.layout_rank, params, seed=version)
+        return check_pieces(layouts.destination, member.layout_rank, params, seed=version, cast_from=cast_from)
 
     with ElasticRefit(config, layouts, parameters=params, formats=formats or None, hooks=hooks) as refit:
         seen = -1

@@ -73,13 +73,20 @@ def fill_pieces(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor], 
 
 
 def check_pieces(layout: Layout, rank: int, buffers: Mapping[str, torch.Tensor], seed: int = 0,
-                 limit: int = 5) -> list[str]:
-    """Compare every piece of ``rank`` with the pattern; returns up to ``limit`` mismatches."""
+                 limit: int = 5, cast_from: Mapping[str, str] | None = None) -> list[str]:
+    """Compare every piece of ``rank`` with the pattern; returns up to ``limit`` mismatches.
+    ``cast_from`` (``{tensor: source dtype}``): tensors published in another dtype, whose
+    pattern was written in that dtype and must arrive as ``pattern.to(destination dtype)``."""
     problems: list[str] = []
     for p, t, buffer, off, ln, loff, lln in _pieces_of(layout, rank):
         buf = buffers[buffer]
         region = _local_view(buf, loff, lln, t.itemsize)
-        want = pattern_bytes(t.name, t.shape, t.itemsize, off, ln, seed, buf.device).reshape(region.shape)
+        if cast_from and t.name in cast_from:
+            dtype = getattr(torch, cast_from[t.name])
+            raw = pattern_bytes(t.name, t.shape, torch.empty((), dtype=dtype).element_size(), off, ln, seed, buf.device)
+            want = byte_view(raw.view(dtype).to(getattr(torch, t.dtype)).contiguous()).reshape(region.shape)
+        else:
+            want = pattern_bytes(t.name, t.shape, t.itemsize, off, ln, seed, buf.device).reshape(region.shape)
         if not torch.equal(region, want):
             wrong = int((region != want).sum())
             problems.append(f"rank {rank} tensor {t.name!r} piece {layout.piece(p).box} in {buffer!r}: {wrong} bytes differ")

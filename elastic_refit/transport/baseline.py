@@ -295,6 +295,9 @@ class GatherBroadcast:
 
     def __init__(self, plan: Plan, transport: Transport, options: BaselineOptions | None = None) -> None:
         ensure_configured()  # structlog's default would print to stdout
+        if getattr(plan, "cast", None) is not None:
+            raise ValueError(f"gather-and-broadcast moves the source's bytes as they are; this plan casts "
+                             f"({plan.cast.describe()}): publish in the destination's dtypes")  # type: ignore[attr-defined]
         self.plan = plan
         self.transport = transport
         self.options = options or BaselineOptions()

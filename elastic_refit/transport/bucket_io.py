@@ -2,7 +2,8 @@
 
 A :class:`BucketIO` is one bucket of a message (pack into staging and unpack from it with one
 kernel launch, or a direct view of the parameter when the bucket is one contiguous box; with
-verification on, a digest trailer per box after the data). A :class:`ForwardIn` is a needer's
+verification on, a digest trailer per box after the data). A source buffer that the plan
+casts (``RankSchedule.wire_dtypes``) is cast as it is packed, never sent as a direct view. A :class:`ForwardIn` is a needer's
 side of one forward part of a relayed plan (where each span lands, and the digests the
 relay passed on).
 """
@@ -64,8 +65,12 @@ class BucketIO:
                 refs.append(b.buffer)
         self.refs = refs
         specs = [schedule.buffers[r] for r in refs]
+        # A source buffer the plan casts packs into the destination's dtype (never sent
+        # straight from the parameter: its bytes are not the wire's).
+        wire = [schedule.wire_dtypes.get(r, s.dtype) for r, s in zip(refs, specs, strict=True)]
+        self.casts = any(w != s.dtype for w, s in zip(wire, specs, strict=True))
         self.direct: tuple[BufferRef, int, int] | None = None
-        if options.zero_copy and not options.verify and len(bucket.boxes) == 1 and own:
+        if options.zero_copy and not options.verify and len(bucket.boxes) == 1 and own and not self.casts:
             only = bucket.boxes[0]
             spec = schedule.buffers[only.buffer]
             span = contiguous_span(spec.shape, only, DTYPE_ITEMSIZE[spec.dtype])
@@ -77,6 +82,7 @@ class BucketIO:
                 [s.shape for s in specs], [getattr(torch, s.dtype) for s in specs],
                 [BoxRegion(refs.index(b.buffer), b.offsets, b.lengths, b.packed_offset) for b in own],
                 device=device, backend=options.pack_backend,
+                packed_dtypes=[getattr(torch, w) for w in wire] if self.casts else None,
             )
         self._bindings: dict[tuple, object] = {}
         # The digest trailer starts 8-byte aligned after the data.

@@ -104,7 +104,8 @@ class Executor:
         # host) are read directly, outside the windows; the report still counts every byte.
         self._full_schedule = self.schedule
         self._direct = None
-        if getattr(transport, "direct_peers", None):
+        # A plan that casts packs on its senders (a direct read would copy the source's dtype).
+        if getattr(transport, "direct_peers", None) and getattr(plan, "cast", None) is None:
             from elastic_refit.transport.direct import DirectReads
 
             self._direct = DirectReads(plan, self.schedule, transport, self.options)
@@ -142,7 +143,9 @@ class Executor:
             self._slots.append(slots)
             num_slots.append(2 * len(packing) + len(gathering))
         self.num_staging_slots = max(num_slots)
-        self._delta = (DeltaCoder(self.schedule, self._io, quantized=plan.quantization is not None,
+        # Quantized and cast plans go in full (a delta's units are the buffers' elements).
+        full = plan.quantization is not None or getattr(plan, "cast", None) is not None
+        self._delta = (DeltaCoder(self.schedule, self._io, quantized=full,
                                   verify=self.options.verify, device=self.device)
                        if self.options.delta else None)
         self._round: tuple[DeltaRound, Mapping[str, torch.Tensor]] | None = None  # the refit's deltas

@@ -6,7 +6,7 @@ the same bucket boundaries from the same plan rows, so no sizes travel on the wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -109,8 +109,11 @@ class RankSchedule:
     fingerprint: str
     local_copies: tuple[LocalCopy, ...]
     steps: tuple[Step, ...]
-    buffers: dict[BufferRef, Buffer]  # every buffer this rank reads or writes
+    buffers: dict[BufferRef, Buffer]  # every buffer this rank reads or writes, in its own dtype
     max_bucket_bytes: int
+    # Source buffers whose bytes travel in another dtype (a plan that casts, ``Plan.cast``):
+    # ref -> the dtype its boxes have in buckets; packing casts them.
+    wire_dtypes: dict[BufferRef, str] = field(default_factory=dict)
 
     @property
     def send_bytes(self) -> int:
@@ -135,9 +138,20 @@ class RankSchedule:
 
 def rank_buffers(plan: Plan, rank: int) -> dict[BufferRef, Buffer]:
     """Rank ``rank``'s local buffers in ``plan``'s layouts: source side first, then destination
-    (a colocated rank has both)."""
-    sides = ((SourceSide.SOURCE, plan.source), (SourceSide.DESTINATION, plan.destination))
+    (a colocated rank has both). A plan that casts lists its source buffers as the caller
+    holds them (``Plan.cast.logical_source``, the source dtypes)."""
+    cast = getattr(plan, "cast", None)
+    source = plan.source if cast is None else cast.logical_source
+    sides = ((SourceSide.SOURCE, source), (SourceSide.DESTINATION, plan.destination))
     return {(int(side), buffer.name): buffer for side, layout in sides for buffer in layout.buffers(rank)}
+
+
+def wire_dtypes(plan: Plan, rank: int) -> dict[BufferRef, str]:
+    """Rank ``rank``'s source buffers that ``plan`` casts: ref -> the dtype on the wire."""
+    if getattr(plan, "cast", None) is None:
+        return {}
+    held = {b.name: b.dtype for b in plan.cast.logical_source.buffers(rank)}  # type: ignore[attr-defined]
+    return {(int(SourceSide.SOURCE), b.name): b.dtype for b in plan.source.buffers(rank) if held.get(b.name) != b.dtype}
 
 
 def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
@@ -261,7 +275,8 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
                      + [p.nbytes for s in steps for f in s.forward_recvs + s.forward_sends for p in f.parts],
                      default=0)
     assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
-    return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket)
+    return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket,
+                        wire_dtypes(plan, rank))
 
 
 def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forward, ...]:

@@ -445,8 +445,9 @@ def test_shape_mismatch_names_the_tensor():
 
 
 def test_dtype_mismatch_names_the_tensor():
-    src, dst = _one_tensor((4, 4), (4, 4), dtype_dst="bfloat16")
-    with pytest.raises(ValueError, match=r"tensor 'w'.*bfloat16"):
+    # float32 -> bfloat16 is a cast (layout.casts, tests/unit/test_casts.py); an integer is not
+    src, dst = _one_tensor((4, 4), (4, 4), dtype_dst="int32")
+    with pytest.raises(ValueError, match=r"tensor 'w': source is \[4, 4\] float32, destination is \[4, 4\] int32"):
         make_plan(src, dst, Topology.uniform(2, 1))
 
 
