@@ -263,6 +263,12 @@ class Membership:
                 self._view_cond.wait(min(left, 0.2))
 
     # ---------------------------------------------------------- fenced writes
+    def lease_silent_s(self) -> float:
+        """Seconds since etcd last answered a keepalive of this member's lease (0.0 while
+        unknown): past the TTL, the lease may be gone without etcd having said so yet."""
+        renewed = self._keeper.renewed_at(self.lease_id) if self._keeper is not None else None
+        return 0.0 if renewed is None else max(0.0, time.monotonic() - renewed)
+
     def check(self) -> None:
         """Raise :class:`MembershipLost` if this member has been lost."""
         if self.lost.is_set():

@@ -15,7 +15,13 @@ import time
 from collections.abc import Callable
 
 from elastic_refit.errors import RefitError, TransportAborted, brief
-from elastic_refit.membership import CommunicatorError, EpochTimeout, MembershipLost, MembershipView
+from elastic_refit.membership import (
+    CommunicatorError,
+    EpochTimeout,
+    JobStateLost,
+    MembershipLost,
+    MembershipView,
+)
 from elastic_refit.membership.layouts import LayoutUnavailable
 from elastic_refit.membership.versions import VersionState
 from elastic_refit.plan import Plan
@@ -132,8 +138,8 @@ class Driver:
                 continue
             try:
                 outcome = self._execute(action, state, changed)
-            except MembershipLost as exc:
-                lost, outcome = exc, Lost(str(exc), rejoin=self._may_rejoin())
+            except MembershipLost as exc:  # JobStateLost: no rejoin into a state that went back
+                lost, outcome = exc, Lost(str(exc), rejoin=self._may_rejoin() and not isinstance(exc, JobStateLost))
             except Exception as exc:  # a fault outside an attempt: back off until something changes
                 self._fault_detected(exc, state.epoch, state.seq)
                 outcome = Faulted(fault_cause(exc))
@@ -254,7 +260,15 @@ class Driver:
 
     def observe(self, state: VersionState) -> None:
         """Record commits and failed versions; serve a committed version once this rank
-        holds it (its ack, by this incarnation, in the layout it holds now)."""
+        holds it (its ack, by this incarnation, in the layout it holds now). A state whose
+        latest commit is older than one this member saw means the job's control state went
+        back (etcd restored from an older snapshot): ``JobStateLost``, never served."""
+        seen = self.outcomes.latest_committed()
+        if seen is not None and (state.latest_committed is None or state.latest_committed < seen):
+            raise JobStateLost(f"{self.services.config.member_id}: the job's control state in etcd went back (its "
+                               f"latest committed version is {state.latest_committed}, this member saw {seen} "
+                               "committed): etcd was restored from an older state, and going on could commit or "
+                               "serve versions out of order; this member stops")
         latest_done = self.outcomes.record(state.committed, state.failed)
         if self._published is not None:
             self._published.release_through(latest_done)  # committed, failed, or superseded by a later commit

@@ -86,6 +86,11 @@ class Outcomes:
             self._cond.notify_all()
 
     # ---- reads (waiters' ``ready`` run under the lock) -------------------------------------
+    def latest_committed(self) -> int | None:
+        """The newest version this member saw committed (None: none)."""
+        with self._cond:
+            return max(self._committed, default=None)
+
     def committed_at_least(self, version: int) -> Commit | None:
         """The commit of the oldest version >= ``version`` (a newer one supersedes it)."""
         with self._cond:

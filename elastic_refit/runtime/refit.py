@@ -56,7 +56,7 @@ from elastic_refit.runtime.participant import Participant
 from elastic_refit.runtime.phases import NO_HOOKS, PhaseHooks
 from elastic_refit.runtime.planning import AttemptPlanner
 from elastic_refit.runtime.published import Published, PublishedVersions
-from elastic_refit.runtime.rejoin import communicator_manager, rejoin
+from elastic_refit.runtime.rejoin import communicator_manager, out_of_touch, rejoin
 from elastic_refit.runtime.replicas import region_digests
 from elastic_refit.runtime.services import Services
 from elastic_refit.runtime.serving import ServingSlot
@@ -216,8 +216,8 @@ class ElasticRefit:
 
     @property
     def detached(self) -> str | None:
-        """Why this member is out of the job (its lease was lost; it rejoins), or None."""
-        return self._detached
+        """Why this member is out of the job (its lease was lost or etcd is silent), or None."""
+        return self._detached or (out_of_touch(self._running.services) if self._running is not None else None)
 
     @property
     def _services(self) -> Services:
@@ -436,7 +436,7 @@ class ElasticRefit:
         this member is detached (``detached``) if ``serve_when_detached`` is ``block``."""
         slot = self._inference("weights")
         keep = self.config.versions.serve_when_detached == "keep"
-        version = self._outcomes.wait_for(lambda: slot.enter() if keep or self._detached is None else None,
+        version = self._outcomes.wait_for(lambda: slot.enter() if keep or self.detached is None else None,
                                           self._timeout(timeout_s), "a committed version to serve")
         try:
             yield version

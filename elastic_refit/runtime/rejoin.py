@@ -36,7 +36,7 @@ from elastic_refit.runtime.config import RefitConfig
 from elastic_refit.runtime.published import PublishedVersions
 from elastic_refit.runtime.services import Services
 
-__all__ = ["BACKOFF_S", "communicator_manager", "register", "rejoin"]
+__all__ = ["BACKOFF_S", "communicator_manager", "out_of_touch", "register", "rejoin"]
 
 BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # between tries while etcd is unreachable; then the last, again
 
@@ -87,6 +87,16 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
         membership.on_lost(lambda _reason: services.changes.bump())
         return membership
     raise AssertionError("unreachable")
+
+
+def out_of_touch(services: Services) -> str | None:
+    """Why ``services``' member is out of the job although nobody said so yet: no keepalive
+    of its lease answered for longer than the TTL (etcd stalled or unreachable); None if
+    one was."""
+    silent_s, ttl_s = services.membership.lease_silent_s(), services.config.ttl_s
+    if silent_s <= ttl_s:
+        return None
+    return f"no keepalive of its lease answered for {silent_s:.1f} s (TTL {ttl_s} s): etcd is stalled or unreachable"
 
 
 def _check_same_run(membership: Membership, joined: str) -> None:

@@ -15,7 +15,9 @@ import time
 import pytest
 from elastic_refit.membership import JobStateLost
 from elastic_refit.membership.client import EtcdClient
+from elastic_refit.membership.keys import JobKeys
 
+from elastic_refit.errors import RefitTimeout
 from elastic_refit.runtime import ElasticRefit, RefitConfig
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
@@ -120,3 +122,49 @@ def test_a_wiped_etcd_stops_every_member_with_a_clear_error(etcd_server, job):
         stopped_s = time.monotonic() - wiped
         assert stopped_s < 2 * TTL_S + 5.0, stopped_s
         print(f"etcd wiped: every member stopped with JobStateLost within {stopped_s:.2f} s")
+
+
+def test_a_control_state_that_went_back_stops_every_member(etcd_server, job):
+    """The job's versions in etcd go back (as etcd restored from a snapshot taken before
+    them would): every member stops with ``JobStateLost`` instead of serving or committing
+    versions out of order."""
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, _params):
+        publish(trainer, 1)
+        publish(trainer, 2)
+        for engine in engines:
+            engine.wait_for_version(2)
+        with EtcdClient([etcd_server.endpoint]) as client:
+            client.delete_prefix(JobKeys(job).versions_prefix)
+        back = time.monotonic()
+        with pytest.raises(JobStateLost, match="went back"):
+            publish(trainer, 3)
+        for engine in engines:
+            with pytest.raises(JobStateLost):
+                engine.wait_for_version(3)
+        assert time.monotonic() - back < 5.0
+
+
+@pytest.mark.parametrize("policy", ["keep", "block"])
+def test_a_detached_inference_rank_serves_as_its_policy_says(etcd_server, job, policy):
+    """etcd stalled past the TTL: each member's keeper finds its lease expired and the member
+    is detached (``detached`` says why) until etcd answers again; meanwhile ``weights()``
+    serves the last version (``keep``) or waits (``block``)."""
+    with small_job(etcd_server.endpoint, job, serve_when_detached=policy) as (trainer, engines, _params):
+        publish(trainer, 1)
+        i0 = engines[0]
+        i0.wait_for_version(1)
+        os.kill(etcd_server.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: i0.detached is not None, 4 * TTL_S, "i0 to find its lease lost")
+            if policy == "keep":
+                with i0.weights(timeout_s=0.5) as version:
+                    assert version == 1
+            else:
+                with pytest.raises(RefitTimeout), i0.weights(timeout_s=0.5):
+                    pass
+        finally:
+            os.kill(etcd_server.pid, signal.SIGCONT)
+        wait_until(lambda: i0.detached is None, 30, "i0 to rejoin")
+        publish(trainer, 2)
+        with i0.weights(timeout_s=10) as version:
+            assert version == 2
