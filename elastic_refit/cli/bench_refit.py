@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "beside the plain reshard in the same run")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads per rank (default 0: torch's own, one per core)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout in seconds")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="per-operation timeout in seconds (default: from the work, a few times the "
+                             "slowest run and its check as estimated from the plan; at least 60)")
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="baseline broadcast chunk in MiB (default 8)")
     parser.add_argument("--p2p-mib", type=int, default=128, help="raw send/recv message in MiB (default 128)")
     from elastic_refit.cli.plan_cmd import add_format_argument
@@ -95,6 +97,43 @@ def _mem_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _methods(case, args: argparse.Namespace) -> list[str]:
+    """The methods this run times, in ``METHODS`` order."""
+    chosen = {"reshard", "gather_broadcast"} | ({"reshard_checked"} if args.snapshot_digests else set())
+    return [m for m in METHODS if m in chosen or (m == "reshard_fp8" and case.formats_json)]
+
+
+def _budget(case, args: argparse.Namespace, backend: str, *, staging: int, chunk: int, p2p: int, gpus: int):
+    """The benchmark's memory and time (``bench_budget.estimate``) for every method it runs;
+    ``ValueError`` when the memory it needs is not there (host memory for gloo; on GPUs, the
+    free memory of each device its ranks share)."""
+    import os
+
+    from elastic_refit.cli.bench_budget import estimate
+
+    plan, fp8 = case.plan(), case.plan_quantized()
+    device = "cpu" if backend == "gloo" else "cuda"
+    budget = estimate(plan, fp8, methods=_methods(case, args), staging_bytes=staging, chunk_bytes=chunk,
+                      p2p_bytes=p2p, runs=args.warmup + args.repeat, cores=os.cpu_count() or 1, device=device)
+    host = budget.memory if device == "cpu" else sum(r.process for r in budget.ranks)
+    if (avail := _mem_available()) is not None and host > avail:
+        raise ValueError(f"the benchmark needs {budget.describe_memory()} of memory, {format_bytes(avail)} is "
+                         f"available; cut the model (--layers), use fewer ranks, a smaller --bucket-mib, or no "
+                         f"--destination-format")
+    if device == "cuda":
+        import torch
+
+        need: dict[int, int] = {}
+        for r in budget.ranks:  # nccl_rank_env: rank r on GPU r % gpus
+            need[r.rank % gpus] = need.get(r.rank % gpus, 0) + r.device
+        for d, nbytes in sorted(need.items()):
+            free = torch.cuda.mem_get_info(d)[0]
+            if nbytes > free:
+                raise ValueError(f"the ranks on GPU {d} need about {format_bytes(nbytes)}, {format_bytes(free)} is "
+                                 f"free there; cut the model (--layers) or use fewer ranks")
+    return budget
 
 
 def _median(values: list[float]) -> float:
@@ -141,6 +180,7 @@ def summarize(values: list[dict[str, Any]], world_size: int, backend: str) -> di
         out["checks_digest_seconds"] = _median([max(v["reshard_checked"]["checks_seconds"][i] for v in values)
                                                 for i in range(runs)]) if runs else None
     out["reshard_fraction_of_p2p"] = (out["reshard"]["GBps"] / out["p2p_GBps"]) if out["p2p_GBps"] else None
+    out["max_rss_bytes"] = [v.get("max_rss_bytes") for v in values]  # per rank, measured
     out["verified"] = not problems
     out["problems"] = problems[:10]
     return out
@@ -160,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.torch_threads < 0:
         raise ValueError(f"--torch-threads must be >= 0, got {args.torch_threads}")
-    if args.warmup < 0 or not 0 < args.chunk_mib < math.inf or not 0 < args.timeout < math.inf:
+    if args.warmup < 0 or not 0 < args.chunk_mib < math.inf or not (args.timeout is None or 0 < args.timeout < math.inf):
         raise ValueError(f"--warmup must be >= 0, --chunk-mib and --timeout > 0; got {args.warmup}, "
-                         f"{args.chunk_mib}, {args.timeout}")
+                         f"{args.chunk_mib}, {'auto' if args.timeout is None else args.timeout}")
     spec, description = load_case(args)
     world_size = spec.topology.num_ranks
     if world_size < 2:
@@ -186,25 +226,20 @@ def run(args: argparse.Namespace) -> int:
         case = dataclasses.replace(case, formats_json=spec.destination_formats.to_json())
     chunk = max(1, int(args.chunk_mib * (1 << 20)))
     p2p = args.p2p_mib << 20
-    # Buffers of every rank, the baseline's staging (one tensor per rank), the reshard's
-    # staging (four buckets per rank) and the p2p messages: refuse what cannot fit.
-    largest = max(t.nbytes for t in spec.destination.tensors)
-    # (Only chain members stage a whole tensor: the destination ranks and the roots.)
-    chain = len(spec.destination.ranks) + 1
-    need = (spec.source.nbytes + spec.destination.nbytes + chain * largest
-            + world_size * (4 * bucket * args.concurrent_rounds + (300 << 20)))
-    if backend == "gloo" and (avail := _mem_available()) is not None and need > avail:
-        raise ValueError(f"the benchmark needs about {format_bytes(need)} of memory, {format_bytes(avail)} "
-                         f"is available; cut the model (--layers) or use fewer ranks")
-    options = BenchOptions(backend=backend, timeout_s=args.timeout, staging_bytes=4 * bucket * args.concurrent_rounds,
-                           verify=args.verify,
+    staging = 4 * bucket * args.concurrent_rounds
+    budget = _budget(case, args, backend, staging=staging, chunk=chunk, p2p=p2p, gpus=gpus)
+    timeout = budget.timeout_s if args.timeout is None else args.timeout
+    if timeout < budget.timeout_s:
+        progress(f"warning: --timeout {args.timeout:g} is below the {budget.timeout_s:.0f} s this work may need "
+                 f"(a rank may wait that long for the slowest one)")
+    options = BenchOptions(backend=backend, timeout_s=timeout, staging_bytes=staging, verify=args.verify,
                            repeat=args.repeat, warmup=args.warmup, chunk_bytes=chunk, p2p_bytes=p2p,
                            snapshot_digests=args.snapshot_digests, torch_threads=args.torch_threads)
-    progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}, "
-             f"about {format_bytes(need)} of memory; {args.warmup} warm-up + {args.repeat} timed runs per method")
-    # Planning, filling and checking take time of their own; allow for them generously.
-    budget = 120 + (args.warmup + args.repeat) * 2 * (args.timeout + 60) + 60
-    results = run_local_world(_rank_entry, world_size, (case, options), timeout_s=budget, rank_env=rank_env)
+    progress(f"{description}: {world_size} ranks on {backend}, model {format_bytes(spec.source.model_nbytes)}; "
+             f"{args.warmup} warm-up + {args.repeat} timed runs of {', '.join(_methods(case, args))}")
+    progress(f"memory: {budget.describe_memory()}; {budget.describe_time()}")
+    deadline = max(budget.total_s, 2 * timeout + 120)
+    results = run_local_world(_rank_entry, world_size, (case, options), timeout_s=deadline, rank_env=rank_env)
     failed = [r for r in results if not r.ok]
     if failed:
         for r in failed[:4]:
@@ -215,12 +250,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     out = summarize([r.value for r in results], world_size, backend)
     out["case"] = description
+    out["estimate"] = budget.as_dict()
+    out["timeout_s"] = timeout
     out["snapshot_digests"] = args.snapshot_digests
     out["concurrent_rounds"] = args.concurrent_rounds
     out["torch_threads"] = args.torch_threads
     if args.json:
         print_json(out)
-        return 0 if out["verified"] else 1
+    else:
+        _print_table(out, args, description, p2p)
+    return 0 if out["verified"] else 1
+
+
+def _print_table(out: dict[str, Any], args: argparse.Namespace, description: str, p2p: int) -> None:
+    """The benchmark's readable output: a row per method, then the raw bandwidth and verdict."""
+    world_size, backend = out["num_ranks"], out["backend"]
     p2p_gbps = out["p2p_GBps"]
     rows = []
     for m in (m for m in METHODS if m in out):
@@ -243,4 +287,3 @@ def run(args: argparse.Namespace) -> int:
           f"verified: {'yes, every destination byte' if out['verified'] else 'NO'}")
     for p in out["problems"]:
         print(f"  {p}")
-    return 0 if out["verified"] else 1

@@ -499,5 +499,13 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         "p2p_bytes": options.p2p_bytes,
         "p2p_pairs": half,
         "gather_broadcast_bytes": plan.stats.gather_broadcast_bytes,
+        "max_rss_bytes": _max_rss(),
         **results,
     }
+
+
+def _max_rss() -> int:
+    """This process's peak resident memory in bytes (what the bench's estimate must cover)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
