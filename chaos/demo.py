@@ -11,6 +11,11 @@ version with the survivors; the killed inference rank is restarted with a new in
 and catches up from its peers. Every committed version an inference rank serves is
 checked bit-exactly against the trainers' deterministic pattern, and the oracle checks
 that nothing was torn, lost, hung or leaked.
+
+One clock throughout: seconds since the demo (the job) started, in the live narration and in
+the summary alike. Start-up (etcd, the member processes, joining the job) is reported apart
+from the refits. Member logs stay where the demo says they are (``DemoSummary.log_dir``):
+``--log-dir``, or a new temporary folder, never removed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,7 @@ class DemoConfig:
     kill_trainer_at: int | None = 5  # version whose refit loses trainer rank t1
     pause_s: float = 0.5  # trainers: time between versions (a training step)
     timeout_s: float = 90.0
-    log_dir: str | None = None  # keep member logs there (default: a temp dir, removed)
+    log_dir: str | None = None  # member logs go there (default: a new temporary folder); always kept
 
     def __post_init__(self) -> None:
         require_at_least("num_versions", self.num_versions, 2)
@@ -80,6 +85,12 @@ class FaultRecord:
     def recovery_s(self) -> float | None:
         return None if self.recovered_at_s is None else self.recovered_at_s - self.killed_at_s
 
+    @property
+    def serving_again_s(self) -> float | None:
+        """A restarted rank: from its kill to serving a committed version again (the restart,
+        the new process's start-up and its catch-up all included)."""
+        return None if self.caught_up_at_s is None else self.caught_up_at_s - self.killed_at_s
+
 
 @dataclass(frozen=True, slots=True)
 class DemoSummary:
@@ -92,7 +103,7 @@ class DemoSummary:
     verified: bool
     num_checks: int  # (inference rank incarnation, version) pairs checked bit-exactly
     problems: tuple[str, ...]
-    plan: dict[str, int]  # one full-membership refit: reshard vs gather-and-broadcast
+    plan: dict[str, Any]  # the model; one full-membership refit: reshard vs gather-and-broadcast
     moved: dict[str, int]  # bytes received by inference ranks over the whole run
     num_attempts: int
     num_failed_attempts: int
@@ -103,6 +114,10 @@ class DemoSummary:
     violations: tuple[str, ...] = ()  # what the chaos oracle found (torn, lost, hung, leaked, ...)
     leaked_pids: tuple[int, ...] = ()
     errors: tuple[str, ...] = ()
+    log_dir: str = ""  # where the member logs are (kept)
+    startup_s: float | None = None  # every member of the job registered (etcd and processes up)
+    first_proposal_s: float | None = None  # the first refit proposed
+    last_commit_s: float | None = None
 
     @property
     def recovered(self) -> bool:
@@ -120,7 +135,8 @@ class DemoSummary:
             "num_versions_committed": self.num_versions_committed,
             "committed": list(self.committed),
             "num_faults": len(self.faults),
-            "faults": [dict(asdict(f), recovery_s=f.recovery_s) for f in self.faults],
+            "faults": [dict(asdict(f), recovery_s=f.recovery_s, serving_again_s=f.serving_again_s)
+                       for f in self.faults],
             "recovered": self.recovered,
             "recovery_p50_s": float(np.percentile(times, 50)) if times else None,
             "recovery_max_s": max(times) if times else None,
@@ -137,6 +153,10 @@ class DemoSummary:
             "num_trainers": self.num_trainers,
             "num_inference": self.num_inference,
             "wall_s": self.wall_s,
+            "startup_s": self.startup_s,
+            "first_proposal_s": self.first_proposal_s,
+            "last_commit_s": self.last_commit_s,
+            "log_dir": self.log_dir,
             "errors": list(self.errors),
         }
 
@@ -162,39 +182,53 @@ def demo_scenario(config: DemoConfig) -> Scenario:
 def run_demo(config: DemoConfig | None = None, progress: Callable[[str], None] | None = None) -> DemoSummary:
     """Run the demo job end to end and return its summary; leaves no process behind."""
     config = config or DemoConfig()
+    t0 = time.time()  # the job's clock: every time the demo shows is seconds since now
     say = progress or (lambda _msg: None)
     root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="elastic-refit-demo-"))
     root.mkdir(parents=True, exist_ok=True)
+    fresh = not any(root.iterdir())  # an earlier run's logs stay apart, in their own folder
     scenario = demo_scenario(config)
     run = ChaosRun(root=str(root), keep_logs=True, deadline_s=config.timeout_s)
-    t0 = time.time()
     errors: list[str] = []
     result = None
     try:
-        say(f"starting etcd, trainers {', '.join(TRAINERS)} (replicas, whole tensors) and "
-            f"{config.num_inference} inference ranks ({config.num_inference // 2} replicas of TP=2); "
-            f"member logs in {root}")
-        result = run.run_trial(scenario, narrate=say)
+        say(f"[{time.time() - t0:5.1f}s] starting etcd, trainers {', '.join(TRAINERS)} (replicas, whole tensors) "
+            f"and {config.num_inference} inference ranks ({config.num_inference // 2} replicas of TP=2); member "
+            f"logs in {root}{'' if fresh else ' (in a folder of their own: it holds earlier runs)'}")
+        result = run.run_trial(scenario, narrate=say, clock_origin=t0)
     except Exception as exc:  # reported in the summary, never a traceback
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         leaked = run.close()
-    summary = _summarize(config, scenario, result, t0, time.time() - t0, tuple(leaked), errors)
-    if config.log_dir is None and summary.verified and not summary.errors:
-        shutil.rmtree(root, ignore_errors=True)
-    elif config.log_dir is None:
-        summary = replace(summary, errors=(*summary.errors, f"member logs kept in {root}"))
-    return summary
+    wall_s = time.time() - t0
+    log_dir = _logs_into(root, result.log_dir if result is not None else None, fresh)
+    return _summarize(config, scenario, result, t0, wall_s, tuple(leaked), errors, log_dir)
 
 
-def _plan_bytes(spec_json: str) -> dict[str, int]:
-    """One full-membership refit of the demo's model: reshard vs gather-and-broadcast bytes."""
+def _logs_into(root: Path, trial_dir: str | None, fresh: bool) -> str:
+    """Where the member logs are once the run is over: ``root`` itself when it was empty
+    (the trial's folder moved up into it), else the trial's folder inside it."""
+    if trial_dir is None or not Path(trial_dir).is_dir():
+        return str(root)
+    if not fresh:
+        return trial_dir
+    for entry in Path(trial_dir).iterdir():
+        shutil.move(str(entry), str(root / entry.name))
+    Path(trial_dir).rmdir()
+    return str(root)
+
+
+def _plan_bytes(spec_json: str) -> dict[str, Any]:
+    """The demo's model (tensors, parameters, bytes, dtypes) and one full-membership refit of
+    it: reshard vs gather-and-broadcast bytes."""
     from elastic_refit.layout import parse_spec
     from elastic_refit.plan import make_plan
 
     spec = parse_spec(json.loads(spec_json))
     s = make_plan(spec.source, spec.destination, spec.topology).stats
-    return {"model_bytes": s.model_bytes, "cross_domain_bytes": s.cross_domain_bytes,
+    tensors = spec.destination.tensors
+    return {"model_bytes": s.model_bytes, "num_tensors": len(tensors), "dtypes": sorted({t.dtype for t in tensors}),
+            "num_parameters": sum(t.numel for t in tensors), "cross_domain_bytes": s.cross_domain_bytes,
             "intra_domain_bytes": s.intra_domain_bytes, "lower_bound_bytes": s.lower_bound_bytes,
             "gather_broadcast_bytes": s.gather_broadcast_bytes}
 
@@ -212,9 +246,8 @@ def _fault_records(scenario: Scenario, evidence: TrialEvidence, committed_at: di
         if fault.restart:
             prefix = f"{record['member_id']}-L{record['life'] + 1}-"
             mine = [e for inc, per in evidence.logs.items() if inc.startswith(prefix) for e in per if e.get("_t")]
-            started = [e["_t"] for e in mine if e.get("event") == "refit.member.started"]
             serving = [e["_t"] for e in mine if e.get("event") == "refit.version.serving"]
-            restarted_at = min(started) - t0 if started else None
+            restarted_at = min(e["_t"] for e in mine) - t0 if mine else None  # its process's first event
             caught_up = min(serving) - t0 if serving else None
         faults.append(FaultRecord(record["member_id"], str(record.get("role")), int(record["version"]),
                                   str(record["phase"]), record["t"] - t0,
@@ -227,8 +260,26 @@ def _count_attempts(events: list[dict[str, Any]], event: str) -> int:
     return len({(e.get("epoch"), e.get("seq")) for e in events if e.get("event") == event})
 
 
+def _phases(events: list[dict[str, Any]], t0: float) -> dict[str, float | None]:
+    """When start-up ended (every first incarnation registered), the first refit was proposed
+    and the last version committed, in seconds since ``t0``."""
+    started: dict[str, float] = {}
+    for e in events:
+        if e.get("event") == "refit.member.started" and "-L0-" in str(e.get("incarnation", "")):
+            started.setdefault(str(e["incarnation"]), e["_t"])
+    proposed = [e["_t"] for e in events if e.get("event") == "refit.attempt.proposed"]
+    commits = [e["_t"] for e in events if e.get("event") == "refit.version.committed"]
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    return {"startup_s": since(max(started.values()) if started else None),
+            "first_proposal_s": since(min(proposed) if proposed else None),
+            "last_commit_s": since(max(commits) if commits else None)}
+
+
 def _summarize(config: DemoConfig, scenario: Scenario, result: TrialResult | None, t0: float, wall_s: float,
-               leaked: tuple[int, ...], errors: list[str]) -> DemoSummary:
+               leaked: tuple[int, ...], errors: list[str], log_dir: str) -> DemoSummary:
     """The summary, from the trial's evidence: member logs, reports, etcd commits, faults."""
     plan = _plan_bytes(scenario.spec_json)
     evidence = result.evidence if result is not None else None
@@ -275,4 +326,6 @@ def _summarize(config: DemoConfig, scenario: Scenario, result: TrialResult | Non
         violations=violations,
         leaked_pids=leaked,
         errors=tuple(errors),
+        log_dir=log_dir,
+        **_phases(events, t0),
     )

@@ -58,12 +58,13 @@ class Narrator:
     """Tells a trial's story as it happens: faults, restarts, commits (read through
     ``VersionStore``) and restarted ranks serving again (read from their logs)."""
 
-    def __init__(self, say: Callable[[str], None], endpoints: tuple[str, ...], job: str, trial_dir: Path) -> None:
+    def __init__(self, say: Callable[[str], None], endpoints: tuple[str, ...], job: str, trial_dir: Path,
+                 t0: float | None = None) -> None:
         from elastic_refit.membership import EtcdClient
         from elastic_refit.membership.versions import VersionStore
 
         self.say = say
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0  # its stamps: seconds since then (wall clock)
         self.client = EtcdClient(list(endpoints))
         self.versions = VersionStore(self.client, job)
         self.trial_dir = trial_dir

@@ -100,15 +100,16 @@ class ChaosRun:
 
     # ---- a trial -------------------------------------------------------------------------
     def run_trial(self, scenario: Scenario, index: int = 0,
-                  narrate: Callable[[str], None] | None = None) -> TrialResult:
+                  narrate: Callable[[str], None] | None = None, clock_origin: float | None = None) -> TrialResult:
         """Run one scenario end to end and judge it; ``narrate`` (optional) is told of
-        faults, restarts, commits and catch-ups as they happen."""
+        faults, restarts, commits and catch-ups as they happen, stamped in seconds since
+        ``clock_origin`` (``time.time()``; None: the trial's start)."""
         etcd = self.etcd(scenario.etcd_nodes)
         job = f"chaos-{index}-{uuid.uuid4().hex[:6]}"
         trial_dir = Path(self.root) / job
         trial_dir.mkdir(parents=True)
         trial = Trial(scenario, job, trial_dir, etcd, self.pool, {**MEMBER_CONFIG, **self._device_config()},
-                      self.deadline_s, narrate)
+                      self.deadline_s, narrate, clock_origin)
         evidence, wall = trial.run(owned_pids=self._owned_by_live_runs)
         verdict = check_all(evidence)
         keep = self.keep_logs or not verdict.passed

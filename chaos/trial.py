@@ -60,7 +60,7 @@ class Trial:
 
     def __init__(self, scenario: Scenario, job: str, trial_dir: Path, etcd: RunEtcd, pool: WorkerPool,
                  member_config: dict[str, Any], deadline_s: float,
-                 narrate: Callable[[str], None] | None = None) -> None:
+                 narrate: Callable[[str], None] | None = None, clock_origin: float | None = None) -> None:
         self.scenario = scenario
         self.job = job
         self.trial_dir = trial_dir
@@ -69,6 +69,7 @@ class Trial:
         self.member_config = member_config
         self.deadline_s = deadline_s
         self.narrate = narrate
+        self.clock_origin = clock_origin  # the narration's time zero (None: the trial's start)
         members = [("trainer", "t0", 0), ("trainer", "t1", 1)] + [
             ("inference", f"i{k}", 2 + k) for k in range(scenario.num_inference)]
         self.layout_of = {m: (role, rank) for role, m, rank in members}
@@ -96,7 +97,7 @@ class Trial:
         self.pool.ensure(len(self.layout_of))
         t_start = time.monotonic()
         if self.narrate is not None:
-            self.narrator = Narrator(self.narrate, self.etcd.endpoints, self.job, self.trial_dir)
+            self.narrator = Narrator(self.narrate, self.etcd.endpoints, self.job, self.trial_dir, self.clock_origin)
         commits = CommitRecorder(self.etcd.endpoints, self.job)
         try:
             for member_id in self.layout_of:

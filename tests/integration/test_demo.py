@@ -36,7 +36,8 @@ def _session_members(sid: int) -> list[str]:
 def test_demo_json_summary(tmp_path):
     env = dict(os.environ, PYTHONPATH=_pythonpath())
     trace_path = tmp_path / "trace.json"
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "demo", "--json", "--log-dir", str(tmp_path / "logs"),
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "demo", "--json", "--log-dir", str(logs),
                              "--trace", str(trace_path)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -58,6 +59,11 @@ def test_demo_json_summary(tmp_path):
     assert data["plan"]["gather_broadcast_bytes"] > data["plan"]["cross_domain_bytes"]
     assert "FAULT" in stderr and "caught up" in stderr
     _check_trace(json.loads(trace_path.read_text()), data)
+    # The logs are where the demo says they are, after it exited: --log-dir itself.
+    assert data["log_dir"] == str(logs) and f"member logs in {logs}" in stderr
+    assert len(list(logs.glob("*.log"))) >= 7  # 6 members and the restarted incarnation
+    _check_one_clock(stderr, data)
+    _check_rendered(data)
     # No process the demo started survives it. A killed process may still be on its way
     # out for a moment on a loaded machine (the demo's own check above found none alive).
     deadline = time.monotonic() + 5.0
@@ -85,3 +91,34 @@ def _check_trace(trace: dict, data: dict) -> None:
     assert {"trainer t0", "trainer t1", "inference i0", "inference i1", "inference i2", "inference i3"} <= members
     # The restarted inference rank is a second row of its member.
     assert sum(1 for e in events if e["ph"] == "M" and e["args"].get("name", "").startswith("incarnation i1-")) == 2
+
+
+def _check_one_clock(stderr: str, data: dict) -> None:
+    """The live narration and the summary share one clock (seconds since the job started):
+    each version's narrated commit comes at most a poll after its logged commit; start-up
+    comes before the first refit."""
+    import re
+
+    narrated = {int(v): float(t) for t, v in re.findall(r"\[\s*([\d.]+)s\] version (\d+) committed", stderr)}
+    assert set(narrated) == {c["version"] for c in data["committed"]}
+    for c in data["committed"]:
+        assert -0.2 <= narrated[c["version"]] - c["at_s"] < 3.0, (c, narrated)
+    assert 0 < data["startup_s"] <= data["first_proposal_s"] <= data["committed"][0]["at_s"]
+    assert data["last_commit_s"] == pytest.approx(data["committed"][-1]["at_s"], abs=0.01)
+    assert data["last_commit_s"] < data["wall_s"]
+    restarted = [f for f in data["faults"] if f["restarted"]]
+    assert restarted and all(f["killed_at_s"] < f["restarted_at_s"] < f["caught_up_at_s"] for f in restarted)
+    assert all(f["serving_again_s"] == pytest.approx(f["caught_up_at_s"] - f["killed_at_s"]) for f in restarted)
+
+
+def _check_rendered(data: dict) -> None:
+    """The readable summary states the model's size and defines each term it uses, once."""
+    from elastic_refit.cli.demo_cmd import TERMS, render_summary
+
+    text = render_summary(data)
+    assert text.startswith(f"model: {data['plan']['num_tensors']} tensors, ")
+    assert f"member logs: {data['log_dir']}" in text
+    for term, _ in TERMS:
+        assert text.count(f"\n  {term}: ") == 1, term
+    for used in ("epoch", "attempt", "domain", "lower bound", "recovery", "reshard", "gather-and-broadcast"):
+        assert used in text.split("terms:")[0], used  # every defined term is one the summary uses
