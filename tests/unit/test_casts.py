@@ -78,7 +78,7 @@ def test_cast_regions_at_unaligned_offsets_and_beside_byte_regions_both_ways():
 def test_check_cast_and_source_casts_refuse_integer_casts_naming_the_tensor():
     check_cast("w", "float32", "bfloat16")
     check_cast("w", "int8", "int8")
-    with pytest.raises(ValueError, match="tensor .w.: source is float32, destination is int8"):
+    with pytest.raises(ValueError, match=r"tensor 'w': source is float32, destination is int8"):
         check_cast("w", "float32", "int8")
     spec = _spec("float32", "bfloat16")
     assert source_casts(spec.source, spec.destination) == {"w": ("float32", "bfloat16"), "b": ("float32", "bfloat16")}
@@ -158,3 +158,20 @@ def test_the_executor_lands_fp32_into_bf16_bit_exact(bucket_bytes):
         assert {t.dtype for t in dst.values()} == {torch.bfloat16}
         assert check_pieces(spec.destination, r, dst, seed=5, cast_from={"w": "float32", "b": "float32"}) == []
         assert padding_problems(plan.destination, r, dst, SENTINEL) == []
+
+
+def test_a_colocated_rank_casts_its_local_copies():
+    """Source and destination on one rank (colocated): the plan's local copies cast too."""
+    spec = parse_spec({"domain_size": 2, "tensors": [
+        {"name": "w", "shape": [9, 5], "source": {"mesh": [0, 1, 2], "placements": ["S(0)"], "dtype": "float32"},
+         "destination": {"mesh": [[0, 1], [2, 3]], "placements": ["R", "S(1)"], "dtype": "bfloat16"}}]})
+    plan = make_plan(spec.source, spec.destination, spec.topology, PlanOptions(bucket_bytes=32))
+    assert plan.stats.local_bytes > 0 and plan.cast is not None
+    buffers = {}
+    for r in sorted(set(plan.source.ranks) | set(plan.destination.ranks)):
+        src = allocate(spec.source, r, fill=0)
+        fill_pieces(spec.source, r, src, seed=9)
+        buffers[r] = (src, allocate(plan.destination, r, fill=SENTINEL))
+    LocalTransport(plan, torch.device("cpu")).run(buffers)
+    for r in plan.destination.ranks:
+        assert check_pieces(spec.destination, r, buffers[r][1], seed=9, cast_from={"w": "float32"}) == []
