@@ -141,7 +141,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "bytes and the bytes of every NIC against the bound (needs the [plot] extra)")
     parser.add_argument("--rank", type=int, default=None,
                         help="plan only this rank's view (what it sends, receives and copies), as every rank "
-                             "does at run time; plans that relay are refused")
+                             "does at run time; plans that relay are refused. With --model (bf16) the rank "
+                             "plans from the layouts' rules, never building either side's explicit pieces")
+    parser.add_argument("--explicit-layouts", action="store_true",
+                        help="with --rank and --model: build both sides' explicit layouts first (as before "
+                             "symbolic layouts; for comparison)")
     parser.set_defaults(handler=run)
 
 
@@ -235,6 +239,37 @@ def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOpt
     view = make_rank_plan(source, destination, spec.topology, options, rank=args.rank)
     figures = rank_figures(view, time.perf_counter() - t0, cluster)
     figures["layout_seconds"] = layout_seconds  # building both sides' layouts, before the rank's plan
+    figures["layouts"] = "explicit"
+    return _print_rank(args, figures, description, spec.topology.num_ranks)
+
+
+def _run_rank_from_rules(args: argparse.Namespace, options: PlanOptions, cluster) -> int:
+    """``--rank`` with ``--model``: the rank's view from both sides' rules (issue 40)."""
+    from elastic_refit.layout.refit import model_refit_rules
+    from elastic_refit.plan.rank_rules import make_rank_plan_from_rules
+
+    if not args.source or not args.destination:
+        raise ValueError("--model needs --source and --destination (e.g. --source tp=2,pp=2 --destination tp=2,dp=2)")
+    t0 = time.perf_counter()
+    domain_size = args.domain_size or (cluster.domain_size if cluster else None) or 8
+    source, destination, topology = model_refit_rules(args.model, args.source, args.destination,
+                                                      domain_size=domain_size, num_layers=args.layers,
+                                                      colocate=args.colocate)
+    layout_seconds = time.perf_counter() - t0
+    if not args.json:
+        progress(f"planning rank {args.rank}'s view from rules ({len(source.rules)} source rules, "
+                 f"{len(destination.rules)} destination rules) ...")
+    t0 = time.perf_counter()
+    view = make_rank_plan_from_rules(source, destination, topology, options, rank=args.rank)
+    figures = rank_figures(view, time.perf_counter() - t0, cluster)
+    figures["layout_seconds"] = layout_seconds  # the rules of both sides; the rank's pieces are in plan_seconds
+    figures["layouts"] = "rules"
+    layers = f", {args.layers} layers" if args.layers else ""
+    return _print_rank(args, figures, f"{args.model}{layers}: {args.source} -> {args.destination}",
+                       topology.num_ranks)
+
+
+def _print_rank(args: argparse.Namespace, figures: dict[str, Any], description: str, num_ranks: int) -> int:
     if args.json:
         print_json(figures)
         return 0
@@ -248,9 +283,9 @@ def _run_rank(args: argparse.Namespace, spec, description: str, options: PlanOpt
         ("plan time (this rank)", format_seconds(figures["plan_seconds"])),
         ("peak RSS (process)", format_bytes(figures["peak_rss_bytes"])),
     ]
-    if cluster is not None:
-        rows.append((f"its bytes on {cluster.name}", format_seconds(figures["predicted_seconds"])))
-    print(f"{description}  |  rank {args.rank} of {spec.topology.num_ranks}")
+    if "cluster" in figures:
+        rows.append((f"its bytes on {figures['cluster']}", format_seconds(figures["predicted_seconds"])))
+    print(f"{description}  |  rank {args.rank} of {num_ranks} (layouts from {figures['layouts']})")
     print(render_table(("figure", "value"), rows))
     peers = sorted(figures["peers"], key=lambda p: (-p["bytes"], p["direction"], p["peer"]))
     if peers:
@@ -275,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
         if args.rank is not None:
             raise ValueError("--plot draws the whole plan; leave out --rank")
         plot_path = check_plot_path(args.plot)
+    if (args.rank is not None and args.model and not getattr(args, "explicit_layouts", False)
+            and check_format_flag(args) in (None, "bf16")):
+        return _run_rank_from_rules(args, PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay), cluster)
     if not args.json:
         progress("building layouts ...")
     t0 = time.perf_counter()

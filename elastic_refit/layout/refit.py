@@ -12,8 +12,10 @@ from elastic_refit.layout.presets import (
     vllm_layout,
 )
 from elastic_refit.layout.spec import RefitSpec
+from elastic_refit.layout.symbolic import SymbolicLayout
+from elastic_refit.layout.symbolic_presets import megatron_symbolic, vllm_symbolic
 
-__all__ = ["model_refit_spec"]
+__all__ = ["model_refit_rules", "model_refit_spec"]
 
 
 def model_refit_spec(
@@ -41,3 +43,17 @@ def model_refit_spec(
     num_ranks = max(train.world_size, first_dst + infer.world_size)
     formats = checkpoint_formats(model, destination_format, num_layers=num_layers)
     return RefitSpec(src, dst, Topology.uniform(num_ranks, domain_size), formats)
+
+
+def model_refit_rules(model: str | ModelConfig, source: str, destination: str, *, domain_size: int = 8,
+                      num_layers: int | None = None,
+                      colocate: bool = False) -> tuple[SymbolicLayout, SymbolicLayout, Topology]:
+    """``model_refit_spec``'s layouts as rules (``symbolic_presets``) and its topology: what
+    one rank plans its own view from (``plan.rank_rules``) without any side's explicit pieces."""
+    train = parse_parallelism(source, side="training")
+    infer = parse_parallelism(destination, side="inference")
+    first_dst = 0 if colocate else train.world_size
+    src = megatron_symbolic(model, train, first_rank=0, num_layers=num_layers)
+    dst = vllm_symbolic(model, infer, first_rank=first_dst, num_layers=num_layers)
+    num_ranks = max(train.world_size, first_dst + infer.world_size)
+    return src, dst, Topology.uniform(num_ranks, domain_size)

@@ -29,14 +29,14 @@ layout's (``layout.fingerprint``) while hashing each distinct rule once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from elastic_refit.layout.box import DTYPES
-from elastic_refit.layout.core import Layout, LayoutBuilder, LogicalTensor
-from elastic_refit.layout.symbolic_digest import symbolic_fingerprint
+from elastic_refit.layout.core import Layout, LayoutBuilder, LogicalTensor, _canonical_piece_order
+from elastic_refit.layout.symbolic_digest import symbolic_fingerprint, symbolic_layout_ids
 from elastic_refit.layout.symbolic_rules import (
     SPLIT_KINDS,
     BufferRule,
@@ -112,18 +112,105 @@ class SymbolicLayout:
         rules and the ranks asked for."""
         return self._build(np.unique(np.asarray(ranks, dtype=np.int64).reshape(-1)))
 
+    def layout_of_tensor_ranks(self, ranks_of: Mapping[str, np.ndarray]) -> Layout:
+        """The pieces of each tensor ``t`` on the ranks ``ranks_of[t]`` only (None: all its ranks;
+        none for a tensor not named), and the buffers those pieces lie in; every tensor and buffer name is
+        declared. Rows in layout order, as ``to_layout()`` has them (what a per-rank planner
+        needs of a side: some tensors on some ranks). Layouts with explicit pieces: ``ValueError``."""
+        if self.explicit is not None:
+            raise ValueError("layout_of_tensor_ranks needs a layout of rules only (this one has explicit pieces)")
+        distinct: dict[bytes, np.ndarray] = {}  # equal sets as one array: decoded once per mesh
+        sets = {}
+        for name, r in ranks_of.items():
+            if r is not None:
+                r = np.unique(np.asarray(r, dtype=np.int64).reshape(-1))
+                r = distinct.setdefault(r.tobytes(), r)
+            sets[name] = r
+        by_buffer: dict[str, list] = {}
+        for rule in self.rules:
+            if rule.tensor in sets:
+                by_buffer.setdefault(rule.buffer, []).append(sets[rule.tensor])
+        buffer_sets = {}
+        for name, parts in by_buffer.items():
+            union = None if any(p is None for p in parts) else np.unique(np.concatenate(parts))
+            buffer_sets[name] = union if union is None else distinct.setdefault(union.tobytes(), union)
+        empty = np.zeros(0, dtype=np.int64)
+        return self._build(None, lambda rule: sets.get(rule.tensor, empty),
+                           lambda rule: buffer_sets.get(rule.name, empty))
+
+    def piece_table(self, ranks_of: Mapping[str, np.ndarray | None]) -> Layout:
+        """The pieces ``layout_of_tensor_ranks(ranks_of)`` has, in its row order, each in a
+        buffer row of its own (its rank, its buffer's name, the piece's local extent): what a
+        planner reads of a side (ranks, boxes, order), at a fraction of the cost of real
+        buffers; not a layout to write into (a name may repeat on a rank)."""
+        if self.explicit is not None:
+            raise ValueError("piece_table needs a layout of rules only (this one has explicit pieces)")
+        k, names = self.ndim, self.buffer_names
+        name_id = {n: i for i, n in enumerate(names)}
+        index = {t.name: i for i, t in enumerate(self.tensors)}
+        distinct: dict[bytes, np.ndarray] = {}
+        memo: dict = {}
+        parts = []
+        for rule in self.rules:
+            if rule.tensor not in ranks_of:
+                continue
+            ranks = ranks_of[rule.tensor]
+            if ranks is not None:
+                ranks = np.unique(np.asarray(ranks, dtype=np.int64).reshape(-1))
+                ranks = distinct.setdefault(ranks.tobytes(), ranks)
+            shape = self.tensors[index[rule.tensor]].shape
+            key = (shape, rule.mesh, rule.splits, rule.local_dim, rule.local_start, id(ranks))
+            if key not in memo:
+                positions = self._positions(rule.mesh, ranks, memo)
+                at, off, ln, loff = _rule_pieces(shape, rule, positions)
+                memo[key] = (rule.mesh.ranks(positions[at]), _pad(off, k, 0), _pad(ln, k, 1), _pad(loff, k, 0))
+            rank, off, ln, loff = memo[key]
+            parts.append((rank, np.full(rank.size, index[rule.tensor]), np.full(rank.size, name_id[rule.buffer]),
+                          off, ln, loff))
+        if parts:
+            rank, tensor, name = (np.concatenate([p[j] for p in parts]) for j in range(3))
+            off, ln, loff = (np.concatenate([p[j] for p in parts]) for j in range(3, 6))
+        else:
+            rank = tensor = name = np.zeros(0, dtype=np.int64)
+            off = ln = loff = np.zeros((0, k), dtype=np.int64)
+        order = _canonical_piece_order(tensor, rank, name, off, loff)
+        dtype = np.array([DTYPES.index(t.dtype) for t in self.tensors], dtype=np.int64)
+        return Layout(tensors=self.tensors, buffer_names=names, buffer_rank=rank[order], buffer_name=name[order],
+                      buffer_shape=ln[order], buffer_ndim=np.full(order.size, k), buffer_dtype=dtype[tensor[order]],
+                      piece_tensor=tensor[order], piece_buffer=np.arange(order.size), piece_offsets=off[order],
+                      piece_lengths=ln[order], piece_local_offsets=loff[order], piece_local_lengths=ln[order])
+
+    @property
+    def tensor_layout_ids(self) -> np.ndarray:
+        """``to_layout().tensor_layout_ids()`` from the rules (each distinct rule, shifted to
+        its first rank, enumerated once). Layouts with explicit pieces: ``ValueError``."""
+        cached = self._memo.get("layout_ids")
+        if cached is None:
+            if self.explicit is not None:
+                raise ValueError("tensor_layout_ids of a symbolic layout needs rules only (this one has explicit "
+                                 "pieces): use to_layout().tensor_layout_ids()")
+            self.fingerprint  # noqa: B018 - fills the per-tensor boxes
+            cached = self._memo["layout_ids"] = symbolic_layout_ids(self.ndim, self.tensors, self._memo["boxes"])
+        return cached
+
     def _positions(self, mesh: Mesh, ranks: np.ndarray | None, cache: dict | None = None) -> np.ndarray:
         if ranks is None:
             return np.arange(mesh.size, dtype=np.int64)
-        hit = None if cache is None else cache.get(mesh)
+        key = (mesh, id(ranks))
+        hit = None if cache is None else cache.get(key)
         if hit is None:  # layers repeat a few meshes: decode each once
             found = mesh.positions_of(ranks)
             hit = np.sort(found[found >= 0])
             if cache is not None:
-                cache[mesh] = hit
-        return hit
+                cache[key] = (hit, ranks)  # keeps ranks alive, so its id stays its own
+            return hit
+        return hit[0]
 
-    def _build(self, ranks: np.ndarray | None) -> Layout:
+    def _build(self, ranks: np.ndarray | None, rule_ranks=None, buffer_ranks=None) -> Layout:
+        """Pieces and buffers of ``ranks`` (None: all), or of ``rule_ranks(rule)`` per piece
+        rule and ``buffer_ranks(rule)`` per buffer rule where those are given."""
+        rule_ranks = rule_ranks or (lambda rule: ranks)
+        buffer_ranks = buffer_ranks or (lambda rule: ranks)
         b = LayoutBuilder(self.ndim)
         for t in self.tensors:
             b.tensor(t.name, t.shape, t.dtype)
@@ -133,9 +220,10 @@ class SymbolicLayout:
         meshes: dict = {}
         shapes_of: dict = {}  # (shape, mesh, splits) -> (ranks, local shapes): layers repeat them
         for rule in self.buffers:
-            key = (rule.shape, rule.mesh, rule.splits)
+            rank_set = buffer_ranks(rule)
+            key = (rule.shape, rule.mesh, rule.splits, id(rank_set))
             if key not in shapes_of:
-                positions = self._positions(rule.mesh, ranks, meshes)
+                positions = self._positions(rule.mesh, rank_set, meshes)
                 shapes_of[key] = (rule.mesh.ranks(positions),
                                   _local_shape(rule.shape, rule.mesh, rule.splits, positions))
             rank, local_shape = shapes_of[key]
@@ -147,9 +235,10 @@ class SymbolicLayout:
         shapes = {t.name: t.shape for t in self.tensors}
         pieces_of: dict = {}
         for rule in self.rules:
-            key = (shapes[rule.tensor], rule.mesh, rule.splits, rule.local_dim, rule.local_start)
+            rank_set = rule_ranks(rule)
+            key = (shapes[rule.tensor], rule.mesh, rule.splits, rule.local_dim, rule.local_start, id(rank_set))
             if key not in pieces_of:
-                positions = self._positions(rule.mesh, ranks, meshes)
+                positions = self._positions(rule.mesh, rank_set, meshes)
                 index, offsets, lengths, local = _rule_pieces(shapes[rule.tensor], rule, positions)
                 pieces_of[key] = (rule.mesh.ranks(positions[index]), offsets, lengths, local)
             rank, offsets, lengths, local = pieces_of[key]
@@ -166,7 +255,7 @@ class SymbolicLayout:
         if cached is None:
             cached = self._memo["fingerprint"] = symbolic_fingerprint(
                 self.ndim, self.buffer_names, self.tensors, self.buffers, self.rules, self.explicit,
-                self._memo.setdefault("blocks", {}))
+                self._memo.setdefault("blocks", {}), self._memo.setdefault("boxes", []))
         return cached
 
 
@@ -205,3 +294,11 @@ def _add_explicit(b: LayoutBuilder, layout: Layout) -> None:
         rows = np.flatnonzero(layout.piece_tensor == t)
         b.pieces(layout.tensors[t].name, new_id[layout.piece_buffer[rows]], layout.piece_offsets[rows],
                  layout.piece_lengths[rows], layout.piece_local_offsets[rows], layout.piece_local_lengths[rows])
+
+
+def _pad(array: np.ndarray, k: int, fill: int) -> np.ndarray:
+    if array.shape[1] == k:
+        return array
+    out = np.full((array.shape[0], k), fill, dtype=np.int64)
+    out[:, : array.shape[1]] = array
+    return out

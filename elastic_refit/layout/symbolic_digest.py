@@ -22,17 +22,19 @@ from elastic_refit.layout.fingerprint import (
 )
 from elastic_refit.layout.symbolic_rules import BufferRule, PieceRule, _local_shape, _rule_pieces
 
-__all__ = ["symbolic_fingerprint"]
+__all__ = ["symbolic_fingerprint", "symbolic_layout_ids"]
 
 _DTYPE_INDEX = {name: i for i, name in enumerate(DTYPES)}
 
 
 def symbolic_fingerprint(k: int, names: tuple[str, ...], tensors: tuple[LogicalTensor, ...],
                          buffers: tuple[BufferRule, ...], rules: tuple[PieceRule, ...], explicit: Layout | None,
-                         memo: dict) -> str:
+                         memo: dict, boxes: list | None = None) -> str:
     """The fingerprint a symbolic layout's ``to_layout()`` has (``layout.fingerprint``
     scheme), from its parts: ``k`` dims, buffer ``names``, ``tensors``, buffer and piece
-    rules, the ``explicit`` part; ``memo`` keeps each distinct rule's block."""
+    rules, the ``explicit`` part; ``memo`` keeps each distinct rule's block. ``boxes`` (a
+    layout of rules only) receives per tensor what ``symbolic_layout_ids`` compares: its
+    first rank, its number of pieces and a digest of its (rank, box) rows in layout order."""
     name_id = {n: i for i, n in enumerate(names)}
     explicit_tensors = set()
     if explicit is not None and explicit.num_pieces:
@@ -49,13 +51,16 @@ def symbolic_fingerprint(k: int, names: tuple[str, ...], tensors: tuple[LogicalT
         candidates = sorted({r.buffer for r in tensor_rules})
         shift = min((r.mesh.min_rank for r in tensor_rules), default=0)
         # the rules up to their tensor, buffer names (by index among the tensor's) and first rank
-        key = ("t", t.shape, k, tuple(PieceRule("", str(candidates.index(r.buffer)), r.mesh.shifted(shift), r.splits,
-                                                r.local_dim, r.local_start) for r in tensor_rules))
+        key = ("t", t.shape, k, tuple((candidates.index(r.buffer), r.mesh.shifted_key(shift), r.splits, r.local_dim,
+                                       r.local_start) for r in tensor_rules))
         hit = memo.get(key)
         if hit is None:
-            rows = [_enumerate(t.shape, r, k, int(r.buffer)) for r in key[3]]
+            rows = [_enumerate(t.shape, PieceRule("", "", r.mesh.shifted(shift), r.splits, r.local_dim, r.local_start),
+                               k, candidates.index(r.buffer)) for r in tensor_rules]
             hit = memo[key] = _tensor_block(rows, k)
-        r0, used, digest = hit
+        r0, used, digest, box_digest = hit
+        if boxes is not None:
+            boxes.append((r0 + shift, box_digest))
         tensor_blocks.append((r0 + shift if used else r0, tuple(name_id[candidates[c]] for c in used), digest))
     buffer_blocks = []
     by_name: dict[str, list[BufferRule]] = {}
@@ -68,7 +73,7 @@ def symbolic_fingerprint(k: int, names: tuple[str, ...], tensors: tuple[LogicalT
             buffer_blocks.append(_buffer_block_of(named, k, explicit, name))
             continue
         shift = min((r.mesh.min_rank for r in named), default=0)
-        key = ("b", k, tuple(BufferRule("b", r.mesh.shifted(shift), r.shape, r.dtype, r.splits) for r in named))
+        key = ("b", k, tuple((r.mesh.shifted_key(shift), r.shape, r.dtype, r.splits) for r in named))
         hit = memo.get(key)
         if hit is None:
             hit = memo[key] = _buffer_block_of([BufferRule("b", r.mesh.shifted(shift), r.shape, r.dtype, r.splits)
@@ -106,7 +111,9 @@ def _tensor_block(parts, k: int):
     order = np.lexsort(tuple(loff[:, j] for j in reversed(range(k))) + (local_name,)
                        + tuple(off[:, j] for j in reversed(range(k))) + (rank,))
     r0, rows = piece_block(rank[order], local_name[order], off[order], ln[order], loff[order], ln[order])
-    return r0, tuple(used.tolist()), block_digest("pieces", rows)
+    # (rank, box) in layout order, as Layout.tensor_layout_ids compares tensors
+    box_rows = np.concatenate([rows[:, :1], rows[:, 2: 2 + 2 * k]], axis=1)
+    return r0, tuple(used.tolist()), block_digest("pieces", rows), (rows.shape[0], block_digest("boxes", box_rows))
 
 
 def _explicit_tensor_block(explicit: Layout, t, rules, k: int, name_id: dict[str, int]):
@@ -123,7 +130,7 @@ def _explicit_tensor_block(explicit: Layout, t, rules, k: int, name_id: dict[str
     llen = _pad(explicit.piece_local_lengths[rows], k, 1)
     if not np.array_equal(llen, parts[-1][3]):
         return _tensor_block_local(parts, llen, k, names, name_id)
-    r0, used, digest = _tensor_block(parts, k)
+    r0, used, digest, _ = _tensor_block(parts, k)
     return r0, tuple(name_id[names[c]] for c in used), digest
 
 
@@ -162,3 +169,18 @@ def _buffer_block_of(rules, k: int, explicit=None, name: str | None = None):
     r0, block = buffer_block(rank[order], np.concatenate(ndims)[order], np.concatenate(dtypes)[order],
                              np.concatenate(shapes)[order])
     return r0, block_digest("buffers", block)
+
+
+
+def symbolic_layout_ids(k: int, tensors: tuple[LogicalTensor, ...], boxes: list) -> np.ndarray:
+    """``Layout.tensor_layout_ids`` of the layout the rules stand for, from ``boxes`` (what
+    ``symbolic_fingerprint`` gives per tensor): equal ids exactly when shapes, dtypes and
+    (rank, box) rows in layout order agree, numbered by first tensor. As the explicit ids,
+    shapes are compared at the layout's width ``k`` (padded with 1), so ``(n,)`` and
+    ``(n, 1)`` laid out alike share an id."""
+    ids: dict[tuple, int] = {}
+    out = np.empty(len(tensors), dtype=np.int64)
+    for i, (t, (r0, digest)) in enumerate(zip(tensors, boxes, strict=True)):
+        padded = tuple(t.shape) + (1,) * (k - len(t.shape))
+        out[i] = ids.setdefault((padded, t.dtype, r0 if digest[0] else 0, digest), len(ids))
+    return out

@@ -103,9 +103,22 @@ class Mesh:
             return Mesh(self.shape, table=tuple(r - delta for r in self.table))
         return Mesh(self.shape, self.base - delta, self.strides)
 
+    def shifted_key(self, delta: int) -> tuple:
+        """``shifted(delta)`` as a plain tuple (equal exactly when the shifted meshes are), for
+        memo keys without building a mesh."""
+        if self.table:
+            return (self.shape, 0, (), tuple(r - delta for r in self.table))
+        return (self.shape, self.base - delta, self.strides, ())
+
     @property
     def min_rank(self) -> int:
         return min(self.table) if self.table else self.base
+
+    @property
+    def max_rank(self) -> int:
+        if self.table:
+            return max(self.table)
+        return self.base + sum((n - 1) * st for n, st in zip(self.shape, self.strides, strict=True))
 
     def coords(self, positions: np.ndarray) -> np.ndarray:
         """``[P, axes]`` mesh coordinates of row-major ``positions``."""

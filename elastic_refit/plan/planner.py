@@ -759,8 +759,12 @@ def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) 
     Transformer layers repeat, so a model of a thousand tensors has a few dozen to a few
     hundred classes; the planner plans one representative each.
     """
-    src_layout_ids = source.tensor_layout_ids()[tensor_map]
-    dst_layout_ids = destination.tensor_layout_ids()
+    return classes_of_layout_ids(source.tensor_layout_ids()[tensor_map], destination.tensor_layout_ids())
+
+
+def classes_of_layout_ids(src_layout_ids: np.ndarray, dst_layout_ids: np.ndarray) -> TensorClasses:
+    """``tensor_classes`` from each destination tensor's layout id on both sides (the source
+    side's already mapped to destination tensors)."""
     key = src_layout_ids * (int(dst_layout_ids.max(initial=0)) + 1) + dst_layout_ids
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     # Classes in the order of their first member; members in tensor order.

@@ -137,7 +137,10 @@ class _Shared:
     docstring), and the rows of one rank (``rows_of``)."""
 
     def __init__(self, source, destination, domain_of_rank, instances, src_rows, dst_rows, src_regions,
-                 dst_regions, atoms):
+                 dst_regions, atoms, dst_domain_sets=None):
+        """``dst_domain_sets``: per destination region, the id of its set of needer domains,
+        and the sets; derived from ``destination`` when not given (a per-rank planner over
+        rules gives them, holding only some destination ranks' pieces)."""
         self.source, self.domain_of_rank = source, domain_of_rank
         self.num_ranks = num_ranks = domain_of_rank.size
         self.num_domains = num_domains = int(domain_of_rank.max()) + 1
@@ -148,13 +151,10 @@ class _Shared:
         self.atom_weight = atom_nbytes * instances[atom_tensor]
         # Needers per destination region and holders per source region, sorted by (region,
         # domain, rank, piece): a demand's needers and a domain's holders are runs of these.
-        self.d_region, self.d_domain, self.d_rank, self.d_piece = _incidence(dst_regions, dst_rows,
-                                                                             destination.piece_rank, domain_of_rank,
-                                                                             destination.num_pieces)
+        self.set_destination(destination, dst_rows, dst_regions)
         self.s_region, self.s_domain, self.s_rank, self.s_piece = _incidence(src_regions, src_rows,
                                                                              source.piece_rank, domain_of_rank,
                                                                              source.num_pieces)
-        self.rd_key = self.d_region * num_domains + self.d_domain
         self.sd_key = self.s_region * num_domains + self.s_domain
         by_rank = _order_or_none([self.s_region, self.s_rank, self.s_piece],
                                  [src_regions.tensor.size, num_ranks, source.num_pieces])
@@ -168,7 +168,7 @@ class _Shared:
         self.src_atom_start, self.src_atom_count = _group_bounds(atom_src[self.atoms_by_src], src_regions.tensor.size)
         # Network domains of every atom: the needer domains of its destination region less
         # the holder domains of its source region, per distinct pair of those domain sets.
-        dst_set, dst_sets = _domain_sets(self.d_region, self.d_domain, dst_regions.tensor.size)
+        dst_set, dst_sets = dst_domain_sets or _domain_sets(self.d_region, self.d_domain, dst_regions.tensor.size)
         src_set, src_sets = _domain_sets(self.s_region, self.s_domain, src_regions.tensor.size)
         pair_key = dst_set[atom_dst] * len(src_sets) + src_set[atom_src]
         pairs, self.atom_pair = np.unique(pair_key, return_inverse=True)
@@ -191,6 +191,14 @@ class _Shared:
         self.run_of_atom[run_atom] = np.arange(run_atom.size)
         self.senders = _network_senders(run_atom, atom_src[run_atom], self.atom_weight[run_atom],
                                         atom_count[run_atom], src_regions, src_rows, source, num_ranks)
+
+    def set_destination(self, destination, dst_rows, dst_regions) -> None:
+        """The needers (d_* incidence) from ``destination``'s pieces ``dst_rows`` (regions
+        ``dst_regions``, the same regions as the atoms'): every needer of the domains that
+        the rank's rows look up must be among them."""
+        self.d_region, self.d_domain, self.d_rank, self.d_piece = _incidence(
+            dst_regions, dst_rows, destination.piece_rank, self.domain_of_rank, destination.num_pieces)
+        self.rd_key = self.d_region * self.num_domains + self.d_domain
 
     # ---- lookups -----------------------------------------------------------------------
     def _needers(self, region, domain):
@@ -333,9 +341,7 @@ class _Shared:
                            dst_piece=piece[f], dst_rank=rank))
 
     def _as_holder(self, rank, domain, parts):
-        regions = np.unique(self.s_region[self.s_rank == rank])
-        _, at = _expand(self.src_atom_start[regions], self.src_atom_count[regions])
-        atom = self.atoms_by_src[at]
+        atom = self.holder_atoms(rank)
         # -- intra copies this rank serves to needers of its domain that hold nothing --
         first, count = self._needers(self.atom_dst[atom], np.full(atom.size, domain, dtype=np.int64))
         need_owner, needer = _expand(first, count)
@@ -353,6 +359,27 @@ class _Shared:
                            src_piece=self.s_piece[pick[mine]], src_rank=rank, dst_piece=self.d_piece[needer[mine]],
                            dst_rank=needer_rank[mine]))
         # -- network demands this rank sends --
+        sent = self.sent_demands(rank, atom)
+        if sent is None:
+            return
+        atom, run, j, demand_domain = sent
+        receiver = self._receiver(atom, demand_domain)[0]
+        sender_piece, sender_rank = self._sender_piece(atom, run, j)
+        parts.append(_part(2, atom, demand_domain, 0, 0, kind=int(TransferKind.NETWORK), phase=int(Phase.DELIVER),
+                           src_side=int(SourceSide.SOURCE), src_piece=sender_piece, src_rank=sender_rank,
+                           dst_piece=self.d_piece[receiver], dst_rank=self.d_rank[receiver]))
+
+    def holder_atoms(self, rank: int) -> np.ndarray:
+        """The atoms of every source region ``rank`` holds."""
+        regions = np.unique(self.s_region[self.s_rank == rank])
+        _, at = _expand(self.src_atom_start[regions], self.src_atom_count[regions])
+        return self.atoms_by_src[at]
+
+    def sent_demands(self, rank: int, atom: np.ndarray | None = None):
+        """(atom, run, j, domain) of every network demand ``rank`` sends (None: none); ``atom``:
+        ``holder_atoms(rank)`` where known. Needs no needer: senders follow from the atoms'
+        network domains."""
+        atom = self.holder_atoms(rank) if atom is None else atom
         runs = self.run_of_atom[atom]
         runs = np.unique(runs[runs >= 0])
         sent_run, sent_j = [], []
@@ -374,15 +401,10 @@ class _Shared:
             sent_run.append(run)
             sent_j.append(j)
         if not sent_run:
-            return
+            return None
         run, j = np.concatenate(sent_run), np.concatenate(sent_j)
         atom = senders.run_atom[run]
-        demand_domain = self.net_domain[self.net_start[self.atom_pair[atom]] + j]
-        receiver = self._receiver(atom, demand_domain)[0]
-        sender_piece, sender_rank = self._sender_piece(atom, run, j)
-        parts.append(_part(2, atom, demand_domain, 0, 0, kind=int(TransferKind.NETWORK), phase=int(Phase.DELIVER),
-                           src_side=int(SourceSide.SOURCE), src_piece=sender_piece, src_rank=sender_rank,
-                           dst_piece=self.d_piece[receiver], dst_rank=self.d_rank[receiver]))
+        return atom, run, j, self.net_domain[self.net_start[self.atom_pair[atom]] + j]
 
 
 def _part(section, atom, domain, order_rank, order_piece, **columns) -> dict[str, np.ndarray]:
