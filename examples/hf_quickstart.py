@@ -2,7 +2,7 @@
 
     elastic-refit etcd &                       # a local etcd; prints the line below
     export ELASTIC_REFIT_ETCD=127.0.0.1:2379
-    python examples/hf_quickstart.py [--steps 3] [--job quickstart]
+    python examples/hf_quickstart.py [--steps 3] [--job quickstart] [--engine-dtype bfloat16]
 
 A small Qwen3 (2 layers, built from a config: no download) in three processes on this
 machine (CPU, gloo): a trainer that takes an AdamW step and publishes the weights as a new
@@ -12,7 +12,10 @@ here every rank holds the whole model) and reads the job's settings from ``ELAST
 variables (``RefitConfig.from_env()``), as processes of a real job would. Every engine computes a
 probe's next token under ``refit.weights()``, tags it with the version it served, and reports a
 digest of its parameters; this script checks that each digest equals the trainer's for that
-version, and exits 1 otherwise. Needs ``transformers`` (``pip install -e .[examples]``).
+version, and exits 1 otherwise. ``--engine-dtype bfloat16``: the engines hold the model in
+bfloat16 while the trainer keeps float32; the trainer publishes its float32 weights as they are
+and each sender casts on the way (the engines' digests are then checked against the trainer's
+weights ``.to(bfloat16)``). Needs ``transformers`` (``pip install -e .[examples]``).
 """
 
 from __future__ import annotations
@@ -41,18 +44,19 @@ def build_model():
     return Qwen3ForCausalLM(config)
 
 
-def weights_digest(model) -> str:
-    """sha256 over every parameter's bytes, in name order: equal digests, equal weights."""
+def weights_digest(model, dtype=None) -> str:
+    """sha256 over every parameter's bytes (cast to ``dtype`` first, if given), in name order:
+    equal digests, equal weights."""
     import torch
 
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
+        h.update(p.detach().to(dtype or p.dtype).contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def trainer(steps: int, stop, events) -> None:
+def trainer(steps: int, engine_dtype: str, stop, events) -> None:
     import torch
 
     from elastic_refit import ElasticRefit, RefitConfig, from_dtensors
@@ -69,19 +73,19 @@ def trainer(steps: int, stop, events) -> None:
             loss.backward()
             optimizer.step()
             with torch.no_grad():
-                digest = weights_digest(model)
+                digest = weights_digest(model, getattr(torch, engine_dtype))  # what the engines must hold
                 commit = refit.publish(model, version=step)  # blocks until every engine holds it, verified
             events.put(("trainer", step, {"loss": loss.item(), "epoch": commit.epoch, "digest": digest}))
         while not stop.is_set():  # stay in the job until every engine holds the last version
             time.sleep(0.1)
 
 
-def engine(rank: int, steps: int, stop, events) -> None:
+def engine(rank: int, steps: int, engine_dtype: str, stop, events) -> None:
     import torch
 
     from elastic_refit import ElasticRefit, RefitConfig, RefitTimeout, from_dtensors
 
-    model = build_model()
+    model = build_model().to(getattr(torch, engine_dtype))  # a float32 trainer's weights are cast on the way
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))  # every element served must come through the refit
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps, one version each (default 3)")
     parser.add_argument("--job", default="quickstart", help="job name in etcd (default quickstart)")
+    parser.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the engines' dtype (default float32); bfloat16: the float32 trainer's weights "
+                             "are cast by its senders on the way")
     args = parser.parse_args(argv)
     etcd = os.environ.get("ELASTIC_REFIT_ETCD")
     if not etcd:
@@ -131,14 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     common = {"ELASTIC_REFIT_JOB": args.job, "ELASTIC_REFIT_ETCD": etcd}
     members = [(trainer, {"ELASTIC_REFIT_ROLE": "trainer", "ELASTIC_REFIT_MEMBER_ID": "trainer",
-                          "ELASTIC_REFIT_LAYOUT_RANK": "0", "ELASTIC_REFIT_DOMAIN": "training-node"}, (args.steps,))]
+                          "ELASTIC_REFIT_LAYOUT_RANK": "0", "ELASTIC_REFIT_DOMAIN": "training-node"},
+                (args.steps, args.engine_dtype))]
     members += [(engine, {"ELASTIC_REFIT_ROLE": "inference", "ELASTIC_REFIT_MEMBER_ID": f"engine{k}",
                           "ELASTIC_REFIT_LAYOUT_RANK": str(k), "ELASTIC_REFIT_DOMAIN": "inference-node"},
-                 (k, args.steps)) for k in range(NUM_ENGINES)]
+                 (k, args.steps, args.engine_dtype)) for k in range(NUM_ENGINES)]
     model = build_model()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"job {args.job} on etcd {etcd}: Qwen3 from a config ({model.config.num_hidden_layers} layers, "
-          f"{num_params / 1e6:.2f} M parameters, float32), 1 trainer, {NUM_ENGINES} engines", flush=True)
+          f"{num_params / 1e6:.2f} M parameters, float32), 1 trainer, {NUM_ENGINES} engines"
+          + ("" if args.engine_dtype == "float32" else f" in {args.engine_dtype}"), flush=True)
     ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
     events, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_member, args=(target, {**common, **env}, (*extra, stop, events)), daemon=True)
@@ -198,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED: " + "; ".join(errors), file=sys.stderr, flush=True)
         return 1
     checked = sum(len(v) for v in served.values())
+    cast = "" if args.engine_dtype == "float32" else f" cast to {args.engine_dtype}"
     print(f"OK: {args.steps} versions committed; {checked} served versions checked, every engine's weights equal "
-          f"the trainer's bit for bit", flush=True)
+          f"the trainer's{cast} bit for bit", flush=True)
     return 0
 
 
