@@ -108,12 +108,15 @@ def _methods(case, args: argparse.Namespace) -> list[str]:
 def _budget(case, args: argparse.Namespace, backend: str, *, staging: int, chunk: int, p2p: int, gpus: int):
     """The benchmark's memory and time (``bench_budget.estimate``) for every method it runs;
     ``ValueError`` when the memory it needs is not there (host memory for gloo; on GPUs, the
-    free memory of each device its ranks share)."""
+    free memory of each device its ranks share), or for layouts that cast a tensor."""
     import os
 
     from elastic_refit.cli.bench_budget import estimate
 
     plan, fp8 = case.plan(), case.plan_quantized()
+    if plan.cast is not None:  # its pattern checks and gather-and-broadcast move the source's bytes as they are
+        raise ValueError(f"the bench runs layouts of one dtype per tensor; this spec casts ({plan.cast.describe()}): "
+                         f"give the destination the source's dtype (tests/integration/test_runtime_casts.py runs casts)")
     device = "cpu" if backend == "gloo" else "cuda"
     budget = estimate(plan, fp8, methods=_methods(case, args), staging_bytes=staging, chunk_bytes=chunk,
                       p2p_bytes=p2p, runs=args.warmup + args.repeat, cores=os.cpu_count() or 1, device=device)

@@ -88,3 +88,12 @@ def test_bench_refuses_what_cannot_fit_before_it_starts(capsys, tmp_path):
 def test_bench_help_says_the_timeout_comes_from_the_work(capsys):
     assert cli.main(["bench", "--help"]) == 0
     assert "default: from the work" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_refuses_a_spec_that_casts(capsys, tmp_path):
+    spec = tmp_path / "cast.json"
+    data = json.loads(_spec(64, 32))
+    data["tensors"][0]["source"]["dtype"] = "float32"
+    spec.write_text(json.dumps(data))
+    assert cli.main(["bench", "--spec", str(spec)]) == 2
+    assert "this spec casts (1 tensor(s) float32 -> bfloat16)" in capsys.readouterr().err
