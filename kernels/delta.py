@@ -31,8 +31,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "delta_unit", "encode_delta",
-           "encoded_nbytes", "payload_counts"]
+__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "delta_digests", "delta_unit", "encode_delta",
+           "encoded_nbytes", "payload_counts", "segment_entries", "segment_entry_counts", "segment_positions"]
 
 HEADER_BYTES = 16
 SKIP = 255  # an entry that moves the pointer by 255 elements and marks nothing
@@ -76,6 +76,10 @@ def changed_elements(current: torch.Tensor, base: torch.Tensor, unit: int) -> to
     a, b = _elements(current, unit), _elements(base, unit)
     if a.dim() != b.dim():  # one of them could not be viewed as integers: compare rows
         a, b = current.view(-1, unit), base.view(-1, unit)
+    if a.dim() == 1 and a.device.type == "cpu":  # numpy's compare + flatnonzero: ~2x torch's on one thread
+        import numpy as np
+
+        return torch.from_numpy(np.flatnonzero(a.numpy() != b.numpy()).astype(np.int64, copy=False))
     differ = a != b
     if differ.dim() == 2:
         differ = differ.any(dim=1)
@@ -155,3 +159,75 @@ def apply_delta(payload: torch.Tensor, target: torch.Tensor, unit: int) -> int:
         raise ValueError(f"a delta payload writes element {int(changed[-1])} of a target of {rows.shape[0]}")
     rows.index_copy_(0, changed, payload[HEADER_BYTES + num_entries :].view(k, unit))
     return k
+
+
+# ---- segments: one run of entries per box, each counting from its box's first element ------
+# A bucket's payload for the executor codes each box on its own (its gaps restart at the
+# box's start), so the entries and values of any run of boxes can be cut out of it and
+# forwarded, and sizes follow from per-box counts. Everything stays O(changed elements).
+
+
+def _segment_gaps(local: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per changed element: the unchanged elements before it in its segment."""
+    prev = torch.cat([local.new_full((1,), -1), local[:-1]])
+    starts = torch.cumsum(counts, 0) - counts  # each segment's first element
+    starts = starts[counts > 0]
+    prev[starts] = -1
+    return local - prev - 1
+
+
+def segment_entry_counts(local: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Entries per segment (int64, one per segment) that code ``local``: per segment,
+    ``counts[s]`` ascending element indices counted from the segment's start."""
+    if local.numel() == 0:
+        return torch.zeros_like(counts)
+    skips = torch.div(_segment_gaps(local, counts), SKIP, rounding_mode="floor")
+    segment = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    return counts + torch.zeros_like(counts).index_add_(0, segment, skips)
+
+
+def segment_entries(local: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the entries of :func:`segment_entry_counts` into ``out`` (uint8, exactly their
+    number): segment after segment, each as :func:`encode_delta` codes one run."""
+    out.fill_(SKIP)
+    if local.numel() == 0:
+        return
+    gaps = _segment_gaps(local, counts)
+    skips, rest = torch.div(gaps, SKIP, rounding_mode="floor"), torch.remainder(gaps, SKIP)
+    out[torch.arange(local.numel(), device=local.device) + torch.cumsum(skips, 0)] = rest.to(torch.uint8)
+
+
+def segment_positions(entries: torch.Tensor, entry_counts: torch.Tensor) -> torch.Tensor:
+    """The element indices (int64, each counted from its segment's start, segment after
+    segment) that ``entries`` code, ``entry_counts[s]`` entries per segment."""
+    if entries.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=entries.device)
+    marks = entries != SKIP
+    step = torch.where(marks, entries.to(torch.int64) + 1, torch.full_like(entries, SKIP, dtype=torch.int64))
+    total = torch.cumsum(step, 0)
+    # A segment's pointer starts at 0: subtract what the segments before it walked.
+    firsts = torch.cumsum(entry_counts, 0) - entry_counts
+    base = torch.repeat_interleave(torch.where(firsts > 0, total[(firsts - 1).clamp(min=0)], 0), entry_counts)
+    return (total - base)[marks] - 1
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of ``u <= 8`` bytes as little-endian unsigned integers in int64 (mod 2**64)."""
+    shifts = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int64) * 8
+    return (rows.to(torch.int64) << shifts).sum(1)
+
+
+def delta_digests(old: torch.Tensor, new: torch.Tensor, byte_offsets: torch.Tensor, segment: torch.Tensor,
+                  num_segments: int) -> torch.Tensor:
+    """How much each segment's digest (``transport.buffers.digest``, before its final xor
+    with the length) moves when the elements ``old`` (rows of ``u`` bytes, ``u`` in 1, 2,
+    4, 8) become ``new``: elements at ``byte_offsets`` of their segment (multiples of
+    ``u``), in segment ``segment``. The digest is a sum of words times odd weights mod
+    2**64, so this needs the changed elements only (int64 per segment, wrapping)."""
+    out = torch.zeros(num_segments, dtype=torch.int64, device=old.device)
+    if old.numel() == 0:
+        return out
+    diff = _words(new) - _words(old)
+    scale = torch.ones_like(byte_offsets) << ((byte_offsets % 8) * 8)  # the element's place in its word
+    weight = 2 * torch.div(byte_offsets, 8, rounding_mode="floor") + 1
+    return out.index_add_(0, segment, diff * scale * weight)

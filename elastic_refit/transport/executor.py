@@ -148,9 +148,8 @@ class Executor:
         self._delta = (DeltaCoder(self.schedule, self._io, quantized=full,
                                   verify=self.options.verify, device=self.device)
                        if self.options.delta else None)
-        self._round: tuple[DeltaRound, Mapping[str, torch.Tensor]] | None = None  # the refit's deltas
-        num_scratch = 2 if self._delta is not None and self._delta.messages else 0
-        needed = (self.num_staging_slots + num_scratch) * _aligned(self.max_wire_bytes)
+        self._round: DeltaRound | None = None  # the refit's deltas
+        needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
         self.staging_needed = needed
         if needed > self.options.staging_bytes:
             rounds = plan.options.concurrent_rounds
@@ -172,7 +171,7 @@ class Executor:
     # ---- public ----------------------------------------------------------------------
     @property
     def staging_allocated(self) -> int:
-        return sum(t.numel() for t in self._staging) + (self._delta.scratch_bytes if self._delta else 0)
+        return sum(t.numel() for t in self._staging)
 
     def run(self, source: Mapping[str, torch.Tensor] | None = None,
             destination: Mapping[str, torch.Tensor] | None = None, *,
@@ -200,9 +199,7 @@ class Executor:
             self._ensure_staging()
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             if self._delta is not None and delta is not None:
-                rnd = self._delta.prepare(delta, tensors, self.transport,
-                                          keep_bytes=self.options.staging_bytes - self.staging_needed)
-                self._round = (rnd, delta.base)
+                self._round = self._delta.prepare(delta, tensors, self.transport)
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
             if self._direct is not None:
@@ -216,8 +213,8 @@ class Executor:
             self.transport.abort()
             raise
         finally:
-            rnd = self._round[0] if self._round is not None else DeltaRound()
-            self._round = None  # its kept payloads go with it
+            rnd = self._round if self._round is not None else DeltaRound()
+            self._round = None
         refused: BaseException | None = None
         if before_vote is not None:
             try:
@@ -261,8 +258,6 @@ class Executor:
             size = _aligned(self.max_wire_bytes)
             self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(self.num_staging_slots)]
-        if self._delta is not None and self._delta.messages:
-            self._delta.scratch(_aligned(self.max_wire_bytes))
 
     def _local_copy(self, copy, tensors) -> None:
         src = tensors[copy.src.buffer][tuple(slice(o, o + n) for o, n in zip(copy.src.offsets, copy.src.lengths, strict=True))]
@@ -327,7 +322,7 @@ class Executor:
             if prior is not None and prior.pending:  # the staging slot is free once its send is done
                 prior.wait(self.transport)
             coded = None if self._round is None else self._delta.payload(  # type: ignore[union-attr]
-                self._round[0], io, tensors, self._staging_of(m.first_slot, slot, io.wire_bytes), self._round[1])
+                self._round, io, tensors, self._staging_of(m.first_slot, slot, io.wire_bytes))
             if coded is not None:
                 payload = coded
             elif io.direct is not None:
@@ -350,7 +345,7 @@ class Executor:
             if i >= len(m.msg.buckets):
                 continue
             io = self._io[id(m.msg.buckets[i])]
-            size = None if self._round is None else self._round[0].size(io)
+            size = None if self._round is None else self._round.size(io)
             target = (io.direct_view(tensors) if io.direct is not None
                       else self._staging_of(m.first_slot, slot, io.wire_bytes if size is None else size))
             m.slots[slot] = Posted(P2POp("recv", target, m.msg.peer, i), f"receive ({m.place})", io)
@@ -414,11 +409,12 @@ class Executor:
         assert op is not None and op.io is not None
         op.wait(self.transport)
         if op.io.direct is None:
-            data = op.op.tensor
-            if self._round is not None and self._round[0].size(op.io) is not None:  # a delta: rebuild the bucket
-                data = self._delta.rebuild(self._round[0], op.io, tensors, data)  # type: ignore[union-attr]
-            counts["num_verified_boxes"] += op.io.unpack(tensors, data, self.options.verify,
-                                                         f"rank {self.rank} {m.place}")
+            where = f"rank {self.rank} {m.place}"
+            if self._round is not None and self._round.size(op.io) is not None:  # a delta: written in place
+                counts["num_verified_boxes"] += self._delta.accept(  # type: ignore[union-attr]
+                    self._round, op.io, tensors, op.op.tensor, where)
+            else:
+                counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify, where)
         else:
             counts["num_zero_copy_buckets"] += 1
 

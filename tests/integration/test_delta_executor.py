@@ -17,6 +17,7 @@ from elastic_refit.testing.pattern import allocate
 from elastic_refit.testing.processes import run_local_world
 from elastic_refit.testing.versions import version_buffers, version_problems
 from elastic_refit.testing.world import RefitCase, make_transport
+from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.executor import DeltaInputs, Executor, ExecutorOptions
 
 TINY_MOE = ModelConfig(name="tiny-qwen3-moe", hidden_size=64, num_layers=2, vocab_size=130, num_heads=4,
@@ -43,8 +44,8 @@ def _delta_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, 
         src = version_buffers(plan.source, rank, version, density=DENSITY)
         receivers = destinations - {left_out} if version == 2 else destinations
         if version == 3 and rank == torn:
-            for t in dst.values():  # this rank does not hold the base any more
-                t.view(-1)[:1].zero_()
+            for t in dst.values():  # this rank does not hold the base any more (where it changes)
+                byte_view(t).reshape(-1).add_(1)
         inputs = DeltaInputs(base, receivers) if version else None
         try:
             report = executor.run(src, dst, delta=inputs)
@@ -89,4 +90,4 @@ def test_a_receiver_without_the_base_fails_the_refit_everywhere(results):
     _plan, _left_out, torn, ranks = results
     errors = {r.rank: r.value["error"] for r in ranks}
     assert all(e is not None and e[0] == 3 for e in errors.values()), errors
-    assert "digest" in errors[torn][2], errors[torn]
+    assert "digest" in errors[torn][2] and "base differs" in errors[torn][2], errors[torn]

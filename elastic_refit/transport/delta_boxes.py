@@ -1,0 +1,269 @@
+"""Where the boxes of a message sit in their buffers, and their change against a base
+(``transport.delta``): what each box's changed elements are, their values, and how far
+each box's digest moves; and the way back, writing them.
+
+Two forms, the same results: on the CPU each box is a strided numpy view of its buffer
+(compare, ``flatnonzero`` and the flat iterator's gathers and scatters run in C, no index
+arithmetic of ours); elsewhere a few tensor operations per message whatever its boxes
+(:class:`Boxes`' ``select`` and ``flat``), the reference for fused kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from elastic_refit.kernels.delta import changed_elements, delta_digests
+from elastic_refit.layout import DTYPE_ITEMSIZE
+from elastic_refit.transport.buffers import byte_view
+from elastic_refit.transport.schedule import BoxCopy, RankSchedule
+
+__all__ = ["Boxes", "Change"]
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(slots=True)
+class Change:
+    """A message's change: per box its changed elements (``counts``), their indices in
+    their box (``local``, box after box), their new values (bytes, box after box) and per
+    box how far its digest moves (``moves``, int64)."""
+
+    local: torch.Tensor
+    counts: torch.Tensor
+    values: torch.Tensor
+    moves: torch.Tensor
+
+
+class Boxes:
+    """Where the elements of one bucket's boxes sit in their buffers, as tensors (one row
+    per box, dims padded to the deepest): maps buffers' changed elements (flat indices,
+    ascending) to the bucket's (box by box in stream order, each counted from its box's
+    first element) and back, a few tensor operations per bucket whatever its boxes."""
+
+    def __init__(self, boxes: tuple[BoxCopy, ...], schedule: RankSchedule, device: torch.device, *,
+                 vectorized: bool | None = None) -> None:
+        self.vectorized = device.type != "cpu" if vectorized is None else vectorized  # else numpy views
+        self.refs: list = []
+        for b in boxes:
+            if b.buffer not in self.refs:
+                self.refs.append(b.buffer)
+        self.boxes = boxes
+        self.itemsizes = [DTYPE_ITEMSIZE[schedule.buffers[r].dtype] for r in self.refs]
+        k = max([len(b.lengths) for b in boxes] + [1])
+        shapes, lengths, lo = [], [], []
+        for b in boxes:
+            shape = schedule.buffers[b.buffer].shape
+            strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+            lo.append(sum(o * st for o, st in zip(b.offsets, strides, strict=True)))
+            shapes.append([1] * (k - len(shape)) + list(shape))  # padded in front: a dim of 1 is full
+            lengths.append([1] * (k - len(shape)) + list(b.lengths))
+        self.ref_of = torch.tensor([self.refs.index(b.buffer) for b in boxes], dtype=torch.int64, device=device)
+        self.box_itemsize = [self.itemsizes[self.refs.index(b.buffer)] for b in boxes]
+        self.itemsize = torch.tensor(self.box_itemsize, dtype=torch.int64, device=device)
+        self._span = max([math.prod(schedule.buffers[r].shape) for r in self.refs] + [1]) + 1
+        self.lo = torch.tensor(lo, dtype=torch.int64, device=device)
+        # Per dim where it matters: (whether some box is partial there, so its digit says
+        # whether an element is inside; the buffer's extent from there and stride; the box's
+        # length and stride). A box's index of an element differs from its offset from the
+        # box's first element by digit * (buffer stride - box stride) per dim.
+        self._dims = []
+        for d in range(k):
+            check = d > 0 and any(sh[d] != ln[d] for sh, ln in zip(shapes, lengths, strict=True))
+            convert = any(math.prod(sh[d + 1 :]) != math.prod(ln[d + 1 :]) for sh, ln in zip(shapes, lengths, strict=True))
+            if check or convert:
+                self._dims.append((check, *(torch.tensor(col, dtype=torch.int64, device=device) for col in (
+                    [math.prod(sh[d:]) for sh in shapes], [math.prod(sh[d + 1 :]) for sh in shapes],
+                    [ln[d] for ln in lengths], [math.prod(ln[d + 1 :]) for ln in lengths]))))
+        hi = [first + sum((n - 1) * math.prod(sh[d + 1 :]) for d, (n, sh_d) in enumerate(zip(ln, sh, strict=True))) + 1
+              for first, ln, sh in zip(lo, lengths, shapes, strict=True)]
+        self.bounds = torch.tensor([lo, hi], dtype=torch.int64, device=device) + self.ref_of * self._span
+
+    def select(self, changed: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index in its box, flat index in its buffer, box) of every changed element in
+        the bucket's boxes, in stream order; ``changed``: per ref, its buffer's."""
+        keyed = torch.cat([c + i * self._span for i, c in enumerate(changed)])
+        ends = torch.searchsorted(keyed, self.bounds)  # [2, box]
+        num = ends[1] - ends[0]
+        box = torch.repeat_interleave(torch.arange(len(self.boxes), device=keyed.device), num)
+        at = torch.arange(box.numel(), device=keyed.device) + torch.repeat_interleave(ends[0] - (torch.cumsum(num, 0) - num), num)
+        flat = keyed[at] - self.ref_of[box] * self._span
+        # An element is in its box when every digit of its offset from the box's first
+        # element (in the buffer's dims) is below the box's length there; those digits,
+        # in the box's dims, are its index in the box.
+        rel = flat - self.lo[box]
+        if not self._dims:  # every box a contiguous run
+            return rel, flat, box
+        inside = torch.ones_like(rel, dtype=torch.bool)
+        local = rel.clone()
+        for check, outer, stride, length, box_stride in self._dims:
+            digit = torch.div(torch.remainder(rel, outer[box]), stride[box], rounding_mode="floor")
+            if check:
+                inside &= digit < length[box]
+            local -= digit * (stride - box_stride)[box]
+        return local[inside], flat[inside], box[inside]
+
+    def flat(self, local: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
+        """The buffers' flat indices of the boxes' elements ``local`` (of boxes ``box``)."""
+        rel = local.clone()
+        for _check, _outer, stride, length, box_stride in self._dims:
+            digit = torch.remainder(torch.div(local, box_stride[box], rounding_mode="floor"), length[box])
+            rel += digit * (stride - box_stride)[box]
+        return rel + self.lo[box]
+
+    # ---- the change of a message ------------------------------------------------------------
+    def _np(self, tensor: torch.Tensor, i: int) -> np.ndarray:
+        """Box ``i`` of ``tensor`` (its buffer) as a numpy view of integers of its element size."""
+        b = self.boxes[i]
+        view = byte_view(tensor).view(_INT[self.box_itemsize[i]])
+        return view[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths, strict=True))].numpy()
+
+    def code(self, tensors, base, changed: dict, verify: bool) -> Change:
+        """The change of the boxes from ``base`` to ``tensors`` (by ref); ``changed``: a
+        cache of each buffer's changed elements (the vectorized form compares each buffer
+        once per refit)."""
+        if not self.vectorized:
+            return self._code_cpu(tensors, base, verify)
+        for ref, itemsize in zip(self.refs, self.itemsizes, strict=True):
+            if ref not in changed:
+                changed[ref] = changed_elements(byte_view(tensors[ref]).reshape(-1), byte_view(base[ref]).reshape(-1),
+                                                itemsize)
+        local, flat, box = self.select([changed[r] for r in self.refs])
+        n = len(self.boxes)
+        values, at = _values(self, box, None)
+        moves = torch.zeros(n, dtype=torch.int64, device=local.device)
+        for i, u, mask in self.groups(box):
+            at_flat = _masked(flat, mask)
+            new = _rows(tensors[self.refs[i]], u).index_select(0, at_flat)
+            _put(values, at, mask, new)
+            if verify:
+                old = _rows(base[self.refs[i]], u).index_select(0, at_flat)
+                moves += delta_digests(old, new, _masked(local, mask) * u, _masked(box, mask), n)
+        return Change(local, torch.bincount(box, minlength=n).cpu(), values, moves)
+
+    def _code_cpu(self, tensors, base, verify: bool) -> Change:
+        locals_, values = [], []
+        moves = np.zeros(len(self.boxes), dtype=np.int64)
+        for i, b in enumerate(self.boxes):
+            cur, old = self._np(tensors[b.buffer], i), self._np(base[b.buffer], i)
+            local = np.flatnonzero(cur != old)
+            new = cur.flat[local] if local.size else cur.reshape(-1)[:0]
+            locals_.append(local)
+            values.append(new.view(np.uint8).reshape(-1))
+            if verify and local.size:
+                moves[i] = _moved(old.flat[local], new, local, self.box_itemsize[i])
+        counts = torch.tensor([x.size for x in locals_], dtype=torch.int64)
+        return Change(torch.from_numpy(np.concatenate(locals_ + [np.zeros(0, np.int64)]).astype(np.int64)), counts,
+                      torch.from_numpy(np.concatenate(values + [np.zeros(0, np.uint8)])), torch.from_numpy(moves))
+
+    def apply(self, tensors, change: Change, verify: bool):
+        """Check and write a change (``change.moves`` unused): returns the digest moves it
+        makes on this rank's buffers (zeros without ``verify``) and a function that writes
+        it (call it once the moves were found right)."""
+        if not self.vectorized:
+            return self._apply_cpu(tensors, change, verify)
+        n = len(self.boxes)
+        counts = change.counts.to(change.local.device)
+        box = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)
+        flat = self.flat(change.local, box)
+        values, at = _values(self, box, change.values)
+        moves = torch.zeros(n, dtype=torch.int64, device=counts.device)
+        writes = []
+        for i, u, mask in self.groups(box):
+            rows, f = _rows(tensors[self.refs[i]], u), _masked(flat, mask)
+            new = _take(values, at, mask, u)
+            if verify:
+                moves += delta_digests(rows.index_select(0, f), new, _masked(change.local, mask) * u, _masked(box, mask), n)
+            writes.append((rows, f, new))
+
+        def write() -> None:
+            for rows, f, new in writes:
+                rows.index_copy_(0, f, new)
+        return moves, write
+
+    def _apply_cpu(self, tensors, change: Change, verify: bool):
+        local, values = change.local.numpy(), change.values.numpy()
+        moves = np.zeros(len(self.boxes), dtype=np.int64)
+        writes = []
+        start = offset = 0
+        for i, k in enumerate(change.counts.tolist()):
+            if not k:
+                continue
+            b, u = self.boxes[i], self.box_itemsize[i]
+            dst, at = self._np(tensors[b.buffer], i), local[start : start + k]
+            new = values[offset : offset + k * u].view(dst.dtype)
+            if verify:
+                moves[i] = _moved(dst.flat[at], new, at, u)
+            writes.append((dst, at, new))
+            start, offset = start + k, offset + k * u
+
+        def write() -> None:
+            for dst, at, new in writes:
+                dst.flat[at] = new
+        return torch.from_numpy(moves), write
+
+
+    def groups(self, box: torch.Tensor):
+        """Per ref of the bucket: (its index, itemsize, the mask of the elements in its
+        boxes or None when the bucket has one ref)."""
+        for i, u in enumerate(self.itemsizes):
+            yield i, u, None if len(self.refs) == 1 else self.ref_of[box] == i
+
+
+
+def _rows(tensor: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """A contiguous buffer as one row of bytes per element."""
+    return byte_view(tensor).reshape(-1).view(-1, itemsize)
+
+
+def _values(boxes: Boxes, box: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A message's values (new, or ``values``) and, when its boxes mix element sizes, each
+    element's byte offset there (None: one size ``u``, element ``j`` at ``j * u``)."""
+    if len(set(boxes.itemsizes)) == 1:
+        nbytes, at = box.numel() * boxes.itemsizes[0], None
+    else:
+        sizes = boxes.itemsize[box]
+        nbytes, at = int(sizes.sum()), torch.cumsum(sizes, 0) - sizes
+    if values is None:
+        values = torch.empty(nbytes, dtype=torch.uint8, device=box.device)
+    return values, at
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return t if mask is None else t[mask]
+
+
+def _put(values: torch.Tensor, at: torch.Tensor | None, mask: torch.Tensor | None, rows: torch.Tensor) -> None:
+    u = rows.shape[1]
+    if at is None:
+        if mask is None:
+            values.copy_(rows.reshape(-1))
+        else:
+            values.view(-1, u)[mask] = rows
+        return
+    index = (at[mask][:, None] + torch.arange(u, device=at.device)).reshape(-1)
+    values[index] = rows.reshape(-1)
+
+
+def _take(values: torch.Tensor, at: torch.Tensor | None, mask: torch.Tensor | None, u: int) -> torch.Tensor:
+    if at is None:
+        rows = values.view(-1, u)
+        return rows if mask is None else rows[mask]
+    index = (at[mask][:, None] + torch.arange(u, device=at.device)).reshape(-1)
+    return values[index].view(-1, u)
+
+
+def _moved(old: np.ndarray, new: np.ndarray, local: np.ndarray, u: int) -> int:
+    """How far a box's digest moves when its elements ``local`` go from ``old`` to
+    ``new`` (numpy, mod 2**64; as ``kernels.delta.delta_digests``)."""
+    unsigned = _UNSIGNED[u]
+    diff = new.view(unsigned).astype(np.uint64) - old.view(unsigned).astype(np.uint64)
+    offsets = (local * u).astype(np.uint64)
+    scale = np.left_shift(np.uint64(1), (offsets % np.uint64(8)) * np.uint64(8))
+    weight = np.uint64(2) * (offsets // np.uint64(8)) + np.uint64(1)
+    total = (diff * scale * weight).sum(dtype=np.uint64)
+    return int(np.array(total, dtype=np.uint64).view(np.int64))
