@@ -1,8 +1,9 @@
 """Self-described layouts on etcd, content-addressed by fingerprint.
 
 Each member publishes the layout of its own side (opaque bytes here: the runtime encodes
-and decodes them) and names its fingerprint in its member record; peers fetch a layout the
-first time a record names it. Keys (under ``/elastic-refit/{job}/``):
+and decodes them: a side's rules, ``ERL3``, kilobytes whatever the number of ranks, or its
+pieces, ``ERL1``/``ERL2``) and names its fingerprint in its member record; peers fetch a
+layout the first time a record names it. Keys (under ``/elastic-refit/{job}/``):
 
 - ``layouts/{fingerprint}`` -> ``{num_bytes, num_chunks, sha256}``, written last;
 - ``layouts/{fingerprint}/{i}`` -> chunk ``i`` (etcd refuses requests over 1.5 MiB by default).

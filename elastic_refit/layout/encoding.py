@@ -12,6 +12,12 @@ formats' canonical JSON), under :func:`described_fingerprint`, which covers both
 with the same pieces but other formats are two descriptions. A side without quantized
 formats encodes as format 1 (``ERL1``), byte for byte as before formats existed, under its
 layout's own fingerprint; decoding reads both.
+
+A side kept as rules (``SymbolicLayout``) encodes as format 3 (``ERL3``): its tensors, buffer
+and piece rules (and formats, if any) as JSON, O(tensors) bytes whatever the number of ranks,
+under the same described fingerprint as its explicit layout (the fingerprints agree).
+``decode_described`` reads all three (an ``ERL3`` side as its explicit layout);
+``decode_symbolic_described`` gives an ``ERL3`` side's rules.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import numpy as np
 from elastic_refit.layout.core import Layout, LogicalTensor
 from elastic_refit.layout.formats import TensorFormats
 
-__all__ = ["decode_described", "decode_layout", "decode_symbolic", "described_fingerprint", "encode_layout",
-           "encode_symbolic"]
+__all__ = ["decode_described", "decode_layout", "decode_symbolic", "decode_symbolic_described",
+           "described_fingerprint", "encode_layout", "encode_symbolic"]
 
 _MAGIC = b"ERL1"  # elastic-refit layout, format 1: the layout alone
 _MAGIC_FORMATS = b"ERL2"  # format 2: the layout and its destination formats
@@ -74,6 +80,9 @@ def decode_described(blob: bytes, fingerprint: str | None = None) -> tuple[Layou
     ``fingerprint``, a :func:`described_fingerprint`) describes another side than the one
     asked for."""
     magic = bytes(blob[:4]) if isinstance(blob, bytes | bytearray | memoryview) else b""
+    if magic == _MAGIC_SYMBOLIC:
+        symbolic, formats = decode_symbolic_described(blob, fingerprint)
+        return symbolic.to_layout(), formats
     if magic not in (_MAGIC, _MAGIC_FORMATS):
         raise ValueError("not an encoded layout (bad magic)")
     try:
@@ -111,20 +120,34 @@ def decode_layout(blob: bytes, fingerprint: str | None = None) -> Layout:
 _MAGIC_SYMBOLIC = b"ERL3"
 
 
-def encode_symbolic(layout) -> bytes:
-    """A ``SymbolicLayout`` as bytes: its tensors, buffer rules and piece rules as JSON (and
-    its explicit part, if any, as an ``ERL1`` blob), zlib-compressed, under its fingerprint;
-    :func:`decode_symbolic` inverts it. Kilobytes for a model's presets at any scale."""
+def encode_symbolic(layout, formats: TensorFormats | None = None) -> bytes:
+    """A ``SymbolicLayout`` (and its destination ``formats``) as bytes: its tensors, buffer
+    rules and piece rules as JSON (and its explicit part, if any, as an ``ERL1`` blob),
+    zlib-compressed, under its described fingerprint; :func:`decode_symbolic_described`
+    inverts it. Kilobytes for a model's presets at any scale."""
+    if formats is not None and not isinstance(formats, TensorFormats):
+        raise ValueError(f"formats must be a TensorFormats, got {formats!r}")
     explicit = encode_layout(layout.explicit).hex() if layout.explicit is not None else None
     head = {"tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors],
             "buffers": [b.to_json() for b in layout.buffers], "rules": [r.to_json() for r in layout.rules],
             "explicit": explicit, "fingerprint": layout.fingerprint}
+    if formats:
+        formats.check(layout.tensors)
+        head["formats"] = formats.to_json()
+        head["described"] = described_fingerprint(layout, formats)
     return _MAGIC_SYMBOLIC + zlib.compress(json.dumps(head, separators=(",", ":")).encode(), level=6)
 
 
 def decode_symbolic(blob: bytes, fingerprint: str | None = None):
-    """The ``SymbolicLayout`` ``blob`` encodes; ``ValueError`` if it is not one, or (with
-    ``fingerprint``) its fingerprint differs from the one asked for."""
+    """The ``SymbolicLayout`` ``blob`` encodes (its formats, if any, dropped); ``ValueError``
+    as :func:`decode_symbolic_described` raises it."""
+    return decode_symbolic_described(blob, fingerprint)[0]
+
+
+def decode_symbolic_described(blob: bytes, fingerprint: str | None = None):
+    """The ``SymbolicLayout`` and destination formats ``blob`` (``ERL3``) encodes; ``ValueError``
+    if it is not one, or (with ``fingerprint``, a :func:`described_fingerprint`) it describes
+    another side than the one asked for."""
     from elastic_refit.layout.symbolic import BufferRule, PieceRule, SymbolicLayout
 
     if bytes(blob[:4]) != _MAGIC_SYMBOLIC:
@@ -136,9 +159,15 @@ def decode_symbolic(blob: bytes, fingerprint: str | None = None):
             buffers=tuple(BufferRule.from_json(b) for b in head["buffers"]),
             rules=tuple(PieceRule.from_json(r) for r in head["rules"]),
             explicit=decode_layout(bytes.fromhex(head["explicit"])) if head["explicit"] else None)
+        formats = TensorFormats.from_json(head["formats"]) if "formats" in head else TensorFormats()
+        formats.check(layout.tensors)
     except (zlib.error, KeyError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"corrupt encoded symbolic layout: {exc}") from None
-    want = fingerprint or head["fingerprint"]
-    if layout.fingerprint != want or layout.fingerprint != head["fingerprint"]:
-        raise ValueError(f"encoded symbolic layout has fingerprint {layout.fingerprint}, expected {want}")
-    return layout
+    if layout.fingerprint != head["fingerprint"]:
+        raise ValueError(f"encoded symbolic layout has fingerprint {layout.fingerprint}, expected "
+                         f"{head['fingerprint']}")
+    described = described_fingerprint(layout, formats)
+    want = fingerprint or head.get("described", layout.fingerprint)
+    if described != want or described != head.get("described", layout.fingerprint):
+        raise ValueError(f"encoded symbolic layout has fingerprint {described}, expected {want}")
+    return layout, formats

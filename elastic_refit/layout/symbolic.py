@@ -48,7 +48,7 @@ from elastic_refit.layout.symbolic_rules import (
     _rule_pieces,
 )
 
-__all__ = ["SPLIT_KINDS", "BufferRule", "Mesh", "PieceRule", "Split", "SymbolicLayout"]
+__all__ = ["SPLIT_KINDS", "BufferRule", "Mesh", "PieceRule", "Split", "SymbolicLayout", "rules_of"]
 
 @dataclass(frozen=True, eq=False)
 class SymbolicLayout:
@@ -103,8 +103,13 @@ class SymbolicLayout:
 
     # ---- explicit pieces -------------------------------------------------------------------
     def to_layout(self) -> Layout:
-        """Every piece, explicit (what the explicit constructors build, row for row)."""
-        return self._build(None)
+        """Every piece, explicit (what the explicit constructors build, row for row). The
+        layout keeps its fingerprint (this one's: they are equal) and these rules
+        (``rules_of``), so a member that holds it publishes the rules (``ERL3``)."""
+        layout = self._build(None)
+        object.__setattr__(layout, "_fingerprint", self.fingerprint)
+        object.__setattr__(layout, "_rules", self)
+        return layout
 
     def layout_of_ranks(self, ranks: Sequence[int] | np.ndarray) -> Layout:
         """The pieces and buffers of ``ranks`` only (``to_layout().restrict_to_ranks(ranks)``,
@@ -302,3 +307,9 @@ def _pad(array: np.ndarray, k: int, fill: int) -> np.ndarray:
     out = np.full((array.shape[0], k), fill, dtype=np.int64)
     out[:, : array.shape[1]] = array
     return out
+
+
+def rules_of(layout: Layout) -> SymbolicLayout | None:
+    """The rules an explicit layout was built from (``SymbolicLayout.to_layout``), else None
+    (a layout built piece by piece, or derived from one: ``without_ranks`` drops them)."""
+    return layout.__dict__.get("_rules")

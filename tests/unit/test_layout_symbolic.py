@@ -150,3 +150,25 @@ def test_symbolic_encoding_round_trips_is_small_and_checks_the_fingerprint():
     want.pieces("x", want.buffers("x", [1], (3,), "float32"), [[0]], [[3]], [[0]])
     assert_same_rows(want.build(), decode_symbolic(encode_symbolic(mixed)).to_layout())
     assert mixed.fingerprint == want.build().fingerprint
+
+
+def test_erl3_carries_destination_formats_under_the_described_fingerprint():
+    from elastic_refit.layout import TensorFormats, decode_described, described_fingerprint
+    from elastic_refit.layout.encoding import decode_symbolic_described, encode_symbolic
+    from elastic_refit.layout.symbolic import rules_of
+
+    side = vllm_symbolic("qwen3-30b-a3b", "tp=2,dp=2")
+    formats = TensorFormats.from_mapping({"model.layers.1.mlp.experts.down_proj.weight": "fp8-block128"})
+    blob = encode_symbolic(side, formats)
+    described = described_fingerprint(side, formats)
+    assert described != side.fingerprint
+    rules, got = decode_symbolic_described(blob, described)
+    assert rules.fingerprint == side.fingerprint and got == formats
+    layout, got = decode_described(blob, described)  # ERL3 read as pieces, as ERL1/2 are
+    assert got == formats and layout.fingerprint == side.fingerprint and rules_of(layout) is not None
+    assert_same_rows(layout, vllm_layout("qwen3-30b-a3b", "tp=2,dp=2"))
+    with pytest.raises(ValueError, match="expected"):
+        decode_symbolic_described(blob, side.fingerprint)  # the formats are part of the description
+    assert decode_symbolic_described(encode_symbolic(side), side.fingerprint)[1] == TensorFormats()
+    # a layout derived from one built from rules is not those rules
+    assert rules_of(layout.without_ranks([0])) is None
