@@ -43,9 +43,14 @@ class MemberRecord:
     # ``host:port`` of this incarnation's liveness listener ("" for none): the ring's peers
     # hold a connection to it, and its end without a goodbye is evidence of death.
     probe: str = ""
+    # Whether this rank's executors take deltas (``TransferSettings.delta_base_bytes > 0``):
+    # an attempt goes as deltas only when every member in it does (``runtime.deltas``).
+    deltas: bool = False
 
     def __post_init__(self) -> None:
         check_role(self.role)
+        if not isinstance(self.deltas, bool):
+            raise ValueError(f"deltas must be a bool, got {self.deltas!r}")
         if isinstance(self.layout_rank, bool) or not isinstance(self.layout_rank, int) or self.layout_rank < -1:
             raise ValueError(f"layout_rank must be an int >= -1, got {self.layout_rank!r}")
         if isinstance(self.reform, bool) or not isinstance(self.reform, int) or self.reform < 0:
@@ -88,6 +93,7 @@ class MemberRecord:
             "reform": self.reform,
             "reform_epoch": self.reform_epoch,
             "probe": self.probe,
+            "deltas": self.deltas,
         }
 
     def encode(self) -> bytes:
@@ -109,6 +115,7 @@ class MemberRecord:
             reform=int(data.get("reform", 0)),
             reform_epoch=int(data.get("reform_epoch", 0)),
             probe=str(data.get("probe", "")),
+            deltas=bool(data.get("deltas", False)),
         )
 
     @classmethod
@@ -211,7 +218,7 @@ class MembershipView:
 
 # Defaults of MemberRecord's optional fields: a column that holds only its default is left out.
 _RECORD_DEFAULTS = {"address": "", "state": "ready", "layout_rank": -1, "layout": "", "reform": 0,
-                    "reform_epoch": 0, "probe": ""}
+                    "reform_epoch": 0, "probe": "", "deltas": False}
 
 
 def encode_members(members: tuple[MemberRecord, ...]) -> dict[str, Any]:

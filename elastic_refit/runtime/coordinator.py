@@ -82,8 +82,7 @@ class Coordinator:
         self._set(forget_settled(self._state, versions))
         move = coordinate(view, seq, versions, **coordinator_checks(self.planner, view, versions))
         if isinstance(move, Propose):  # who may be sent the change against the latest commit
-            move = replace(move, spec=with_deltas(move.spec, view, versions,
-                                                  enabled=s.config.transfer.delta_base_bytes > 0))
+            move = replace(move, spec=with_deltas(move.spec, view, versions))  # as the members' records say
         return self._carry_out(view, move, versions)
 
     def _carry_out(self, view: MembershipView, move: object, versions: VersionState) -> NextAttempt | None:

@@ -11,6 +11,9 @@ bytes. The choice travels with the attempt (``AttemptSpec.base`` and ``deltas``)
 rank of the attempt plans the same exchange; a source without the base (a restarted
 trainer) or a bucket whose change is not smaller sends full bytes on its own, and a
 destination that finds it does not hold the base refuses the attempt before any byte moves.
+Members say in their records whether they take deltas (``MemberRecord.deltas``, from
+``delta_base_bytes``): an attempt with a member that does not goes in full, so a job whose
+members disagree on the option still refits (in full) instead of failing attempts.
 """
 
 from __future__ import annotations
@@ -25,16 +28,20 @@ from elastic_refit.runtime.attempt import holds
 __all__ = ["with_deltas"]
 
 
-def with_deltas(spec: AttemptSpec, view: MembershipView, state: VersionState, *, enabled: bool) -> AttemptSpec:
+def with_deltas(spec: AttemptSpec, view: MembershipView, state: VersionState, *, enabled: bool = True) -> AttemptSpec:
     """``spec`` with its delta base and the destinations that may be sent deltas (pure).
-    Unchanged (no deltas) when deltas are off, for a catch-up, when nothing is committed
-    yet, or when no destination holds the latest committed version."""
+    Unchanged (no deltas) when deltas are off, when some member of the attempt does not
+    take them (its record's ``deltas``: ``delta_base_bytes`` is 0 there; every sender and
+    receiver must agree on the sizes exchanged before payloads), for a catch-up, when
+    nothing is committed yet, or when no destination holds the latest committed version."""
     if not enabled or spec.kind != REFIT or not spec.sources:
         return replace(spec, base=None, deltas=())
     base = state.latest_committed
     if base is None or base >= spec.version or base in state.failed:
         return replace(spec, base=None, deltas=())
     members = {m.member_id: m for m in view.members}
+    if not all(members[m].deltas for m in (*spec.sources, *spec.holders, *spec.destinations) if m in members):
+        return replace(spec, base=None, deltas=())
     deltas = tuple(d for d in spec.destinations if d in members and holds(state, base, members[d]))
     if not deltas:
         return replace(spec, base=None, deltas=())

@@ -139,7 +139,7 @@ class Participant:
                                  "set it alike on every member")
         if me in spec.deltas:
             ack = s.tracker.state().acks.get(spec.base, {}).get(me)
-            if ack is None or ack.digest != self._serving.digest():
+            if ack is None or ack.digest != self._serving.held_digest():  # no re-read after the ack
                 s.versions.retract(s.membership, s.tracker.state(), also=self._acked)
                 self._acked.clear()
                 raise RefitError(f"{me} was named to receive version {spec.version} as a delta against version "

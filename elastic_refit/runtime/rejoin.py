@@ -61,7 +61,8 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
     (:data:`BACKOFF_S`) until it succeeds or the member closes (``MembershipLost``)."""
     c = config
     record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
-                          layout_rank=c.layout_rank, layout=side.described)
+                          layout_rank=c.layout_rank, layout=side.described,
+                          deltas=c.transfer.delta_base_bytes > 0)
     for tries in range(1, 1 << 30):
         if services.stop.is_set():
             raise MembershipLost(f"{c.member_id}: closing while it registered again")

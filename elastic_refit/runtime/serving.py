@@ -50,6 +50,7 @@ class ServingSlot:
         self._serving: int | None = None  # the committed version the parameters hold
         self._pending: tuple[int, float] | None = None  # staged: (version, committed at) not switched in yet
         self._dirty = False  # a refit started writing and has not completed (what is written is no version)
+        self._digest: str | None = None  # what digest() took, while no refit has written since
         self._parameters: dict[str, torch.Tensor] = dict(parameters)
         self._incoming = self._spares(self._parameters)
         self.switches = 0  # staged: how many versions were switched in (tests and benchmarks read it)
@@ -86,7 +87,17 @@ class ServingSlot:
         digest = buffers_digest(self._incoming)
         with self._cond:
             self._dirty = False
+            self._digest = digest
         return digest
+
+    def held_digest(self) -> str:
+        """The digest of what the refit buffers hold now, without reading them while no
+        refit has written them since :meth:`digest` took it (what this rank acked: the
+        runtime's buffers change only through refits); else read anew."""
+        with self._cond:
+            if self._digest is not None:
+                return self._digest
+        return buffers_digest(self._incoming)
 
     # ---- readers ------------------------------------------------------------------------
     def enter(self, want: int = -1) -> int | None:
@@ -136,7 +147,7 @@ class ServingSlot:
         pause starts). Staged: the spares are overwritten, so a version still waiting for
         its switch is skipped; never waits."""
         with self._cond:
-            self._dirty = True
+            self._dirty, self._digest = True, None
             if self.staged:
                 if self._pending is not None and self._log is not None:
                     self._log.info("refit.serving.skipped", version=self._pending[0], readers=self._readers)
@@ -200,7 +211,7 @@ class ServingSlot:
             self._wait_no_readers()
             self._parameters = dict(parameters)
             self._incoming = self._spares(self._parameters)
-            self._serving, self._pending, self._dirty = None, None, False
+            self._serving, self._pending, self._dirty, self._digest = None, None, False, None
         self._outcomes.changed()
 
 

@@ -186,9 +186,10 @@ class TransferSettings:
     """Deltas (DESIGN.md, "Deltas"): a trainer keeps a copy of what it published for the
     last committed version (its base) within this many bytes on the tensors' device, and
     sends each new version as its change against it to the inference ranks that hold it
-    verified (the others get full bytes). 0: full bytes every version. Set it alike on
-    every member of a job (inference ranks keep no copy, their executors take deltas);
-    plan with ``relay="off"``: a relay forwards bytes as they arrived, so relayed
+    verified (the others get full bytes). 0: full bytes every version. Set it on every
+    member of a job (inference ranks keep no copy, their executors take deltas): a member
+    registers whether it takes deltas, and an attempt with one that does not goes in full.
+    Plan with ``relay="off"``: a relay forwards bytes as they arrived, so relayed
     messages always go in full."""
 
     def executor_options(self) -> ExecutorOptions:

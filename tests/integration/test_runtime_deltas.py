@@ -100,3 +100,20 @@ def test_a_joiner_gets_full_bytes_then_deltas(etcd_server, job, tmp_path):  # no
     acked = _acked(tmp_path / "i2.jsonl")
     assert "i2" not in acked[0]["attempt"].get("deltas", []), acked[0]
     assert any("i2" in a["attempt"].get("deltas", []) for a in acked[1:]), acked
+
+
+def test_a_member_without_the_option_makes_refits_go_in_full(etcd_server, job, tmp_path):  # noqa: F811
+    """delta_base_bytes set on every member but one inference rank: its record says it takes
+    no deltas, so the coordinator sends every version in full (no attempt fails on it)."""
+    etcd = etcd_server.endpoint
+    first = {"pause_s": 0.5, "start_with": FIRST_MEMBERS}
+    job.start(_member(etcd, "trainer", "t0", 0, **first))
+    job.start(_member(etcd, "trainer", "t1", 1, **first))
+    job.start(_member(etcd, "inference", "i0", 2), hook=RecordAckedAttempts("i0", etcd, str(tmp_path / "i0.jsonl")))
+    job.start(_member(etcd, "inference", "i1", 3, config={"relay": "off"}))
+    reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=120)
+    for m in ("i0", "i1"):
+        assert_all_verified(reports[m], VERSIONS[-1])
+    assert sorted(version_state(etcd).committed) == list(VERSIONS)
+    acked = _acked(tmp_path / "i0.jsonl")
+    assert acked and not any(a["attempt"].get("deltas") for a in acked), acked

@@ -15,9 +15,16 @@ from hypothesis import strategies as st
 
 from elastic_refit.runtime.attempt import holds
 from elastic_refit.runtime.deltas import with_deltas
-from tests.unit.test_runtime_decisions import state, view
+from tests.unit.test_runtime_decisions import state
+from tests.unit.test_runtime_decisions import view as plain_view
 
 DESTS = ("i0", "i1", "i2")
+
+
+def view(*members: str, without: tuple[str, ...] = ()):
+    """A view whose members take deltas (their records say so), but ``without``."""
+    v = plain_view(*members)
+    return replace(v, members=tuple(replace(m, deltas=m.member_id not in without) for m in v.members))
 
 
 def refit(version: int = 5, destinations=DESTS, kind: str = REFIT) -> AttemptSpec:
@@ -61,6 +68,18 @@ def test_with_deltas(name):
     out = with_deltas(spec, view(*members), versions, enabled=enabled)
     assert (out.base, out.deltas) == (base, deltas)
     assert replace(out, base=None, deltas=()) == replace(spec, base=None, deltas=())  # nothing else changes
+
+
+@pytest.mark.parametrize("without", ["t0", "i1"])
+def test_a_member_without_deltas_makes_the_attempt_go_in_full(without):
+    """Deltas need every sender and receiver of the attempt to exchange sizes: one member
+    whose record says it takes none (no delta_base_bytes there) -> full bytes for all,
+    decided with the attempt (no attempt fails on it)."""
+    spec = refit()
+    versions = state(acks={4: list(DESTS)}, committed=(4,))
+    out = with_deltas(spec, view("t0", *DESTS, without=(without,)), versions)
+    assert (out.base, out.deltas) == (None, ())
+    assert with_deltas(spec, view("t0", *DESTS), versions).deltas == DESTS
 
 
 def test_spec_refuses_deltas_without_a_base_or_outside_its_destinations():
