@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic_refit._validate import require_at_least
 
 __all__ = [
+    "DELTA_CONFIG",
     "FAULT_KINDS",
     "PHASES",
     "ROLES",
@@ -44,6 +45,7 @@ __all__ = [
     "matrix_fault_names",
     "no_fault_scenarios",
     "runtime_phase",
+    "with_deltas",
 ]
 
 ROLES = ("trainer", "inference", "any", "etcd")
@@ -219,6 +221,9 @@ class Scenario:
     spec_json: str | None = field(default=None, compare=False)  # the job's layouts (default: the trial model)
     trainer_pause_s: float = 0.3  # trainers: time between versions (a training step)
     member_config: Mapping[str, Any] | None = field(default=None, compare=False)  # RefitConfig overrides
+    # Deltas' trials: version k changes about this fraction of version k - 1's elements
+    # (``testing.versions``) instead of being new data throughout (see :func:`with_deltas`).
+    delta_density: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         require_at_least("versions", self.versions, 2, "a fault needs a version after it")
@@ -375,6 +380,20 @@ def no_fault_scenarios(trials: int, *, seed: int = 0, num_inference: int = 2, et
         out.append(Scenario(f"{victim} x {fault} x {phase}{suffix}", victim, fault, phase, plan,
                             rng.randrange(1 << 30), NO_FAULT_VERSIONS, num_inference, etcd_nodes))
     return out
+
+
+DELTA_CONFIG = {"delta_base_bytes": 64 << 20, "relay": "off"}  # relayed messages go in full
+
+
+def with_deltas(scenarios: Sequence[Scenario], density: float = 0.02) -> list[Scenario]:
+    """The same scenarios with deltas on (DESIGN.md, "Deltas"): every member keeps or takes
+    deltas (``DELTA_CONFIG``), and each version changes about ``density`` of the elements
+    of the one before, so refits go as deltas to the ranks that hold the latest commit and
+    in full to the others (restarted ranks, joiners, catch-ups). Named ``... +deltas``."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    return [replace(s, name=f"{s.name} +deltas", delta_density=density,
+                    member_config={**(s.member_config or {}), **DELTA_CONFIG}) for s in scenarios]
 
 
 def build_matrix(name: str, *, trials: int | None = None, seed: int = 0, versions: int = 3,

@@ -130,7 +130,8 @@ class Trial:
                             "d-train" if role == "trainer" else "d-infer", spec_json=self.spec,
                             versions=self.versions, incarnation=incarnation,
                             pause_s=self.scenario.trainer_pause_s if role == "trainer" else 0.0,
-                            config={**self.member_config, **(self.scenario.member_config or {})})
+                            config={**self.member_config, **(self.scenario.member_config or {})},
+                            delta_density=self.scenario.delta_density)
         w = self.pool.acquire()
         w.task = (member_id, life)
         w.conn.send((member, hook, str(self.trial_dir / f"{incarnation}.log")))

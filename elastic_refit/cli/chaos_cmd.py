@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "GPU 0 as a host of its own")
     parser.add_argument("--results", help="append each trial's verdict to this file as a JSON line")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--deltas", action="store_true",
+                        help="deltas on: every member sets delta_base_bytes (relay off) and each version changes "
+                             "~2%% of the one before, so refits go as deltas where a rank holds the latest commit")
     parser.set_defaults(handler=run)
 
 
@@ -65,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
         trials = max(1, int(args.minutes * 60))  # more than fit: the time budget ends the run
     scenarios = build_matrix(args.matrix, trials=trials, seed=args.seed, num_inference=args.inference,
                              etcd_nodes=3 if args.etcd_cluster else 1, faults=faults)
+    if args.deltas:
+        from elastic_refit.chaos.faults import with_deltas
+
+        scenarios = with_deltas(scenarios)
     summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
                           results_path=args.results, backend=args.backend, cpu_burners=burn,
                           until_s=None if args.minutes is None else args.minutes * 60)

@@ -19,3 +19,13 @@ def test_quick_matrix_finds_nothing():
     scenarios = build_matrix("quick", seed=0)
     assert len(scenarios) >= 8
     assert_matrix_finds_nothing(scenarios)
+
+
+@pytest.mark.timeout(480)
+def test_quick_matrix_with_deltas_finds_nothing():
+    """The same cells with deltas on: ranks holding the latest commit get deltas, a killed
+    and restarted rank or a joiner gets full bytes; nothing torn, lost, hung or leaked."""
+    from elastic_refit.chaos.faults import with_deltas
+
+    scenarios = with_deltas(build_matrix("quick", seed=0))
+    assert_matrix_finds_nothing(scenarios)
