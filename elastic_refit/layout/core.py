@@ -20,10 +20,8 @@ import numpy as np
 
 from elastic_refit.layout.box import DTYPE_ITEMSIZE, DTYPES, Box, canonical_dtype
 from elastic_refit.layout.fingerprint import (
-    block_digest,
-    buffer_block,
+    block_digests,
     combine_fingerprint,
-    piece_block,
 )
 
 __all__ = [
@@ -394,6 +392,13 @@ class Layout:
             dropped = np.flatnonzero(~keep_piece)
             dropped_bytes = np.prod(self.piece_lengths[dropped], axis=1) * self.tensor_itemsize[self.piece_tensor[dropped]]
             object.__setattr__(derived, "_nbytes", nbytes - int(dropped_bytes.sum()))
+        blocks = self.__dict__.get("_fp_blocks")
+        if blocks is not None:  # the fingerprint's blocks of what lost no row carry over
+            touched_tensors = np.zeros(len(self.tensors), dtype=bool)
+            touched_tensors[self.piece_tensor[~keep_piece]] = True
+            touched_names = np.zeros(len(self.buffer_names), dtype=bool)
+            touched_names[self.buffer_name[~keep]] = True
+            object.__setattr__(derived, "_fp_parent", (*blocks, touched_tensors, touched_names))
         hint = self.__dict__.get("_layout_ids")
         if hint is None:
             hint = self.__dict__.get("_layout_ids_hint")
@@ -417,33 +422,60 @@ def _explicit_fingerprint(layout: Layout) -> str:
         order.append(("piece_tensor", layout.piece_tensor))
     # Pieces grouped by tensor (layout order kept inside), with the index of their buffer's
     # name among the names the tensor uses.
-    by_tensor = np.argsort(layout.piece_tensor, kind="stable")
+    by_tensor = slice(None) if not order else np.argsort(layout.piece_tensor, kind="stable")
     tensor = layout.piece_tensor[by_tensor]
     buffer = layout.piece_buffer[by_tensor]
     name = layout.buffer_name[buffer]
+    num_tensors, k = len(layout.tensors), layout.ndim
     pair = tensor * max(num_names, 1) + name
-    pairs = np.unique(pair)
+    # the (tensor, name) pairs used, sorted: a presence count where the pair space is small
+    space = num_tensors * max(num_names, 1)
+    pairs = np.flatnonzero(np.bincount(pair, minlength=space)) if space <= 8 * pair.size + 1024 else np.unique(pair)
     name_index = np.searchsorted(pairs, pair) - np.searchsorted(pairs, tensor * max(num_names, 1))
-    starts = np.searchsorted(tensor, np.arange(len(layout.tensors) + 1))
-    pair_starts = np.searchsorted(pairs, np.arange(len(layout.tensors) + 1) * max(num_names, 1))
-    tensor_blocks = []
-    for t in range(len(layout.tensors)):
-        rows = by_tensor[starts[t]: starts[t + 1]]
-        r0, block = piece_block(layout.buffer_rank[buffer[starts[t]: starts[t + 1]]],
-                                name_index[starts[t]: starts[t + 1]], layout.piece_offsets[rows],
-                                layout.piece_lengths[rows], layout.piece_local_offsets[rows],
-                                layout.piece_local_lengths[rows])
-        names = tuple((pairs[pair_starts[t]: pair_starts[t + 1]] % max(num_names, 1)).tolist())
-        tensor_blocks.append((r0, names, block_digest("pieces", block)))
+    pair_starts = np.searchsorted(pairs, np.arange(num_tensors + 1) * max(num_names, 1))
+    # A layout derived by dropping ranks (_select_ranks) keeps its parent's blocks of the
+    # tensors and names that lost nothing: only the others are hashed again.
+    parent = layout.__dict__.get("_fp_parent")
+    sel = np.arange(tensor.size) if parent is None else np.flatnonzero(parent[2][np.minimum(tensor, num_tensors - 1)])
+    starts = np.searchsorted(tensor[sel], np.arange(num_tensors + 1))
+    sel = sel[: starts[-1]]  # (ids past the tensors, in a layout assembled by hand, are in no block)
+    # the blocks (piece_block's rows) in one matrix, then one digest per tensor
+    rank = layout.buffer_rank[buffer[sel]]
+    r0 = _group_min(rank, starts)
+    rows = np.empty((rank.size, 2 + 4 * k), dtype=np.int64)
+    rows[:, 0] = rank - r0[tensor[sel]]
+    rows[:, 1] = name_index[sel]
+    for j, column in enumerate((layout.piece_offsets, layout.piece_lengths, layout.piece_local_offsets,
+                                layout.piece_local_lengths)):
+        rows[:, 2 + j * k: 2 + (j + 1) * k] = column[by_tensor][sel]
+    digests = block_digests("pieces", rows, starts)
+    names_of = (pairs % max(num_names, 1)).tolist()
+    tensor_blocks = [(int(r0[t]), tuple(names_of[pair_starts[t]: pair_starts[t + 1]]), digests[t])
+                     if parent is None or parent[2][t] else parent[0][t] for t in range(num_tensors)]
     by_name = np.argsort(layout.buffer_name, kind="stable")
+    if parent is not None:
+        by_name = by_name[parent[3][np.minimum(layout.buffer_name[by_name], num_names - 1)]]
     name_starts = np.searchsorted(layout.buffer_name[by_name], np.arange(num_names + 1))
-    buffer_blocks = []
-    for n in range(num_names):
-        rows = by_name[name_starts[n]: name_starts[n + 1]]
-        r0, block = buffer_block(layout.buffer_rank[rows], layout.buffer_ndim[rows], layout.buffer_dtype[rows],
-                                 layout.buffer_shape[rows])
-        buffer_blocks.append((r0, block_digest("buffers", block)))
+    by_name = by_name[: name_starts[-1]]
+    rank = layout.buffer_rank[by_name]
+    b0 = _group_min(rank, name_starts)
+    rows = np.empty((rank.size, 3 + layout.buffer_shape.shape[1]), dtype=np.int64)
+    rows[:, 0] = rank - b0[layout.buffer_name[by_name]]
+    rows[:, 1], rows[:, 2], rows[:, 3:] = layout.buffer_ndim[by_name], layout.buffer_dtype[by_name], \
+        layout.buffer_shape[by_name]
+    buffer_blocks = [block if parent is None or parent[3][n] else parent[1][n] for n, block in
+                     enumerate(zip(b0.tolist(), block_digests("buffers", rows, name_starts), strict=True))]
+    object.__setattr__(layout, "_fp_blocks", (tensor_blocks, buffer_blocks))
     return combine_fingerprint(layout.ndim, layout.tensors, layout.buffer_names, tensor_blocks, buffer_blocks, order)
+
+
+def _group_min(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The least of each group ``values[starts[g]:starts[g + 1]]`` (0 for an empty group)."""
+    out = np.zeros(starts.size - 1, dtype=np.int64)
+    full = np.flatnonzero(np.diff(starts) > 0)
+    if full.size:
+        out[full] = np.minimum.reduceat(values, starts[full])
+    return out
 
 
 def _increasing(values: np.ndarray) -> bool:

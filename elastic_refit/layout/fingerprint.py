@@ -28,7 +28,8 @@ import numpy as np
 
 from elastic_refit.layout.digest import dtype_for_range, update_int_arrays
 
-__all__ = ["FINGERPRINT_SCHEME", "block_digest", "buffer_block", "combine_fingerprint", "piece_block"]
+__all__ = ["FINGERPRINT_SCHEME", "block_digest", "block_digests", "buffer_block", "combine_fingerprint",
+           "piece_block"]
 
 FINGERPRINT_SCHEME = "erl-fp2"
 
@@ -61,6 +62,40 @@ def block_digest(kind: str, rows: np.ndarray) -> bytes:
     digest = hashlib.sha256(f"{kind}:{dtype.str}:{rows.shape};".encode())
     digest.update(np.ascontiguousarray(rows, dtype=dtype))
     return digest.digest()
+
+
+_WIDTHS = tuple(np.dtype(f"<{kind}{size}") for kind in "ui" for size in (1, 2, 4, 8))
+
+
+def block_digests(kind: str, rows: np.ndarray, starts: np.ndarray) -> list[bytes]:
+    """``block_digest(kind, rows[starts[g]:starts[g + 1]])`` of every group ``g`` of consecutive
+    rows, at a fraction of the per-block cost: each group's dtype from per-group minima and
+    maxima in one pass, the rows cast once per dtype used, then one hash per group."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    num, width = starts.size - 1, rows.shape[1]
+    counts = np.diff(starts)
+    lo = np.zeros(num, dtype=np.int64)
+    hi = np.zeros(num, dtype=np.int64)
+    full = np.flatnonzero(counts > 0)
+    if full.size:
+        flat_lo, flat_hi = rows[:, 0].copy(), rows[:, 0].copy()
+        for j in range(1, width):  # column by column: far faster than min(axis=1) on narrow rows
+            np.minimum(flat_lo, rows[:, j], out=flat_lo)
+            np.maximum(flat_hi, rows[:, j], out=flat_hi)
+        lo[full] = np.minimum.reduceat(flat_lo, starts[full])
+        hi[full] = np.maximum.reduceat(flat_hi, starts[full])
+    # the first of _WIDTHS (unsigned first, narrowest first) that holds lo..hi, as dtype_for_range
+    fits = np.stack([(lo >= np.iinfo(d).min) & (hi <= np.iinfo(d).max) & ((lo >= 0) | (d.kind == "i"))
+                     & ((lo < 0) | (d.kind == "u")) for d in _WIDTHS], axis=1)
+    choice = np.argmax(fits, axis=1)
+    choice[counts == 0] = 0  # an empty block hashes as uint8
+    cast = {int(c): rows.astype(_WIDTHS[c]) for c in np.unique(choice).tolist()}
+    out = []
+    for a, b, c in zip(starts[:-1].tolist(), starts[1:].tolist(), choice.tolist(), strict=True):
+        digest = hashlib.sha256(f"{kind}:{_WIDTHS[c].str}:{(b - a, width)};".encode())
+        digest.update(cast[c][a:b])
+        out.append(digest.digest())
+    return out
 
 
 def combine_fingerprint(ndim: int, tensors: Sequence, buffer_names: Sequence[str],

@@ -753,3 +753,21 @@ def test_bad_spec_input_is_one_exact_line(tmp_path, name, make, message):
 def _written(path, text: str):
     path.write_text(text)
     return path
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), st.booleans())
+def test_a_layout_without_ranks_fingerprints_as_the_same_layout_built_afresh(lost, hash_parent_first):
+    """Derived layouts keep their parent's fingerprint blocks of the tensors and buffer names
+    that lost nothing (``_select_ranks``); the result is the fresh layout's fingerprint."""
+    from elastic_refit.layout import megatron_layout
+
+    parent = megatron_layout("qwen3-30b-a3b", "tp=2,pp=2,dp=2")
+    if hash_parent_first:
+        parent.fingerprint  # noqa: B018 - its blocks carry over
+    derived = parent.without_ranks(lost)
+    fields = {f.name: getattr(derived, f.name) for f in dataclasses.fields(Layout) if f.init}
+    assert derived.fingerprint == Layout(**fields).fingerprint
+    again = derived.without_ranks([max(lost) ^ 1])  # and from a derived one
+    fields = {f.name: getattr(again, f.name) for f in dataclasses.fields(Layout) if f.init}
+    assert again.fingerprint == Layout(**fields).fingerprint
