@@ -216,11 +216,14 @@ class SymbolicLayout:
         rule and ``buffer_ranks(rule)`` per buffer rule where those are given."""
         rule_ranks = rule_ranks or (lambda rule: ranks)
         buffer_ranks = buffer_ranks or (lambda rule: ranks)
-        b = LayoutBuilder(self.ndim)
+        k = self.ndim
+        b = LayoutBuilder(k)
         for t in self.tensors:
             b.tensor(t.name, t.shape, t.dtype)
-        for name in self.buffer_names:  # every name, also where the ranks hold none
-            b.buffers(name, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), _buffer_dtype(self, name))
+        ruled = {rule.name for rule in self.buffers}
+        for name in self.buffer_names:  # every name, also where the ranks hold none (rules declare theirs)
+            if name not in ruled:
+                b.buffers(name, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), _buffer_dtype(self, name))
         ids: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         meshes: dict = {}
         shapes_of: dict = {}  # (shape, mesh, splits) -> (ranks, local shapes): layers repeat them
@@ -245,7 +248,9 @@ class SymbolicLayout:
             if key not in pieces_of:
                 positions = self._positions(rule.mesh, rank_set, meshes)
                 index, offsets, lengths, local = _rule_pieces(shapes[rule.tensor], rule, positions)
-                pieces_of[key] = (rule.mesh.ranks(positions[index]), offsets, lengths, local)
+                # padded as the builder pads them (it copies none then)
+                pieces_of[key] = (rule.mesh.ranks(positions[index]), _pad(offsets, k, 0), _pad(lengths, k, 1),
+                                  _pad(local, k, 0))
             rank, offsets, lengths, local = pieces_of[key]
             b.pieces(rule.tensor, _buffer_ids(lookup, rule, rank), offsets, lengths, local)
         if self.explicit is not None:
