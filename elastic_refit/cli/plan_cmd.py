@@ -379,8 +379,7 @@ def run(args: argparse.Namespace) -> int:
                      f"bound {format_seconds(prediction.bound_seconds)} ({ratio:.2f}x)"))
     for d in deltas:
         rows.append((f"deltas at density {d.density:g}", format_seconds(d.seconds),
-                     f"{format_bytes(d.wire_bytes)} cross-domain ({d.wire_bytes / lb:.3f} of the full bound"
-                     + ("; relayed plan: in full, plan with --relay off)" if plan.relayed else ")")))
+                     f"{format_bytes(d.wire_bytes)} cross-domain ({d.wire_bytes / lb:.3f} of the full bound)"))
     if bf16 is not None:
         b = bf16.stats
         rows.append(("destination formats", ", ".join(sorted({f.name for _, f in formats.entries})),

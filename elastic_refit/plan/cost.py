@@ -152,9 +152,9 @@ def delta_fraction(density: float, itemsize: int = 2) -> float:
 @dataclass(frozen=True, slots=True)
 class DeltaPrediction:
     """Predicted seconds of ``plan`` sent as deltas at ``density`` beside its full refit:
-    the network bytes scale by ``fraction`` (messages a relay forwards go in full, so a
-    relayed plan keeps its network bytes), intra-domain fan-out stays full, and senders
-    encode and receivers apply at ``ENCODE_GBPS`` / ``APPLY_GBPS``."""
+    the network bytes scale by ``fraction``, and so do a relayed plan's forwards (a relay
+    forwards the deltas' segments as they arrived); a plan's fan-out from destinations
+    stays full, and senders encode and receivers apply at ``ENCODE_GBPS`` / ``APPLY_GBPS``."""
 
     density: float
     fraction: float
@@ -170,11 +170,12 @@ def predict_delta(plan: Plan, cluster: Cluster, density: float, itemsize: int = 
     """Predict ``plan``'s refit on ``cluster`` when a fraction ``density`` of the elements
     changed since the base every destination holds (see :class:`DeltaPrediction`)."""
     full = predict(plan, cluster)
-    fraction = 1.0 if plan.relayed else delta_fraction(density, itemsize)
+    fraction = delta_fraction(density, itemsize)
     nic = cluster.nic_gbps * GB
     nvlink = cluster.nvlink_gbps * GB
     nic_seconds = float((np.maximum(plan.network_send_bytes, plan.network_recv_bytes) * fraction).max(initial=0)) / nic
-    nvlink_seconds = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) / nvlink
+    forwards = fraction if plan.relayed else 1.0  # a relayed plan's intra bytes are its relays' forwards
+    nvlink_seconds = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) * forwards / nvlink
     codec = (float(plan.network_send_bytes.max(initial=0)) / (ENCODE_GBPS * GB)
              + float(plan.network_recv_bytes.max(initial=0)) / (APPLY_GBPS * GB))
     seconds = nic_seconds + nvlink_seconds + full.latency_seconds + codec

@@ -189,8 +189,9 @@ class TransferSettings:
     verified (the others get full bytes). 0: full bytes every version. Set it on every
     member of a job (inference ranks keep no copy, their executors take deltas): a member
     registers whether it takes deltas, and an attempt with one that does not goes in full.
-    Plan with ``relay="off"``: a relay forwards bytes as they arrived, so relayed
-    messages always go in full."""
+    A relayed plan forwards the deltas (its relays pass the segments on); a domain where
+    some destination rank gets full bytes (a joiner, a restarted rank) takes its relayed
+    messages in full."""
 
     def executor_options(self) -> ExecutorOptions:
         """The executor's options."""

@@ -5,15 +5,23 @@ published them for the base version) sends each bucket of a message to a destina
 holds the same base, verified (``DeltaInputs.receivers``, the coordinator's choice), as the
 change (:mod:`elastic_refit.kernels.delta`) when that is smaller than the bucket.
 
-Work is proportional to what changed, past one comparison. A sender compares each source
-buffer with its base once per refit (the only pass over the weights), and finds each box's
-changed elements among the buffer's by index arithmetic; nothing is packed or encoded ahead.
-The bucket's payload codes each box on its own (positions counted from the box's start), so
-its size follows from per-box counts: sizes travel before payloads move, in one batch
-before the first window, one vector per message (per box: entries and changed elements, or
-:data:`FULL` for a bucket that goes in full), and the payload is written straight into the
-staging the bucket would have used (it is never larger), its values gathered from the
-parameters. A receiver writes the changed elements straight into its buffers, nothing else.
+Work is proportional to what changed, past one comparison. A sender compares each box with
+its base where it lies (the only pass over the weights) and codes the whole message before
+the first window (its payloads are a few percent of the bytes). Each box is coded on its
+own: a segment of gap entries counted from the box's first element, then the changed
+elements' values. So sizes follow from per-box counts (entries, value bytes), which travel
+in one batch before the first window, one vector per message (:data:`FULL` for a bucket
+that goes in full); a bucket's payload (a header, its boxes' segments back to back, with
+verification on the digest moves) is written into the staging the bucket would have used
+(it is never larger). A receiver writes the changed elements straight into its buffers.
+
+Relayed plans: the relay receives the network message's payload in staging as it would
+the bytes, writes its own boxes' changes, and forwards each needer its boxes' segments
+straight from there (the runs the full bytes would take are runs of segments here) and their
+digest moves; the needer writes them into its buffers. A needer learns the sizes of its
+forwards from its relay, in a second batch after the first. A relayed message carries
+deltas only when every destination rank of its domain may receive them (the sender cannot
+tell the relay's boxes from its needers').
 
 Verification (``ExecutorOptions.verify``): a bucket's digest trailer carries, per box, how
 far the box's digest moves (the digest is a weighted sum of words mod 2**64: the change's
@@ -24,9 +32,8 @@ positions differ from the sender's base, fails the refit with nothing written; t
 the base is the runtime's fact (the receiver acked it verified and nothing wrote its buffers
 since: ``runtime.deltas``), not re-read here.
 
-Relayed messages (a relay forwards their bytes as they arrived), a plan that quantizes on
-the way, and buckets whose bytes come from the destination side (holders, fan-out) always
-go in full; so does a bucket whose change is not smaller than itself.
+A plan that quantizes or casts on the way, and buckets whose bytes come from the destination
+side (holders, fan-out), always go in full; so does a bucket whose change is not smaller.
 """
 
 from __future__ import annotations
@@ -46,14 +53,15 @@ from elastic_refit.kernels.delta import (
 )
 from elastic_refit.plan import SourceSide, TransferKind
 from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO
-from elastic_refit.transport.delta_boxes import Boxes, Change
+from elastic_refit.transport.delta_boxes import Boxes, Change, gather_segments, segment_places
 from elastic_refit.transport.protocol import P2POp, Transport
-from elastic_refit.transport.schedule import STAGED, Message, RankSchedule
+from elastic_refit.transport.schedule import STAGED, ForwardPart, Message, RankSchedule
 
 __all__ = ["FULL", "SIZES_TAG", "DeltaCoder", "DeltaInputs", "DeltaRound"]
 
 FULL = -1  # a bucket's first size entry: it travels in full
 SIZES_TAG = 1 << 21  # + the step's (round, phase): apart from buckets' and forwards' tags
+FORWARD_SIZES_TAG = SIZES_TAG + (1 << 20)  # a relay's sizes to its needers (second batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,40 +83,51 @@ class DeltaInputs:
 
 @dataclass(slots=True)
 class _Bucket:
-    """A delta bucket of one refit: its message, the range of its boxes there and of its
-    entries and values in the message's arrays, its changed elements and payload size."""
+    """A delta bucket of one refit: its message, the range of its boxes there and of their
+    segments in the message's coded bytes, its payload's header and size."""
 
     message: int
     boxes: tuple[int, int]
-    entries: tuple[int, int]
-    values: tuple[int, int]
-    num_changed: int
+    segments: tuple[int, int]
+    header: tuple[int, int]  # (entries, value bytes)
     size: int
 
 
 @dataclass(slots=True)
 class _Message:
     """One message's deltas in one refit, over all its boxes in stream order: per box its
-    entries and changed elements (0 for boxes of buckets that go in full), the entries,
-    values and digest moves (a sender's coded in :meth:`DeltaCoder.prepare`, a
+    entries and value bytes (0 for boxes of buckets that go in full), the segments back to
+    back and the digest moves (a sender's coded in :meth:`DeltaCoder.prepare`, a
     receiver's gathered as its delta buckets arrive: ``pending`` still to come)."""
 
-    entry_counts: torch.Tensor
-    counts: torch.Tensor
     entries: torch.Tensor
-    values: torch.Tensor
+    value_bytes: torch.Tensor
+    coded: torch.Tensor
     moves: torch.Tensor
+    starts: list[int]  # each box's segment in ``coded``
     pending: int = 0
-    num_boxes: int = 0  # a receiver's: in its delta buckets
+
+
+@dataclass(slots=True)
+class _Part:
+    """A needer's delta forward part: per box its entries and value bytes, the bytes of each
+    run, and where they land (segments, then the digest moves)."""
+
+    entries: torch.Tensor
+    value_bytes: torch.Tensor
+    runs: list[int]
+    buffer: torch.Tensor
 
 
 class DeltaRound:
-    """One refit's deltas on this rank: its delta buckets (by the id of their ``BucketIO``)
-    and messages, the base buffers by ref, and what was saved."""
+    """One refit's deltas on this rank: its delta buckets (by the id of their ``BucketIO``),
+    messages and needer parts (by the id of their ``ForwardPart``), the base buffers by ref,
+    and what was saved."""
 
     def __init__(self, base: Mapping | None = None) -> None:
         self.coded: dict[int, _Bucket] = {}
         self.messages: dict[int, _Message] = {}
+        self.parts: dict[int, _Part] = {}
         self.base = dict(base or {})
         self.num_buckets = 0
         self.saved_bytes = {"network": 0, "intra": 0}
@@ -118,106 +137,139 @@ class DeltaRound:
         coded = self.coded.get(id(io))
         return None if coded is None else coded.size
 
+    def part(self, part: ForwardPart) -> _Part | None:
+        """A needer's forward part when it comes as a delta."""
+        return self.parts.get(id(part))
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """One message's boxes on this rank: all of them (stream order), per bucket its range,
+    which are this rank's own (a relay's others are staged for its needers) and where those
+    sit (``geometry``)."""
+
+    boxes: tuple
+    ranges: list[tuple[int, int]]
+    own: list[int]
+    geometry: Boxes
+
 
 class DeltaCoder:
     """The delta part of one executor (one plan, one rank): which messages may carry
     deltas and where their boxes sit, and per refit :meth:`prepare` (sizes and a sender's
-    payloads, the sizes exchanged), :meth:`payload` (a sender's bucket) and
-    :meth:`accept` (a receiver's)."""
+    payloads, the sizes exchanged), :meth:`payload` (a sender's bucket), :meth:`accept`
+    (a receiver's), :meth:`forward` and :meth:`landing` (a relay's and a needer's forward
+    parts) and :meth:`apply_part`."""
 
     def __init__(self, schedule: RankSchedule, io: Mapping[int, BucketIO], *, quantized: bool, verify: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, domains: tuple[int, ...] = (), destinations: frozenset[int] = frozenset()) -> None:
         self.schedule = schedule
         self._io = io
         self.verify = verify
         self.device = device
         self.rank = schedule.rank
+        self._domains = domains
+        self._destinations = destinations
         self.messages = [] if quantized else [
             (step, msg, msg is step.recv) for step in schedule.steps for msg in (step.send, step.recv)
-            if msg is not None and eligible(msg)]
-        self._boxes = [Boxes(tuple(b for bucket in msg.buckets for b in bucket.boxes), schedule, device)
-                       for _step, msg, _receiving in self.messages]
-        self._ranges: list[list[tuple[int, int]]] = []  # per message, per bucket: its boxes
-        for _step, msg, _receiving in self.messages:
-            starts = [0]
-            for bucket in msg.buckets:
-                starts.append(starts[-1] + len(bucket.boxes))
-            self._ranges.append(list(itertools.pairwise(starts)))
+            if msg is not None and (not msg.relayed or domains)]
+        self._shapes = [self._shape(msg) for _step, msg, _receiving in self.messages]
+        # A relay's forwards and a needer's, from steps whose network message may carry deltas.
+        self._forward_sends = [(step, f) for step, msg, receiving in self.messages if receiving and msg.relayed
+                               for f in step.forward_sends]
+        self._forward_recvs = [(step, f) for step in schedule.steps for f in step.forward_recvs
+                               if not quantized and domains]
+        self._part_boxes = {id(p): Boxes(p.boxes.boxes, schedule, device)  # type: ignore[union-attr]
+                            for _step, f in self._forward_recvs for p in f.parts}
+
+    def _shape(self, msg: Message) -> _Shape:
+        boxes = tuple(b for bucket in msg.buckets for b in bucket.boxes)
+        starts = [0]
+        for bucket in msg.buckets:
+            starts.append(starts[-1] + len(bucket.boxes))
+        own = [i for i, b in enumerate(boxes) if b.buffer != STAGED]
+        return _Shape(boxes, list(itertools.pairwise(starts)), own,
+                      Boxes(tuple(boxes[i] for i in own), self.schedule, self.device))
 
     @staticmethod
     def may_carry(msg: Message) -> bool:
-        return eligible(msg)
+        return True
+
+    def _relayed_ok(self, rank: int, receivers: frozenset[int]) -> bool:
+        """A relayed message into ``rank``'s domain may carry deltas: every destination rank
+        there may receive them (the same answer on the sender, the relay and its needers)."""
+        domain = self._domains[rank]
+        return all(r in receivers for r in self._destinations if self._domains[r] == domain)
 
     # ---- per refit ------------------------------------------------------------------------
     def prepare(self, inputs: DeltaInputs, tensors: Mapping, transport: Transport) -> DeltaRound:
-        """Size and code every message this rank sends to a receiver (from each source
-        buffer's changed elements, compared once: the payloads are a few percent of the
-        bytes), then exchange the sizes of every message that may carry deltas, in one
-        batch. Returns the refit's round."""
+        """Size and code every message this rank sends to a receiver, then exchange the sizes
+        of every message that may carry deltas (one batch), then a relay's sizes to its
+        needers (a second). Returns the refit's round."""
         rnd = DeltaRound(self._base_tensors(inputs.base))
-        if not inputs.receivers or not self.messages:
+        if not inputs.receivers or not (self.messages or self._forward_recvs):
             return rnd
-        changed: dict = {}
         ops, received = [], []
         for index, (step, msg, receiving) in enumerate(self.messages):
             tag = SIZES_TAG + (step.round << 2) + int(step.phase)
-            num = 2 * len(self._boxes[index].boxes)
-            if receiving and self.rank in inputs.receivers:
+            num = 2 * len(self._shapes[index].boxes)
+            gets = (self._relayed_ok(self.rank if receiving else msg.peer, inputs.receivers) if msg.relayed
+                    else (self.rank if receiving else msg.peer) in inputs.receivers)
+            if gets and receiving:
                 sizes = torch.empty(num, dtype=torch.int64, device=self.device)
                 ops.append(P2POp("recv", sizes, msg.peer, tag))
                 received.append((index, sizes))
-            elif not receiving and msg.peer in inputs.receivers:
-                sizes = self._code_message(index, tensors, rnd, changed)
-                ops.append(P2POp("send", sizes.to(self.device), msg.peer, tag))
-        if ops:
-            for op, work in zip(ops, transport.post(ops), strict=True):
-                transport.wait(work, op.peer, f"{op.op} of delta sizes")
+            elif gets:
+                ops.append(P2POp("send", self._code_message(index, tensors, rnd).to(self.device), msg.peer, tag))
+        _exchange(transport, ops, "delta sizes")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
+        self._exchange_part_sizes(inputs, rnd, transport)
         return rnd
 
-    def _bucket_nbytes(self, num_entries: int, value_bytes: int, num_boxes: int) -> int:
-        data = HEADER_BYTES + num_entries + value_bytes
+    def _bucket_nbytes(self, coded: int, num_boxes: int) -> int:
+        data = HEADER_BYTES + coded
         return _aligned(data) + DIGEST_BYTES * num_boxes if self.verify else data
 
-    def _buckets(self, index: int, entry_counts: torch.Tensor, counts: torch.Tensor):
-        """Per bucket of message ``index``: (bucket, its boxes, entries, values, changed
-        elements, payload size), from per-box counts."""
-        boxes = self._boxes[index]
-        ecum = [0] + torch.cumsum(entry_counts, 0).tolist()
-        vcum = [0] + torch.cumsum(counts * boxes.itemsize.cpu(), 0).tolist()
-        kcum = [0] + torch.cumsum(counts, 0).tolist()
+    def _buckets(self, index: int, entries: torch.Tensor, value_bytes: torch.Tensor):
+        """Per bucket of message ``index``: (bucket, its boxes, segments, header, payload
+        size), from per-box sizes; and each box's segment start."""
+        lengths = (entries + value_bytes).tolist()
+        starts = [0] + list(itertools.accumulate(lengths))
+        e, v = entries.tolist(), value_bytes.tolist()
         msg = self.messages[index][1]
-        for bucket, (b0, b1) in zip(msg.buckets, self._ranges[index], strict=True):
-            size = self._bucket_nbytes(ecum[b1] - ecum[b0], vcum[b1] - vcum[b0], b1 - b0)
-            yield bucket, (b0, b1), (ecum[b0], ecum[b1]), (vcum[b0], vcum[b1]), kcum[b1] - kcum[b0], size
+        out = [(bucket, (b0, b1), (starts[b0], starts[b1]), (sum(e[b0:b1]), sum(v[b0:b1])),
+                self._bucket_nbytes(starts[b1] - starts[b0], b1 - b0))
+               for bucket, (b0, b1) in zip(msg.buckets, self._shapes[index].ranges, strict=True)]
+        return out, starts[:-1]
 
     def _take_sizes(self, index: int, sizes: torch.Tensor, rnd: DeltaRound) -> None:
-        """A receiver's sizes of message ``index``: its delta buckets, and the arrays their
-        payloads gather in."""
-        n = len(self._boxes[index].boxes)
-        entry_counts, counts = sizes[:n].clone(), sizes[n:].clone()
-        firsts = entry_counts.tolist()
-        for b0, b1 in self._ranges[index]:
-            if b1 == b0 or firsts[b0] == FULL:
-                entry_counts[b0:b1], counts[b0:b1] = 0, 0
-        if (entry_counts < counts).any() or (counts < 0).any():
+        """A receiver's (or relay's) sizes of message ``index``: its delta buckets, and the
+        bytes their payloads gather in."""
+        shape = self._shapes[index]
+        n = len(shape.boxes)
+        entries, value_bytes = sizes[:n].clone(), sizes[n:].clone()
+        full = {b for b, (b0, b1) in enumerate(shape.ranges) if b1 == b0 or int(entries[b0]) == FULL}
+        for b in full:
+            b0, b1 = shape.ranges[b]
+            entries[b0:b1], value_bytes[b0:b1] = 0, 0
+        if (entries < 0).any() or (value_bytes < 0).any():
             raise ValueError(f"rank {self.rank}: delta sizes that cannot be: {sizes.tolist()}")
-        pending = num_boxes = 0
-        for bucket, b, e, v, k, size in self._buckets(index, entry_counts, counts):
+        buckets, starts = self._buckets(index, entries, value_bytes)
+        pending = 0
+        for b, (bucket, boxes, segments, header, size) in enumerate(buckets):
             io = self._io[id(bucket)]
-            if b[1] == b[0] or firsts[b[0]] == FULL:
+            if b in full:
                 continue
             if not 0 < size < io.wire_bytes:
                 raise ValueError(f"rank {self.rank}: a delta of {size} bytes announced for a bucket of {io.wire_bytes}")
-            rnd.coded[id(io)] = _Bucket(index, b, e, v, k, size)
-            pending, num_boxes = pending + 1, num_boxes + b[1] - b[0]
+            rnd.coded[id(io)] = _Bucket(index, boxes, segments, header, size)
+            pending += 1
         if pending:
             rnd.messages[index] = _Message(
-                entry_counts, counts, torch.empty(int(entry_counts.sum()), dtype=torch.uint8, device=self.device),
-                torch.empty(int((counts * self._boxes[index].itemsize.cpu()).sum()), dtype=torch.uint8,
-                            device=self.device),
-                torch.zeros(n, dtype=torch.int64, device=self.device), pending, num_boxes)
+                entries, value_bytes, torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8,
+                                                  device=self.device),
+                torch.zeros(n, dtype=torch.int64, device=self.device), starts, pending)
 
     def _base_tensors(self, base: Mapping[str, torch.Tensor]) -> dict:
         """The base buffers by this rank's buffer refs (source side), those that match the
@@ -231,90 +283,201 @@ class DeltaCoder:
                 out[ref] = t
         return out
 
-    def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound, changed: dict) -> torch.Tensor:
+    def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound) -> torch.Tensor:
         """A sender's message ``index``: which buckets go as deltas (their sizes, the vector
-        sent), and the entries, values and digest moves of all its boxes, coded once."""
-        boxes, msg = self._boxes[index], self.messages[index][1]
-        n = len(boxes.boxes)
+        sent), and the segments and digest moves of all its boxes, coded once."""
+        shape, msg = self._shapes[index], self.messages[index][1]
+        boxes = shape.geometry
+        n = len(shape.boxes)
         sizes = torch.full((2 * n,), FULL, dtype=torch.int64)
-        if not n or not all(r in rnd.base for r in boxes.refs):
-            return sizes
-        change = boxes.code(tensors, rnd.base, changed, self.verify)
-        counts = change.counts
-        entry_counts = segment_entry_counts(change.local.cpu(), counts)
-        for bucket, b, e, v, k, size in self._buckets(index, entry_counts, counts):
+        if not n or len(shape.own) != n or not all(r in rnd.base for r in boxes.refs):
+            return sizes  # from the destination side (fan-out, holders) or without a base: in full
+        change = boxes.code(tensors, rnd.base, {}, self.verify)
+        entries = segment_entry_counts(change.local.cpu(), change.counts)
+        value_bytes = change.counts * boxes.itemsize.cpu()
+        buckets, starts = self._buckets(index, entries, value_bytes)
+        for bucket, (b0, b1), segments, header, size in buckets:
             io = self._io[id(bucket)]
-            if b[1] == b[0] or size >= io.wire_bytes:
+            if b1 == b0 or size >= io.wire_bytes:
                 continue
-            sizes[b[0] : b[1]], sizes[n + b[0] : n + b[1]] = entry_counts[b[0] : b[1]], counts[b[0] : b[1]]
-            rnd.coded[id(io)] = _Bucket(index, b, e, v, k, size)
+            sizes[b0:b1], sizes[n + b0 : n + b1] = entries[b0:b1], value_bytes[b0:b1]
+            rnd.coded[id(io)] = _Bucket(index, (b0, b1), segments, header, size)
             rnd.num_buckets += 1
             rnd.saved_bytes["network" if msg.kind == TransferKind.NETWORK else "intra"] += io.wire_bytes - size
         if any(id(self._io[id(bucket)]) in rnd.coded for bucket in msg.buckets):
-            entries = torch.empty(int(entry_counts.sum()), dtype=torch.uint8, device=self.device)
-            segment_entries(change.local.to(self.device), counts.to(self.device), entries)
-            rnd.messages[index] = _Message(entry_counts, counts, entries, change.values.to(self.device),
-                                           change.moves.to(self.device))
+            coded = torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8, device=self.device)
+            ent = torch.empty(int(entries.sum()), dtype=torch.uint8, device=self.device)
+            segment_entries(change.local.to(self.device), change.counts.to(self.device), ent)
+            e_at, v_at = segment_places(entries, value_bytes, self.device)
+            coded[e_at], coded[v_at] = ent, change.values.to(self.device)
+            rnd.messages[index] = _Message(entries, value_bytes, coded, change.moves.to(self.device), starts)
         return sizes
 
     def payload(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, staging: torch.Tensor) -> torch.Tensor | None:
         """What a sender sends for a delta bucket (None: the bucket goes in full), copied
-        into ``staging`` from its message's coded arrays: a header (entries, changed
-        elements), the entries, the values, with verification on the digest moves."""
+        into ``staging`` from its message's coded bytes: a header (entries, value bytes),
+        the boxes' segments, with verification on their digest moves."""
         b = rnd.coded.get(id(io))
         if b is None:
             return None
         m, out = rnd.messages[b.message], staging[: b.size]
-        (e0, e1), (v0, v1) = b.entries, b.values
-        out[:HEADER_BYTES].copy_(torch.tensor([e1 - e0, b.num_changed], dtype=torch.int64).view(torch.uint8))
-        out[HEADER_BYTES : HEADER_BYTES + e1 - e0].copy_(m.entries[e0:e1])
-        out[HEADER_BYTES + e1 - e0 : HEADER_BYTES + e1 - e0 + v1 - v0].copy_(m.values[v0:v1])
+        s0, s1 = b.segments
+        out[:HEADER_BYTES].copy_(torch.tensor(b.header, dtype=torch.int64).view(torch.uint8))
+        out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
         if self.verify:
-            trailer = _aligned(HEADER_BYTES + e1 - e0 + v1 - v0)
-            out[trailer:].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
+            out[_aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
         return out
 
     def accept(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
-        """A receiver's delta bucket: its parts gathered with its message's; once the
-        message's last delta bucket is in, every changed element is written into the
-        buffers, after (verification on) every box's digest move was checked against the
-        sender's. Returns the boxes checked."""
+        """A receiver's (or relay's) delta bucket: its segments gathered with its message's;
+        once the message's last delta bucket is in, every changed element of this rank's
+        boxes is written into its buffers, after (verification on) every box's digest move
+        was checked against the sender's. The payload stays where it arrived (a relay
+        forwards from there). Returns the boxes checked."""
         b = rnd.coded[id(io)]
         m = rnd.messages[b.message]
-        (e0, e1), (v0, v1) = b.entries, b.values
-        header = payload[:HEADER_BYTES].cpu().clone().view(torch.int64).tolist()
-        if header != [e1 - e0, b.num_changed]:
-            raise VerificationFailed(f"{where}: a delta's header says {header}, its sizes said "
-                                     f"{[e1 - e0, b.num_changed]}")
-        m.entries[e0:e1].copy_(payload[HEADER_BYTES : HEADER_BYTES + e1 - e0])
-        m.values[v0:v1].copy_(payload[HEADER_BYTES + e1 - e0 : HEADER_BYTES + e1 - e0 + v1 - v0])
+        s0, s1 = b.segments
+        header = tuple(payload[:HEADER_BYTES].cpu().clone().view(torch.int64).tolist())
+        if header != b.header:
+            raise VerificationFailed(f"{where}: a delta's header says {header}, its sizes said {b.header}")
+        m.coded[s0:s1].copy_(payload[HEADER_BYTES : HEADER_BYTES + s1 - s0])
         if self.verify:
-            m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[_aligned(HEADER_BYTES + e1 - e0 + v1 - v0) :].view(torch.int64))
+            m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[_aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
         m.pending -= 1
-        return 0 if m.pending else self._apply(b.message, m, tensors, where)
+        if m.pending:
+            return 0
+        own = self._shapes[b.message].own
+        return self._apply(self._shapes[b.message].geometry, m.entries[own], m.value_bytes[own],
+                           gather_segments(m.coded, m.starts, m.entries, m.value_bytes, own, self.device),
+                           m.moves[own], tensors, where)
 
-    def _apply(self, index: int, m: _Message, tensors: Mapping, where: str) -> int:
-        boxes = self._boxes[index]
-        local = segment_positions(m.entries, m.entry_counts.to(self.device))
-        moves, write = boxes.apply(tensors, Change(local, m.counts, m.values, m.moves), self.verify)
+    def _apply(self, boxes: Boxes, entries: torch.Tensor, value_bytes: torch.Tensor,
+               segments: tuple[torch.Tensor, torch.Tensor], moves: torch.Tensor, tensors: Mapping, where: str) -> int:
+        """Write the change of ``boxes`` (per box its entries and value bytes, the entries
+        and values back to back) after checking its digest moves against ``moves``."""
+        if not boxes.boxes:
+            return 0
+        counts = torch.div(value_bytes, boxes.itemsize.cpu(), rounding_mode="floor")
+        local = segment_positions(segments[0], entries.to(self.device))
+        got, write = boxes.apply(tensors, Change(local, counts, segments[1], moves), self.verify)
         if self.verify:
-            bad = (moves.to(self.device) != m.moves).nonzero().flatten().tolist()
+            bad = (got.to(self.device) != moves).nonzero().flatten().tolist()
             if bad:
                 b = boxes.boxes[bad[0]]
                 raise VerificationFailed(
                     f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} (and {len(bad) - 1} more): its "
-                    f"digest moved by {int(moves[bad[0]]):#x} under the delta, the sender's by {int(m.moves[bad[0]]):#x} "
+                    f"digest moved by {int(got[bad[0]]):#x} under the delta, the sender's by {int(moves[bad[0]]):#x} "
                     "(the delta was damaged, or this rank's base differs from the sender's)")
         write()  # all checked first: a bad message writes nothing
-        return m.num_boxes if self.verify else 0
+        return len(boxes.boxes) if self.verify else 0
+
+    # ---- relayed plans ----------------------------------------------------------------------
+    def _exchange_part_sizes(self, inputs: DeltaInputs, rnd: DeltaRound, transport: Transport) -> None:
+        """A relay's sizes of each forward part it will send as a delta, to its needers; a
+        needer's, received: where its delta parts land."""
+        ops, received = [], []
+        for step, f in self._forward_sends:
+            if not self._relayed_ok(self.rank, inputs.receivers):
+                continue
+            index = next(i for i, (s, _m, r) in enumerate(self.messages) if s is step and r)
+            vectors = []
+            for part in f.parts:
+                b = self._bucket_of(rnd, index, part.bucket)
+                m = rnd.messages.get(index)
+                boxes = [b.boxes[0] + d for d in part.digests] if b is not None else []
+                vectors.append(torch.tensor([FULL] * len(part.digests) * 2, dtype=torch.int64) if b is None or m is None
+                               else torch.cat([m.entries[boxes], m.value_bytes[boxes]]))
+            ops.append(P2POp("send", torch.cat(vectors).to(self.device), f.peer, _part_tag(step)))
+        for step, f in self._forward_recvs:
+            if self._relayed_ok(self.rank, inputs.receivers):
+                sizes = torch.empty(2 * sum(len(p.boxes.boxes) for p in f.parts), dtype=torch.int64,  # type: ignore[union-attr]
+                                    device=self.device)
+                ops.append(P2POp("recv", sizes, f.peer, _part_tag(step)))
+                received.append((f, sizes))
+        _exchange(transport, ops, "delta sizes of forwards")
+        for f, sizes in received:
+            at = 0
+            for part in f.parts:
+                n = len(part.boxes.boxes)  # type: ignore[union-attr]
+                entries, value_bytes = sizes[at : at + n].cpu(), sizes[at + n : at + 2 * n].cpu()
+                at += 2 * n
+                if n and int(entries[0]) != FULL:
+                    rnd.parts[id(part)] = self._landing(part, entries, value_bytes)
+
+    def _bucket_of(self, rnd: DeltaRound, index: int, bucket: int) -> _Bucket | None:
+        msg = self.messages[index][1]
+        return rnd.coded.get(id(self._io[id(msg.buckets[bucket])]))
+
+    def _landing(self, part: ForwardPart, entries: torch.Tensor, value_bytes: torch.Tensor) -> _Part:
+        lengths = (entries + value_bytes).tolist()
+        boxes = part.boxes.boxes  # type: ignore[union-attr]
+        runs = []
+        for offset, nbytes in part.spans:  # the relay sends each run of touching boxes as one
+            runs.append(sum(n for b, n in zip(boxes, lengths, strict=True) if offset <= b.packed_offset < offset + nbytes))
+        data = sum(lengths)
+        size = _aligned(data) + DIGEST_BYTES * len(boxes) if self.verify else data
+        return _Part(entries, value_bytes, runs, torch.empty(max(size, 1), dtype=torch.uint8, device=self.device))
+
+    def forward(self, rnd: DeltaRound, io: BucketIO, part: ForwardPart, data: torch.Tensor) -> list[torch.Tensor] | None:
+        """A relay's delta forward part of the bucket that arrived in ``data`` (None: it
+        came in full): per run of touching boxes its segments, then their digest moves."""
+        b = rnd.coded.get(id(io))
+        if b is None:
+            return None
+        m = rnd.messages[b.message]
+        first, out = b.boxes[0], []
+        runs: list[list[int]] = []
+        for d in part.digests:
+            if runs and runs[-1][-1] == d - 1:
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+        base = m.starts[first]
+        for run in runs:
+            start, last = m.starts[first + run[0]] - base, first + run[-1]
+            end = m.starts[last] - base + int(m.entries[last] + m.value_bytes[last])
+            out.append(data[HEADER_BYTES + start : HEADER_BYTES + end])
+        if self.verify:
+            trailer = data[_aligned(HEADER_BYTES + b.segments[1] - b.segments[0]) : b.size].view(torch.int64)
+            out.append(trailer[list(part.digests)].view(torch.uint8))
+        rnd.saved_bytes["intra"] += part.nbytes - sum(t.numel() for t in out)
+        return out
+
+    def landing(self, rnd: DeltaRound, part: ForwardPart) -> list[torch.Tensor] | None:
+        """Where a needer's delta forward part lands, one tensor per operation the relay
+        posts (None: it comes in full)."""
+        p = rnd.part(part)
+        if p is None:
+            return None
+        out, at = [], 0
+        for n in p.runs:
+            out.append(p.buffer[at : at + n])
+            at += n
+        if self.verify:
+            start = _aligned(at)
+            out.append(p.buffer[start : start + DIGEST_BYTES * len(part.boxes.boxes)])  # type: ignore[union-attr]
+        return out
+
+    def apply_part(self, rnd: DeltaRound, part: ForwardPart, tensors: Mapping, where: str) -> int:
+        """A needer's delta forward part, arrived: its boxes' changes written (checked first)."""
+        p = rnd.parts[id(part)]
+        n = len(part.boxes.boxes)  # type: ignore[union-attr]
+        data = int((p.entries + p.value_bytes).sum())
+        moves = (p.buffer[_aligned(data) : _aligned(data) + DIGEST_BYTES * n].view(torch.int64) if self.verify
+                 else torch.zeros(n, dtype=torch.int64, device=self.device))
+        starts = list(itertools.accumulate([0] + (p.entries + p.value_bytes).tolist()))[:-1]
+        segments = gather_segments(p.buffer, starts, p.entries, p.value_bytes, list(range(n)), self.device)
+        return self._apply(self._part_boxes[id(part)], p.entries, p.value_bytes, segments, moves, tensors, where)
 
 
-def eligible(msg: Message) -> bool:
-    """Whether ``msg`` may carry deltas: not relayed (a relay forwards bytes as they
-    arrived) and without boxes staged for others (the same answer on both ends)."""
-    return not msg.relayed and not any(b.buffer == STAGED for bucket in msg.buckets for b in bucket.boxes)
+def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
+    if ops:
+        for op, work in zip(ops, transport.post(ops), strict=True):
+            transport.wait(work, op.peer, f"{op.op} of {what}")
 
 
+def _part_tag(step) -> int:
+    return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)
 
 
 def _aligned(nbytes: int) -> int:

@@ -21,7 +21,7 @@ from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.schedule import BoxCopy, RankSchedule
 
-__all__ = ["Boxes", "Change"]
+__all__ = ["Boxes", "Change", "gather_segments", "segment_places"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -267,3 +267,31 @@ def _moved(old: np.ndarray, new: np.ndarray, local: np.ndarray, u: int) -> int:
     weight = np.uint64(2) * (offsets // np.uint64(8)) + np.uint64(1)
     total = (diff * scale * weight).sum(dtype=np.uint64)
     return int(np.array(total, dtype=np.uint64).view(np.int64))
+
+
+def segment_places(entries: torch.Tensor, value_bytes: torch.Tensor,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each entry byte and each value byte of boxes coded back to back (entries then
+    values, per box) sit among the segments."""
+    lengths = entries + value_bytes
+    starts = torch.cumsum(lengths, 0) - lengths
+
+    def places(counts: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        total = int(counts.sum())
+        before = torch.cumsum(counts, 0) - counts
+        return (torch.arange(total) + torch.repeat_interleave(first - before, counts)).to(device)
+
+    return places(entries, starts), places(value_bytes, starts + entries)
+
+
+def gather_segments(coded: torch.Tensor, starts: list[int], entries: torch.Tensor, value_bytes: torch.Tensor,
+                     boxes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries and the values of ``boxes`` (their segments in ``coded``), back to back."""
+    e, v = entries[boxes], value_bytes[boxes]
+    first = torch.tensor([starts[i] for i in boxes], dtype=torch.int64)
+    lengths = e + v
+    e_at, v_at = segment_places(e, v, device)
+    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths).to(device)
+    flat = torch.arange(int(lengths.sum()), device=device) + shift  # where the boxes' bytes sit in ``coded``
+    picked = coded[flat]
+    return picked[e_at], picked[v_at]

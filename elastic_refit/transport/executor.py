@@ -146,7 +146,8 @@ class Executor:
         # Quantized and cast plans go in full (a delta's units are the buffers' elements).
         full = plan.quantization is not None or getattr(plan, "cast", None) is not None
         self._delta = (DeltaCoder(self.schedule, self._io, quantized=full,
-                                  verify=self.options.verify, device=self.device)
+                                  verify=self.options.verify, device=self.device, domains=plan.topology.domains,
+                                  destinations=frozenset(plan.destination.ranks))
                        if self.options.delta else None)
         self._round: DeltaRound | None = None  # the refit's deltas
         needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
@@ -364,8 +365,9 @@ class Executor:
                 continue
             arrived = f.source.slots[(i - 1) % 2]  # type: ignore[union-attr]
             io, data = arrived.io, arrived.op.tensor  # type: ignore[union-attr]
-            payloads = [data[offset : offset + nbytes] for offset, nbytes in part.spans]
-            if self.options.verify:
+            coded = None if self._round is None else self._delta.forward(self._round, io, part, data)  # type: ignore[union-attr]
+            payloads = coded if coded is not None else [data[offset : offset + nbytes] for offset, nbytes in part.spans]
+            if self.options.verify and coded is None:
                 trailer = data[io.trailer_offset : io.wire_bytes].view(torch.int64)
                 payloads.append(trailer[list(part.digests)].view(torch.uint8))
             f.ops = [Posted(P2POp("send", payload, f.forward.peer, FORWARD_TAG + i - 1), f"send ({f.place})")
@@ -384,15 +386,16 @@ class Executor:
             if part is None:
                 continue
             arrival = self._forward_in[id(part)]
-            staging = None if arrival.io is None else self._staging_of(f.first_slot, 0, part.nbytes)
-            targets = []
-            for direct, offset, nbytes in arrival.spans:
+            coded = None if self._round is None else self._delta.landing(self._round, part)  # type: ignore[union-attr]
+            staging = None if arrival.io is None or coded is not None else self._staging_of(f.first_slot, 0, part.nbytes)
+            targets = coded or []
+            for direct, offset, nbytes in arrival.spans if coded is None else ():
                 if direct is not None:
                     targets.append(BucketIO.direct_view_of(tensors, direct))
                     counts["num_zero_copy_buckets"] += 1
                 else:
                     targets.append(staging[offset : offset + nbytes])  # type: ignore[index]
-            if self.options.verify:
+            if self.options.verify and coded is None:
                 targets.append(arrival.digests.view(torch.uint8))  # type: ignore[union-attr]
             f.ops = [Posted(P2POp("recv", target, f.forward.peer, FORWARD_TAG + i - 1), f"receive ({f.place})")
                      for target in targets]
@@ -427,6 +430,10 @@ class Executor:
             op.wait(self.transport)
         arrival, staging = f.landing  # type: ignore[misc]
         where = f"rank {self.rank} {f.place}"
+        if self._round is not None and self._round.part(arrival.part) is not None:  # a delta: written in place
+            counts["num_verified_boxes"] += self._delta.apply_part(self._round, arrival.part, tensors, where)  # type: ignore[union-attr]
+            f.ops = []
+            return
         if self.options.verify:  # before anything is unpacked from staging
             counts["num_verified_boxes"] += arrival.check(tensors, staging, where)
         if arrival.io is not None:

@@ -6,7 +6,7 @@ wrong unpacked."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch.distributed as dist
@@ -91,3 +91,31 @@ def test_a_receiver_without_the_base_fails_the_refit_everywhere(results):
     errors = {r.rank: r.value["error"] for r in ranks}
     assert all(e is not None and e[0] == 3 for e in errors.values()), errors
     assert "digest" in errors[torn][2] and "base differs" in errors[torn][2], errors[torn]
+
+
+# The same refit relayed: each destination domain's network bytes reach one relay, which
+# forwards its needers their boxes over the domain (the deltas' segments, as they arrived).
+RELAYED = replace(CASE, relay="on")
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    plan = RELAYED.plan()
+    world = plan.topology.num_ranks
+    return plan, run_local_world(_delta_rank, world, (RELAYED, -1, max(plan.destination.ranks)), timeout_s=240)
+
+
+def test_relayed_versions_go_as_deltas_through_the_relay_bit_exact(relayed):
+    plan, ranks = relayed
+    assert plan.relayed, "the plan relays"
+    by_rank = {r.rank: r.value for r in ranks}
+    for rank, out in by_rank.items():
+        assert out["problems"] == [], (rank, out["problems"])
+        assert len(out["reports"]) == 3, (rank, out["error"])
+    full = sum(o["reports"][0]["network_send_bytes"] + o["reports"][0]["intra_send_bytes"] for o in by_rank.values())
+    for version in (1, 2):
+        saved = sum(o["reports"][version]["network_saved_bytes"] + o["reports"][version]["intra_saved_bytes"]
+                    for o in by_rank.values())
+        assert saved > 0.8 * full, (version, saved, full)  # network bytes and the relays' forwards alike
+    errors = {r.rank: r.value["error"] for r in ranks}
+    assert all(e is not None and e[0] == 3 for e in errors.values()), errors  # the torn needer fails everywhere

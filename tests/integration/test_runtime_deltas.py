@@ -117,3 +117,20 @@ def test_a_member_without_the_option_makes_refits_go_in_full(etcd_server, job, t
     assert sorted(version_state(etcd).committed) == list(VERSIONS)
     acked = _acked(tmp_path / "i0.jsonl")
     assert acked and not any(a["attempt"].get("deltas") for a in acked), acked
+
+
+def test_relayed_versions_go_as_deltas(etcd_server, job, tmp_path):  # noqa: F811
+    """The same job planned with relays: the relays forward the deltas to their needers."""
+    etcd = etcd_server.endpoint
+    relayed = {**DELTAS, "relay": "on"}
+    first = {"pause_s": 0.5, "start_with": FIRST_MEMBERS, "config": relayed}
+    job.start(_member(etcd, "trainer", "t0", 0, **first))
+    job.start(_member(etcd, "trainer", "t1", 1, **first))
+    job.start(_member(etcd, "inference", "i0", 2, config=relayed),
+              hook=RecordAckedAttempts("i0", etcd, str(tmp_path / "i0.jsonl")))
+    job.start(_member(etcd, "inference", "i1", 3, config=relayed))
+    reports = job.collect(["t0", "t1", "i0", "i1"], timeout_s=120)
+    for m in ("i0", "i1"):
+        assert_all_verified(reports[m], VERSIONS[-1])
+    sent = _deltas_to(_acked(tmp_path / "i0.jsonl"), "i0")
+    assert all(sent[v] for v in VERSIONS[1:]), sent

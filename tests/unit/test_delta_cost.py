@@ -22,15 +22,16 @@ def test_delta_fraction_follows_the_coding():
         delta_fraction(1.5)
 
 
-def test_deltas_are_predicted_faster_at_low_density_and_full_when_relayed():
+def test_deltas_are_predicted_faster_at_low_density_also_when_relayed():
     cluster = get_cluster("h100-dgx")
     plan = RefitCase(**CASE, relay="off").plan()
     low, high = predict_delta(plan, cluster, 0.01), predict_delta(plan, cluster, 0.5)
     assert low.wire_bytes < high.wire_bytes <= plan.stats.cross_domain_bytes
     assert low.network_seconds < high.network_seconds <= predict(plan, cluster).network_seconds
     relayed = RefitCase(**CASE, relay="on").plan()
-    if relayed.relayed:
-        assert predict_delta(relayed, cluster, 0.01).fraction == 1.0
+    assert relayed.relayed
+    coded = predict_delta(relayed, cluster, 0.01)  # relays forward the deltas' segments
+    assert coded.fraction < 0.05 and coded.seconds < predict(relayed, cluster).seconds
 
 
 def test_plan_delta_density_cli(capsys):
