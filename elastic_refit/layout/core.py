@@ -224,7 +224,13 @@ class Layout:
         of the same pieces hashes alike without listing them (``layout.fingerprint``)."""
         cached = self.__dict__.get("_fingerprint")
         if cached is None:
-            cached = _explicit_fingerprint(self)
+            # Built from rules (SymbolicLayout.to_layout): theirs is equal, and cheaper where the
+            # rules stand for many pieces (or have it already).
+            rules = self.__dict__.get("_rules")
+            if rules is not None and (self.num_pieces > 50_000 or "fingerprint" in rules._memo):
+                cached = rules.fingerprint
+            else:
+                cached = _explicit_fingerprint(self)
             object.__setattr__(self, "_fingerprint", cached)
         return cached
 

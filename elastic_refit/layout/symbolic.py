@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_refit.layout.box import DTYPES
-from elastic_refit.layout.core import Layout, LayoutBuilder, LogicalTensor, _canonical_piece_order
+from elastic_refit.layout.core import (
+    _DTYPE_INDEX,
+    Layout,
+    LayoutBuilder,
+    LogicalTensor,
+    _canonical_piece_order,
+)
 from elastic_refit.layout.symbolic_digest import symbolic_fingerprint, symbolic_layout_ids
 from elastic_refit.layout.symbolic_rules import (
     SPLIT_KINDS,
@@ -104,10 +110,9 @@ class SymbolicLayout:
     # ---- explicit pieces -------------------------------------------------------------------
     def to_layout(self) -> Layout:
         """Every piece, explicit (what the explicit constructors build, row for row). The
-        layout keeps its fingerprint (this one's: they are equal) and these rules
-        (``rules_of``), so a member that holds it publishes the rules (``ERL3``)."""
+        layout keeps these rules (``rules_of``): a member that holds it publishes the rules
+        (``ERL3``), and its fingerprint is theirs (equal, hashed from the distinct rules)."""
         layout = self._build(None)
-        object.__setattr__(layout, "_fingerprint", self.fingerprint)
         object.__setattr__(layout, "_rules", self)
         return layout
 
@@ -217,13 +222,7 @@ class SymbolicLayout:
         rule_ranks = rule_ranks or (lambda rule: ranks)
         buffer_ranks = buffer_ranks or (lambda rule: ranks)
         k = self.ndim
-        b = LayoutBuilder(k)
-        for t in self.tensors:
-            b.tensor(t.name, t.shape, t.dtype)
-        ruled = {rule.name for rule in self.buffers}
-        for name in self.buffer_names:  # every name, also where the ranks hold none (rules declare theirs)
-            if name not in ruled:
-                b.buffers(name, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), _buffer_dtype(self, name))
+        rows = _Rows(self.buffer_names)
         ids: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         meshes: dict = {}
         shapes_of: dict = {}  # (shape, mesh, splits) -> (ranks, local shapes): layers repeat them
@@ -235,26 +234,32 @@ class SymbolicLayout:
                 shapes_of[key] = (rule.mesh.ranks(positions),
                                   _local_shape(rule.shape, rule.mesh, rule.splits, positions))
             rank, local_shape = shapes_of[key]
-            got = b.buffers(rule.name, rank, local_shape, rule.dtype)
+            got = rows.buffers(rule.name, rank, local_shape, rule.dtype)
             prev = ids.get(rule.name)
             ids[rule.name] = (rank, got) if prev is None else (np.concatenate([prev[0], rank]),
                                                                np.concatenate([prev[1], got]))
         lookup = {name: (rank[np.argsort(rank)], got[np.argsort(rank)]) for name, (rank, got) in ids.items()}
-        shapes = {t.name: t.shape for t in self.tensors}
+        index = {t.name: i for i, t in enumerate(self.tensors)}
         pieces_of: dict = {}
         for rule in self.rules:
             rank_set = rule_ranks(rule)
-            key = (shapes[rule.tensor], rule.mesh, rule.splits, rule.local_dim, rule.local_start, id(rank_set))
+            shape = self.tensors[index[rule.tensor]].shape
+            key = (shape, rule.mesh, rule.splits, rule.local_dim, rule.local_start, id(rank_set))
             if key not in pieces_of:
                 positions = self._positions(rule.mesh, rank_set, meshes)
-                index, offsets, lengths, local = _rule_pieces(shapes[rule.tensor], rule, positions)
-                # padded as the builder pads them (it copies none then)
-                pieces_of[key] = (rule.mesh.ranks(positions[index]), _pad(offsets, k, 0), _pad(lengths, k, 1),
+                at, offsets, lengths, local = _rule_pieces(shape, rule, positions)
+                # padded to the layout's width once per distinct rule
+                pieces_of[key] = (rule.mesh.ranks(positions[at]), _pad(offsets, k, 0), _pad(lengths, k, 1),
                                   _pad(local, k, 0))
             rank, offsets, lengths, local = pieces_of[key]
-            b.pieces(rule.tensor, _buffer_ids(lookup, rule, rank), offsets, lengths, local)
-        if self.explicit is not None:
-            _add_explicit(b, self.explicit if ranks is None else self.explicit.restrict_to_ranks(ranks.tolist()))
+            rows.pieces(index[rule.tensor], _buffer_ids(lookup, rule, rank), offsets, lengths, local)
+        if self.explicit is None:
+            return rows.layout(self.tensors, k)
+        b = rows.builder(self.tensors, k)
+        for name in self.buffer_names:  # names only the explicit part declares
+            if name not in ids:
+                b.buffers(name, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), _buffer_dtype(self, name))
+        _add_explicit(b, self.explicit if ranks is None else self.explicit.restrict_to_ranks(ranks.tolist()))
         return b.build()
 
     # ---- fingerprint ---------------------------------------------------------------------
@@ -318,3 +323,85 @@ def rules_of(layout: Layout) -> SymbolicLayout | None:
     """The rules an explicit layout was built from (``SymbolicLayout.to_layout``), else None
     (a layout built piece by piece, or derived from one: ``without_ranks`` drops them)."""
     return layout.__dict__.get("_rules")
+
+
+class _Rows:
+    """Buffers and pieces of rules, gathered as ``LayoutBuilder`` gathers them (``buffers``
+    returns ids in declaration order) and assembled into the layout ``LayoutBuilder.build``
+    makes of them (the same validation, row order and errors), without its per-call chunks:
+    a model's rules are a thousand calls. Tensors (sorted by name) and the sorted buffer
+    names are the symbolic layout's."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.name_id = {n: i for i, n in enumerate(names)}
+        self.buffer_parts: list[tuple] = []
+        self.piece_parts: list[tuple] = []
+        self.num_buffers = 0
+
+    def buffers(self, name: str, ranks: np.ndarray, shape: np.ndarray, dtype: str) -> np.ndarray:
+        ids = np.arange(self.num_buffers, self.num_buffers + ranks.size, dtype=np.int64)
+        self.num_buffers += ranks.size
+        self.buffer_parts.append((name, ranks, shape, dtype))
+        return ids
+
+    def pieces(self, tensor: int, buffer_ids: np.ndarray, offsets, lengths, local) -> None:
+        self.piece_parts.append((tensor, buffer_ids, offsets, lengths, local))
+
+    def builder(self, tensors, k: int) -> LayoutBuilder:
+        """A ``LayoutBuilder`` holding the rows gathered (where more rows follow: an explicit part)."""
+        b = LayoutBuilder(k)
+        for t in tensors:
+            b.tensor(t.name, t.shape, t.dtype)
+        for name, ranks, shape, dtype in self.buffer_parts:
+            b.buffers(name, ranks, shape, dtype)
+        for tensor, ids, offsets, lengths, local in self.piece_parts:
+            b.pieces(tensor, ids, offsets, lengths, local)
+        return b
+
+    def layout(self, tensors, k: int) -> Layout:
+        def column(parts, j, pad_with=None):
+            if pad_with is not None:
+                return np.concatenate([_pad(p[j], k, pad_with) for p in parts])
+            return np.concatenate([p[j] for p in parts])
+
+        sizes = np.array([p[1].size for p in self.buffer_parts], dtype=np.int64)
+        if self.buffer_parts:
+            b_rank = column(self.buffer_parts, 1)
+            b_name = np.repeat([self.name_id[p[0]] for p in self.buffer_parts], sizes).astype(np.int64)
+            b_shape = column(self.buffer_parts, 2, 1)
+            b_ndim = np.repeat([p[2].shape[1] for p in self.buffer_parts], sizes).astype(np.int64)
+            b_dtype = np.repeat([_DTYPE_INDEX[p[3]] for p in self.buffer_parts], sizes).astype(np.int64)
+        else:
+            b_rank = b_name = b_ndim = b_dtype = np.zeros(0, dtype=np.int64)
+            b_shape = np.zeros((0, k), dtype=np.int64)
+        key = b_rank * max(len(self.names), 1) + b_name  # canonical buffer order: (rank, name)
+        b_order = np.argsort(key, kind="stable")
+        dup = np.flatnonzero(key[b_order][1:] == key[b_order][:-1])
+        if dup.size:
+            at = b_order[dup[0]]
+            raise ValueError(f"buffer {self.names[int(b_name[at])]!r} declared twice on rank {int(b_rank[at])}")
+        b_new = np.empty_like(b_order)
+        b_new[b_order] = np.arange(b_order.size)
+        b_rank, b_name, b_shape, b_ndim, b_dtype = (a[b_order] for a in (b_rank, b_name, b_shape, b_ndim, b_dtype))
+        counts = np.array([p[1].size for p in self.piece_parts], dtype=np.int64)
+        if self.piece_parts:
+            p_tensor = np.repeat([p[0] for p in self.piece_parts], counts).astype(np.int64)
+            p_buffer = b_new[column(self.piece_parts, 1)]
+            p_off, p_len, p_loff = (column(self.piece_parts, j) for j in (2, 3, 4))
+        else:
+            p_tensor = p_buffer = np.zeros(0, dtype=np.int64)
+            p_off = p_len = p_loff = np.zeros((0, k), dtype=np.int64)
+        t_shape = np.ones((len(tensors), k), dtype=np.int64)
+        for i, t in enumerate(tensors):
+            t_shape[i, : len(t.shape)] = t.shape
+        LayoutBuilder._validate(tensors, self.names, p_tensor, p_buffer, p_off, p_len, p_loff, p_len, t_shape,
+                                b_rank, b_name, b_shape, b_dtype)
+        keep = np.flatnonzero(np.all(p_len > 0, axis=1))  # rules make no empty piece; the builder drops them
+        if keep.size < p_tensor.size:
+            p_tensor, p_buffer, p_off, p_len, p_loff = (a[keep] for a in (p_tensor, p_buffer, p_off, p_len, p_loff))
+        order = _canonical_piece_order(p_tensor, b_rank[p_buffer], p_buffer, p_off, p_loff)
+        return Layout(tensors=tensors, buffer_names=self.names, buffer_rank=b_rank, buffer_name=b_name,
+                      buffer_shape=b_shape, buffer_ndim=b_ndim, buffer_dtype=b_dtype, piece_tensor=p_tensor[order],
+                      piece_buffer=p_buffer[order], piece_offsets=p_off[order], piece_lengths=p_len[order],
+                      piece_local_offsets=p_loff[order], piece_local_lengths=p_len[order])

@@ -42,7 +42,17 @@ class SymbolicBuilder:
         self._buffers: list[BufferRule] = []
         self._buffer_names: set[str] = set()
         self._rules: list[PieceRule] = []
-        self.explicit = LayoutBuilder()
+        self._explicit: LayoutBuilder | None = None
+
+    @property
+    def explicit(self) -> LayoutBuilder:
+        """Pieces no rule describes (a ``LayoutBuilder`` with every tensor declared so far and
+        later); made on first use (most layouts have none)."""
+        if self._explicit is None:
+            self._explicit = LayoutBuilder()
+            for t in self._tensors.values():
+                self._explicit.tensor(t.name, t.shape, t.dtype)
+        return self._explicit
 
     def tensor(self, name: str, shape: Sequence[int], dtype: object) -> str:
         """Declare a logical tensor (idempotent for identical declarations)."""
@@ -51,7 +61,8 @@ class SymbolicBuilder:
         if old != t:
             raise ValueError(f"tensor {name!r} declared twice with different shape/dtype: "
                              f"{old.shape} {old.dtype} vs {t.shape} {t.dtype}")
-        self.explicit.tensor(name, t.shape, t.dtype)  # so explicit pieces may name it
+        if self._explicit is not None:
+            self._explicit.tensor(name, t.shape, t.dtype)  # so explicit pieces may name it
         return name
 
     def buffer(self, name: str, mesh: Mesh | np.ndarray | Sequence, shape: Sequence[int], dtype: object,
@@ -88,6 +99,8 @@ class SymbolicBuilder:
 
     def build(self) -> SymbolicLayout:
         tensors = tuple(self._tensors[n] for n in sorted(self._tensors))
+        if self._explicit is None:
+            return SymbolicLayout(tensors, tuple(self._buffers), tuple(self._rules))
         for t in tensors:
             self.explicit.tensor(t.name, t.shape, t.dtype)
         explicit = self.explicit.build()

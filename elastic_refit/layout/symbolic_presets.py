@@ -1,11 +1,12 @@
 """The model presets as rules: ``megatron_symbolic`` and ``vllm_symbolic``.
 
-The same layouts as ``presets.megatron_layout`` and ``presets.vllm_layout`` (see that
-module for the frameworks' rules), kept as ``SymbolicLayout`` rules: per parameter of a
-kind of layer, one buffer rule and one piece rule per logical tensor in it, over the
-group's mesh (``tp * dp`` positions from the stage's first rank). So the layout is
-O(tensors) whatever the ranks: ``to_layout()`` equals the explicit preset row for row
-(property-tested) and one rank derives its own pieces alone (``layout_of_ranks``).
+The layouts ``presets.megatron_layout`` and ``presets.vllm_layout`` build (their
+``to_layout()``; see that module for the frameworks' rules), kept as ``SymbolicLayout``
+rules: per parameter of a kind of layer, one buffer rule and one piece rule per logical
+tensor in it, over the group's mesh (``tp * dp`` positions from the stage's first rank). So
+the layout is O(tensors) whatever the ranks: ``to_layout()`` equals the presets built piece
+by piece (``tests/unit/explicit_presets.py``, the oracle) row for row, and one rank derives
+its own pieces alone (``layout_of_ranks``).
 
 The group's meshes: ``(n,)`` for replicated tensors; ``(n / tp, tp)`` (axis 1 = tp rank)
 for TP splits, which are ``block`` splits of ``size / tp`` rows as the explicit presets
@@ -16,6 +17,7 @@ that group's q heads, k and v: one rule per ``j`` (``block`` then ``slice``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,12 +109,18 @@ def _vocab(buffer: str, tensor: str, c: ModelConfig, tp: int, divisor: int, n: i
                   (_Part(tensor, shape, c.dtype, _grid(n, tp), (_block(0, per),)),))
 
 
+@functools.lru_cache(maxsize=4096)
+def _at(mesh: Mesh, base: int) -> Mesh:
+    """``mesh`` from rank ``base`` (every layer of a stage places the same few meshes there)."""
+    return mesh.shifted(-base)
+
+
 def _emit(b: SymbolicBuilder, params: Sequence[_Param], buffer_prefix: str, tensor_prefix: str, base: int) -> None:
     for prm in params:
-        b.buffer(buffer_prefix + prm.buffer, prm.mesh.shifted(-base), prm.shape, prm.dtype, prm.splits)
+        b.buffer(buffer_prefix + prm.buffer, _at(prm.mesh, base), prm.shape, prm.dtype, prm.splits)
         for p in prm.parts:
             b.tensor(tensor_prefix + p.tensor, p.shape, p.dtype)
-            b.rule(tensor_prefix + p.tensor, buffer_prefix + prm.buffer, p.mesh.shifted(-base), p.splits,
+            b.rule(tensor_prefix + p.tensor, buffer_prefix + prm.buffer, _at(p.mesh, base), p.splits,
                    p.local_dim, p.local_start)
 
 

@@ -18,6 +18,8 @@ from elastic_refit.layout.symbolic_build import SymbolicBuilder
 from elastic_refit.layout.symbolic_presets import megatron_symbolic, vllm_symbolic
 from elastic_refit.plan import make_plan
 
+from .explicit_presets import megatron_explicit, vllm_explicit
+
 _COLUMNS = ("buffer_rank", "buffer_name", "buffer_shape", "buffer_ndim", "buffer_dtype", "piece_tensor",
             "piece_buffer", "piece_offsets", "piece_lengths", "piece_local_offsets", "piece_local_lengths")
 
@@ -78,12 +80,17 @@ PRESETS = [
 
 @pytest.mark.parametrize(("model", "training", "inference"), PRESETS)
 def test_preset_rules_give_the_explicit_presets(model, training, inference):
-    pairs = [(megatron_layout(model, training, num_layers=4), megatron_symbolic(model, training, num_layers=4)),
-             (vllm_layout(model, inference, first_rank=3, num_layers=4),
+    """The rules (which the library's presets build from) against the presets built piece by
+    piece (``explicit_presets``, the oracle), and the library's presets are the rules'."""
+    pairs = [(megatron_explicit(model, training, num_layers=4), megatron_symbolic(model, training, num_layers=4)),
+             (vllm_explicit(model, inference, first_rank=3, num_layers=4),
               vllm_symbolic(model, inference, first_rank=3, num_layers=4))]
     for want, got in pairs:
         assert_same_rows(want, got.to_layout())
         assert got.fingerprint == want.fingerprint
+    assert_same_rows(megatron_layout(model, training, num_layers=4), pairs[0][0])
+    assert_same_rows(vllm_layout(model, inference, first_rank=3, num_layers=4), pairs[1][0])
+    for want, got in pairs:
         for r in (want.ranks[0], want.ranks[-1], want.ranks[len(want.ranks) // 2]):
             assert_same_rows(want.restrict_to_ranks([r]), got.layout_of_ranks([r]))
 
@@ -91,11 +98,11 @@ def test_preset_rules_give_the_explicit_presets(model, training, inference):
 def test_flattened_moe_tp_and_plans_agree():
     src = megatron_symbolic("qwen3-30b-a3b", "tp=2,pp=2,dp=2,ep=4", num_layers=2)
     dst = vllm_symbolic("qwen3-30b-a3b", "tp=2,dp=2", first_rank=8, num_layers=2, flatten_moe_tp=True)
-    want_dst = vllm_layout("qwen3-30b-a3b", "tp=2,dp=2", first_rank=8, num_layers=2, flatten_moe_tp=True)
+    want_dst = vllm_explicit("qwen3-30b-a3b", "tp=2,dp=2", first_rank=8, num_layers=2, flatten_moe_tp=True)
     assert dst.fingerprint == want_dst.fingerprint
     topology = Topology.uniform(12, 4)
     a = make_plan(src.to_layout(), dst.to_layout(), topology)
-    b = make_plan(megatron_layout("qwen3-30b-a3b", "tp=2,pp=2,dp=2,ep=4", num_layers=2), want_dst, topology)
+    b = make_plan(megatron_explicit("qwen3-30b-a3b", "tp=2,pp=2,dp=2,ep=4", num_layers=2), want_dst, topology)
     assert a.fingerprint == b.fingerprint
     assert a.stats.cross_domain_bytes == a.stats.lower_bound_bytes
 
@@ -166,7 +173,7 @@ def test_erl3_carries_destination_formats_under_the_described_fingerprint():
     assert rules.fingerprint == side.fingerprint and got == formats
     layout, got = decode_described(blob, described)  # ERL3 read as pieces, as ERL1/2 are
     assert got == formats and layout.fingerprint == side.fingerprint and rules_of(layout) is not None
-    assert_same_rows(layout, vllm_layout("qwen3-30b-a3b", "tp=2,dp=2"))
+    assert_same_rows(layout, vllm_explicit("qwen3-30b-a3b", "tp=2,dp=2"))
     with pytest.raises(ValueError, match="expected"):
         decode_symbolic_described(blob, side.fingerprint)  # the formats are part of the description
     assert decode_symbolic_described(encode_symbolic(side), side.fingerprint)[1] == TensorFormats()
