@@ -16,6 +16,9 @@ its cost grows with its own rows plus the atoms and regions, not with the plan's
 Ranks cannot hash rows they never built, so they agree on the fingerprint of the plan's
 *inputs* (``plan_input_fingerprint``) before any byte moves; the inputs determine every row.
 
+From symbolic layouts (rules), ``plan.rank_rules.make_rank_plan_from_rules`` derives what
+``_Shared`` needs of each side without building either side's explicit layout.
+
 Relayed plans (``PlanOptions.relay``) are refused for now: a forward row takes the stream
 offset of its network row, which lives in a message the needer is not part of. Where
 ``relay="auto"`` cannot be settled from per-rank figures (some receiver would be busier than
