@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_refit.errors import VersionUnreachable
 from elastic_refit.layout import TensorFormats
 from elastic_refit.layout.casts import source_casts
 from elastic_refit.membership.client import EtcdClient
@@ -250,7 +251,12 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
     with ElasticRefit(config, layouts, parameters=params, formats=formats or None, hooks=hooks) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out
-            version = refit.wait_for_version(seen + 1)
+            try:
+                version = refit.wait_for_version(seen + 1)
+            except VersionUnreachable as exc:  # (a restarted TP rank) the next version reaches it
+                out.setdefault("unreachable", []).append(exc.version)
+                seen = max(seen, exc.version)
+                continue
             with refit.weights() as serving:
                 check = not member.check_last_only or serving >= member.versions[-1]
                 problems = check_version(serving) if check else []

@@ -247,14 +247,15 @@ def _partial_source_spec() -> RefitSpec:
 def _mismatched_sides_spec() -> RefitSpec:
     src, dst = LayoutBuilder(), LayoutBuilder()
     add_sharded_tensor(src, "w", (10, 6), "float32", [0], ["R"])
-    add_sharded_tensor(dst, "w", (10, 6), "bfloat16", [2], ["R"])
+    add_sharded_tensor(dst, "w", (10, 6), "int32", [2], ["R"])  # (a float dtype would be a cast)
     return RefitSpec(src.build(), dst.build(), Topology.uniform(4, 2))
 
 
 @pytest.mark.parametrize(("make", "pattern"), [
     (_partial_source_spec, r"tensor 'w': destination box \[5:10, 0:6\] on ranks 3 is not covered by any source "
                            r"piece \(6 of 30 elements covered\)"),
-    (_mismatched_sides_spec, r"tensor 'w': source is \[10, 6\] float32, destination is \[10, 6\] bfloat16"),
+    (_mismatched_sides_spec, r"tensor 'w': source is \[10, 6\] float32, destination is \[10, 6\] int32; a refit casts between "
+                             r"floating dtypes only \(.*\)"),
 ])
 def test_planner_errors_reach_the_cli_as_one_line(capsys, monkeypatch, tmp_path, make, pattern):
     monkeypatch.setattr(plan_cmd, "load_spec", lambda path: make())
