@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         SourceChanged,
         TransportAborted,
         VerificationFailed,
+        VersionUnreachable,
     )
     from elastic_refit.layout import (
         Box,
@@ -94,6 +95,7 @@ __all__ = [
     "TransportAborted",
     "VerificationFailed",
     "VersionSettings",
+    "VersionUnreachable",
     "__version__",
     "add_sharded_tensor",
     "from_dtensors",
@@ -140,6 +142,7 @@ _EXPORTS = {
     "SourceChanged": "elastic_refit.errors",
     "TransportAborted": "elastic_refit.errors",
     "VerificationFailed": "elastic_refit.errors",
+    "VersionUnreachable": "elastic_refit.errors",
 }
 
 
