@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from elastic_refit.layout import Topology
@@ -113,23 +113,28 @@ def _sides(draw):
                                   else f"_S({dim}, {draw(st.integers(1, 3))})")
             b.sharded_tensor(f"t{i}", shape, "float32", ranks.reshape(mesh_shape), placements)
         sides.append(b.build())
-    return sides[0], sides[1], draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from(["off", "auto"]))
+    domains = draw(st.one_of(st.sampled_from([1, 2, 4]), st.lists(st.integers(0, 3), min_size=12, max_size=12)))
+    return sides[0], sides[1], domains, draw(st.sampled_from(["off", "auto"]))
 
 
 @settings(max_examples=40, deadline=None)
 @given(_sides())
 def test_random_meshes_and_placements(case):
-    src, dst, domain_size, relay = case
-    topo = Topology.uniform(12, domain_size)
+    src, dst, domains, relay = case  # uniform domains of a size, or any domain per rank
+    topo = Topology.uniform(12, domains) if isinstance(domains, int) else Topology(tuple(domains))
     options = PlanOptions(relay=relay)
     try:
         full = make_plan(src.to_layout(), dst.to_layout(), topo, options)
-    except ValueError:
+    except ValueError as error:  # refused alike (the message may name other ranks of the region)
+        event("refused")
+        with pytest.raises(type(error)):
+            make_rank_plan_from_rules(src, dst, topo, options, rank=0)
         return
     if full.relayed:
         with pytest.raises(ValueError, match="relayed"):
             make_rank_plan_from_rules(src, dst, topo, options, rank=0)
         return
+    event(f"planned, {len(full.transfers)} rows" if len(full.transfers) < 8 else "planned, 8+ rows")
     for rank in range(topo.num_ranks):
         _assert_view_is_slice(make_rank_plan_from_rules(src, dst, topo, options, rank=rank), rank_slice(full, rank))
 
