@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench-plan clean etcd
 
-# setup.py builds the optional compiled digest (elastic_refit/transport/_digest.c).
-$(STAMP): pyproject.toml setup.py elastic_refit/transport/_digest.c
+# setup.py builds the optional compiled digest and delta (elastic_refit/transport/_digest.c, _delta.c).
+$(STAMP): pyproject.toml setup.py elastic_refit/transport/_digest.c elastic_refit/transport/_delta.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 resolves to the local CPU build on CPU-only machines.

@@ -47,13 +47,10 @@ import torch
 from elastic_refit.errors import VerificationFailed
 from elastic_refit.kernels.delta import (
     HEADER_BYTES,
-    segment_entries,
-    segment_entry_counts,
-    segment_positions,
 )
 from elastic_refit.plan import SourceSide, TransferKind
 from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO
-from elastic_refit.transport.delta_boxes import Boxes, Change, gather_segments, segment_places
+from elastic_refit.transport.delta_boxes import Boxes, Segments
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import STAGED, ForwardPart, Message, RankSchedule
 
@@ -292,9 +289,8 @@ class DeltaCoder:
         sizes = torch.full((2 * n,), FULL, dtype=torch.int64)
         if not n or len(shape.own) != n or not all(r in rnd.base for r in boxes.refs):
             return sizes  # from the destination side (fan-out, holders) or without a base: in full
-        change = boxes.code(tensors, rnd.base, {}, self.verify)
-        entries = segment_entry_counts(change.local.cpu(), change.counts)
-        value_bytes = change.counts * boxes.itemsize.cpu()
+        seg = boxes.segments(tensors, rnd.base, self.verify)
+        entries, value_bytes = seg.entries.cpu(), seg.value_bytes.cpu()
         buckets, starts = self._buckets(index, entries, value_bytes)
         for bucket, (b0, b1), segments, header, size in buckets:
             io = self._io[id(bucket)]
@@ -305,12 +301,8 @@ class DeltaCoder:
             rnd.num_buckets += 1
             rnd.saved_bytes["network" if msg.kind == TransferKind.NETWORK else "intra"] += io.wire_bytes - size
         if any(id(self._io[id(bucket)]) in rnd.coded for bucket in msg.buckets):
-            coded = torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8, device=self.device)
-            ent = torch.empty(int(entries.sum()), dtype=torch.uint8, device=self.device)
-            segment_entries(change.local.to(self.device), change.counts.to(self.device), ent)
-            e_at, v_at = segment_places(entries, value_bytes, self.device)
-            coded[e_at], coded[v_at] = ent, change.values.to(self.device)
-            rnd.messages[index] = _Message(entries, value_bytes, coded, change.moves.to(self.device), starts)
+            rnd.messages[index] = _Message(entries, value_bytes, seg.coded.to(self.device), seg.moves.to(self.device),
+                                           starts)
         return sizes
 
     def payload(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, staging: torch.Tensor) -> torch.Tensor | None:
@@ -346,20 +338,18 @@ class DeltaCoder:
         m.pending -= 1
         if m.pending:
             return 0
-        own = self._shapes[b.message].own
-        return self._apply(self._shapes[b.message].geometry, m.entries[own], m.value_bytes[own],
-                           gather_segments(m.coded, m.starts, m.entries, m.value_bytes, own, self.device),
-                           m.moves[own], tensors, where)
+        shape = self._shapes[b.message]
+        own = shape.own
+        coded = m.coded if len(own) == len(shape.boxes) else _own_segments(m, own, self.device)
+        return self._apply(shape.geometry, Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]),
+                           tensors, where)
 
-    def _apply(self, boxes: Boxes, entries: torch.Tensor, value_bytes: torch.Tensor,
-               segments: tuple[torch.Tensor, torch.Tensor], moves: torch.Tensor, tensors: Mapping, where: str) -> int:
-        """Write the change of ``boxes`` (per box its entries and value bytes, the entries
-        and values back to back) after checking its digest moves against ``moves``."""
+    def _apply(self, boxes: Boxes, seg: Segments, tensors: Mapping, where: str) -> int:
+        """Write the change of ``boxes`` (their segments) after checking its digest moves."""
         if not boxes.boxes:
             return 0
-        counts = torch.div(value_bytes, boxes.itemsize.cpu(), rounding_mode="floor")
-        local = segment_positions(segments[0], entries.to(self.device))
-        got, write = boxes.apply(tensors, Change(local, counts, segments[1], moves), self.verify)
+        moves = seg.moves
+        got, write = boxes.apply_segments(tensors, seg, self.verify)
         if self.verify:
             bad = (got.to(self.device) != moves).nonzero().flatten().tolist()
             if bad:
@@ -465,9 +455,8 @@ class DeltaCoder:
         data = int((p.entries + p.value_bytes).sum())
         moves = (p.buffer[_aligned(data) : _aligned(data) + DIGEST_BYTES * n].view(torch.int64) if self.verify
                  else torch.zeros(n, dtype=torch.int64, device=self.device))
-        starts = list(itertools.accumulate([0] + (p.entries + p.value_bytes).tolist()))[:-1]
-        segments = gather_segments(p.buffer, starts, p.entries, p.value_bytes, list(range(n)), self.device)
-        return self._apply(self._part_boxes[id(part)], p.entries, p.value_bytes, segments, moves, tensors, where)
+        return self._apply(self._part_boxes[id(part)], Segments(p.entries, p.value_bytes, p.buffer[:data], moves),
+                           tensors, where)
 
 
 def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
@@ -478,6 +467,14 @@ def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
 
 def _part_tag(step) -> int:
     return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)
+
+
+def _own_segments(m: _Message, own: list[int], device: torch.device) -> torch.Tensor:
+    """A relay's own boxes' segments, back to back (the others are its needers')."""
+    lengths = (m.entries + m.value_bytes)[own]
+    first = torch.tensor([m.starts[i] for i in own], dtype=torch.int64)
+    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths)
+    return m.coded[(torch.arange(int(lengths.sum())) + shift).to(device)]
 
 
 def _aligned(nbytes: int) -> int:

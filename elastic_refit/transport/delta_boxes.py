@@ -10,18 +10,30 @@ arithmetic of ours); elsewhere a few tensor operations per message whatever its 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from elastic_refit.kernels.delta import changed_elements, delta_digests
+from elastic_refit.kernels.delta import (
+    changed_elements,
+    delta_digests,
+    segment_entries,
+    segment_entry_counts,
+    segment_positions,
+)
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.schedule import BoxCopy, RankSchedule
 
-__all__ = ["Boxes", "Change", "gather_segments", "segment_places"]
+__all__ = ["Boxes", "Change", "Segments", "gather_segments", "segment_places"]
+
+try:  # the compiled form (setup.py); without it numpy runs, with the same results
+    from elastic_refit.transport import _delta as _native
+except ImportError:  # pragma: no cover - no compiler where it was installed
+    _native = None
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -36,6 +48,18 @@ class Change:
     local: torch.Tensor
     counts: torch.Tensor
     values: torch.Tensor
+    moves: torch.Tensor
+
+
+@dataclass(slots=True)
+class Segments:
+    """A message's change as segments: per box its gap entries and value bytes, the
+    segments back to back (``coded``: each box's entries, then its values) and per box how
+    far its digest moves."""
+
+    entries: torch.Tensor
+    value_bytes: torch.Tensor
+    coded: torch.Tensor
     moves: torch.Tensor
 
 
@@ -64,6 +88,8 @@ class Boxes:
             lengths.append([1] * (k - len(shape)) + list(b.lengths))
         self.ref_of = torch.tensor([self.refs.index(b.buffer) for b in boxes], dtype=torch.int64, device=device)
         self.box_itemsize = [self.itemsizes[self.refs.index(b.buffer)] for b in boxes]
+        self._shapes = [tuple(schedule.buffers[b.buffer].shape) for b in boxes]
+        self._run_cache: dict[int, tuple[np.ndarray, int]] = {}
         self.itemsize = torch.tensor(self.box_itemsize, dtype=torch.int64, device=device)
         self._span = max([math.prod(schedule.buffers[r].shape) for r in self.refs] + [1]) + 1
         self.lo = torch.tensor(lo, dtype=torch.int64, device=device)
@@ -207,6 +233,83 @@ class Boxes:
         return torch.from_numpy(moves), write
 
 
+    # ---- segments: each box's gap entries then its values, box after box -------------------
+    def segments(self, tensors, base, verify: bool) -> Segments:
+        """The change of the boxes from ``base`` to ``tensors`` (by ref) as segments."""
+        if not self.vectorized and _native is not None:
+            return self._segments_native(tensors, base)
+        change = self.code(tensors, base, {}, verify)
+        entries = segment_entry_counts(change.local.cpu(), change.counts)
+        value_bytes = change.counts * self.itemsize.cpu()
+        device = change.values.device
+        coded = torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8, device=device)
+        ent = torch.empty(int(entries.sum()), dtype=torch.uint8, device=device)
+        segment_entries(change.local.to(device), change.counts.to(device), ent)
+        e_at, v_at = segment_places(entries, value_bytes, device)
+        coded[e_at], coded[v_at] = ent, change.values
+        return Segments(entries, value_bytes, coded, change.moves)
+
+    def _runs(self, i: int) -> tuple[np.ndarray, int]:
+        """Box ``i`` as runs of contiguous elements: (each run's first element, run length)."""
+        cached = self._run_cache.get(i)
+        if cached is None:
+            b = self.boxes[i]
+            shape = self._shapes[i]
+            d = len(shape) - 1
+            while d > 0 and b.lengths[d] == shape[d]:
+                d -= 1  # the dims after d are whole: one run spans them
+            run = math.prod(b.lengths[d:])
+            strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
+            starts = np.zeros(1, dtype=np.int64) + sum(o * st for o, st in zip(b.offsets, strides, strict=True))
+            for j in range(d):
+                starts = (starts[:, None] + np.arange(b.lengths[j], dtype=np.int64) * strides[j]).reshape(-1)
+            cached = self._run_cache[i] = (starts, run)
+        return cached
+
+    def _segments_native(self, tensors, base) -> Segments:
+        n = len(self.boxes)
+        sizes = [len(self._runs(i)[0]) * self._runs(i)[1] for i in range(n)]  # elements per box
+        worst = max([k * (u + 1) + k // 255 + 1 for k, u in zip(sizes, self.box_itemsize, strict=True)] + [1])
+        out, vals = np.empty(worst, dtype=np.uint8), np.empty(worst, dtype=np.uint8)
+        entries, value_bytes, moves, parts = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.uint64), []
+        for i, b in enumerate(self.boxes):
+            starts, run = self._runs(i)
+            e, k, move = _native.encode(_flat_np(tensors[b.buffer]), _flat_np(base[b.buffer]), starts, run,
+                                        self.box_itemsize[i], out, vals)
+            entries[i], value_bytes[i], moves[i] = e, k * self.box_itemsize[i], move
+            parts.append(out[: e + k * self.box_itemsize[i]].copy())
+        coded = np.concatenate(parts + [np.zeros(0, np.uint8)])
+        return Segments(torch.from_numpy(entries), torch.from_numpy(value_bytes), torch.from_numpy(coded),
+                        torch.from_numpy(moves.view(np.int64)))
+
+    def apply_segments(self, tensors, seg: Segments, verify: bool):
+        """Check and write segments (``seg.moves`` unused): returns the digest moves they
+        make on this rank's buffers (zeros without ``verify``) and a function that writes
+        them (call it once the moves were found right)."""
+        if self.vectorized or _native is None:
+            starts = list(itertools.accumulate([0] + (seg.entries + seg.value_bytes).tolist()))[:-1]
+            ent, values = gather_segments(seg.coded, starts, seg.entries, seg.value_bytes, list(range(len(self.boxes))),
+                                          seg.coded.device)
+            local = segment_positions(ent, seg.entries.to(seg.coded.device))
+            counts = torch.div(seg.value_bytes, self.itemsize.cpu(), rounding_mode="floor")
+            return self.apply(tensors, Change(local, counts, values, seg.moves), verify)
+        coded = seg.coded.numpy()
+        lengths = (seg.entries + seg.value_bytes).tolist()
+        at = list(itertools.accumulate([0] + lengths))
+        moves = np.zeros(len(self.boxes), np.uint64)
+        jobs = []
+        for i, (b, e) in enumerate(zip(self.boxes, seg.entries.tolist(), strict=True)):
+            if lengths[i]:
+                starts, run = self._runs(i)
+                job = (_flat_np(tensors[b.buffer]), starts, run, self.box_itemsize[i], coded[at[i] : at[i + 1]], e)
+                moves[i] = _native.apply(*job, False) if verify else 0
+                jobs.append(job)
+
+        def write() -> None:
+            for job in jobs:
+                _native.apply(*job, True)
+        return torch.from_numpy(moves.view(np.int64)), write
+
     def groups(self, box: torch.Tensor):
         """Per ref of the bucket: (its index, itemsize, the mask of the elements in its
         boxes or None when the bucket has one ref)."""
@@ -295,3 +398,8 @@ def gather_segments(coded: torch.Tensor, starts: list[int], entries: torch.Tenso
     flat = torch.arange(int(lengths.sum()), device=device) + shift  # where the boxes' bytes sit in ``coded``
     picked = coded[flat]
     return picked[e_at], picked[v_at]
+
+
+def _flat_np(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU buffer's bytes, flat (numpy, the same memory)."""
+    return byte_view(tensor).reshape(-1).numpy()
