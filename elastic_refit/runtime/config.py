@@ -156,7 +156,12 @@ class RefitConfig:
         backend = Backend.parse(self.backend)  # ValueError naming the choices
         object.__setattr__(self, "backend", backend.value)
         device_type = self.device.split(":", 1)[0] if isinstance(self.device, str) else None
-        if device_type != backend.device_type:
+        ipc = self.transfer.same_host == "ipc"
+        if ipc and device_type != "cuda":
+            raise ValueError(f"same_host 'ipc' maps peers' GPU memory: device must be a CUDA device (cuda:N), "
+                             f"got {self.device!r}")
+        # With CUDA IPC for the ranks of one host, gloo may carry the rest (through host memory).
+        if device_type != backend.device_type and not (ipc and backend is Backend.GLOO):
             raise ValueError(f"backend {backend.value!r} moves {backend.device_type} tensors, but device is "
                              f"{self.device!r}; use device={'cpu' if backend is Backend.GLOO else 'cuda:0'!r}")
         self.etcd_config()  # every etcd setting checked here, not at the first connection

@@ -52,17 +52,20 @@ def communicator_manager(client: EtcdClient, config: RefitConfig, membership: Me
     return CommunicatorManager(
         client, c.job, c.member_id, backend=c.backend, config=membership.config, superseded=superseded,
         latest_view=lambda: membership.view, transport_timeout_s=c.transport_timeout_s, device=c.device,
-        bind_interface=c.transfer.bind_interface)
+        bind_interface=c.transfer.bind_interface,
+        direct_reads_device=c.device if c.transfer.same_host == "ipc" else None)
 
 
 def register(services: Services, config: RefitConfig, side: Side) -> Membership:
-    """Register ``config``'s incarnation (a new lease and member key), publish ``side``'s
-    layout and wake the agent on every view and on a loss; retried with backoff
+    """Register ``config``'s incarnation (a new lease and member key, naming ``services``'
+    incarnation as the one it comes back from), publish ``side``'s layout and wake the
+    agent on every view and on a loss; retried with backoff
     (:data:`BACKOFF_S`) until it succeeds or the member closes (``MembershipLost``)."""
     c = config
     record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                           layout_rank=c.layout_rank, layout=side.described,
-                          deltas=c.transfer.delta_base_bytes > 0)
+                          deltas=c.transfer.delta_base_bytes > 0, rejoined_from=services.config.incarnation,
+                          rejoins=services.membership.record.rejoins + 1)
     for tries in range(1, 1 << 30):
         if services.stop.is_set():
             raise MembershipLost(f"{c.member_id}: closing while it registered again")

@@ -25,10 +25,12 @@ __all__ = ["EtcdAccess", "PlanSettings", "Timeouts", "TransferSettings", "Versio
 Mode = Literal["in_place", "staged"]
 ConnectAhead = Literal["auto", "on", "off"]
 Relay = Literal["auto", "on", "off"]
+SameHost = Literal["network", "ipc"]
 MODES: tuple[str, ...] = get_args(Mode)
 Detached = Literal["keep", "block"]
 DETACHED: tuple[str, ...] = get_args(Detached)
 CONNECT_AHEAD: tuple[str, ...] = get_args(ConnectAhead)
+SAME_HOST: tuple[str, ...] = get_args(SameHost)
 
 
 def _is_int(value: object) -> bool:
@@ -193,6 +195,14 @@ class TransferSettings:
     some destination rank gets full bytes (a joiner, a restarted rank) takes its relayed
     messages in full."""
 
+    same_host: SameHost = "network"
+    """How members on one host (the same ``host``: colocated ranks, or the GPUs of one
+    NVLink domain) exchange bytes. ``network``: through the backend's communicator, like
+    any pair. ``ipc``: over CUDA IPC, a destination reads its plan's regions straight from
+    the source's mapped GPU memory (one copy, no staging; ``transport.ipc``) and the
+    communicator carries the other pairs, the votes and the aborts. ``ipc`` needs a CUDA
+    device; gloo may then carry the rest."""
+
     def executor_options(self) -> ExecutorOptions:
         """The executor's options."""
         return ExecutorOptions(staging_bytes=self.staging_bytes, verify=self.verify,
@@ -205,6 +215,7 @@ class TransferSettings:
             raise ValueError(f"delta_base_bytes must be an int >= 0, got {self.delta_base_bytes!r}")
         _check_bools(self, "verify")
         _check_choice("connect_ahead", self.connect_ahead, CONNECT_AHEAD)
+        _check_choice("same_host", self.same_host, SAME_HOST)
         if self.bind_interface is not None:
             names = [name for _, name in socket.if_nameindex()]
             if self.bind_interface not in names:

@@ -95,3 +95,30 @@ def test_flat_and_grouped_spellings_are_one_config(ttl_s, bucket_kib, rounds):
                           plan=PlanSettings(bucket_bytes=bucket, concurrent_rounds=rounds),
                           transfer=TransferSettings(staging_bytes=staging))
     assert flat == grouped and hash(flat) == hash(grouped)
+
+
+def test_same_host_ipc_needs_a_cuda_device_and_lets_gloo_carry_the_rest():
+    ipc = RefitConfig(**IDENTITY, device="cuda:0", backend="gloo", same_host="ipc")
+    assert ipc.transfer.same_host == "ipc" and ipc.backend == "gloo"
+    assert RefitConfig(**IDENTITY, device="cuda:1", backend="nccl4py", same_host="ipc").device == "cuda:1"
+    with pytest.raises(ValueError, match=r"same_host 'ipc' maps peers' GPU memory: device must be a CUDA device"):
+        RefitConfig(**IDENTITY, same_host="ipc")
+    with pytest.raises(ValueError, match=r"backend 'gloo' moves cpu tensors, but device is 'cuda:0'"):
+        RefitConfig(**IDENTITY, device="cuda:0", backend="gloo")  # no IPC: gloo stays on the CPU
+    with pytest.raises(ValueError, match=r"same_host must be one of network, ipc, got 'shm'"):
+        RefitConfig(**IDENTITY, same_host="shm")
+
+
+@pytest.mark.parametrize(("same_host", "device"), [("network", None), ("ipc", "cuda:0")])
+def test_the_communicators_route_same_host_pairs_over_ipc_only_when_asked(monkeypatch, same_host, device):
+    from elastic_refit.runtime import rejoin
+
+    made = {}
+    monkeypatch.setattr(rejoin, "CommunicatorManager", lambda *args, **kw: made.update(kw) or kw)
+
+    class _Membership:
+        config, view = None, None
+
+    config = RefitConfig(**IDENTITY, device="cuda:0", backend="nccl4py", same_host=same_host)
+    rejoin.communicator_manager(object(), config, _Membership())
+    assert made["direct_reads_device"] == device and made["device"] == "cuda:0"
