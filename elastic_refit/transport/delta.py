@@ -88,6 +88,10 @@ class _Bucket:
     segments: tuple[int, int]
     header: tuple[int, int]  # (entries, value bytes)
     size: int
+    # Consecutive delta buckets of a message travel as one operation, the first's: it
+    # carries their payloads back to back (``group``); the others post nothing.
+    group: list[_Bucket] = field(default_factory=list)
+    follows: bool = False
 
 
 @dataclass(slots=True)
@@ -130,9 +134,15 @@ class DeltaRound:
         self.saved_bytes = {"network": 0, "intra": 0}
 
     def size(self, io: BucketIO) -> int | None:
-        """The payload size of a delta bucket, None for a full one."""
+        """The payload size of a delta bucket (with the buckets it carries), None for a
+        full one."""
         coded = self.coded.get(id(io))
-        return None if coded is None else coded.size
+        return None if coded is None else sum(b.size for b in coded.group) or coded.size
+
+    def skips(self, io: BucketIO) -> bool:
+        """A delta bucket whose payload travels with an earlier one's: nothing to post."""
+        coded = self.coded.get(id(io))
+        return coded is not None and coded.follows
 
     def part(self, part: ForwardPart) -> _Part | None:
         """A needer's forward part when it comes as a delta."""
@@ -267,6 +277,7 @@ class DeltaCoder:
                 entries, value_bytes, torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8,
                                                   device=self.device),
                 torch.zeros(n, dtype=torch.int64, device=self.device), starts, pending)
+        self._group(index, rnd)
 
     def _base_tensors(self, base: Mapping[str, torch.Tensor]) -> dict:
         """The base buffers by this rank's buffer refs (source side), those that match the
@@ -303,22 +314,47 @@ class DeltaCoder:
         if any(id(self._io[id(bucket)]) in rnd.coded for bucket in msg.buckets):
             rnd.messages[index] = _Message(entries, value_bytes, seg.coded.to(self.device), seg.moves.to(self.device),
                                            starts)
+        self._group(index, rnd)
         return sizes
+
+    def _group(self, index: int, rnd: DeltaRound) -> None:
+        """Runs of consecutive delta buckets of message ``index`` that fit the first's
+        staging travel as one operation (both ends derive the same runs from the sizes).
+        A relayed message keeps one per bucket: its relay forwards bucket by bucket."""
+        msg = self.messages[index][1]
+        if msg.relayed:
+            return
+        leader: _Bucket | None = None
+        leader_room = 0
+        for bucket in msg.buckets:
+            io = self._io[id(bucket)]
+            b = rnd.coded.get(id(io))
+            if b is None:
+                leader = None
+            elif leader is not None and leader_room >= sum(x.size for x in leader.group) + b.size:
+                leader.group.append(b)
+                b.follows = True
+            else:
+                leader, leader_room = b, io.wire_bytes
+                b.group = [b]
 
     def payload(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, staging: torch.Tensor) -> torch.Tensor | None:
         """What a sender sends for a delta bucket (None: the bucket goes in full), copied
         into ``staging`` from its message's coded bytes: a header (entries, value bytes),
         the boxes' segments, with verification on their digest moves."""
-        b = rnd.coded.get(id(io))
-        if b is None:
+        first = rnd.coded.get(id(io))
+        if first is None:
             return None
-        m, out = rnd.messages[b.message], staging[: b.size]
-        s0, s1 = b.segments
-        out[:HEADER_BYTES].copy_(torch.tensor(b.header, dtype=torch.int64).view(torch.uint8))
-        out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
-        if self.verify:
-            out[_aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
-        return out
+        at = 0
+        for b in first.group or [first]:
+            m, out = rnd.messages[b.message], staging[at : at + b.size]
+            s0, s1 = b.segments
+            out[:HEADER_BYTES].copy_(torch.tensor(b.header, dtype=torch.int64).view(torch.uint8))
+            out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
+            if self.verify:
+                out[_aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
+            at += b.size
+        return staging[:at]
 
     def accept(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
         """A receiver's (or relay's) delta bucket: its segments gathered with its message's;
@@ -326,7 +362,13 @@ class DeltaCoder:
         boxes is written into its buffers, after (verification on) every box's digest move
         was checked against the sender's. The payload stays where it arrived (a relay
         forwards from there). Returns the boxes checked."""
-        b = rnd.coded[id(io)]
+        first, at, checked = rnd.coded[id(io)], 0, 0
+        for b in first.group or [first]:
+            checked += self._accept_one(rnd, b, tensors, payload[at : at + b.size], where)
+            at += b.size
+        return checked
+
+    def _accept_one(self, rnd: DeltaRound, b: _Bucket, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
         m = rnd.messages[b.message]
         s0, s1 = b.segments
         header = tuple(payload[:HEADER_BYTES].cpu().clone().view(torch.int64).tolist())

@@ -319,6 +319,8 @@ class Executor:
             if i >= len(m.msg.buckets):
                 continue
             io = self._io[id(m.msg.buckets[i])]
+            if self._round is not None and self._round.skips(io):  # travels with an earlier delta bucket
+                continue
             prior = m.slots[slot]
             if prior is not None and prior.pending:  # the staging slot is free once its send is done
                 prior.wait(self.transport)
@@ -346,6 +348,8 @@ class Executor:
             if i >= len(m.msg.buckets):
                 continue
             io = self._io[id(m.msg.buckets[i])]
+            if self._round is not None and self._round.skips(io):  # arrives with an earlier delta bucket
+                continue
             size = None if self._round is None else self._round.size(io)
             target = (io.direct_view(tensors) if io.direct is not None
                       else self._staging_of(m.first_slot, slot, io.wire_bytes if size is None else size))
