@@ -165,10 +165,13 @@ OK = Done(DoneKind.OK)
 class FinishedAttempt:
     """Every participant of an attempt wrote its done value (an attempt that no longer
     exists counts as finished, with none). ``acks_revision``: the etcd revision the version
-    state must include to hold the acks its destinations wrote (0: none)."""
+    state must include to hold the acks its destinations wrote (0: none). ``absent``: the
+    attempt is not in what was read: pruned, never proposed, or proposed and not brought by
+    a watch yet (its proposer must not take that for finished)."""
 
     done: Mapping[str, Done]
     acks_revision: int = 0
+    absent: bool = False
 
 
 class AttemptLedger:
@@ -284,11 +287,12 @@ class AttemptLedger:
 
     def finished(self, store: EtcdStore | None, epoch: int, seq: int,
                  known: Mapping[str, KeyValue] | None = None) -> FinishedAttempt | None:
-        """Attempt ``seq`` of ``epoch`` is over: absent, or every participant wrote its done
-        value. None while a participant is still in it (or without the epoch's store)."""
+        """Attempt ``seq`` of ``epoch`` is over: absent (``FinishedAttempt.absent``), or
+        every participant wrote its done value. None while a participant is still in it (or
+        without the epoch's store)."""
         record = self.attempt(epoch, seq, known)
         if record is None:
-            return FinishedAttempt({})
+            return FinishedAttempt({}, absent=True)
         if store is None:
             return None
         done = self.done_values(store, seq, record.participants, known)

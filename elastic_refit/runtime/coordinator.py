@@ -66,7 +66,8 @@ class Coordinator:
         tidy = coordinator_tidy(view.epoch, seq, previous_finished=seq == 0 or previous is not None,
                                 uncounted=(state.uncounted.view.epoch, state.uncounted.seq)
                                 if state.uncounted is not None else None,
-                                pruned=state.pruned, has_store=store is not None)
+                                pruned=state.pruned, has_store=store is not None,
+                                previous_absent=previous is not None and previous.absent)
         if not tidy.proceed:
             return None
         if tidy.count is not None and state.uncounted is not None:

@@ -331,6 +331,28 @@ def test_coordinator_tidy(name, seq, finished, uncounted, pruned, has_store, exp
     assert got.why
 
 
+# Attempt seq-1 absent from the keys read (the ledger counts that as finished): the
+# coordinator's own proposal is only not watched yet, so it waits (an H100 run proposed 23
+# catch-ups of one version in 160 ms, pruning the attempts its participants were in);
+# anyone else's was pruned or never proposed.
+ABSENT_ROWS = [
+    # name, seq, uncounted, expected
+    ("its own proposal, not watched yet: wait (no count, no prune, no proposal)", 3, (1, 2), Tidy(False)),
+    ("its own first proposal, not watched yet: wait", 1, (1, 0), Tidy(False)),
+    ("proposed by another coordinator: finished", 3, None, Tidy(True, prune=1, reread=True)),
+    ("its own proposal of an earlier epoch: finished", 3, (0, 2), Tidy(True, prune=1, reread=True)),
+    ("its own older proposal (a fault skipped seq-1): finished", 3, (1, 1), Tidy(True, prune=1, reread=True)),
+]
+
+
+@pytest.mark.parametrize(("name", "seq", "uncounted", "expected"), ABSENT_ROWS, ids=[r[0] for r in ABSENT_ROWS])
+def test_coordinator_tidy_with_the_previous_attempt_absent(name, seq, uncounted, expected) -> None:
+    got = coordinator_tidy(1, seq, previous_finished=True, previous_absent=True, uncounted=uncounted, pruned=None,
+                           has_store=True)
+    assert got == expected, f"{name}: {got!r} ({got.why})"
+    assert got.why
+
+
 def test_a_waiting_coordinator_does_nothing_else() -> None:
     with pytest.raises(ValueError, match="does nothing else, got count 2"):
         Tidy(False, count=2)
