@@ -9,8 +9,9 @@ etcd nor gRPC):
   formats: FP8 weights with block scales);
 - planning: ``make_plan``, ``Plan``, ``PlanOptions``;
 - runtime: ``ElasticRefit``, ``RefitConfig``, ``RefitLayouts``, and ``Commit`` (what
-  ``ElasticRefit.publish`` returns) and ``PublishHandle`` (what ``publish(..., wait=False)``
-  returns);
+  ``ElasticRefit.publish`` returns), ``PublishHandle`` (what ``publish(..., wait=False)``
+  returns) and ``ServedVersion`` (what ``weights()`` yields: the version, and whether the rank
+  was detached);
 - runtime faults, all ``RefitError``: ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
   ``RefitTimeout``, ``SourceChanged``, ``TransportAborted``, ``VerificationFailed``.
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
         PublishHandle,
         RefitConfig,
         RefitLayouts,
+        ServedVersion,
         Timeouts,
         TransferSettings,
         VersionSettings,
@@ -85,6 +87,7 @@ __all__ = [
     "RefitLayouts",
     "RefitTimeout",
     "Replicate",
+    "ServedVersion",
     "Shard",
     "SourceChanged",
     "StridedShard",
@@ -129,6 +132,7 @@ _EXPORTS = {
     "PublishHandle": "elastic_refit.runtime",
     "RefitConfig": "elastic_refit.runtime",
     "RefitLayouts": "elastic_refit.runtime",
+    "ServedVersion": "elastic_refit.runtime",
     "EtcdAccess": "elastic_refit.runtime",
     "PlanSettings": "elastic_refit.runtime",
     "Timeouts": "elastic_refit.runtime",

@@ -46,11 +46,20 @@ class MemberRecord:
     # Whether this rank's executors take deltas (``TransferSettings.delta_base_bytes > 0``):
     # an attempt goes as deltas only when every member in it does (``runtime.deltas``).
     deltas: bool = False
+    # The incarnation this process had before its lease was lost and it registered again
+    # (``runtime.rejoin``; "" for a process's first registration), and how many times it did:
+    # ``status`` tells a member that came back on its own from a restarted one.
+    rejoined_from: str = ""
+    rejoins: int = 0
 
     def __post_init__(self) -> None:
         check_role(self.role)
         if not isinstance(self.deltas, bool):
             raise ValueError(f"deltas must be a bool, got {self.deltas!r}")
+        if not isinstance(self.rejoined_from, str):
+            raise ValueError(f"rejoined_from must be an incarnation string, got {self.rejoined_from!r}")
+        if isinstance(self.rejoins, bool) or not isinstance(self.rejoins, int) or self.rejoins < 0:
+            raise ValueError(f"rejoins must be an int >= 0, got {self.rejoins!r}")
         if isinstance(self.layout_rank, bool) or not isinstance(self.layout_rank, int) or self.layout_rank < -1:
             raise ValueError(f"layout_rank must be an int >= -1, got {self.layout_rank!r}")
         if isinstance(self.reform, bool) or not isinstance(self.reform, int) or self.reform < 0:
@@ -94,6 +103,8 @@ class MemberRecord:
             "reform_epoch": self.reform_epoch,
             "probe": self.probe,
             "deltas": self.deltas,
+            "rejoined_from": self.rejoined_from,
+            "rejoins": self.rejoins,
         }
 
     def encode(self) -> bytes:
@@ -116,6 +127,8 @@ class MemberRecord:
             reform_epoch=int(data.get("reform_epoch", 0)),
             probe=str(data.get("probe", "")),
             deltas=bool(data.get("deltas", False)),
+            rejoined_from=str(data.get("rejoined_from", "")),
+            rejoins=int(data.get("rejoins", 0)),
         )
 
     @classmethod

@@ -1,4 +1,5 @@
-"""`elastic-refit status --etcd HOST:PORT --job NAME`: a job's members, leader, epoch and versions.
+"""`elastic-refit status --etcd HOST:PORT --job NAME`: a job's members, leader, epoch and versions,
+its run id, and who is out of the job (a lease gone: detached or dead; come back as a new incarnation).
 
 Reads etcd through ``membership`` only (one range read per key family); never writes.
 """
@@ -15,7 +16,7 @@ from elastic_refit.cli._output import print_json, render_table
 if TYPE_CHECKING:
     from elastic_refit.membership.client import EtcdConfig
 
-__all__ = ["job_status", "register", "render_status", "run"]
+__all__ = ["add_serving", "job_status", "out_of_job", "register", "render_status", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +47,7 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
                              f"check --job and --etcd")
         members_kv = client.get_prefix(keys.members_prefix).kvs
         leader_kv = client.get(keys.leader)
+        run_kv = client.get(keys.run)
         epoch_kv = client.get(keys.epoch)
         state = VersionStore(client, job).snapshot()
     view = MembershipView.decode(epoch_kv.value) if epoch_kv is not None else None
@@ -61,7 +63,8 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
             "member_id": record.member_id, "incarnation": record.incarnation, "host": record.host,
             "domain": record.domain, "device": record.device, "layout_rank": record.layout_rank,
             "layout": record.layout, "state": record.state, "in_epoch": in_epoch,
-            "rank": view.rank_of(record.member_id) if in_epoch else None})
+            "rank": view.rank_of(record.member_id) if in_epoch else None,
+            "rejoined_from": record.rejoined_from, "rejoins": record.rejoins})
     for group in members.values():
         group.sort(key=lambda m: (m["layout_rank"], m["member_id"]))
     add_serving(members, state)
@@ -78,11 +81,13 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
     pending = sorted(v for v in state.sources if (latest is None or v > latest) and v not in state.failed)
     return {
         "job": job,
+        "run_id": json.loads(run_kv.value).get("run_id") if run_kv is not None else None,
         "revision": state.revision,
         "epoch": view.epoch if view else None,
         "epoch_members": list(view.member_ids) if view else [],
         "leader": leader,
         "members": members,
+        "out_of_job": out_of_job(members, view, state),
         "latest_committed": latest,
         "committed": committed,
         "latest_acks": acks,
@@ -109,6 +114,38 @@ def add_serving(members: dict[str, list[dict[str, Any]]], state) -> None:
         sent = [v for v, sources in state.sources.items() if sources.get(m["member_id"]) == m["incarnation"]]
         m["serving"] = max(sent) if sent else None  # the newest version it published
         m["lag"] = None
+
+
+def out_of_job(members: dict[str, list[dict[str, Any]]], view, state) -> list[dict[str, Any]]:
+    """Members the job counts on that hold no registration now (pure): in the epoch, acked the
+    newest committed version, or source of a version not committed yet, under an incarnation
+    whose member key is gone with its lease. Each is detached (alive: it registers again on its
+    own, and an inference rank serves its last version meanwhile under
+    ``serve_when_detached='keep'``), left or dead. A member registered again under a new incarnation
+    is not listed: its row says ``rejoined_from``. ``held``: the newest committed version the
+    incarnation acked (what it serves while detached)."""
+    registered = {m["member_id"] for group in members.values() for m in group}
+    latest = state.latest_committed
+    known: dict[str, dict[str, Any]] = {}
+
+    def note(role: str, member_id: str, incarnation: str, where: str) -> None:
+        if member_id not in registered:
+            known.setdefault(member_id, {"member_id": member_id, "role": role, "incarnation": incarnation,
+                                         "known_from": where})
+
+    for m in view.members if view is not None else ():
+        note(m.role, m.member_id, m.incarnation, f"epoch {view.epoch}")
+    for member_id, ack in state.acks.get(latest, {}).items() if latest is not None else ():
+        note("inference", member_id, ack.incarnation, f"acks of v{latest}")
+    for version, sources in sorted(state.sources.items()):
+        if latest is None or version > latest:
+            for member_id, incarnation in sources.items():
+                note("trainer", member_id, incarnation, f"sources of v{version}")
+    for entry in known.values():
+        held = [v for v, acks in state.acks.items() if v in state.committed
+                and (a := acks.get(entry["member_id"])) is not None and a.incarnation == entry["incarnation"]]
+        entry["held"] = max(held) if held else None
+    return sorted(known.values(), key=lambda e: (e["role"], e["member_id"]))
 
 
 def pending_reason(version: int, pending: list[int], members: dict[str, list[dict[str, Any]]],
@@ -167,19 +204,30 @@ def _watch(args: argparse.Namespace) -> int:
 def render_status(data: dict[str, Any]) -> str:
     """The human-readable status: header, members, versions, acks."""
     leader = data["leader"]
-    out = [f"job {data['job']}  epoch {data['epoch'] if data['epoch'] is not None else '-'}  "
+    out = [f"job {data['job']}  run {data.get('run_id') or '-'}  "
+           f"epoch {data['epoch'] if data['epoch'] is not None else '-'}  "
            f"leader {leader['member_id'] + ' (token ' + str(leader['token']) + ')' if leader else '-'}  "
            f"latest committed {data['latest_committed'] if data['latest_committed'] is not None else '-'}"]
     for role in ("trainer", "inference"):
         rows = [[m["member_id"], m["incarnation"], m["host"], m["domain"], m["layout_rank"],
                  m["layout"][:12] or "-", _serving(m, role), "-" if m.get("lag") is None else m["lag"],
-                 "-" if m["rank"] is None else m["rank"]]
+                 "-" if m["rank"] is None else m["rank"], _rejoined(m)]
                 for m in data["members"][role]]
         out.append("")
         out.append(f"{role} ranks ({len(rows)})")
         out.append(render_table(["member", "incarnation", "host", "domain", "layout rank", "layout",
-                                 "published" if role == "trainer" else "serving", "lag", "rank in epoch"], rows)
+                                 "published" if role == "trainer" else "serving", "lag", "rank in epoch",
+                                 "rejoined"], rows)
                    if rows else "  none")
+    gone = data.get("out_of_job", [])
+    if gone:
+        out.append("")
+        out.append(f"out of the job: lease gone ({len(gone)}): detached (comes back on its own as a new "
+                   "incarnation; an inference rank serves its last version meanwhile if serve_when_detached=keep), "
+                   "left or dead")
+        out.append(render_table(["member", "role", "incarnation", "held", "known from"],
+                                [[g["member_id"], g["role"], g["incarnation"],
+                                  "-" if g["held"] is None else f"v{g['held']}", g["known_from"]] for g in gone]))
     out.append("")
     out.append(render_table(["version", "epoch", "digest"],
                             [[f"v{c['version']}", c["epoch"], c["digest"]] for c in data["committed"]])
@@ -198,9 +246,17 @@ def render_status(data: dict[str, Any]) -> str:
         where = f" in epoch {f['epoch']}" if f["epoch"] >= 0 else ""
         out.append(f"\nv{f['version']} {how}{where}: {f['cause']}")
     out.append("\nepoch: the membership generation (a new one at every join, leave or death); rank in epoch: the "
-               "member's rank in that epoch's communicator; serving: the newest committed version the member "
-               "holds, verified; lag: versions behind the newest committed one")
+               "member's rank in that epoch's communicator; rejoined: times the member's process came back as a "
+               "new incarnation after its lease was lost, and the incarnation it was; serving: the newest "
+               "committed version the member holds, verified; lag: versions behind the newest committed one")
     return "\n".join(out)
+
+
+def _rejoined(member: dict[str, Any]) -> str:
+    """How often the member's process came back after losing its lease, and from which incarnation."""
+    if not member.get("rejoins"):
+        return "-"
+    return f"x{member['rejoins']} (was {member['rejoined_from']})"
 
 
 def _serving(member: dict[str, Any], role: str) -> str:

@@ -15,10 +15,11 @@ _EXPORTS = {
        ("EtcdAccess", "PlanSettings", "Timeouts", "TransferSettings", "VersionSettings")},
     "ElasticRefit": "elastic_refit.runtime.refit",
     "PublishHandle": "elastic_refit.runtime.refit",
+    "ServedVersion": "elastic_refit.runtime.serving",
 }
 
 __all__ = ["AttemptSpec", "CommitAction", "ElasticRefit", "EtcdAccess", "PlanSettings", "PublishHandle",
-           "RefitConfig", "RefitLayouts", "Timeouts", "TransferSettings", "VersionSettings", "by_role", "next_action",
+           "RefitConfig", "RefitLayouts", "ServedVersion", "Timeouts", "TransferSettings", "VersionSettings", "by_role", "next_action",
            "plan_attempt"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -56,10 +56,10 @@ from elastic_refit.runtime.participant import Participant
 from elastic_refit.runtime.phases import NO_HOOKS, PhaseHooks
 from elastic_refit.runtime.planning import AttemptPlanner
 from elastic_refit.runtime.published import Published, PublishedVersions
-from elastic_refit.runtime.rejoin import communicator_manager, out_of_touch, rejoin
+from elastic_refit.runtime.rejoin import Detachment, communicator_manager
 from elastic_refit.runtime.replicas import region_digests
 from elastic_refit.runtime.services import Services
-from elastic_refit.runtime.serving import ServingSlot
+from elastic_refit.runtime.serving import ServedVersion, ServingSlot
 from elastic_refit.transport.buffers import buffer_digests, combine_digests
 
 __all__ = ["ElasticRefit", "PublishHandle", "tensors_of"]
@@ -126,7 +126,7 @@ class ElasticRefit:
                                                 base_bytes=config.transfer.delta_base_bytes)
         self._stop = threading.Event()
         self._running: _Running | None = None  # the parts, once started
-        self._detached: str | None = None  # see detached
+        self._detachment = Detachment(self._outcomes)  # see detached
         self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
         self.stats: dict[str, int] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0,
                                       "connected_ahead": 0}
@@ -155,6 +155,7 @@ class ElasticRefit:
         driver = Driver(services, planner, self._outcomes, participant, lambda: self._side,
                         published=self._published, serving=self._serving, rejoin=self._come_back)
         self._running = _Running(services, planner, participant, driver)
+        self._detachment.follow(services)
         driver.start()
         self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.versions.mode,
                       layout=self._side.described, num_quantized_tensors=len(self._side.formats))
@@ -205,20 +206,17 @@ class ElasticRefit:
 
     def _come_back(self, reason: str) -> Services:
         """The agent's way back after this member's lease was lost (``runtime.rejoin``)."""
-        self._detached = reason
-        self._outcomes.changed()
-        services = rejoin(self._services, self._side, self._published, reason)
+        services = self._detachment.come_back(self._side, self._published, reason)
         self._closers += [services.manager.close, services.membership.close]
         self.config = services.config
         self._running = replace(self._running, services=services)
-        self._detached = None
-        self._outcomes.changed()
         return services
 
     @property
     def detached(self) -> str | None:
-        """Why this member is out of the job (its lease was lost or etcd is silent), or None."""
-        return self._detached or (out_of_touch(self._running.services) if self._running is not None else None)
+        """Why this member is out of the job (its lease was lost and it registers again, or
+        etcd answered no keepalive for longer than the TTL), or None. ``weights()`` says it too."""
+        return self._detachment.why()
 
     @property
     def _services(self) -> Services:
@@ -333,7 +331,7 @@ class ElasticRefit:
         published.add(version, entry)
 
         def source() -> None:  # as the member in the job: after a lost lease, its new incarnation
-            self._outcomes.wait_for(lambda: True if self._detached is None and not self.membership.lost.is_set()
+            self._outcomes.wait_for(lambda: True if not self._detachment.rejoining and not self.membership.lost.is_set()
                                     else None, self.config.version_timeout_s, "this member to rejoin the job")
             self._services.versions.publish_source(self.membership, version, data_digest, regions, layout.fingerprint)
 
@@ -431,18 +429,15 @@ class ElasticRefit:
 
     # ---- inference API -----------------------------------------------------------------
     @contextlib.contextmanager
-    def weights(self, timeout_s: float | None = None) -> Iterator[int]:
+    def weights(self, timeout_s: float | None = None) -> Iterator[ServedVersion]:
         """Hold the parameters still while reading them; yields the committed version they
-        hold. Blocks while an update is applied (and, in place, until it commits), and while
-        this member is detached (``detached``) if ``serve_when_detached`` is ``block``."""
-        slot = self._inference("weights")
+        hold (a ``ServedVersion``: an int whose ``detached`` says why this member was out of
+        the job, or None). Blocks while an update is applied (and, in place, until it
+        commits), and while this member is detached if ``serve_when_detached`` is ``block``."""
         keep = self.config.versions.serve_when_detached == "keep"
-        version = self._outcomes.wait_for(lambda: slot.enter() if keep or self.detached is None else None,
-                                          self._timeout(timeout_s), "a committed version to serve")
-        try:
+        with self._inference("weights").reading(lambda: self.detached, keep=keep,
+                                                timeout_s=self._timeout(timeout_s)) as version:
             yield version
-        finally:
-            slot.leave()
 
     def wait_for_version(self, version: int | None = None, timeout_s: float | None = None) -> int:
         """Block until this rank serves a committed version >= ``version`` (any, if None).

@@ -33,10 +33,11 @@ from elastic_refit.membership import (
 )
 from elastic_refit.runtime.checks import Side
 from elastic_refit.runtime.config import RefitConfig
+from elastic_refit.runtime.outcomes import Outcomes
 from elastic_refit.runtime.published import PublishedVersions
 from elastic_refit.runtime.services import Services
 
-__all__ = ["BACKOFF_S", "communicator_manager", "out_of_touch", "register", "rejoin"]
+__all__ = ["BACKOFF_S", "Detachment", "communicator_manager", "out_of_touch", "register", "rejoin"]
 
 BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # between tries while etcd is unreachable; then the last, again
 
@@ -101,6 +102,43 @@ def out_of_touch(services: Services) -> str | None:
     if silent_s <= ttl_s:
         return None
     return f"no keepalive of its lease answered for {silent_s:.1f} s (TTL {ttl_s} s): etcd is stalled or unreachable"
+
+
+class Detachment:
+    """Whether a member is out of the job, and its way back: what ``ElasticRefit.detached``
+    says, where ``weights()`` under ``serve_when_detached='block'`` waits. Waiters are woken
+    (``outcomes.changed``) when the member rejoined."""
+
+    def __init__(self, outcomes: Outcomes) -> None:
+        self._outcomes = outcomes
+        self._services: Services | None = None
+        self._rejoining: str | None = None  # why, while the member registers again
+
+    def follow(self, services: Services) -> None:
+        """``services`` are the member's now (at start, and after each rejoin)."""
+        self._services = services
+
+    @property
+    def rejoining(self) -> bool:
+        return self._rejoining is not None
+
+    def why(self) -> str | None:
+        """Why the member is out of the job (its lease was lost and it registers again, or
+        etcd answers none of its keepalives), or None."""
+        if self._rejoining is not None:
+            return self._rejoining
+        return out_of_touch(self._services) if self._services is not None else None
+
+    def come_back(self, side: Side, published: PublishedVersions | None, reason: str) -> Services:
+        """The services of the member's new incarnation (:func:`rejoin`), out of the job
+        meanwhile for ``reason``."""
+        self._rejoining = reason
+        self._outcomes.changed()
+        services = rejoin(self._services, side, published, reason)  # raised: out for good (the agent latches it)
+        self.follow(services)
+        self._rejoining = None
+        self._outcomes.changed()
+        return services
 
 
 def _check_same_run(membership: Membership, joined: str) -> None:

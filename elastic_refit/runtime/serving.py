@@ -21,9 +21,10 @@ held back is the copy itself, under the slot's lock: ``refit.serving.paused``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -31,7 +32,22 @@ from elastic_refit.runtime.events import EventLog
 from elastic_refit.runtime.outcomes import Outcomes
 from elastic_refit.transport.buffers import buffers_digest
 
-__all__ = ["ServingSlot"]
+__all__ = ["ServedVersion", "ServingSlot"]
+
+
+class ServedVersion(int):
+    """What ``weights()`` yields: the committed version the parameters hold (an ``int``),
+    and ``detached``: why this rank was out of the job when the read began (its lease lost
+    and it registers again, or etcd silent past the TTL), None while it was in. A detached
+    rank serves under ``serve_when_detached='keep'`` only: its version may be behind the
+    job's, and a newer one cannot reach it until it is back."""
+
+    detached: str | None
+
+    def __new__(cls, version: int, detached: str | None = None) -> ServedVersion:
+        served = super().__new__(cls, version)
+        served.detached = detached
+        return served
 
 
 class ServingSlot:
@@ -110,6 +126,24 @@ class ServingSlot:
             if self._read_since is None:
                 self._read_since = time.monotonic()
             return self._serving
+
+    @contextlib.contextmanager
+    def reading(self, detached: Callable[[], str | None], *, keep: bool, timeout_s: float) -> Iterator[ServedVersion]:
+        """Be a reader for the block (see ``ElasticRefit.weights``): wait (at most
+        ``timeout_s``) for a served version, and while ``detached()`` names a reason, serve
+        only if ``keep``; the version yielded says whether the rank was detached."""
+        def enter() -> ServedVersion | None:
+            why = detached()
+            if why is not None and not keep:
+                return None
+            version = self.enter()
+            return None if version is None else ServedVersion(version, why)
+
+        served = self._outcomes.wait_for(enter, timeout_s, "a committed version to serve")
+        try:
+            yield served
+        finally:
+            self.leave()
 
     def leave(self) -> None:
         """Stop reading; the last reader out switches in a pending version (staged)."""

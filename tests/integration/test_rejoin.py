@@ -158,7 +158,7 @@ def test_a_detached_inference_rank_serves_as_its_policy_says(etcd_server, job, p
             wait_until(lambda: i0.detached is not None, 4 * TTL_S, "i0 to find its lease lost")
             if policy == "keep":
                 with i0.weights(timeout_s=0.5) as version:
-                    assert version == 1
+                    assert version == 1 and "etcd is stalled or unreachable" in version.detached
             else:
                 with pytest.raises(RefitTimeout), i0.weights(timeout_s=0.5):
                     pass
@@ -167,4 +167,32 @@ def test_a_detached_inference_rank_serves_as_its_policy_says(etcd_server, job, p
         wait_until(lambda: i0.detached is None, 30, "i0 to rejoin")
         publish(trainer, 2)
         with i0.weights(timeout_s=10) as version:
-            assert version == 2
+            assert version == 2 and version.detached is None
+
+
+def test_status_shows_the_run_and_a_member_that_came_back(etcd_server, job):
+    """``status`` names the job's run id and, for a member that lost its lease and registered
+    again on its own, how often and from which incarnation; a member whose lease is gone and
+    that is not back is listed as out of the job, with the version it held."""
+    from elastic_refit.cli.status_cmd import job_status, render_status
+
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, _params):
+        publish(trainer, 1)
+        i0 = engines[0]
+        before = i0.config.incarnation
+        with EtcdClient([etcd_server.endpoint]) as client:
+            client.revoke_lease(i0.membership.lease_id)
+        wait_until(lambda: i0.config.incarnation != before and i0.detached is None, 20, "i0 to rejoin")
+        data = job_status([etcd_server.endpoint], job)
+        assert data["run_id"] == i0.membership.run_id and data["run_id"]
+        row = next(m for m in data["members"]["inference"] if m["member_id"] == "i0")
+        assert (row["incarnation"], row["rejoined_from"], row["rejoins"]) == (i0.config.incarnation, before, 1)
+        assert all(m["rejoins"] == 0 for m in data["members"]["trainer"])
+        assert data["out_of_job"] == [], data["out_of_job"]  # i0 is back: not out of the job
+        table = render_status(data)
+        assert f"run {data['run_id']}" in table and f"x1 (was {before})" in table
+        engines[1].close()  # i1 leaves as a dead member would (its key gone), its ack of v1 stays
+        data = job_status([etcd_server.endpoint], job)
+        gone = [(g["member_id"], g["held"]) for g in data["out_of_job"]]
+        assert gone == [("i1", 1)], data["out_of_job"]
+

@@ -45,3 +45,34 @@ def test_each_member_serves_its_newest_acked_committed_version_and_a_joiner_serv
 ])
 def test_why_a_version_is_pending(version, members, sources, acks, expected):
     assert expected in pending_reason(version, [5, 6], members, sources, acks, 7)
+
+
+def test_members_whose_lease_is_gone_are_out_of_the_job_and_a_rejoined_one_says_from_what():
+    """Who the job counts on (the epoch, the newest commit's acks, a pending version's
+    sources) with no registration now is listed once, with the version it held; a member
+    registered again under a new incarnation is not (its row says it rejoined)."""
+    from elastic_refit.membership import MemberRecord, MembershipView
+
+    from elastic_refit.cli.status_cmd import out_of_job
+
+    def rec(role, member_id, incarnation):
+        return MemberRecord(role, member_id, incarnation, "h", "d", "cpu")
+
+    view = MembershipView(4, (rec("trainer", "t0", "a"), rec("inference", "i0", "a"), rec("inference", "i1", "a"),
+                              rec("inference", "i2", "a")))
+    state = VersionState(revision=9, sources={3: {"t0": "a"}, 4: {"t0": "a", "t1": "b"}},
+                         acks={3: {"i0": Ack("a", 4, "x"), "i1": Ack("a", 4, "x"), "i3": Ack("c", 3, "x")}},
+                         committed={3: Commit(3, 4, "x")})
+    members = {"trainer": [_member("t0")],
+               "inference": [_member("i0"), {**_member("i1", "new", in_epoch=False), "rejoined_from": "a",
+                                             "rejoins": 1}]}
+    gone = out_of_job(members, view, state)
+    assert [(g["member_id"], g["role"], g["incarnation"], g["held"], g["known_from"]) for g in gone] == [
+        ("i2", "inference", "a", None, "epoch 4"), ("i3", "inference", "c", 3, "acks of v3"),
+        ("t1", "trainer", "b", None, "sources of v4")]
+    assert out_of_job({"trainer": [], "inference": []}, None, VersionState(revision=1)) == []
+    data = {"job": "j", "run_id": "r1", "epoch": 4, "leader": None, "latest_committed": 3, "committed": [],
+            "latest_acks": [], "pending": [], "failed": [], "members": members, "out_of_job": gone}
+    table = render_status(data)
+    assert "run r1" in table and "x1 (was a)" in table and "rejoined" in table
+    assert "out of the job: lease gone (3)" in table and "acks of v3" in table

@@ -173,3 +173,35 @@ def test_the_switch_is_a_copy_at_memory_speed_on_a_gpu():
     for version in (1, 2, 3):
         _refit(slot, version)
     assert max(f["seconds"] for n, f in events if n == "refit.serving.paused") < 0.01
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "block"])
+def test_a_detached_rank_serves_as_its_policy_says_and_the_version_says_so(keep):
+    """``reading`` (what ``weights()`` runs): while ``detached()`` names a reason, ``keep``
+    serves the held version and the yielded ``ServedVersion`` carries the reason; ``block``
+    waits, and is woken by ``Outcomes.changed`` once the rank is back (no poll, no timeout)."""
+    from elastic_refit.runtime.serving import ServedVersion
+
+    slot, outcomes, _ = _slot(staged=False)
+    _refit(slot, 3)
+    why: list[str | None] = ["no keepalive of its lease answered for 2.5 s (TTL 2 s)"]
+    if keep:
+        with slot.reading(lambda: why[0], keep=True, timeout_s=1.0) as served:
+            assert isinstance(served, ServedVersion) and served == 3 and served.detached == why[0]
+        return
+    got: list[ServedVersion] = []
+    reader = threading.Thread(target=lambda: got.append(_read_once(slot, lambda: why[0])))
+    reader.start()
+    time.sleep(0.3)
+    assert got == []  # blocked while detached
+    why[0] = None
+    t0 = time.monotonic()
+    outcomes.changed()  # what the rejoin, or etcd answering the lease's keepalive again, does
+    reader.join(5.0)
+    assert got == [3] and got[0].detached is None
+    assert time.monotonic() - t0 < 1.0
+
+
+def _read_once(slot: ServingSlot, detached):
+    with slot.reading(detached, keep=False, timeout_s=30.0) as served:
+        return served
