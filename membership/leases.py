@@ -59,6 +59,7 @@ class _Kept:
     next_at: float  # monotonic: when the next keepalive is due
     sent: collections.deque[float] = field(default_factory=collections.deque)  # unanswered, oldest first
     outage_logged: bool = False
+    on_back: Callable[[], None] | None = None  # an answer after no answer for longer than the TTL
 
 
 class _Stream:
@@ -126,14 +127,18 @@ class LeaseKeeper:
 
     # ----------------------------------------------------------------- public
     def keep(self, lease_id: int, *, ttl_s: float, interval_s: float, on_lost: Callable[[str], None],
-             renewed_at: float | None = None) -> None:
+             renewed_at: float | None = None, on_back: Callable[[], None] | None = None) -> None:
         """Renew ``lease_id`` every ``interval_s`` from now on (``renewed_at``: when it was
-        granted or last renewed, monotonic; default now)."""
+        granted or last renewed, monotonic; default now). ``on_back()`` (keeper thread, must
+        not block) runs on each answer that finds no keepalive answered for longer than
+        ``ttl_s`` before it: etcd answers again and the lease lives (while ``renewed_at`` is
+        still past the TTL, the next answer calls it again)."""
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"need 0 < interval_s < ttl_s, got interval_s={interval_s} and ttl_s={ttl_s}")
         renewed = time.monotonic() if renewed_at is None else renewed_at
         # Due one interval after the grant (or last renewal), not after this call.
-        kept = _Kept(lease_id, float(ttl_s), float(interval_s), on_lost, renewed, renewed + interval_s)
+        kept = _Kept(lease_id, float(ttl_s), float(interval_s), on_lost, renewed, renewed + interval_s,
+                     on_back=on_back)
         self._client.loop.call_soon_threadsafe(self._add, kept)
 
     def release(self, lease_id: int) -> None:
@@ -270,8 +275,14 @@ class LeaseKeeper:
                 sent = kept.sent.popleft() if kept.sent else kept.renewed_at
                 self.latencies.append(time.monotonic() - sent)
                 if reply.TTL > 0:
+                    back = time.monotonic() - kept.renewed_at > kept.ttl_s
                     kept.renewed_at = max(kept.renewed_at, sent)
                     kept.outage_logged = False
+                    if back and kept.on_back is not None:
+                        try:
+                            kept.on_back()
+                        except Exception:
+                            self._log.exception("membership.keepalive.on_back_failed", lease_id=kept.lease_id)
                     continue
                 del self._kept[kept.lease_id]
                 reason = (f"lease {kept.lease_id} expired (last keepalive "

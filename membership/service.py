@@ -92,6 +92,7 @@ class Membership:
         self._view_cond = threading.Condition()
         self._on_view: list[Callable[[MembershipView | None, MembershipView], None]] = []
         self._on_lost: list[Callable[[str], None]] = []
+        self._on_back: list[Callable[[], None]] = []
         self._leader = LeaderLoop(self)
         self._keeper = None  # the LeaseKeeper renewing our lease, from start() on
         self._known_members: set[str] = set()
@@ -123,7 +124,7 @@ class Membership:
         # first keepalive waited for it expired before its member ever registered.
         self._keeper = lease_keeper(self.client)
         self._keeper.keep(self.lease_id, ttl_s=self.config.ttl_s, interval_s=self.config.keepalive_interval,
-                          on_lost=self._lease_lost_threadsafe, renewed_at=asked)
+                          on_lost=self._lease_lost_threadsafe, renewed_at=asked, on_back=self._lease_back)
         try:
             if self.config.liveness_host is not None:
                 # Listening before registering: a peer that finds the probe in the record can
@@ -237,6 +238,12 @@ class Membership:
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         self._on_lost.append(callback)
+
+    def on_back(self, callback: Callable[[], None]) -> None:
+        """``callback()`` when etcd answers a keepalive of this member's lease after none was
+        answered for longer than the TTL (``lease_silent_s`` falls back under it and the lease
+        lives; runs on the keeper's thread: keep it short)."""
+        self._on_back.append(callback)
 
     def wait_for_view(self, predicate: Callable[[MembershipView], bool] | None = None, *,
                       after_epoch: int = 0, timeout_s: float | None = None) -> MembershipView:
@@ -553,6 +560,11 @@ class Membership:
     async def _drop(self, s: Suspicion) -> None:
         await self.client.atxn([Compare(self.keys.suspect(s.suspect), "create", "==", s.revision)],
                                [Delete(self.keys.suspect(s.suspect))])
+
+    def _lease_back(self) -> None:
+        for cb in list(self._on_back):
+            with contextlib.suppress(Exception):
+                cb()
 
     def _lease_lost_threadsafe(self, reason: str) -> None:
         """etcd answered a keepalive with TTL 0 (keeper thread): the lease is gone."""

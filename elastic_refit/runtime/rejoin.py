@@ -107,7 +107,8 @@ def out_of_touch(services: Services) -> str | None:
 class Detachment:
     """Whether a member is out of the job, and its way back: what ``ElasticRefit.detached``
     says, where ``weights()`` under ``serve_when_detached='block'`` waits. Waiters are woken
-    (``outcomes.changed``) when the member rejoined."""
+    (``outcomes.changed``) whenever it may have ended: the member rejoined, or etcd answered
+    its lease's keepalive again after being silent past the TTL (the lease lived)."""
 
     def __init__(self, outcomes: Outcomes) -> None:
         self._outcomes = outcomes
@@ -117,6 +118,7 @@ class Detachment:
     def follow(self, services: Services) -> None:
         """``services`` are the member's now (at start, and after each rejoin)."""
         self._services = services
+        services.membership.on_back(self._outcomes.changed)
 
     @property
     def rejoining(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from elastic_refit.membership.keys import JobKeys
 
 from elastic_refit.errors import RefitTimeout
 from elastic_refit.runtime import ElasticRefit, RefitConfig
+from elastic_refit.testing.etcd import EtcdServer
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 
 from .conftest import wait_until
@@ -196,3 +198,50 @@ def test_status_shows_the_run_and_a_member_that_came_back(etcd_server, job):
         gone = [(g["member_id"], g["held"]) for g in data["out_of_job"]]
         assert gone == [("i1", 1)], data["out_of_job"]
 
+
+@pytest.fixture
+def etcd_long_lease():
+    """A single etcd node whose raft election timeout (5 s) makes it grant no lease under 8 s:
+    a member configured with TTL 2 s is out of touch after 2 s of silence while etcd keeps
+    its lease, as when etcd answers again before the lease ran out there."""
+    server = EtcdServer(name="long-lease", extra_args=["--election-timeout", "5000"])
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_blocked_reader_wakes_when_etcd_answers_again_and_the_lease_lived(etcd_long_lease, job):
+    """``serve_when_detached='block'``: etcd stalled past the member's TTL (but not past the
+    lease etcd granted) holds ``weights()``; once etcd answers the lease's keepalive again, the
+    member is no longer detached, with no new incarnation, and the waiting reader enters at
+    once (before: it was woken only by a rejoin, and waited out its timeout)."""
+    etcd = etcd_long_lease
+    with small_job(etcd.endpoint, job, serve_when_detached="block") as (trainer, engines, _params):
+        publish(trainer, 1)
+        i0 = engines[0]
+        i0.wait_for_version(1)
+        before = i0.config.incarnation
+        entered: list[tuple[int, float]] = []
+
+        def read() -> None:
+            with i0.weights(timeout_s=30) as version:
+                entered.append((version, time.monotonic()))
+
+        os.kill(etcd.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: i0.detached is not None, 4 * TTL_S, "i0 to be out of touch")
+            reader = threading.Thread(target=read)
+            reader.start()
+            time.sleep(0.5)
+            assert entered == []  # blocked while detached
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        reader.join(30)
+        assert entered, "the reader never entered"
+        woke_s = entered[0][1] - resumed
+        assert entered[0][0] == 1 and i0.config.incarnation == before  # the lease lived: no rejoin
+        assert woke_s < 1.0, woke_s  # its keepalive answered: at once (before: 2.8 s, woken by something else)
+        print(f"blocked reader entered {woke_s:.2f} s after etcd resumed (lease kept, no rejoin)")
