@@ -445,16 +445,10 @@ def _explicit_fingerprint(layout: Layout) -> str:
     sel = np.arange(tensor.size) if parent is None else np.flatnonzero(parent[2][np.minimum(tensor, num_tensors - 1)])
     starts = np.searchsorted(tensor[sel], np.arange(num_tensors + 1))
     sel = sel[: starts[-1]]  # (ids past the tensors, in a layout assembled by hand, are in no block)
-    # the blocks (piece_block's rows) in one matrix, then one digest per tensor
     rank = layout.buffer_rank[buffer[sel]]
     r0 = _group_min(rank, starts)
-    rows = np.empty((rank.size, 2 + 4 * k), dtype=np.int64)
-    rows[:, 0] = rank - r0[tensor[sel]]
-    rows[:, 1] = name_index[sel]
-    for j, column in enumerate((layout.piece_offsets, layout.piece_lengths, layout.piece_local_offsets,
-                                layout.piece_local_lengths)):
-        rows[:, 2 + j * k: 2 + (j + 1) * k] = column[by_tensor][sel]
-    digests = block_digests("pieces", rows, starts)
+    rows_of = (np.arange(layout.num_pieces) if isinstance(by_tensor, slice) else by_tensor)[sel]  # by block
+    digests = _piece_digests(layout, rows_of, rank - r0[tensor[sel]], name_index[sel], starts, k)
     names_of = (pairs % max(num_names, 1)).tolist()
     tensor_blocks = [(int(r0[t]), tuple(names_of[pair_starts[t]: pair_starts[t + 1]]), digests[t])
                      if parent is None or parent[2][t] else parent[0][t] for t in range(num_tensors)]
@@ -473,6 +467,29 @@ def _explicit_fingerprint(layout: Layout) -> str:
                      enumerate(zip(b0.tolist(), block_digests("buffers", rows, name_starts), strict=True))]
     object.__setattr__(layout, "_fp_blocks", (tensor_blocks, buffer_blocks))
     return combine_fingerprint(layout.ndim, layout.tensors, layout.buffer_names, tensor_blocks, buffer_blocks, order)
+
+
+def _piece_digests(layout: Layout, rows_of: np.ndarray, rank: np.ndarray, name_index: np.ndarray,
+                   starts: np.ndarray, k: int, chunk: int = 1 << 16) -> list[bytes]:
+    """The digest of every tensor's block (``piece_block``'s rows: ``rows_of`` are the layout
+    rows of the blocks back to back, ``starts`` where each tensor's begin), built a few
+    thousand rows at a time: whole tensors per chunk, so many small tensors cost one pass and
+    large ones stay in cache."""
+    digests: list[bytes] = []
+    columns = (layout.piece_offsets, layout.piece_lengths, layout.piece_local_offsets, layout.piece_local_lengths)
+    t, num = 0, starts.size - 1
+    while t < num:
+        stop = max(int(np.searchsorted(starts, starts[t] + chunk, side="right")) - 1, t + 1)
+        stop = min(stop, num)
+        a, b = int(starts[t]), int(starts[stop])
+        rows = np.empty((b - a, 2 + 4 * k), dtype=np.int64)
+        rows[:, 0], rows[:, 1] = rank[a:b], name_index[a:b]
+        at = rows_of[a:b]
+        for j, column in enumerate(columns):
+            rows[:, 2 + j * k: 2 + (j + 1) * k] = column[at]
+        digests += block_digests("pieces", rows, starts[t: stop + 1] - a)
+        t = stop
+    return digests
 
 
 def _group_min(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
