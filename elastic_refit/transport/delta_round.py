@@ -1,0 +1,103 @@
+"""One refit's deltas on one rank (``transport.delta``): what the caller gives
+(:class:`DeltaInputs`) and what the coder learns and keeps for the refit
+(:class:`DeltaRound`: its delta buckets, messages and forward parts)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from elastic_refit.transport.bucket_io import BucketIO
+from elastic_refit.transport.schedule import ForwardPart
+
+__all__ = ["DeltaInputs", "DeltaRound"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaInputs:
+    """What one refit's deltas need on this rank. ``base``: a sender's source buffers (by
+    name) as published for the base version (empty: it has none, it sends in full);
+    ``receivers``: the communicator ranks that hold the base, verified, and may be sent a
+    delta (the same on every rank)."""
+
+    base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    receivers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "receivers", frozenset(int(r) for r in self.receivers))
+        bad = sorted(r for r in self.receivers if r < 0)
+        if bad:
+            raise ValueError(f"receivers must be ranks >= 0, got {bad}")
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A delta bucket of one refit: its message, the range of its boxes there and of their
+    segments in the message's coded bytes, its payload's header and size."""
+
+    message: int
+    boxes: tuple[int, int]
+    segments: tuple[int, int]
+    header: tuple[int, int]  # (entries, value bytes)
+    size: int
+    # Consecutive delta buckets of a message travel as one operation, the first's: it
+    # carries their payloads back to back (``group``); the others post nothing.
+    group: list[_Bucket] = field(default_factory=list)
+    follows: bool = False
+
+
+@dataclass(slots=True)
+class _Message:
+    """One message's deltas in one refit, over all its boxes in stream order: per box its
+    entries and value bytes (0 for boxes of buckets that go in full), the segments back to
+    back and the digest moves (a sender's coded in :meth:`DeltaCoder.prepare`, a
+    receiver's gathered as its delta buckets arrive: ``pending`` still to come)."""
+
+    entries: torch.Tensor
+    value_bytes: torch.Tensor
+    coded: torch.Tensor
+    moves: torch.Tensor
+    starts: list[int]  # each box's segment in ``coded``
+    pending: int = 0
+
+
+@dataclass(slots=True)
+class _Part:
+    """A needer's delta forward part: per box its entries and value bytes, the bytes of each
+    run, and where they land (segments, then the digest moves)."""
+
+    entries: torch.Tensor
+    value_bytes: torch.Tensor
+    runs: list[int]
+    buffer: torch.Tensor
+
+
+class DeltaRound:
+    """One refit's deltas on this rank: its delta buckets (by the id of their ``BucketIO``),
+    messages and needer parts (by the id of their ``ForwardPart``), the base buffers by ref,
+    and what was saved."""
+
+    def __init__(self, base: Mapping | None = None) -> None:
+        self.coded: dict[int, _Bucket] = {}
+        self.messages: dict[int, _Message] = {}
+        self.parts: dict[int, _Part] = {}
+        self.base = dict(base or {})
+        self.num_buckets = 0
+        self.saved_bytes = {"network": 0, "intra": 0}
+
+    def size(self, io: BucketIO) -> int | None:
+        """The payload size of a delta bucket (with the buckets it carries), None for a
+        full one."""
+        coded = self.coded.get(id(io))
+        return None if coded is None else sum(b.size for b in coded.group) or coded.size
+
+    def skips(self, io: BucketIO) -> bool:
+        """A delta bucket whose payload travels with an earlier one's: nothing to post."""
+        coded = self.coded.get(id(io))
+        return coded is not None and coded.follows
+
+    def part(self, part: ForwardPart) -> _Part | None:
+        """A needer's forward part when it comes as a delta."""
+        return self.parts.get(id(part))
