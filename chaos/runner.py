@@ -130,6 +130,16 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q * 100)) if values else None
 
 
+LEASE_EVENTS = {  # summary field -> the member log event it counts
+    "leases_lost": "membership.member.lost", "rejoined": "refit.member.rejoined",
+    "rejoin_failed": "refit.member.rejoin_failed", "keepalive_late": "membership.keepalive.unreachable"}
+
+
+def _count_events(results: list[TrialResult], event: str) -> int:
+    return sum(1 for t in results if t.evidence is not None for events in t.evidence.logs.values()
+               for e in events if e.get("event") == event)
+
+
 def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] | None = None) -> dict[str, Any]:
     """The run's JSON summary: counts per category, recovery percentiles, per-cell rows."""
     recovery = [r for t in results for r in t.verdict.recovery_s]
@@ -162,6 +172,9 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
         "fenced": sum(1 for t in results if t.evidence is not None for events in t.evidence.logs.values()
                       for e in events if e.get("event") == "membership.suspect.confirmed"),
         "fenced_live": sum(1 for t in results for v in t.verdict.violations if v.check == "no_live_member_fenced"),
+        # Leases that ran out under a live member, and its ways back (runtime.rejoin): on a
+        # loaded host with nothing killed, every lost lease should rejoin on its own.
+        **{name: _count_events(results, event) for name, event in LEASE_EVENTS.items()},
         "wall_s": round(wall_s, 1),
         "cells": sorted(rows, key=lambda r: (r["victim"], r["fault"], r["phase"])),
         "failures": [t.to_json() for t in results if not t.verdict.passed],

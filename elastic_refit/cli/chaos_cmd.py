@@ -24,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--burn", type=int, default=None,
                         help="CPU burner processes for the whole run (default: one per core with --matrix none, "
                              "else 0)")
+    parser.add_argument("--ttl", type=int, default=None,
+                        help="the members' lease TTL in seconds (default: RefitConfig's); the fault durations "
+                             "stay those of the default TTL, so use it with --matrix none")
     parser.add_argument("--trials", type=int, default=None,
                         help="number of trials (full: default 200; quick: at most this many)")
     parser.add_argument("--faults", default=None,
@@ -72,10 +75,18 @@ def run(args: argparse.Namespace) -> int:
         from elastic_refit.chaos.faults import with_deltas
 
         scenarios = with_deltas(scenarios)
+    if args.ttl is not None:
+        from dataclasses import replace
+
+        from elastic_refit.runtime.settings import Timeouts
+
+        Timeouts(ttl_s=args.ttl)  # refused here, naming the value, if no member could run with it
+        scenarios = [replace(s, member_config={**(s.member_config or {}), "ttl_s": args.ttl}) for s in scenarios]
     summary = run_matrix(scenarios, progress=progress, deadline_s=args.deadline, keep_logs=args.keep_logs,
                           results_path=args.results, backend=args.backend, cpu_burners=burn,
                           until_s=None if args.minutes is None else args.minutes * 60)
     summary["cpu_burners"] = burn
+    summary["ttl_s"] = args.ttl
     if args.json:
         print_json(summary)
     else:
@@ -100,6 +111,9 @@ def render_summary(summary: dict) -> str:
                                         f"{summary['leaked']}"],
         ["unsafe / member errors", f"{summary['unsafe']} / {summary['error']}"],
         ["members fenced / of them live", f"{summary.get('fenced', 0)} / {summary.get('fenced_live', 0)}"],
+        ["leases lost / rejoined / rejoin retries", f"{summary.get('leases_lost', 0)} / {summary.get('rejoined', 0)} / "
+                                                   f"{summary.get('rejoin_failed', 0)}"],
+        ["keepalives late (past the TTL)", summary.get("keepalive_late", 0)],
         ["recovery p50 / p99 / max", f"{_s(summary['recovery_p50_s'])} / {_s(summary['recovery_p99_s'])} / "
                                      f"{_s(summary['recovery_max_s'])} s"],
         ["wall time", f"{summary['wall_s']:.0f} s"],
