@@ -60,6 +60,15 @@ def holds(state: VersionState, version: int, member: MemberRecord) -> bool:
     return ack is not None and ack.incarnation == member.incarnation and ack.layout == member.layout
 
 
+def _complete(state: VersionState, version: int, trainers: tuple[MemberRecord, ...],
+              inference: tuple[MemberRecord, ...]) -> bool:
+    """Every live inference rank holds ``version`` and a live trainer published it in its
+    current incarnation: it may commit."""
+    published = state.sources.get(version, {})
+    return (bool(inference) and all(holds(state, version, m) for m in inference)
+            and any(published.get(t.member_id) == t.incarnation for t in trainers))
+
+
 def attempt_layouts(view: MembershipView, state: VersionState, version: int, sources: tuple[str, ...],
                     others: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """Which layout each participant is planned with: a source's is the one it published
@@ -89,8 +98,12 @@ def next_action(view: MembershipView, state: VersionState,
        from its sources (every live trainer) and its holders. A trainer restarted since it
        published (an earlier incarnation's publish) is left out of the sources when the
        others cover the version, instead of waited for. Older
-       uncommitted versions are superseded (by a failed one too); a failed version is
-       never proposed nor committed.
+       uncommitted versions are superseded (by a failed one too): never proposed again,
+       but one that every live inference rank holds already (a trainer one step ahead
+       published the next version while it moved) is committed first, newest first: its
+       bytes are there, verified, and the engines serve it while the newer one moves
+       (before, its transfer was thrown away and its publisher's handle waited for the
+       newer version's commit). A failed version is never proposed nor committed.
     2. Otherwise, inference ranks without the latest committed version catch up from its
        holders; the trainers are not involved.
 
@@ -121,6 +134,10 @@ def next_action(view: MembershipView, state: VersionState,
             # commit does not wait for it, and its own publish then finds the version
             # committed (same data, or refused).
             return CommitAction(version, version_digest(state, version, inference))
+        overtaken = next((v for v in sorted(pending, reverse=True)[1:]
+                          if v not in state.failed and _complete(state, v, trainers, inference)), None)
+        if overtaken is not None:
+            return CommitAction(overtaken, version_digest(state, overtaken, inference))
         if current and inference and len(current) + num_restarted == len(trainers):
             # The restarted trainers are not waited for (their start-up and their publish
             # again) when the others cover every byte (``feasible``).

@@ -263,8 +263,8 @@ class ElasticRefit:
         ``RefitConfig.snapshot_bytes`` holds a copy of them (taken here, on their device;
         publish waits while earlier versions' copies fill the budget), else once this
         trainer's own sends of the version are done ("hold until sent"). A version that a
-        newer one supersedes before it commits is dropped, not queued: its handle resolves
-        to the newer commit.
+        newer one overtakes is dropped (its handle resolves to the newer commit), unless the
+        transfer under way brings it to every engine: then it commits first.
 
         Raises :class:`RefitFailed` (with the cause) once ``version`` failed
         ``max_attempts`` consecutive attempts for the same cause (e.g. a tensor of the wrong

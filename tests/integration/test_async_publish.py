@@ -3,12 +3,14 @@ moves, and what commits is what it published, byte for byte (real etcd, real glo
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 import torch
 
 from elastic_refit.runtime import PublishHandle
+from elastic_refit.runtime.phases import PhaseHooks
 from tests.integration.test_refit_failures import assert_no_errors, run_job, trainer_tensors
 
 pytestmark = pytest.mark.etcd
@@ -61,3 +63,52 @@ def test_a_snapshot_larger_than_the_budget_is_refused_in_publish(etcd_server):
     reports = run_job(etcd, job, too_big, inference_versions=(1,), snapshot_bytes=16)
     assert_no_errors(reports)
     assert [s["committed"] for s in reports["t0"]["steps"]] == [1]
+
+
+STEP_S = 0.2  # the trainer's step: long enough for the version it published to be in its attempt
+TRANSFER_S = 0.8  # every inference rank's transfer takes at least this long (a slow refit)
+
+
+def slow_transfers(phase: str, context: dict) -> None:
+    """Phase hook: each inference rank's transfer starts ``TRANSFER_S`` late (a refit slower
+    than a training step, as on a GPU shared with generation)."""
+    if phase == "transfer.before" and context["role"] == "inference":
+        time.sleep(TRANSFER_S)
+
+
+def one_step_ahead(refit, member_id: str, layout_rank: int) -> list[dict]:
+    """The asynchronous RL pattern (docs/integrating.md) with staleness 1: publish k without
+    waiting, then wait for k - 1's handle before the next step. Version k is published while
+    k - 1 still moves (the refit is slower than the step)."""
+    out, handles = [], {}
+    for version in (*VERSIONS, 4):
+        handles[version] = refit.publish(trainer_tensors(layout_rank, version), version, wait=False)
+        if version - 1 in handles:
+            start = time.monotonic()
+            commit = handles.pop(version - 1).wait()
+            out.append({"version": version - 1, "committed": commit.version, "waited_s": time.monotonic() - start})
+        time.sleep(STEP_S)
+    out.append({"version": 4, "committed": handles.pop(4).wait().version, "waited_s": None})
+    return out
+
+
+def test_a_version_overtaken_while_it_moves_commits_and_is_not_thrown_away(etcd_server):
+    """A trainer one step ahead publishes k + 1 while k moves. k, held verified by every
+    inference rank once its attempt is over, commits (then k + 1 moves): the handle of k
+    resolves to k's own commit. Before, the coordinator only ever committed the newest
+    published version: k's transfer was thrown away, and the handle of k waited for k + 1's
+    whole refit (an H100 run: the trainer held 12 s instead of 5 s, and the engines never
+    served k)."""
+    etcd, job = etcd_server.endpoint, "job-" + uuid.uuid4().hex[:8]
+    reports = run_job(etcd, job, one_step_ahead, inference_versions=(*VERSIONS, 4), snapshot_bytes=1 << 20,
+                      hooks=PhaseHooks(hooks=(slow_transfers,)))
+    assert_no_errors(reports)
+    for trainer in ("t0", "t1"):
+        steps = reports[trainer]["steps"]
+        print(trainer, [(s["version"], s["committed"], None if s["waited_s"] is None else round(s["waited_s"], 2))
+                        for s in steps])
+        assert [(s["version"], s["committed"]) for s in steps] == [(v, v) for v in (*VERSIONS, 4)], steps
+    for rank in ("i0", "i1"):
+        steps = reports[rank]["steps"]
+        assert [s["served"] for s in steps] == [*VERSIONS, 4], steps
+        assert all(not s["problems"] for s in steps), [s["problems"] for s in steps]

@@ -149,6 +149,26 @@ NEXT_ACTION_ROWS = [
      (REFIT, 3, ("t0", "t1"), (), ("i0", "i1"))),
     ("a failed version still supersedes older ones", ALL,
      state(sources={1: BOTH, 2: BOTH}, failed=(2,)), True, None),
+    # A trainer one step ahead publishes version 2 while version 1 moves: version 1, held
+    # everywhere once its attempt is over, commits before version 2 is proposed (before: its
+    # transfer was thrown away and the trainer's handle of 1 waited for 2's commit).
+    ("an overtaken version held everywhere commits first", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={1: ["i0", "i1"]}), True, ("commit", 1)),
+    ("... then the newer one moves", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={1: ["i0", "i1"]}, committed=(1,)), True,
+     (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("the newest of several overtaken versions held everywhere commits", ALL,
+     state(sources={1: BOTH, 2: BOTH, 3: BOTH}, acks={1: ["i0", "i1"], 2: ["i0", "i1"]}), True, ("commit", 2)),
+    ("an overtaken version held by some ranks only: the newest moves", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={1: ["i0"]}), True, (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("an overtaken version held everywhere, no live trainer published it in this incarnation: not committed",
+     ("t0@new", "t1@new", "i0", "i1"), state(sources={1: BOTH, 2: ["t0@new", "t1@new"]}, acks={1: ["i0", "i1"]}),
+     True, (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("an overtaken version that failed is never committed", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={1: ["i0", "i1"]}, failed=(1,)), True,
+     (REFIT, 2, ("t0", "t1"), (), ("i0", "i1"))),
+    ("an overtaken version is not committed under a failed newest one", ALL,
+     state(sources={1: BOTH, 2: BOTH}, acks={1: ["i0", "i1"]}, failed=(2,)), True, None),
 ]
 
 
