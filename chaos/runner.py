@@ -130,9 +130,10 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q * 100)) if values else None
 
 
-LEASE_EVENTS = {  # summary field -> the member log event it counts
+COUNTED_EVENTS = {  # summary field -> the member log event it counts
     "leases_lost": "membership.member.lost", "rejoined": "refit.member.rejoined",
-    "rejoin_failed": "refit.member.rejoin_failed", "keepalive_late": "membership.keepalive.unreachable"}
+    "rejoin_failed": "refit.member.rejoin_failed", "keepalive_late": "membership.keepalive.unreachable",
+    "versions_failed": "refit.version.failed"}
 
 
 def _count_events(results: list[TrialResult], event: str) -> int:
@@ -173,8 +174,9 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
                       for e in events if e.get("event") == "membership.suspect.confirmed"),
         "fenced_live": sum(1 for t in results for v in t.verdict.violations if v.check == "no_live_member_fenced"),
         # Leases that ran out under a live member, and its ways back (runtime.rejoin): on a
-        # loaded host with nothing killed, every lost lease should rejoin on its own.
-        **{name: _count_events(results, event) for name, event in LEASE_EVENTS.items()},
+        # loaded host with nothing killed, every lost lease should rejoin on its own and no
+        # version fail.
+        **{name: _count_events(results, event) for name, event in COUNTED_EVENTS.items()},
         "wall_s": round(wall_s, 1),
         "cells": sorted(rows, key=lambda r: (r["victim"], r["fault"], r["phase"])),
         "failures": [t.to_json() for t in results if not t.verdict.passed],

@@ -114,6 +114,7 @@ def render_summary(summary: dict) -> str:
         ["leases lost / rejoined / rejoin retries", f"{summary.get('leases_lost', 0)} / {summary.get('rejoined', 0)} / "
                                                    f"{summary.get('rejoin_failed', 0)}"],
         ["keepalives late (past the TTL)", summary.get("keepalive_late", 0)],
+        ["versions failed", summary.get("versions_failed", 0)],
         ["recovery p50 / p99 / max", f"{_s(summary['recovery_p50_s'])} / {_s(summary['recovery_p99_s'])} / "
                                      f"{_s(summary['recovery_max_s'])} s"],
         ["wall time", f"{summary['wall_s']:.0f} s"],

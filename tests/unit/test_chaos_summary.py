@@ -21,11 +21,11 @@ def _trial(events: dict[str, list[str]]) -> TrialResult:
 def test_lost_leases_rejoins_and_late_keepalives_are_counted_and_shown():
     results = [
         _trial({"i0-a": ["membership.keepalive.unreachable", "membership.member.lost", "refit.member.rejoin_failed",
-                         "refit.member.rejoined"], "t0-a": ["refit.version.committed"]}),
+                         "refit.member.rejoined"], "t0-a": ["refit.version.committed", "refit.version.failed"]}),
         _trial({"i1-a": ["membership.member.lost", "refit.member.rejoined"]}),
     ]
     summary = summarize(results, 10.0)
-    assert (summary["leases_lost"], summary["rejoined"], summary["rejoin_failed"], summary["keepalive_late"]) == (
-        2, 2, 1, 1)
+    assert (summary["leases_lost"], summary["rejoined"], summary["rejoin_failed"], summary["keepalive_late"],
+            summary["versions_failed"]) == (2, 2, 1, 1, 1)
     table = render_summary({**summary, "failures": []})
     assert "leases lost / rejoined / rejoin retries" in table and "2 / 2 / 1" in table
