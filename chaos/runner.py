@@ -141,6 +141,16 @@ def _count_events(results: list[TrialResult], event: str) -> int:
                for e in events if e.get("event") == event)
 
 
+def _keepalive_silence(results: list[TrialResult]) -> dict[str, float | None]:
+    """How close the leases of members that left came to their TTL: p50 / p99 / max over
+    members of each one's longest wait for a keepalive answer (``membership.member.left``)."""
+    silences = [e["max_keepalive_silence_s"] for t in results if t.evidence is not None
+                for events in t.evidence.logs.values() for e in events
+                if e.get("event") == "membership.member.left" and e.get("max_keepalive_silence_s") is not None]
+    return {"keepalive_silence_p50_s": _percentile(silences, 0.5), "keepalive_silence_p99_s": _percentile(silences, 0.99),
+            "keepalive_silence_max_s": max(silences) if silences else None}
+
+
 def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] | None = None) -> dict[str, Any]:
     """The run's JSON summary: counts per category, recovery percentiles, per-cell rows."""
     recovery = [r for t in results for r in t.verdict.recovery_s]
@@ -177,6 +187,7 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
         # loaded host with nothing killed, every lost lease should rejoin on its own and no
         # version fail.
         **{name: _count_events(results, event) for name, event in COUNTED_EVENTS.items()},
+        **_keepalive_silence(results),
         "wall_s": round(wall_s, 1),
         "cells": sorted(rows, key=lambda r: (r["victim"], r["fault"], r["phase"])),
         "failures": [t.to_json() for t in results if not t.verdict.passed],

@@ -60,6 +60,7 @@ class _Kept:
     sent: collections.deque[float] = field(default_factory=collections.deque)  # unanswered, oldest first
     outage_logged: bool = False
     on_back: Callable[[], None] | None = None  # an answer after no answer for longer than the TTL
+    max_silent_s: float = 0.0  # the longest time from an answered keepalive's send to the next answer
 
 
 class _Stream:
@@ -150,6 +151,13 @@ class LeaseKeeper:
         """When the latest answered keepalive of ``lease_id`` was sent (monotonic)."""
         kept = self._kept.get(lease_id)
         return kept.renewed_at if kept is not None else None
+
+    def max_silent_s(self, lease_id: int) -> float | None:
+        """The longest etcd left ``lease_id`` without an answer so far: from the send of an
+        answered keepalive to the next answer (an interval plus the answer's latency when
+        all is well; past the TTL the lease may be gone). None once released or lost."""
+        kept = self._kept.get(lease_id)
+        return kept.max_silent_s if kept is not None else None
 
     @property
     def num_leases(self) -> int:
@@ -275,7 +283,9 @@ class LeaseKeeper:
                 sent = kept.sent.popleft() if kept.sent else kept.renewed_at
                 self.latencies.append(time.monotonic() - sent)
                 if reply.TTL > 0:
-                    back = time.monotonic() - kept.renewed_at > kept.ttl_s
+                    silent = time.monotonic() - kept.renewed_at
+                    kept.max_silent_s = max(kept.max_silent_s, silent)
+                    back = silent > kept.ttl_s
                     kept.renewed_at = max(kept.renewed_at, sent)
                     kept.outage_logged = False
                     if back and kept.on_back is not None:

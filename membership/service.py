@@ -194,12 +194,15 @@ class Membership:
         try:
             self._leader.changed_threadsafe(self.client)
             self.watcher.stop()
+            silent = None  # the longest wait for a keepalive answer: how close the lease came to its TTL
             if self._keeper is not None:
+                silent = self._keeper.max_silent_s(self.lease_id)
                 self._keeper.release(self.lease_id)
             if self.lease_id and not self.lost.is_set():
                 with contextlib.suppress(EtcdUnavailable):
                     self.client.revoke_lease(self.lease_id)
-                    self.log.info("membership.member.left", lease_id=self.lease_id)
+                    self.log.info("membership.member.left", lease_id=self.lease_id,
+                                  max_keepalive_silence_s=None if silent is None else round(silent, 3))
             self._poke_suspicions_threadsafe()
         finally:
             if self._ring is not None:

@@ -114,6 +114,9 @@ def render_summary(summary: dict) -> str:
         ["leases lost / rejoined / rejoin retries", f"{summary.get('leases_lost', 0)} / {summary.get('rejoined', 0)} / "
                                                    f"{summary.get('rejoin_failed', 0)}"],
         ["keepalives late (past the TTL)", summary.get("keepalive_late", 0)],
+        ["longest keepalive wait per member p50 / p99 / max", f"{_s(summary.get('keepalive_silence_p50_s'))} / "
+                                                           f"{_s(summary.get('keepalive_silence_p99_s'))} / "
+                                                           f"{_s(summary.get('keepalive_silence_max_s'))} s"],
         ["versions failed", summary.get("versions_failed", 0)],
         ["recovery p50 / p99 / max", f"{_s(summary['recovery_p50_s'])} / {_s(summary['recovery_p99_s'])} / "
                                      f"{_s(summary['recovery_max_s'])} s"],

@@ -4,6 +4,7 @@ and the summary says how many did."""
 
 from __future__ import annotations
 
+import pytest
 from elastic_refit.chaos.faults import FaultPlan, Scenario
 from elastic_refit.chaos.oracle import TrialEvidence, TrialVerdict
 from elastic_refit.chaos.runner import TrialResult, summarize
@@ -24,8 +25,11 @@ def test_lost_leases_rejoins_and_late_keepalives_are_counted_and_shown():
                          "refit.member.rejoined"], "t0-a": ["refit.version.committed", "refit.version.failed"]}),
         _trial({"i1-a": ["membership.member.lost", "refit.member.rejoined"]}),
     ]
+    for silence, trial in zip((0.7, 1.9), results, strict=True):
+        trial.evidence.logs["x-a"] = [{"event": "membership.member.left", "max_keepalive_silence_s": silence}]
     summary = summarize(results, 10.0)
     assert (summary["leases_lost"], summary["rejoined"], summary["rejoin_failed"], summary["keepalive_late"],
             summary["versions_failed"]) == (2, 2, 1, 1, 1)
+    assert summary["keepalive_silence_max_s"] == 1.9 and summary["keepalive_silence_p50_s"] == pytest.approx(1.3)
     table = render_summary({**summary, "failures": []})
     assert "leases lost / rejoined / rejoin retries" in table and "2 / 2 / 1" in table
