@@ -21,6 +21,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define SKIP 255
 
@@ -52,69 +55,94 @@ static void release(Py_buffer *views, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&views[i]);
 }
 
+/* The state of one box's encoding: the entries written, the values kept aside, the move. */
+typedef struct {
+    unsigned char *out, *vals;
+    Py_ssize_t cap, vcap, e, nv, k, itemsize;
+    uint64_t pointer, move;
+} coder;
+
+/* Element ``pos`` of the box changed (``c`` its new bytes, ``o`` its old): its entries and
+ * value. Returns 0 when the segment would not fit. */
+static inline int changed(coder *s, uint64_t pos, const unsigned char *c, const unsigned char *o) {
+    uint64_t gap = pos - s->pointer;
+    Py_ssize_t need = (Py_ssize_t)(gap / SKIP) + 1;
+    if (s->e + need > s->cap || s->nv + s->itemsize > s->vcap) return 0;
+    for (uint64_t i = 0; i < gap / SKIP; i++) s->out[s->e++] = SKIP;
+    s->out[s->e++] = (unsigned char)(gap % SKIP);
+    memcpy(s->vals + s->nv, c, (size_t)s->itemsize);
+    s->nv += s->itemsize;
+    s->move += move_of(o, c, s->itemsize, pos);
+    s->pointer = pos + 1;
+    s->k++;
+    return 1;
+}
+
+/* One run: 16 bytes at a time (SSE2: a byte compare and a mask; the set bits are the bytes
+ * that differ, whole elements since 16 is a multiple of the element size), the rest
+ * element by element. Returns 0 when the segment would not fit. */
+static int encode_run(coder *s, const unsigned char *c, const unsigned char *o, Py_ssize_t run, uint64_t first) {
+    const Py_ssize_t u = s->itemsize, nbytes = run * u;
+    Py_ssize_t off = 0;
+#if defined(__SSE2__)
+    if (u <= 16 && 16 % u == 0) {
+        for (; off + 16 <= nbytes; off += 16) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(c + off)), y = _mm_loadu_si128((const __m128i *)(o + off));
+            unsigned diff = ~(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) & 0xFFFFu;
+            while (diff) {
+                Py_ssize_t at = (off + __builtin_ctz(diff)) / u * u; /* the element's first byte */
+                if (!changed(s, first + (uint64_t)(at / u), c + at, o + at)) return 0;
+                diff &= ~(((1u << u) - 1u) << (at - off));
+            }
+        }
+    }
+#endif
+    for (Py_ssize_t at = off; at < nbytes; at += u)
+        if (memcmp(c + at, o + at, (size_t)u) != 0 && !changed(s, first + (uint64_t)(at / u), c + at, o + at))
+            return 0;
+    return 1;
+}
+
 /* encode(current, base, starts, run, itemsize, out, scratch) -> (entries, changed, move) */
 static PyObject *delta_encode(PyObject *self, PyObject *args) {
     PyObject *objs[5];
     Py_ssize_t run, itemsize;
-    PyObject *scratch_obj;
-    if (!PyArg_ParseTuple(args, "OOOnnOO:encode", &objs[0], &objs[1], &objs[2], &run, &itemsize, &objs[3],
-                          &scratch_obj))
+    if (!PyArg_ParseTuple(args, "OOOnnOO:encode", &objs[0], &objs[1], &objs[2], &run, &itemsize, &objs[3], &objs[4]))
         return NULL;
-    objs[4] = scratch_obj;
     Py_buffer v[5];
     const int writable[5] = {0, 0, 0, 1, 1};
     if (get_buffers(objs, v, 5, writable) < 0) return NULL;
     const unsigned char *cur = v[0].buf, *base = v[1].buf;
     const int64_t *starts = v[2].buf;
-    Py_ssize_t nruns = v[2].len / 8, cap = v[3].len, vcap = v[4].len;
-    unsigned char *out = v[3].buf, *vals = v[4].buf;
-    Py_ssize_t e = 0, k = 0, nv = 0;
-    uint64_t pointer = 0, move = 0;
+    Py_ssize_t nruns = v[2].len / 8;
+    coder s = {v[3].buf, v[4].buf, v[3].len, v[4].len, 0, 0, 0, itemsize, 0, 0};
     int full = 0;
     Py_BEGIN_ALLOW_THREADS
-    /* Whole 8-byte words are compared first (most are equal); elements only inside a word
-     * that differs. */
-    const Py_ssize_t per_word = (itemsize <= 8 && 8 % itemsize == 0) ? 8 / itemsize : 0;
-    for (Py_ssize_t r = 0; r < nruns && !full; r++) {
-        const unsigned char *c = cur + starts[r] * itemsize, *o = base + starts[r] * itemsize;
-        uint64_t first = (uint64_t)r * (uint64_t)run;
-        for (Py_ssize_t j = 0; j < run; j++) {
-            if (per_word && j % per_word == 0 && j + per_word <= run) {
-                uint64_t x, y;
-                memcpy(&x, c + j * itemsize, 8);
-                memcpy(&y, o + j * itemsize, 8);
-                if (x == y) { j += per_word - 1; continue; }
-            }
-            if (memcmp(c + j * itemsize, o + j * itemsize, (size_t)itemsize) == 0) continue;
-            uint64_t pos = first + (uint64_t)j, gap = pos - pointer;
-            Py_ssize_t need = (Py_ssize_t)(gap / SKIP) + 1;
-            if (e + need > cap || nv + itemsize > vcap) { full = 1; break; }
-            for (uint64_t s = 0; s < gap / SKIP; s++) out[e++] = SKIP;
-            out[e++] = (unsigned char)(gap % SKIP);
-            memcpy(vals + nv, c + j * itemsize, (size_t)itemsize);
-            nv += itemsize;
-            move += move_of(o + j * itemsize, c + j * itemsize, itemsize, pos);
-            pointer = pos + 1;
-            k++;
-        }
-    }
-    if (!full && e + nv <= cap) memcpy(out + e, vals, (size_t)nv); else full = 1;
+    for (Py_ssize_t r = 0; r < nruns && !full; r++)
+        full = !encode_run(&s, cur + starts[r] * itemsize, base + starts[r] * itemsize, run, (uint64_t)r * (uint64_t)run);
+    if (!full && s.e + s.nv <= s.cap) memcpy(s.out + s.e, s.vals, (size_t)s.nv); else full = 1;
     Py_END_ALLOW_THREADS
     release(v, 5);
     if (full) return Py_BuildValue("nnK", (Py_ssize_t)-1, (Py_ssize_t)0, (unsigned long long)0);
-    return Py_BuildValue("nnK", e, k, (unsigned long long)move);
+    return Py_BuildValue("nnK", s.e, s.k, (unsigned long long)s.move);
 }
 
-/* apply(buffer, starts, run, itemsize, segment, entries, write) -> move */
+/* apply(buffer, starts, run, itemsize, segment, entries, write, old) -> move; with ``old``
+ * (a writable buffer, or None) the old elements are kept there as they are overwritten, so
+ * one pass checks and writes and a failed check can put them back. */
 static PyObject *delta_apply(PyObject *self, PyObject *args) {
-    PyObject *objs[3];
+    PyObject *objs[4];
     Py_ssize_t run, itemsize, entries;
     int write;
-    if (!PyArg_ParseTuple(args, "OOnnOnp:apply", &objs[0], &objs[1], &run, &itemsize, &objs[2], &entries, &write))
+    if (!PyArg_ParseTuple(args, "OOnnOnpO:apply", &objs[0], &objs[1], &run, &itemsize, &objs[2], &entries, &write,
+                          &objs[3]))
         return NULL;
-    Py_buffer v[3];
-    const int writable[3] = {1, 0, 0};
-    if (get_buffers(objs, v, 3, writable) < 0) return NULL;
+    const int keep = objs[3] != Py_None;
+    Py_buffer v[4];
+    const int writable[4] = {1, 0, 0, 1};
+    if (get_buffers(objs, v, keep ? 4 : 3, writable) < 0) return NULL;
+    unsigned char *old = keep ? v[3].buf : NULL;
+    Py_ssize_t nold = keep ? v[3].len : 0;
     unsigned char *buf = v[0].buf;
     const int64_t *starts = v[1].buf;
     const unsigned char *seg = v[2].buf;
@@ -133,12 +161,18 @@ static PyObject *delta_apply(PyObject *self, PyObject *args) {
         if (at < 0 || (at + 1) * itemsize > nbuf) { bad = 1; break; }
         unsigned char *dst = buf + at * itemsize;
         move += move_of(dst, vals, itemsize, pos);
+        if (old) {
+            if (nold < itemsize) { bad = 1; break; }
+            memcpy(old, dst, (size_t)itemsize);
+            old += itemsize;
+            nold -= itemsize;
+        }
         if (write) memcpy(dst, vals, (size_t)itemsize);
         vals += itemsize;
         pointer = pos + 1;
     }
     Py_END_ALLOW_THREADS
-    release(v, 3);
+    release(v, keep ? 4 : 3);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "a delta segment that does not fit its box");
         return NULL;

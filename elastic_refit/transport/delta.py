@@ -129,7 +129,7 @@ class DeltaCoder:
         rnd = DeltaRound(self._base_tensors(inputs.base))
         if not inputs.receivers or not (self.messages or self._forward_recvs):
             return rnd
-        ops, received = [], []
+        ops, received, coded = [], [], {}  # coded: boxes compared in this refit
         for index, (step, msg, receiving) in enumerate(self.messages):
             tag = SIZES_TAG + (step.round << 2) + int(step.phase)
             num = 2 * len(self._shapes[index].boxes)
@@ -140,7 +140,7 @@ class DeltaCoder:
                 ops.append(P2POp("recv", sizes, msg.peer, tag))
                 received.append((index, sizes))
             elif gets:
-                ops.append(P2POp("send", self._code_message(index, tensors, rnd).to(self.device), msg.peer, tag))
+                ops.append(P2POp("send", self._code_message(index, tensors, rnd, coded).to(self.device), msg.peer, tag))
         _exchange(transport, ops, "delta sizes")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
@@ -204,7 +204,7 @@ class DeltaCoder:
                 out[ref] = t
         return out
 
-    def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound) -> torch.Tensor:
+    def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound, cache: dict) -> torch.Tensor:
         """A sender's message ``index``: which buckets go as deltas (their sizes, the vector
         sent), and the segments and digest moves of all its boxes, coded once."""
         shape, msg = self._shapes[index], self.messages[index][1]
@@ -213,7 +213,7 @@ class DeltaCoder:
         sizes = torch.full((2 * n,), FULL, dtype=torch.int64)
         if not n or len(shape.own) != n or not all(r in rnd.base for r in boxes.refs):
             return sizes  # from the destination side (fan-out, holders) or without a base: in full
-        seg = boxes.segments(tensors, rnd.base, self.verify)
+        seg = boxes.segments(tensors, rnd.base, self.verify, cache)
         entries, value_bytes = seg.entries.cpu(), seg.value_bytes.cpu()
         buckets, starts = self._buckets(index, entries, value_bytes)
         for bucket, (b0, b1), segments, header, size in buckets:
@@ -304,16 +304,17 @@ class DeltaCoder:
         if not boxes.boxes:
             return 0
         moves = seg.moves
-        got, write = boxes.apply_segments(tensors, seg, self.verify)
+        got, written = boxes.apply_segments(tensors, seg, self.verify)
         if self.verify:
             bad = (got.to(self.device) != moves).nonzero().flatten().tolist()
             if bad:
+                written.finish(False)  # nothing of a bad message stays written
                 b = boxes.boxes[bad[0]]
                 raise VerificationFailed(
                     f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} (and {len(bad) - 1} more): its "
                     f"digest moved by {int(got[bad[0]]):#x} under the delta, the sender's by {int(moves[bad[0]]):#x} "
                     "(the delta was damaged, or this rank's base differs from the sender's)")
-        write()  # all checked first: a bad message writes nothing
+        written.finish(True)
         return len(boxes.boxes) if self.verify else 0
 
     # ---- relayed plans ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.schedule import BoxCopy, RankSchedule
 
-__all__ = ["Boxes", "Change", "Segments", "gather_segments", "segment_places"]
+__all__ = ["Boxes", "Change", "Segments", "Written", "gather_segments", "segment_places"]
 
 try:  # the compiled form (setup.py); without it numpy runs, with the same results
     from elastic_refit.transport import _delta as _native
@@ -49,6 +49,21 @@ class Change:
     counts: torch.Tensor
     values: torch.Tensor
     moves: torch.Tensor
+
+
+class Written:
+    """What :meth:`Boxes.apply_segments` returns beside the digest moves: ``finish(ok)``
+    writes the change once its moves were found right (the forms that check first), or
+    puts the old elements back when they were not (the one-pass compiled form)."""
+
+    def __init__(self, write=None, undo=None) -> None:
+        self._write, self._undo = write, undo
+
+    def finish(self, ok: bool) -> None:
+        if ok and self._write is not None:
+            self._write()
+        if not ok and self._undo is not None:
+            self._undo()
 
 
 @dataclass(slots=True)
@@ -234,10 +249,12 @@ class Boxes:
 
 
     # ---- segments: each box's gap entries then its values, box after box -------------------
-    def segments(self, tensors, base, verify: bool) -> Segments:
-        """The change of the boxes from ``base`` to ``tensors`` (by ref) as segments."""
+    def segments(self, tensors, base, verify: bool, cache: dict | None = None) -> Segments:
+        """The change of the boxes from ``base`` to ``tensors`` (by ref) as segments.
+        ``cache``: boxes already coded in this refit (the same region sent to several
+        destinations, e.g. data-parallel replicas, is compared once; compiled form)."""
         if not self.vectorized and _native is not None:
-            return self._segments_native(tensors, base)
+            return self._segments_native(tensors, base, {} if cache is None else cache)
         change = self.code(tensors, base, {}, verify)
         entries = segment_entry_counts(change.local.cpu(), change.counts)
         value_bytes = change.counts * self.itemsize.cpu()
@@ -266,49 +283,56 @@ class Boxes:
             cached = self._run_cache[i] = (starts, run)
         return cached
 
-    def _segments_native(self, tensors, base) -> Segments:
+    def _segments_native(self, tensors, base, cache: dict) -> Segments:
         n = len(self.boxes)
         sizes = [len(self._runs(i)[0]) * self._runs(i)[1] for i in range(n)]  # elements per box
         worst = max([k * (u + 1) + k // 255 + 1 for k, u in zip(sizes, self.box_itemsize, strict=True)] + [1])
         out, vals = np.empty(worst, dtype=np.uint8), np.empty(worst, dtype=np.uint8)
         entries, value_bytes, moves, parts = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.uint64), []
         for i, b in enumerate(self.boxes):
-            starts, run = self._runs(i)
-            e, k, move = _native.encode(_flat_np(tensors[b.buffer]), _flat_np(base[b.buffer]), starts, run,
-                                        self.box_itemsize[i], out, vals)
-            entries[i], value_bytes[i], moves[i] = e, k * self.box_itemsize[i], move
-            parts.append(out[: e + k * self.box_itemsize[i]].copy())
+            key = (b.buffer, b.offsets, b.lengths)
+            if key not in cache:
+                starts, run = self._runs(i)
+                e, k, move = _native.encode(_flat_np(tensors[b.buffer]), _flat_np(base[b.buffer]), starts, run,
+                                            self.box_itemsize[i], out, vals)
+                cache[key] = (e, k * self.box_itemsize[i], move, out[: e + k * self.box_itemsize[i]].copy())
+            entries[i], value_bytes[i], moves[i], coded = cache[key]
+            parts.append(coded)
         coded = np.concatenate(parts + [np.zeros(0, np.uint8)])
         return Segments(torch.from_numpy(entries), torch.from_numpy(value_bytes), torch.from_numpy(coded),
                         torch.from_numpy(moves.view(np.int64)))
 
     def apply_segments(self, tensors, seg: Segments, verify: bool):
         """Check and write segments (``seg.moves`` unused): returns the digest moves they
-        make on this rank's buffers (zeros without ``verify``) and a function that writes
-        them (call it once the moves were found right)."""
+        make on this rank's buffers (zeros without ``verify``) and a :class:`Written`
+        (``finish(True)`` once the moves were found right, ``finish(False)`` else)."""
         if self.vectorized or _native is None:
             starts = list(itertools.accumulate([0] + (seg.entries + seg.value_bytes).tolist()))[:-1]
             ent, values = gather_segments(seg.coded, starts, seg.entries, seg.value_bytes, list(range(len(self.boxes))),
                                           seg.coded.device)
             local = segment_positions(ent, seg.entries.to(seg.coded.device))
             counts = torch.div(seg.value_bytes, self.itemsize.cpu(), rounding_mode="floor")
-            return self.apply(tensors, Change(local, counts, values, seg.moves), verify)
+            moves, write = self.apply(tensors, Change(local, counts, values, seg.moves), verify)
+            return moves, Written(write=write)
+        # One pass: each changed element's digest move, its old bytes kept and its new ones
+        # written; a failed check puts the old ones back (``undo``).
         coded = seg.coded.numpy()
         lengths = (seg.entries + seg.value_bytes).tolist()
         at = list(itertools.accumulate([0] + lengths))
         moves = np.zeros(len(self.boxes), np.uint64)
-        jobs = []
+        done = []
         for i, (b, e) in enumerate(zip(self.boxes, seg.entries.tolist(), strict=True)):
             if lengths[i]:
                 starts, run = self._runs(i)
-                job = (_flat_np(tensors[b.buffer]), starts, run, self.box_itemsize[i], coded[at[i] : at[i + 1]], e)
-                moves[i] = _native.apply(*job, False) if verify else 0
-                jobs.append(job)
+                job = (_flat_np(tensors[b.buffer]), starts, run, self.box_itemsize[i])
+                old = np.empty(lengths[i] - e, dtype=np.uint8)
+                moves[i] = _native.apply(*job, coded[at[i] : at[i + 1]], e, True, old)
+                done.append((job, coded[at[i] : at[i] + e], old, e))
 
-        def write() -> None:
-            for job in jobs:
-                _native.apply(*job, True)
-        return torch.from_numpy(moves.view(np.int64)), write
+        def undo() -> None:
+            for job, entries, old, e in reversed(done):
+                _native.apply(*job, np.concatenate([entries, old]), e, True, None)
+        return torch.from_numpy(moves.view(np.int64)), Written(undo=undo)
 
     def groups(self, box: torch.Tensor):
         """Per ref of the bucket: (its index, itemsize, the mask of the elements in its

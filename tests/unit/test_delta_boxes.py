@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -143,10 +144,10 @@ def test_segments_agree_in_every_form(case, verify, native):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
         for form in (cpu, vec):
             target = {ref: t.clone() for ref, t in base.items()}
-            moves, write = form.apply_segments(target, a, verify)
+            moves, written = form.apply_segments(target, a, verify)
             if verify:
                 assert torch.equal(moves, a.moves)
-            write()
+            written.finish(True)
             for ref, t in target.items():
                 want = base[ref].clone()
                 for box in boxes:
@@ -154,5 +155,31 @@ def test_segments_agree_in_every_form(case, verify, native):
                         region = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
                         want[region] = current[ref][region]
                 assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), ref
+    finally:
+        delta_boxes._native = saved
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_failed_check_leaves_the_buffers_as_they_were(native):
+    """Applying segments and finding their digest moves wrong writes nothing that stays:
+    the compiled form writes in one pass and puts the old elements back."""
+    import elastic_refit.transport.delta_boxes as delta_boxes
+
+    ref = (0, "w")
+    buffers = {ref: SimpleNamespace(shape=(64, 32), dtype="bfloat16")}
+    box = BoxCopy(ref, (0, 8), (64, 16), 0, 64 * 16 * 2)
+    base = {ref: torch.randn(64, 32).to(torch.bfloat16)}
+    current = {ref: base[ref].clone()}
+    current[ref][::3, 9] += 1
+    saved = delta_boxes._native
+    try:
+        if not native:
+            delta_boxes._native = None
+        form = _Boxes((box,), SimpleNamespace(buffers=buffers), torch.device("cpu"))
+        seg = form.segments(current, base, True)
+        target = {ref: base[ref].clone()}
+        _moves, written = form.apply_segments(target, seg, True)
+        written.finish(False)
+        assert torch.equal(target[ref].view(torch.int16), base[ref].view(torch.int16))
     finally:
         delta_boxes._native = saved
