@@ -6,15 +6,19 @@ and what it buys a refit.
    the fraction of bf16 elements that changed and the bytes of the delta coding
    (``kernels.delta``) against the full bf16 bytes; encode and apply throughput (torch, this
    machine's CPU) beside a plain copy of the same bytes.
-2. ``refit``: ``--ranks`` gloo processes of a tp/pp/ep -> tp/dp layout (relay off), one
-   version per step for ``--steps`` steps, each version changing the measured density of
-   the one before (``testing.versions``): per version the seconds of the full reshard and
-   of the delta refit in the same run, the bytes each put on the wire against the full
-   lower bound, every destination checked byte for byte against the version.
+2. ``refit``: 8 gloo processes of a tp/pp/ep -> tp/dp layout (a Qwen3-MoE from
+   ``--refit-hidden/--refit-layers/--refit-experts``), one version per step for ``--steps``
+   steps. The versions are the trained trajectory at ``--refit-lr`` mapped onto the layout
+   (every tensor reads the published bf16 weights of the trained model from its own start,
+   wrapping around: the changes are where training changed weights) or, with
+   ``--synthetic``, ``testing.versions`` at the measured density. Per version, in the same
+   run: the seconds of the full reshard, of gather-and-broadcast and of the delta refit,
+   the changed fraction, the bytes the delta put on the wire against the full lower bound,
+   every destination checked byte for byte against the version.
 
-Run: ``python benchmarks/bench_delta.py [--hidden 512 --layers 4] [--skip-refit]``; it
-prints one JSON object per part. The 2-core machine shared by several agents limits the
-sizes; RESULTS.md says which ran.
+Run: ``python benchmarks/bench_delta.py [--refit-hidden 1024 --refit-layers 4]
+[--skip-trajectory] [--synthetic]``; it prints one JSON object per part. The 2-core machine
+shared by several agents limits the sizes; RESULTS.md says which ran.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from elastic_refit.kernels.delta import apply_delta, changed_elements, encode_de
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.testing.pattern import allocate
 from elastic_refit.testing.processes import run_local_world
-from elastic_refit.testing.versions import version_buffers, version_problems
+from elastic_refit.testing.versions import version_buffers
 from elastic_refit.testing.world import RefitCase, make_transport
 from elastic_refit.transport.executor import DeltaInputs, Executor, ExecutorOptions
 
@@ -77,7 +81,15 @@ def trajectory(hidden: int, layers: int, steps: int, lrs: list[float]) -> dict:
 
 
 def codec_speed(nbytes: int, density: float) -> dict:
-    """Encode and apply over ``nbytes`` of bf16 at ``density``, beside a plain copy."""
+    """Encode and apply over ``nbytes`` of bf16 at ``density``, beside a plain copy: the
+    torch reference codec (``kernels.delta``, one flat run) and the executor's box codec
+    (``transport.delta_boxes``: compiled on the CPU when built) over a whole buffer and over
+    half its columns (a TP shard's box)."""
+    from types import SimpleNamespace
+
+    from elastic_refit.transport.delta_boxes import Boxes, Segments
+    from elastic_refit.transport.schedule import BoxCopy
+
     g = torch.Generator().manual_seed(2)
     base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     cur = base.clone()
@@ -94,52 +106,149 @@ def codec_speed(nbytes: int, density: float) -> dict:
 
     payload = encode_delta(cur, base, 2)
     copy_s = timed(lambda: target.copy_(cur))
-    encode_s = timed(lambda: encode_delta(cur, base, 2))
-    apply_s = timed(lambda: apply_delta(payload, target, 2))
-    return {"bytes": nbytes, "density": density, "copy_gbps": nbytes / copy_s / 1e9,
-            "encode_gbps": nbytes / encode_s / 1e9, "apply_gbps": nbytes / apply_s / 1e9}
+    out = {"bytes": nbytes, "density": density, "copy_gbps": nbytes / copy_s / 1e9,
+           "torch_encode_gbps": nbytes / timed(lambda: encode_delta(cur, base, 2)) / 1e9,
+           "torch_apply_gbps": nbytes / timed(lambda: apply_delta(payload, target, 2)) / 1e9}
+    cols = 1024
+    rows = nbytes // 2 // cols
+    shape = (rows, cols)
+    ref = (0, "w")
+    schedule = SimpleNamespace(buffers={ref: SimpleNamespace(shape=shape, dtype="bfloat16")})
+    tensors = {ref: cur[: rows * cols * 2].view(torch.bfloat16).view(shape)}
+    bases = {ref: base[: rows * cols * 2].view(torch.bfloat16).view(shape)}
+    for name, box in (("box", BoxCopy(ref, (0, 0), shape, 0, rows * cols * 2)),
+                      ("half_box", BoxCopy(ref, (0, cols // 2), (rows, cols // 2), 0, rows * cols))):
+        boxes = Boxes((box,), schedule, torch.device("cpu"))
+        seg = boxes.segments(tensors, bases, True)
+        dst = {ref: bases[ref].clone()}
+        sized = box.nbytes
+        out[f"{name}_encode_gbps"] = sized / timed(lambda b=boxes: b.segments(tensors, bases, True)) / 1e9
+        out[f"{name}_apply_gbps"] = sized / timed(
+            lambda b=boxes, s=seg, d=dst: b.apply_segments(d, Segments(s.entries, s.value_bytes, s.coded, s.moves),
+                                                          True)[1].finish(True)) / 1e9
+        out[f"{name}_coded_fraction"] = seg.coded.numel() / sized
+    return out
 
 
-def _refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, steps: int, density: float) -> dict:
+def trajectory_streams(hidden: int, layers: int, steps: int, lr: float) -> list[torch.Tensor]:
+    """Per version 0..steps: the published bf16 weights of a trained Qwen3 (AdamW on fp32
+    masters), all parameters back to back, as int16 (the refit's versions are made of them)."""
+    model = _qwen3(hidden, layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+
+    def flat() -> torch.Tensor:
+        return torch.cat([p.detach().to(torch.bfloat16).reshape(-1) for p in model.parameters()]).view(torch.int16)
+
+    out = [flat()]
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(flat())
+    return out
+
+
+def stream_buffers(layout, rank: int, stream: torch.Tensor, fill: int = 0) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s buffers of ``layout`` (2-byte tensors) holding the version ``stream``
+    is: each tensor reads the stream from its own start (a hash of its name), element after
+    element, wrapping around, so every rank and side derives the same global tensors and a
+    version changes where the trained weights changed."""
+    import zlib
+
+    from elastic_refit.testing.pattern import _local_view, _pieces_of
+
+    out = allocate(layout, rank, fill=fill)
+    n = stream.numel()
+    for _, t, buffer, off, ln, loff, lln in _pieces_of(layout, rank):
+        if t.itemsize != 2:
+            raise ValueError(f"stream_buffers fills 2-byte tensors, {t.name!r} has {t.itemsize}-byte elements")
+        strides = [1] * len(t.shape)
+        for d in range(len(t.shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * t.shape[d + 1]
+        index = torch.tensor(zlib.crc32(t.name.encode()) % n, dtype=torch.int64)
+        for d, (o, m) in enumerate(zip(off, ln, strict=True)):
+            index = index.unsqueeze(-1) + (torch.arange(o, o + m) * strides[d]).view(*([1] * d), m)
+        region = _local_view(out[buffer], loff, lln, t.itemsize)
+        region.copy_(stream[index.remainder_(n)].view(torch.uint8).reshape(region.shape))
+    return out
+
+
+def _refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, steps: int, density: float,
+                streams: list[torch.Tensor] | None) -> dict:
+    from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
+
     torch.set_num_threads(1)
     plan = case.plan()
-    transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, "gloo", 120.0)
+    transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, "gloo", 300.0)
     executor = Executor(plan, transport, ExecutorOptions(verify=True, delta=True, staging_bytes=256 << 20))
+    baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=8 << 20))
     receivers = frozenset(plan.destination.ranks)
+
+    def version(layout, v: int, fill: int = 0) -> dict:
+        if streams is None:
+            return version_buffers(layout, rank, v, density=density, fill=fill)
+        return stream_buffers(layout, rank, streams[v], fill=fill)
+
     dst = allocate(plan.destination, rank, fill=0)
-    src = version_buffers(plan.source, rank, 0, density=density)
+    src = version(plan.source, 0)
     executor.run(src, dst)  # version 0 in full (and the connections warm)
     rows, problems = [], []
-    for version in range(1, steps + 1):
+    for v in range(1, steps + 1):
         base = src
-        src = version_buffers(plan.source, rank, version, density=density)
+        src = version(plan.source, v)
         back = {n: t.clone() for n, t in dst.items()}
         transport.vote(True)  # line up before timing
         full = executor.run(src, dst)
+        for n, t in dst.items():  # back to the base, then the same version by gather-and-broadcast
+            t.copy_(back[n])
+        transport.vote(True)
+        gather = baseline.run(src, dst)
         for n, t in dst.items():  # back to the base, then the same version as a delta
             t.copy_(back[n])
         transport.vote(True)
         delta = executor.run(src, dst, delta=DeltaInputs(base, receivers))
-        problems += version_problems(plan.destination, rank, dst, version, density=density)
-        rows.append({"full_s": full.seconds, "delta_s": delta.seconds, "sent": full.network_send_bytes,
-                     "saved": delta.network_saved_bytes})
+        want = version(plan.destination, v)
+        problems += [f"rank {rank} version {v} buffer {n!r}: {int((t.view(torch.uint8) != want[n].view(torch.uint8)).sum())} "
+                     "bytes differ" for n, t in dst.items() if not torch.equal(t.view(torch.uint8), want[n].view(torch.uint8))]
+        rows.append({"full_s": full.seconds, "gather_s": gather.seconds, "delta_s": delta.seconds,
+                     "sent": full.network_send_bytes + full.intra_send_bytes,
+                     "saved": delta.network_saved_bytes + delta.intra_saved_bytes,
+                     "changed": _changed(base, src) if rank in plan.source.ranks else (0, 0)})
+        del back, want
     transport.abort()
     return {"rows": rows, "problems": problems}
 
 
-def refit(case: RefitCase, steps: int, density: float) -> dict:
+def _changed(base: dict, src: dict) -> tuple[int, int]:
+    """(changed 2-byte elements, elements) of this rank's source buffers."""
+    changed = total = 0
+    for n, t in src.items():
+        a, b = t.view(torch.int16).reshape(-1), base[n].view(torch.int16).reshape(-1)
+        changed += int((a != b).sum())
+        total += a.numel()
+    return changed, total
+
+
+def refit(case: RefitCase, steps: int, density: float, streams: list[torch.Tensor] | None = None) -> dict:
     plan = case.plan()
     world = plan.topology.num_ranks
-    results = run_local_world(_refit_rank, world, (case, steps, density), timeout_s=3000)
+    results = run_local_world(_refit_rank, world, (case, steps, density, streams), timeout_s=3000)
     by_rank = {r.rank: r.value for r in results}
     per_version = []
+    bound = plan.stats.lower_bound_bytes
     for v in range(steps):
         rows = [by_rank[r]["rows"][v] for r in by_rank]
         sent = sum(r["sent"] for r in rows)
-        per_version.append({"version": v + 1, "full_s": max(r["full_s"] for r in rows),
-                            "delta_s": max(r["delta_s"] for r in rows),
-                            "wire_over_bound": (sent - sum(r["saved"] for r in rows)) / plan.stats.lower_bound_bytes})
-    return {"ranks": world, "lower_bound_bytes": plan.stats.lower_bound_bytes, "density": density,
+        full_s, delta_s = max(r["full_s"] for r in rows), max(r["delta_s"] for r in rows)
+        changed = sum(r["changed"][0] for r in rows) / max(1, sum(r["changed"][1] for r in rows))
+        per_version.append({"version": v + 1, "changed_fraction": round(changed, 5), "full_s": round(full_s, 4),
+                            "gather_s": round(max(r["gather_s"] for r in rows), 4), "delta_s": round(delta_s, 4),
+                            "speedup": round(full_s / delta_s, 2),
+                            "wire_over_bound": round((sent - sum(r["saved"] for r in rows)) / bound, 5)})
+    return {"ranks": world, "lower_bound_bytes": bound, "density": density if streams is None else "trajectory",
             "problems": [p for r in by_rank for p in by_rank[r]["problems"]], "per_version": per_version}
 
 
@@ -152,20 +261,29 @@ def main() -> None:
     p.add_argument("--codec-mib", type=int, default=64)
     p.add_argument("--refit-hidden", type=int, default=512)
     p.add_argument("--refit-layers", type=int, default=4)
+    p.add_argument("--refit-experts", type=int, default=8)
+    p.add_argument("--refit-lr", type=float, default=1e-6,
+                   help="the refit's versions are the trajectory at this lr, mapped onto the layout")
+    p.add_argument("--synthetic", action="store_true",
+                   help="synthetic versions (testing.versions at the trajectory's density) instead of the trajectory")
+    p.add_argument("--skip-trajectory", action="store_true", help="no trajectory table, no codec figures")
     p.add_argument("--skip-refit", action="store_true")
     args = p.parse_args()
-    traj = trajectory(args.hidden, args.layers, args.steps, [float(x) for x in args.lrs.split(",")])
-    print(json.dumps({"trajectory": traj}))
-    density = max(s["changed_fraction"] for s in traj["runs"][0]["per_step"])
-    print(json.dumps({"codec": codec_speed(args.codec_mib << 20, density)}))
+    density = 0.02
+    if not args.skip_trajectory:
+        traj = trajectory(args.hidden, args.layers, args.steps, [float(x) for x in args.lrs.split(",")])
+        print(json.dumps({"trajectory": traj}), flush=True)
+        density = max(s["changed_fraction"] for s in traj["runs"][0]["per_step"])
+        print(json.dumps({"codec": codec_speed(args.codec_mib << 20, density)}), flush=True)
     if args.skip_refit:
         return
     model = ModelConfig(name="bench-qwen3-moe", hidden_size=args.refit_hidden, num_layers=args.refit_layers,
                         vocab_size=8192, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=0,
-                        num_experts=8, moe_intermediate_size=args.refit_hidden, qk_norm=True)
+                        num_experts=args.refit_experts, moe_intermediate_size=args.refit_hidden, qk_norm=True)
     case = RefitCase(model=model, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2", domain_size=1,
                      bucket_bytes=16 << 20, relay="off")
-    print(json.dumps({"refit": refit(case, args.steps, density)}))
+    streams = None if args.synthetic else trajectory_streams(args.hidden, args.layers, args.steps, args.refit_lr)
+    print(json.dumps({"refit": refit(case, args.steps, density, streams)}), flush=True)
 
 
 if __name__ == "__main__":
