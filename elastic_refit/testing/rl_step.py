@@ -410,6 +410,7 @@ def _generate(m: _Member, model, version: int, seen: set[int], mode: str, batch_
     import torch
 
     c = m.config
+    version = int(version)  # weights() yields a ServedVersion: the samples' file holds plain data
     if version not in seen:
         seen.add(version)
         m.report("served", mode=mode, version=version, checksum=checksum(dict(model.named_parameters())))
