@@ -131,9 +131,9 @@ class Participant:
         sends full bytes); a destination named for deltas first checks that its buffers
         hold the base, bit for bit as it acked it, else it retracts that ack and refuses
         the attempt before any byte moves (the next one sends it full bytes)."""
-        if not spec.deltas:
-            return None
         s, me = self.services, self.services.config.member_id
+        if not spec.deltas:  # a quantized plan's sender still keeps what it quantizes (the next base)
+            return DeltaInputs(version=spec.version) if executor.options.delta and me in spec.sources else None
         if not executor.options.delta:
             raise AttemptAborted(f"attempt {spec.version} sends deltas, but {me} has no delta_base_bytes: "
                                  "set it alike on every member")
@@ -148,7 +148,8 @@ class Participant:
         if me in spec.sources and self._published is not None:
             published = self._published.get(spec.version)
             base = self._published.base(spec.base, published.layout) if published is not None else {}
-        return DeltaInputs(base, frozenset(view.rank_of(m) for m in spec.deltas))
+        return DeltaInputs(base, frozenset(view.rank_of(m) for m in spec.deltas), version=spec.version,
+                           base_version=spec.base)
 
     def _wait_for_readers(self, spec: AttemptSpec) -> None:
         """In place, the parameters are written once the plan is agreed, and a reader inside

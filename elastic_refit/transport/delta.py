@@ -32,8 +32,11 @@ positions differ from the sender's base, fails the refit with nothing written; t
 the base is the runtime's fact (the receiver acked it verified and nothing wrote its buffers
 since: ``runtime.deltas``), not re-read here.
 
-A plan that quantizes or casts on the way, and buckets whose bytes come from the destination
-side (holders, fan-out), always go in full; so does a bucket whose change is not smaller.
+A plan that quantizes on the way compares what its senders quantize (FP8 bytes and scales)
+with what they quantized for the base version, kept by the executor per version (a block
+whose scale moved changes all its bytes: they travel as values). A plan that casts, and
+buckets whose bytes come from the destination side (holders, fan-out without relays), always
+go in full; so does a bucket whose change is not smaller.
 """
 
 from __future__ import annotations

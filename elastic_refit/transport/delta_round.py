@@ -20,10 +20,15 @@ class DeltaInputs:
     """What one refit's deltas need on this rank. ``base``: a sender's source buffers (by
     name) as published for the base version (empty: it has none, it sends in full);
     ``receivers``: the communicator ranks that hold the base, verified, and may be sent a
-    delta (the same on every rank)."""
+    delta (the same on every rank); ``version`` and ``base_version``: the versions (a
+    quantized plan compares what it quantizes, kept per version)."""
 
     base: Mapping[str, torch.Tensor] = field(default_factory=dict)
     receivers: frozenset[int] = frozenset()
+    # A quantized plan's senders keep what they quantized per version (``version``: this
+    # refit's) and compare with the kept ``base_version`` (none kept: full bytes).
+    version: int | None = None
+    base_version: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "receivers", frozenset(int(r) for r in self.receivers))

@@ -143,13 +143,15 @@ class Executor:
             self._slots.append(slots)
             num_slots.append(2 * len(packing) + len(gathering))
         self.num_staging_slots = max(num_slots)
-        # Quantized and cast plans go in full (a delta's units are the buffers' elements).
-        full = plan.quantization is not None or getattr(plan, "cast", None) is not None
+        # Cast plans go in full (a delta's units are the buffers' elements); quantized ones
+        # compare what their senders quantize, kept per version (``_kept``).
+        full = getattr(plan, "cast", None) is not None
         self._delta = (DeltaCoder(self.schedule, self._io, quantized=full,
                                   verify=self.options.verify, device=self.device, domains=plan.topology.domains,
                                   destinations=frozenset(plan.destination.ranks))
                        if self.options.delta else None)
         self._round: DeltaRound | None = None  # the refit's deltas
+        self._kept: dict[int, torch.Tensor] = {}  # a quantized plan's staging, by version sent
         needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
         self.staging_needed = needed
         if needed > self.options.staging_bytes:
@@ -195,6 +197,8 @@ class Executor:
         try:
             if self._quantizer is not None:
                 source = self._quantizer.run(source or {}, self.transport)
+                if self._delta is not None and delta is not None:
+                    delta = self._quantized_base(delta)
             tensors = resolve_buffers(self.schedule.buffers, source or {}, destination or {}, rank=self.rank,
                                       device=self.device)
             self._ensure_staging()
@@ -253,6 +257,25 @@ class Executor:
         return report
 
     # ---- internals ---------------------------------------------------------------------
+    def _quantized_base(self, delta: DeltaInputs) -> DeltaInputs:
+        """A quantized plan's deltas compare FP8 bytes and scales: the base is what this
+        sender quantized for ``delta.base_version`` (kept when it sent it; none: full
+        bytes), and what it quantized now is kept for the next refit (two copies of the
+        staging, the latest versions: a retry of a version still finds its base)."""
+        q = self._quantizer
+        assert q is not None and q.arena is not None
+        kept = self._kept.get(delta.base_version) if delta.base_version is not None else None
+        if delta.version is not None:
+            self._kept[delta.version] = q.arena.clone()
+            for old in sorted(self._kept)[:-2]:
+                del self._kept[old]
+        base = dict(delta.base)
+        for name in q.buffers:
+            base.pop(name, None)
+        if kept is not None:
+            base.update(q.views(kept))
+        return dataclasses.replace(delta, base=base)
+
     def _ensure_staging(self) -> None:
         if not self._staging and self.num_staging_slots:
             # 8-byte aligned so digest trailers can be viewed as int64.

@@ -259,6 +259,20 @@ class SourceQuantizer:
         self._check_staged(out)
         return out
 
+    @property
+    def arena(self) -> torch.Tensor | None:
+        """Every staging buffer of the last run, in one tensor (None before the first)."""
+        return self._arena
+
+    def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The staging buffers, by name, as views of ``arena`` (a copy of :attr:`arena`):
+        what a run quantized, kept (deltas compare the next version's with it)."""
+        out = {}
+        for name, (_dtype, shape, stage_dtype) in self.buffers.items():
+            at, nbytes = self._arena_offset[name], int(np.prod(shape)) * stage_dtype.itemsize
+            out[name] = arena[at : at + nbytes].view(stage_dtype).reshape(shape)
+        return out
+
     def _staged(self, source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``source`` with every quantized buffer replaced by its staging (a view of the
         arena, made on the first run and kept for the epoch)."""

@@ -119,3 +119,68 @@ def test_relayed_versions_go_as_deltas_through_the_relay_bit_exact(relayed):
         assert saved > 0.8 * full, (version, saved, full)  # network bytes and the relays' forwards alike
     errors = {r.rank: r.value["error"] for r in ranks}
     assert all(e is not None and e[0] == 3 for e in errors.values()), errors  # the torn needer fails everywhere
+
+
+def _fp8_delta_rank(rank: int, world_size: int, store, spec_json: str) -> dict:
+    """Versions of a quantized refit (BF16 sources, FP8 weights and scales at the
+    destinations), each changing ~2% of the elements of the one before and, in version 2,
+    one element large enough to move its block's scale: the senders compare what they
+    quantize with what they quantized for the version before."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from elastic_refit.layout import parse_spec
+    from elastic_refit.plan import make_plan
+    from elastic_refit.testing.inprocess import piece_slices, reference_destination
+    from elastic_refit.testing.world import SENTINEL as FILL
+    from tests.integration.test_executor import _finite_bf16
+
+    spec = parse_spec(json.loads(spec_json))
+    plan = make_plan(spec.source, spec.destination, spec.topology, formats=spec.destination_formats)
+    q = plan.quantization
+    tensors = {t.name: _finite_bf16(t.name, t.shape) for t in q.logical_source.tensors}
+    transport = make_transport(dist.PrefixStore("fp8delta", store), rank, world_size, "gloo", 20.0)
+    executor = Executor(plan, transport, ExecutorOptions(staging_bytes=1 << 20, verify=True, delta=True))
+    dst = allocate(plan.destination, rank, fill=FILL)
+    g = torch.Generator().manual_seed(5)
+    out = {"problems": [], "saved": []}
+    for version in range(4):
+        if version:
+            for t in tensors.values():
+                flat = t.view(-1)
+                picked = torch.rand(flat.numel(), generator=g) < 0.02
+                flat[picked] = (flat[picked].float() * 1.01).to(torch.bfloat16)
+                if version == 2:
+                    flat[0] = 1000.0  # its block's scale moves: every byte of the block changes
+        src = allocate(q.logical_source, rank, fill=0)
+        for p in np.flatnonzero(q.logical_source.piece_rank == rank).tolist():
+            (_, buffer), global_slices, local_slices = piece_slices(q.logical_source, p)
+            name = q.logical_source.tensors[int(q.logical_source.piece_tensor[p])].name
+            src[buffer][local_slices].copy_(tensors[name][global_slices].reshape(src[buffer][local_slices].shape))
+        inputs = DeltaInputs({}, frozenset(plan.destination.ranks) if version else frozenset(), version=version,
+                             base_version=version - 1 if version else None)
+        report = executor.run(src, dst, delta=inputs)
+        out["saved"].append(report.network_saved_bytes + report.intra_saved_bytes)
+        want = reference_destination(plan, {n: t.view(torch.int16).numpy().view(np.uint16) for n, t in tensors.items()})
+        for p in np.flatnonzero(plan.destination.piece_rank == rank).tolist():
+            (_, buffer), global_slices, local_slices = piece_slices(plan.destination, p)
+            name = plan.destination.tensors[int(plan.destination.piece_tensor[p])].name
+            got = byte_view(dst[buffer][local_slices].contiguous()).numpy()
+            expected = np.ascontiguousarray(want[name][global_slices]).view(np.uint8).reshape(got.shape)
+            if not np.array_equal(got, expected):
+                out["problems"].append(f"version {version} rank {rank} {name}: {int((got != expected).sum())} bytes")
+    transport.abort()
+    return out
+
+
+def test_quantized_versions_go_as_deltas_of_what_the_senders_quantized():
+    from tests.integration.test_executor import FP8_SPEC
+
+    results = run_local_world(_fp8_delta_rank, 5, (FP8_SPEC,), timeout_s=180)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["problems"] == [], r.value["problems"]
+    saved = [sum(r.value["saved"][v] for r in results) for v in range(4)]
+    assert saved[0] == 0 and all(s > 0 for s in saved[1:]), saved
