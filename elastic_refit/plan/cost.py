@@ -152,9 +152,10 @@ def delta_fraction(density: float, itemsize: int = 2) -> float:
 @dataclass(frozen=True, slots=True)
 class DeltaPrediction:
     """Predicted seconds of ``plan`` sent as deltas at ``density`` beside its full refit:
-    the network bytes scale by ``fraction``, and so do a relayed plan's forwards (a relay
-    forwards the deltas' segments as they arrived); a plan's fan-out from destinations
-    stays full, and senders encode and receivers apply at ``ENCODE_GBPS`` / ``APPLY_GBPS``."""
+    the network bytes scale by ``fraction``, and so do the intra-domain bytes (a relay
+    forwards the deltas' segments as they arrived; a destination that fans out what it
+    received sends its change), and senders encode and receivers apply at ``ENCODE_GBPS`` /
+    ``APPLY_GBPS``."""
 
     density: float
     fraction: float
@@ -174,8 +175,7 @@ def predict_delta(plan: Plan, cluster: Cluster, density: float, itemsize: int = 
     nic = cluster.nic_gbps * GB
     nvlink = cluster.nvlink_gbps * GB
     nic_seconds = float((np.maximum(plan.network_send_bytes, plan.network_recv_bytes) * fraction).max(initial=0)) / nic
-    forwards = fraction if plan.relayed else 1.0  # a relayed plan's intra bytes are its relays' forwards
-    nvlink_seconds = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) * forwards / nvlink
+    nvlink_seconds = float(np.maximum(plan.intra_send_bytes, plan.intra_recv_bytes).max(initial=0)) * fraction / nvlink
     codec = (float(plan.network_send_bytes.max(initial=0)) / (ENCODE_GBPS * GB)
              + float(plan.network_recv_bytes.max(initial=0)) / (APPLY_GBPS * GB))
     seconds = nic_seconds + nvlink_seconds + full.latency_seconds + codec

@@ -32,11 +32,15 @@ positions differ from the sender's base, fails the refit with nothing written; t
 the base is the runtime's fact (the receiver acked it verified and nothing wrote its buffers
 since: ``runtime.deltas``), not re-read here.
 
+Fan-out inside a domain (a destination rank sends what it received this refit): when both
+ends hold the base, the sender keeps the base of those boxes before the refit writes them,
+and the message is sized and coded when its window comes (:meth:`DeltaCoder.late`: a batch
+of sizes at that window's start), like any other.
+
 A plan that quantizes on the way compares what its senders quantize (FP8 bytes and scales)
 with what they quantized for the base version, kept by the executor per version (a block
 whose scale moved changes all its bytes: they travel as values). A plan that casts, and
-buckets whose bytes come from the destination side (holders, fan-out without relays), always
-go in full; so does a bucket whose change is not smaller.
+catch-ups from holders, go in full; so does a bucket whose change is not smaller.
 """
 
 from __future__ import annotations
@@ -128,27 +132,71 @@ class DeltaCoder:
     def prepare(self, inputs: DeltaInputs, tensors: Mapping, transport: Transport) -> DeltaRound:
         """Size and code every message this rank sends to a receiver, then exchange the sizes
         of every message that may carry deltas (one batch), then a relay's sizes to its
-        needers (a second). Returns the refit's round."""
+        needers (a second). Messages from the sender's destination buffers (fan-out) are
+        sized when their window comes (:meth:`late`): their sender keeps the base of
+        their boxes now, before this refit writes them. Returns the refit's round."""
         rnd = DeltaRound(self._base_tensors(inputs.base))
+        rnd.receivers = inputs.receivers
         if not inputs.receivers or not (self.messages or self._forward_recvs):
             return rnd
         ops, received, coded = [], [], {}  # coded: boxes compared in this refit
         for index, (step, msg, receiving) in enumerate(self.messages):
-            tag = SIZES_TAG + (step.round << 2) + int(step.phase)
-            num = 2 * len(self._shapes[index].boxes)
+            if msg.from_destination:
+                if not receiving and self._fans_out(msg, inputs.receivers):
+                    self._keep_base(index, tensors, rnd)
+                continue
             gets = (self._relayed_ok(self.rank if receiving else msg.peer, inputs.receivers) if msg.relayed
                     else (self.rank if receiving else msg.peer) in inputs.receivers)
-            if gets and receiving:
-                sizes = torch.empty(num, dtype=torch.int64, device=self.device)
-                ops.append(P2POp("recv", sizes, msg.peer, tag))
-                received.append((index, sizes))
-            elif gets:
-                ops.append(P2POp("send", self._code_message(index, tensors, rnd, coded).to(self.device), msg.peer, tag))
+            self._size_op(index, step, msg, receiving, gets, tensors, rnd, coded, ops, received)
         _exchange(transport, ops, "delta sizes")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
         self._exchange_part_sizes(inputs, rnd, transport)
         return rnd
+
+    def _size_op(self, index, step, msg, receiving, gets, tensors, rnd, coded, ops, received) -> None:
+        """The sizes operation of message ``index`` (when it may carry deltas)."""
+        if not gets:
+            return
+        tag = SIZES_TAG + (step.round << 2) + int(step.phase)
+        if receiving:
+            sizes = torch.empty(2 * len(self._shapes[index].boxes), dtype=torch.int64, device=self.device)
+            ops.append(P2POp("recv", sizes, msg.peer, tag))
+            received.append((index, sizes))
+        else:
+            ops.append(P2POp("send", self._code_message(index, tensors, rnd, coded).to(self.device), msg.peer, tag))
+
+    def _fans_out(self, msg: Message, receivers: frozenset[int]) -> bool:
+        """A message from the sender's destination buffers carries deltas when both ends
+        hold the base (the sender writes its own change first, then sends from there)."""
+        return self.rank in receivers and msg.peer in receivers
+
+    def _keep_base(self, index: int, tensors: Mapping, rnd: DeltaRound) -> None:
+        """A fan-out sender's base of the boxes it sends from its destination buffers, copied
+        before this refit writes them (into buffer-shaped tensors: only the boxes' pages)."""
+        for box in self._shapes[index].boxes:
+            ref = box.buffer
+            if ref[0] != int(SourceSide.DESTINATION):  # a colocated rank's sources: the published base
+                continue
+            if ref not in rnd.base:
+                rnd.base[ref] = torch.empty_like(tensors[ref])
+            region = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+            rnd.base[ref][region] = tensors[ref][region]
+
+    def late(self, rnd: DeltaRound, window, tensors: Mapping, transport: Transport) -> None:
+        """At the start of ``window``: size and exchange its fan-out messages (their senders
+        hold this refit's version of the boxes by now, and the base kept in prepare)."""
+        if not rnd.receivers:
+            return
+        ops, received, coded = [], [], {}
+        steps = {id(step) for step in window}
+        for index, (step, msg, receiving) in enumerate(self.messages):
+            if msg.from_destination and id(step) in steps:
+                gets = (self.rank in rnd.receivers and msg.peer in rnd.receivers)
+                self._size_op(index, step, msg, receiving, gets, tensors, rnd, coded, ops, received)
+        _exchange(transport, ops, "delta sizes of fan-out")
+        for index, sizes in received:
+            self._take_sizes(index, sizes.cpu(), rnd)
 
     def _bucket_nbytes(self, coded: int, num_boxes: int) -> int:
         data = HEADER_BYTES + coded

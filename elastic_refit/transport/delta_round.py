@@ -89,6 +89,7 @@ class DeltaRound:
         self.messages: dict[int, _Message] = {}
         self.parts: dict[int, _Part] = {}
         self.base = dict(base or {})
+        self.receivers: frozenset[int] = frozenset()
         self.num_buckets = 0
         self.saved_bytes = {"network": 0, "intra": 0}
 

@@ -299,6 +299,8 @@ class Executor:
         batch ``i`` is done before batch ``i + 1`` reuses its staging. Batch ``i`` waits only
         on batches before it, on every rank, so no rank waits in a cycle."""
         transport = self.transport
+        if self._round is not None:  # fan-out messages of this window are sized now
+            self._delta.late(self._round, window, tensors, transport)  # type: ignore[union-attr]
         w = Window.of(window, slots)
         relayed = w.relayed
         for i in range(w.num_batches):

@@ -43,7 +43,10 @@ class Message:
     peer: int
     kind: TransferKind  # NETWORK or INTRA
     buckets: tuple[Bucket, ...]
-    relayed: bool = False  # a relay forwards some of its bytes (alike on both ends: deltas skip it)
+    relayed: bool = False  # a relay forwards some of its bytes (alike on both ends)
+    # Some of its bytes come from the sender's destination buffers (fan-out inside a domain,
+    # holders): alike on both ends (deltas size such a message when its window comes).
+    from_destination: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -221,8 +224,9 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
         key = (int(t.phase[row]), int(t.round[row]))
         entry = per_step.setdefault(key, {})
         peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
-        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], [], False])
+        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], [], False, False])
         msg[4] = msg[4] or int(t.message[row]) in relay_messages
+        msg[5] = msg[5] or bool(src_side[i] == int(SourceSide.DESTINATION))
         src_layout = plan.destination if src_side[i] == int(SourceSide.DESTINATION) else plan.source
         if not sending and not has_dst[i]:  # staged for forwarding only: no buffer of ours
             msg[3].append(BoxCopy(STAGED, (), (), 0, int(t.nbytes[row])))
@@ -247,7 +251,7 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     def message(spec) -> Message | None:
         if spec is None:
             return None
-        peer, kind_value, directs, packed, relayed = spec
+        peer, kind_value, directs, packed, relayed, from_destination = spec
         buckets: dict[int, list[BoxCopy]] = {}
         position = 0
         for b in packed:  # sequential layout; a bucket holds the boxes starting in one half-window
@@ -261,7 +265,7 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
             end = max(b.packed_offset + b.nbytes for b in boxes)
             boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes) for b in boxes)
             out.append(Bucket(end - start, boxes))
-        return Message(peer, TransferKind(kind_value), tuple(out), relayed)
+        return Message(peer, TransferKind(kind_value), tuple(out), relayed, from_destination)
 
     steps = []
     for (phase, rnd), entry in sorted(per_step.items()):

@@ -82,6 +82,9 @@ def test_every_version_is_bit_exact_and_deltas_are_smaller(results):
         assert sum(out["reports"][version]["num_delta_buckets"] for out in by_rank.values()) > 0
         # ~2% of elements changed: most bytes saved (version 2: one of four destinations in full)
         assert saved > (0.8 if version == 1 else 0.55) * full, (version, saved, full)
+    # The fan-out inside each domain (from the destination ranks that received the bytes) too.
+    fan_out = sum(out["reports"][1]["intra_send_bytes"] for out in by_rank.values())
+    assert fan_out and sum(out["reports"][1]["intra_saved_bytes"] for out in by_rank.values()) > 0.8 * fan_out
     # Version 2 leaves one destination out of the receivers: it gets full bytes, and is exact.
     assert by_rank[left_out]["problems"] == []
 
