@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastic_refit.layout.models import ModelConfig, get_model
-from elastic_refit.layout.presets import (
+from elastic_refit.layout.parallelism import (
     MEGATRON_VOCAB_DIVISOR,
     VLLM_VOCAB_PADDING,
     InferenceParallelism,

@@ -13,7 +13,7 @@ import numpy as np
 
 from elastic_refit.layout.core import Layout, LayoutBuilder
 from elastic_refit.layout.models import ModelConfig, get_model
-from elastic_refit.layout.presets import (
+from elastic_refit.layout.parallelism import (
     MEGATRON_VOCAB_DIVISOR,
     VLLM_VOCAB_PADDING,
     InferenceParallelism,
