@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic_refit._validate import require_at_least
+from elastic_refit.runtime.settings import Timeouts
 
 __all__ = [
     "DELTA_CONFIG",
@@ -233,7 +234,7 @@ class Scenario:
         require_at_least("trainer_pause_s", self.trainer_pause_s, 0)
 
 
-TTL_S = 2.0  # the members' lease TTL (RefitConfig default); stop durations are chosen around it
+TTL_S = float(Timeouts().ttl_s)  # the members' lease TTL (RefitConfig default); stop durations are chosen around it
 # How long a member's peers wait on it mid-transfer (RefitConfig.transport_timeout_s).
 PEER_TIMEOUT_S = TTL_S + 1.0
 # stall>ttl: the agent blocks past the lease TTL (a lease renewed by the agent would lapse:
@@ -244,7 +245,9 @@ PEER_TIMEOUT_S = TTL_S + 1.0
 STALL_S = TTL_S + 0.5
 
 
-ETCD_MEMBER_DOWN_S = 6.0  # longer than a trial's remaining refits: they run on two etcd nodes
+# Longer than a trial's remaining refits (they run on two etcd nodes) and than two TTLs (the
+# leases are renewed through the other nodes meanwhile).
+ETCD_MEMBER_DOWN_S = max(6.0, 2 * TTL_S + 1.0)
 
 
 def _templates(rng: random.Random, versions: int, etcd_nodes: int = 1) -> list[tuple[str, str, str, FaultPlan]]:

@@ -59,8 +59,15 @@ class Timeouts:
     the lease of a healthy peer could expire, and a membership change settles before anyone
     gives up on the epoch."""
 
-    ttl_s: int = 2
-    """The member's etcd lease, in whole seconds (etcd grants no shorter one than 2)."""
+    ttl_s: int = 4
+    """The member's etcd lease, in whole seconds (etcd grants no shorter one than 2). Its
+    keepalive goes every third of it, so a lease outlives an etcd or host stall of two
+    thirds of the TTL. 4 s, measured: on a loaded 2-core host (two CPU burners, etcd sharing
+    the cores) the longest wait for a keepalive answer reached 2.4 s at TTL 2 (p99 1.5 s: no
+    margin left), 1.7 s at TTL 4 (benchmarks/RESULTS.md, 2026-12-05, issue 34). Crashes are
+    seen by the liveness ring, not the TTL, and a lost lease comes back on its own
+    (``runtime.rejoin``). What it bounds: how long a frozen (not dead) member holds the job
+    up, and ``transport_timeout_s`` (TTL + 1 s)."""
     collective_timeout_s: float = 1.5
     """How long a collective of the control plane (a vote, an agreement) waits."""
     epoch_deadline_s: float = 10.0

@@ -444,7 +444,7 @@ def test_config_defaults_are_valid():
     ({"domain": ""}, r"domain must be a non-empty string, got ''"),
     ({"ttl_s": 1}, r"ttl_s must be an int >= 2 .* got 1"),
     ({"ttl_s": 2.5}, r"ttl_s must be an int >= 2 .* got 2.5"),
-    ({"collective_timeout_s": 3.0}, r"collective < lease TTL < epoch deadline, got 3.0, 2, 10.0"),
+    ({"collective_timeout_s": 5.0}, r"collective < lease TTL < epoch deadline, got 5.0, 4, 10.0"),
     ({"epoch_deadline_s": math.inf}, r"epoch_deadline_s must be a finite number of seconds > 0, got inf"),
     ({"version_timeout_s": 0}, r"version_timeout_s must be a finite number of seconds > 0, got 0"),
     ({"version_timeout_s": math.nan}, r"version_timeout_s must be a finite number of seconds > 0, got nan"),
@@ -627,7 +627,7 @@ def test_unknown_variables_and_the_password_file(tmp_path):
     # what a Kubernetes service link named elastic-refit-etcd adds is not ours: ignored
     links = {"ELASTIC_REFIT_ETCD_SERVICE_HOST": "10.0.0.1", "ELASTIC_REFIT_ETCD_SERVICE_PORT": "2379",
              "ELASTIC_REFIT_ETCD_PORT": "tcp://10.0.0.1:2379", "ELASTIC_REFIT_ETCD_PORT_2379_TCP_ADDR": "10.0.0.1"}
-    assert RefitConfig.from_env({**base, **links}).ttl_s == 2
+    assert RefitConfig.from_env({**base, **links}).ttl_s == 4  # the default
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
     config = RefitConfig.from_env({**base, "ELASTIC_REFIT_ETCD_USER": "u", "ELASTIC_REFIT_ETCD_PASSWORD_FILE": str(secret),
