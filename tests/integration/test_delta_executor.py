@@ -108,6 +108,22 @@ def relayed():
     return plan, run_local_world(_delta_rank, world, (RELAYED, -1, max(plan.destination.ranks)), timeout_s=240)
 
 
+def test_a_domain_with_a_rank_in_full_takes_its_relayed_bytes_in_full():
+    """Version 2 leaves one destination rank out of the receivers: its domain's relayed
+    messages go in full (the sender cannot tell its boxes from the relay's; here every
+    destination rank is in that domain); version 3 goes as deltas again; every rank
+    bit-exact."""
+    plan = RELAYED.plan()
+    left_out = min(plan.destination.ranks)
+    ranks = run_local_world(_delta_rank, plan.topology.num_ranks, (RELAYED, left_out, -1), timeout_s=240)
+    by_rank = {r.rank: r.value for r in ranks}
+    for rank, out in by_rank.items():
+        assert out["problems"] == [], (rank, out["problems"])
+        assert len(out["reports"]) == 4, (rank, out["error"])
+    saved = [sum(o["reports"][v]["network_saved_bytes"] for o in by_rank.values()) for v in (1, 2, 3)]
+    assert saved[0] > 0 and saved[1] == 0 and saved[2] > 0, saved
+
+
 def test_relayed_versions_go_as_deltas_through_the_relay_bit_exact(relayed):
     plan, ranks = relayed
     assert plan.relayed, "the plan relays"
