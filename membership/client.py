@@ -343,6 +343,7 @@ class EtcdClient:
         self._thread.start()
         self._endpoint_index = 0
         self._conn: _Connection | None = None
+        self._retired: list[_Connection] = []  # rotated away from, not closed in time
         self._conn_lock: asyncio.Lock | None = None
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
@@ -442,8 +443,10 @@ class EtcdClient:
             if len(self.config.targets) > 1:
                 self._endpoint_index = (self._endpoint_index + 1) % len(self.config.targets)
         if old is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(old.close(), 1.0)
+            except Exception:  # (a stalled endpoint) closed again at shutdown: never a leaked socket
+                self._retired.append(old)
 
     def _rotates_on(self, exc: BaseException | None) -> bool:
         """Whether ``exc`` is worth a new channel. With several endpoints a slow or failed
@@ -746,10 +749,11 @@ class EtcdClient:
                 t.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=2.0)
-            if self._conn is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._conn.close(), 1.0)
-                self._conn = None
+            for conn in [*self._retired, self._conn]:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(conn.close(), 1.0)
+            self._conn, self._retired = None, []
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(5.0)
