@@ -206,8 +206,12 @@ class ElasticRefit:
 
     def _come_back(self, reason: str) -> Services:
         """The agent's way back after this member's lease was lost (``runtime.rejoin``)."""
+        old = self._running.services
         services = self._detachment.come_back(self._side, self._published, reason)
-        self._closers += [services.manager.close, services.membership.close]
+        # The old incarnation's are closed already: its closers give way (the list stays bounded).
+        gone = (old.manager.close, old.membership.close)
+        self._closers = [c for c in self._closers if c not in gone] + [services.manager.close,
+                                                                          services.membership.close]
         self.config = services.config
         self._running = replace(self._running, services=services)
         return services
