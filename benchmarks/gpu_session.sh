@@ -109,5 +109,15 @@ case "${1:-}" in
     timeout 80 python3 benchmarks/bench_nccl_churn.py --backend nccl4py --versions 10 --kill-at 4 \
       2>"$OUT/churn.err" | tee "$OUT/churn.txt"
     LOG=world TESTS_TIMEOUT="${WORLD_TIMEOUT:-170}" bash "$0" tests tests/gpu/test_nccl_world.py ;;
-  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final" >&2; exit 2 ;;
+  colocated)  # issue 36: IPC tests, then the colocated bench on one and two "hosts" (one at a time)
+    env_ready
+    LOG=ipc_tests TESTS_TIMEOUT=200 bash "$0" tests tests/gpu/test_ipc_gpu.py tests/gpu/test_delta_gpu.py -s
+    timeout 170 python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 2>"$OUT/colocated.err" | tee "$OUT/colocated.txt" \
+      || tail -20 "$OUT/colocated.err"
+    timeout 120 python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 --hosts 2 --methods ipc,nccl4py \
+      2>"$OUT/colocated2.err" | tee "$OUT/colocated2.txt" || tail -20 "$OUT/colocated2.err" ;;
+  kernels)  # issue 39: pack/unpack against a plain copy, eager
+    env_ready
+    timeout "${KERNELS_TIMEOUT:-120}" python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -40 ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | kernels" >&2; exit 2 ;;
 esac
