@@ -365,7 +365,9 @@ class CommunicatorManager:
                 self._built(view, ok=True)
             elif self.backend == "nccl":
                 self._arrive(view, f"comm-{self.backend}")
-                pg = nccl_group(store, rank, view.num_ranks, timeout=collective, device=self.device)
+                # torch's own waits (init, a group's end) bounded like a transfer
+                pg = nccl_group(store, rank, view.num_ranks, timeout=collective, device=self.device,
+                                wait_bound_s=self.transport_timeout_s)
             else:
                 # Only once every rank is here: a rank that dies before it arrives (killed as
                 # it rejoins) must not leave NCCL's bootstrap (the unique id's root thread,

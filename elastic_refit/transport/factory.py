@@ -21,7 +21,6 @@ them nor nccl4py.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -113,20 +112,15 @@ def gloo_group(store: Any, rank: int, world_size: int, *, timeout_s: float, inte
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
-def nccl_group(store: Any, rank: int, world_size: int, *, timeout: timedelta, device: torch.device) -> Any:
+def nccl_group(store: Any, rank: int, world_size: int, *, timeout: timedelta, device: torch.device,
+               wait_bound_s: float | None = None) -> Any:
     """A ``ProcessGroupNCCL`` of ``world_size`` ranks over ``store``, non-blocking where
-    torch lets it be (so it can be aborted mid-init), connected eagerly on ``device``."""
-    import torch.distributed as dist
+    torch lets it be (so it can be aborted mid-init), connected eagerly on ``device``;
+    ``wait_bound_s`` bounds torch's own waits on it (init, the end of a group that connects
+    a new pair of ranks: see ``transport.c10d.bound_torch_nccl_waits``)."""
+    from elastic_refit.transport.c10d import nccl_process_group
 
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    with contextlib.suppress(AttributeError):
-        opts.config.blocking = 0  # non-blocking comms can be aborted mid-init
-    pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    # Eager init binds the device now, so a broken peer shows up here, not in a refit.
-    if hasattr(pg, "eager_connect_single_device"):
-        pg.eager_connect_single_device(device)
-    return pg
+    return nccl_process_group(store, rank, world_size, timeout=timeout, device=device, wait_bound_s=wait_bound_s)
 
 
 # ------------------------------------------------------------------ nccl4py lifecycle

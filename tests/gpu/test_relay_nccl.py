@@ -6,6 +6,8 @@ forward fails the needer's check."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -33,13 +35,22 @@ def test_nccl_relayed_refit_is_bit_exact_and_moves_the_planned_bytes(name, backe
         assert np.any((t.kind == int(TransferKind.NETWORK)) & (t.dst_piece < 0))
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nccl_corrupted_forward_fails_the_needers_digest_check(backend):
+    # Every rank fails within the transfer timeout (plus start-up), none hangs: the needer
+    # aborts on the digest, and its peers' next groups with it (new pairs connect inside
+    # ncclGroupEnd on torch's communicator) and their waits fail within timeout_s.
+    timeout_s = 20
     case = CASES["lone-needer-small-buckets"]
     world = case.plan().topology.num_ranks
-    results = run_local_world(refit_rank, world, (case, WorkerOptions(backend=backend, timeout_s=30, verify=True)),
-                              timeout_s=240, rank_env=nccl_rank_env, per_rank_args=[(CorruptFirstSend(rank=5),)] * world)
+    t0 = time.monotonic()
+    results = run_local_world(refit_rank, world, (case, WorkerOptions(backend=backend, timeout_s=timeout_s, verify=True)),
+                              timeout_s=120, rank_env=nccl_rank_env, per_rank_args=[(CorruptFirstSend(rank=5),)] * world)
+    elapsed = time.monotonic() - t0
     kinds = {r.rank: r.error_type for r in results}
     assert not any(r.ok for r in results), kinds
     caught = [r for r in results if r.error_type == "VerificationFailed"]
     assert caught and all("forward from rank 5" in r.error for r in caught), kinds
+    # start-up (CUDA, the communicator) then at most two bounded waits (a group's end, a wait)
+    assert elapsed < 2 * timeout_s + 60, (elapsed, kinds, {r.rank: round(r.seconds, 1) for r in results})

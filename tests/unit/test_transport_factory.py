@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -12,6 +13,7 @@ from elastic_refit.membership.comm import probe_runtime
 
 from elastic_refit.transport import create_transport, make_transport
 from elastic_refit.transport.backend import Backend
+from elastic_refit.transport.c10d import NONBLOCKING_TIMEOUT_ENV, bound_torch_nccl_waits
 from elastic_refit.transport.factory import probe_nccl4py
 from elastic_refit.transport.protocol import P2POp, Transport
 
@@ -85,3 +87,18 @@ def test_the_nccl4py_probe_is_what_the_communicator_manager_sees():
             support.nccl4py_grow) == (probe.version, probe.nccl_version, probe.shrink, probe.grow)
     if probe.version is None:  # absent (this CPU machine): it offers nothing
         assert (probe.nccl_version, probe.shrink, probe.grow) == (None, False, False)
+
+
+@pytest.mark.parametrize(("seconds", "value"), [(30.0, "29"), (20, "19"), (4.5, "4"), (1.5, "1"), (0.2, "1")])
+def test_torch_nccl_waits_are_bounded_by_the_transport_timeout(monkeypatch, seconds, value):
+    # torch compares whole elapsed seconds with ">": a value of ceil(s) - 1 fires at s.
+    monkeypatch.delenv(NONBLOCKING_TIMEOUT_ENV, raising=False)
+    assert bound_torch_nccl_waits(seconds) == int(value)
+    assert os.environ[NONBLOCKING_TIMEOUT_ENV] == value
+
+
+def test_a_bound_already_set_is_kept_and_bad_input_refused(monkeypatch):
+    monkeypatch.setenv(NONBLOCKING_TIMEOUT_ENV, "7")
+    assert bound_torch_nccl_waits(30.0) == 7  # torch read it once already, or the user chose it
+    with pytest.raises(ValueError, match="seconds must be > 0, got 0"):
+        bound_torch_nccl_waits(0)
