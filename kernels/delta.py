@@ -20,8 +20,12 @@ element costs one byte of position plus its value bytes, and a long unchanged ru
 per 255 elements: a BF16 bucket with a fraction ``d`` of elements changed encodes to about
 ``1.5 d + 1/510`` of its size.
 
-Everything is plain torch (compare, nonzero, cumsum, gather, scatter): the same code runs on
-the CPU and on CUDA, and is the reference for fused kernels.
+Everything here is plain torch (compare, nonzero, cumsum, gather, scatter): the same code
+runs on the CPU and on CUDA, and is the reference for the fused kernels of
+:mod:`elastic_refit.kernels.delta_triton`, which :func:`changed_elements`,
+:func:`encode_delta`, :func:`apply_delta` and :func:`write_elements` run instead for CUDA
+tensors when Triton is installed (``ELASTIC_REFIT_DELTA_KERNELS=torch`` keeps the torch
+forms).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import math
 from collections.abc import Iterable
 
 import torch
+from elastic_refit.kernels import delta_triton
 
 __all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "delta_digests", "delta_unit", "encode_delta",
-           "encoded_nbytes", "payload_counts", "segment_entries", "segment_entry_counts", "segment_positions"]
+           "encoded_nbytes", "payload_counts", "segment_entries", "segment_entry_counts", "segment_positions",
+           "write_elements"]
 
 HEADER_BYTES = 16
 SKIP = 255  # an entry that moves the pointer by 255 elements and marks nothing
@@ -76,6 +82,8 @@ def changed_elements(current: torch.Tensor, base: torch.Tensor, unit: int) -> to
     a, b = _elements(current, unit), _elements(base, unit)
     if a.dim() != b.dim():  # one of them could not be viewed as integers: compare rows
         a, b = current.view(-1, unit), base.view(-1, unit)
+    if a.dim() == 1 and delta_triton.usable(a):  # compare and compaction fused (Triton)
+        return delta_triton.encode_changes(a, b, values=False)[0]
     if a.dim() == 1 and a.device.type == "cpu":  # numpy's compare + flatnonzero: ~2x torch's on one thread
         import numpy as np
 
@@ -107,8 +115,13 @@ def encode_delta(current: torch.Tensor, base: torch.Tensor, unit: int, out: torc
     compared in ``unit``-byte elements); written into the front of ``out`` when given (it
     may be ``current`` itself: the values are gathered before anything is written) and
     returned as the view of the bytes written. ``changed``: the indices, when known."""
+    gathered = None
     if changed is None:
-        changed = changed_elements(current, base, unit)
+        a = _elements(current, unit)
+        if a.dim() == 1 and delta_triton.usable(a) and _elements(base, unit).dim() == 1:
+            changed, gathered = delta_triton.encode_changes(a, _elements(base, unit))  # values in the same pass
+        else:
+            changed = changed_elements(current, base, unit)
     k = changed.numel()
     skips, rest = _gaps(changed) if k else (changed, changed)
     num_entries = k + (int(skips.sum()) if k else 0)
@@ -117,7 +130,9 @@ def encode_delta(current: torch.Tensor, base: torch.Tensor, unit: int, out: torc
         out = torch.empty(nbytes, dtype=torch.uint8, device=current.device)
     elif out.numel() < nbytes:
         raise ValueError(f"the payload needs {nbytes} bytes, out has {out.numel()}")
-    values = current.view(-1, unit).index_select(0, changed).reshape(-1)  # a copy: out may alias current
+    # A copy either way: out may alias current.
+    values = (current.view(-1, unit).index_select(0, changed).reshape(-1) if gathered is None
+              else gathered.view(torch.uint8))
     out = out[:nbytes]
     header = torch.tensor([num_entries, k], dtype=torch.int64).view(torch.uint8)
     out[:HEADER_BYTES].copy_(header)
@@ -157,8 +172,25 @@ def apply_delta(payload: torch.Tensor, target: torch.Tensor, unit: int) -> int:
     rows = target.view(-1, unit)
     if k and int(changed[-1]) >= rows.shape[0]:
         raise ValueError(f"a delta payload writes element {int(changed[-1])} of a target of {rows.shape[0]}")
-    rows.index_copy_(0, changed, payload[HEADER_BYTES + num_entries :].view(k, unit))
+    write_elements(target, changed, payload[HEADER_BYTES + num_entries :], unit)
     return k
+
+
+def write_elements(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor, unit: int) -> None:
+    """Write the ``unit``-byte elements ``index`` (int64, distinct, in range) of ``target``
+    (flat uint8) with ``values`` (their bytes, element after element): the apply's scatter
+    (fused on CUDA, :func:`delta_triton.scatter`; ``index_copy_`` otherwise)."""
+    if index.numel() == 0:
+        return
+    view = _INT_VIEW.get(unit)
+    if view is not None and delta_triton.usable(target) and target.is_contiguous() and values.is_contiguous():
+        ints, vals = _elements(target, unit), _elements(values, unit)
+        if vals.dim() != 1:  # values at an unaligned offset (a payload's): a small aligned copy
+            vals = _elements(values.clone(), unit)
+        if ints.dim() == 1 and vals.dim() == 1:
+            delta_triton.scatter(ints, index.contiguous(), vals)
+            return
+    target.view(-1, unit).index_copy_(0, index, values.reshape(-1, unit))
 
 
 # ---- segments: one run of entries per box, each counting from its box's first element ------

@@ -478,10 +478,11 @@ def _part_tag(step) -> int:
 
 def _own_segments(m: _Message, own: list[int], device: torch.device) -> torch.Tensor:
     """A relay's own boxes' segments, back to back (the others are its needers')."""
-    lengths = (m.entries + m.value_bytes)[own]
-    first = torch.tensor([m.starts[i] for i in own], dtype=torch.int64)
-    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths)
-    return m.coded[(torch.arange(int(lengths.sum())) + shift).to(device)]
+    lengths = (m.entries + m.value_bytes)[own].to(device)
+    first = torch.tensor([m.starts[i] for i in own], dtype=torch.int64, device=device)
+    total = int(lengths.sum())
+    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+    return m.coded[torch.arange(total, device=device) + shift]  # built where the bytes are
 
 
 def _aligned(nbytes: int) -> int:

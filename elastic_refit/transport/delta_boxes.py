@@ -23,6 +23,7 @@ from elastic_refit.kernels.delta import (
     segment_entries,
     segment_entry_counts,
     segment_positions,
+    write_elements,
 )
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
@@ -219,11 +220,11 @@ class Boxes:
             new = _take(values, at, mask, u)
             if verify:
                 moves += delta_digests(rows.index_select(0, f), new, _masked(change.local, mask) * u, _masked(box, mask), n)
-            writes.append((rows, f, new))
+            writes.append((rows, f, new, u))
 
         def write() -> None:
-            for rows, f, new in writes:
-                rows.index_copy_(0, f, new)
+            for rows, f, new, u in writes:
+                write_elements(rows.view(-1), f, new.reshape(-1), u)  # fused scatter on CUDA
         return moves, write
 
     def _apply_cpu(self, tensors, change: Change, verify: bool):
@@ -256,9 +257,10 @@ class Boxes:
         if not self.vectorized and _native is not None:
             return self._segments_native(tensors, base, {} if cache is None else cache)
         change = self.code(tensors, base, {}, verify)
-        entries = segment_entry_counts(change.local.cpu(), change.counts)
-        value_bytes = change.counts * self.itemsize.cpu()
         device = change.values.device
+        # Per-box sizes come to the host (a few numbers per box); per-element work stays on the device.
+        entries = segment_entry_counts(change.local, change.counts.to(device)).cpu()
+        value_bytes = change.counts * self.itemsize.cpu()
         coded = torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8, device=device)
         ent = torch.empty(int(entries.sum()), dtype=torch.uint8, device=device)
         segment_entries(change.local.to(device), change.counts.to(device), ent)
@@ -400,13 +402,14 @@ def segment_places(entries: torch.Tensor, value_bytes: torch.Tensor,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each entry byte and each value byte of boxes coded back to back (entries then
     values, per box) sit among the segments."""
+    entries, value_bytes = entries.to(device), value_bytes.to(device)
     lengths = entries + value_bytes
     starts = torch.cumsum(lengths, 0) - lengths
 
     def places(counts: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         total = int(counts.sum())
         before = torch.cumsum(counts, 0) - counts
-        return (torch.arange(total) + torch.repeat_interleave(first - before, counts)).to(device)
+        return torch.arange(total, device=device) + torch.repeat_interleave(first - before, counts, output_size=total)
 
     return places(entries, starts), places(value_bytes, starts + entries)
 
@@ -414,12 +417,14 @@ def segment_places(entries: torch.Tensor, value_bytes: torch.Tensor,
 def gather_segments(coded: torch.Tensor, starts: list[int], entries: torch.Tensor, value_bytes: torch.Tensor,
                      boxes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries and the values of ``boxes`` (their segments in ``coded``), back to back."""
-    e, v = entries[boxes], value_bytes[boxes]
-    first = torch.tensor([starts[i] for i in boxes], dtype=torch.int64)
+    pick = torch.tensor(boxes, dtype=torch.int64)
+    e, v = entries.cpu()[pick].to(device), value_bytes.cpu()[pick].to(device)
+    first = torch.tensor([starts[i] for i in boxes], dtype=torch.int64, device=device)
     lengths = e + v
+    total = int(lengths.sum())
     e_at, v_at = segment_places(e, v, device)
-    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths).to(device)
-    flat = torch.arange(int(lengths.sum()), device=device) + shift  # where the boxes' bytes sit in ``coded``
+    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+    flat = torch.arange(total, device=device) + shift  # where the boxes' bytes sit in ``coded``
     picked = coded[flat]
     return picked[e_at], picked[v_at]
 

@@ -1,0 +1,100 @@
+"""Triton source of the delta kernels (private; ``kernels.delta_triton`` launches them).
+
+Loaded by ``kernels._triton_backend.load_source`` twice, like ``_triton_copy.py``: compiled
+for CUDA and as a separate interpreted module for CPU tests.
+
+Every kernel is 1-D and blocked: program ``p`` owns elements ``[p * BLOCK, (p + 1) * BLOCK)``
+of a flat run of integers (one integer per element: int8, int16, int32 or int64 views, so
+the comparison is bit for bit).
+
+- ``flag_kernel``: compare ``current`` with ``base``; per block the number of changed
+  elements (``counts[p]``) and one bit per element (``bits``, 8 per byte, element ``j`` of a
+  block in bit ``j % 8`` of byte ``j // 8``). It reads both inputs once and writes 1/8 byte
+  per element, so the second pass need not read ``base`` again.
+- ``compact_kernel``: from the bits and each block's first output slot (``starts``: an
+  exclusive scan of ``counts``, torch's cumsum on the host side), write each changed
+  element's index (int64, ascending) and, with ``VALUES``, its value from ``current``
+  (a load masked to the changed lanes: only their sectors are read).
+- ``scatter_kernel``: ``target[index[i]] = values[i]`` (the apply).
+
+Offsets are int64 when ``WIDE`` (runs of 2**31 elements or more), int32 otherwise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.standard import _sum_combine
+
+__all__ = ["compact_kernel", "flag_kernel", "scatter_kernel"]
+
+if globals().get("_KERNELS_INTERPRET", False):
+    from triton.runtime.interpreter import InterpretedFunction as _jit
+else:
+    _jit = triton.jit
+
+
+@_jit
+def _sum(x, axis: tl.constexpr):
+    """``tl.sum`` without the standard library's jit wrapper, which the interpreter (run per
+    module here, not by ``TRITON_INTERPRET``) cannot call; it knows this combine_fn."""
+    return tl.reduce(x, axis, _sum_combine)
+
+
+@_jit
+def _cumsum(x):
+    """``tl.cumsum`` of a 1-D tensor (inclusive), callable interpreted as ``_sum``."""
+    return tl.associative_scan(x, 0, _sum_combine)
+
+
+@_jit
+def flag_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
+        start = pid.to(tl.int64) * BLOCK
+    else:
+        start = pid * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    a = tl.load(cur_ptr + offs, mask=inside, other=0)
+    b = tl.load(base_ptr + offs, mask=inside, other=0)
+    flag = (a != b).to(tl.int32)  # lanes past n load 0 and 0: never flagged
+    tl.store(counts_ptr + pid, _sum(flag, 0))
+    shifts = tl.arange(0, 8)
+    packed = _sum(tl.reshape(flag, (BLOCK // 8, 8)) << shifts[None, :], 1)
+    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
+        at = pid.to(tl.int64) * (BLOCK // 8)
+    else:
+        at = pid * (BLOCK // 8)
+    tl.store(bits_ptr + at + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
+
+
+@_jit
+def compact_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
+                   WIDE: tl.constexpr, VALUES: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
+        start = pid.to(tl.int64) * BLOCK
+    else:
+        start = pid * BLOCK
+    lane = tl.arange(0, BLOCK)
+    # Each lane reads its element's byte of bits (8 lanes share one) and takes its bit.
+    byte = tl.load(bits_ptr + (start // 8) + (lane // 8)).to(tl.int32)
+    flag = (byte >> (lane % 8)) & 1
+    changed = flag != 0
+    slot = tl.load(starts_ptr + pid) + (_cumsum(flag) - flag).to(tl.int64)
+    offs = start + lane
+    tl.store(index_ptr + slot, offs.to(tl.int64), mask=changed)
+    if VALUES:
+        value = tl.load(cur_ptr + offs, mask=changed, other=0)
+        tl.store(values_ptr + slot, value, mask=changed)
+
+
+@_jit
+def scatter_kernel(target_ptr, index_ptr, values_ptr, k, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < k
+    at = tl.load(index_ptr + offs, mask=inside, other=0)
+    value = tl.load(values_ptr + offs, mask=inside, other=0)
+    tl.store(target_ptr + at, value, mask=inside)
