@@ -6,6 +6,9 @@ action before the k-th matching operation is posted (raise a transport fault, SI
 process, ...), to delay every operation, or to corrupt what the next send puts on the
 wire. Everything else goes to the wrapped transport unchanged.
 
+A wrapped transport that reads same-host peers' memory directly (CUDA IPC) keeps doing so:
+the direct-read interface is forwarded, and mapping a peer counts as a receive.
+
 :func:`fault_hooks` makes the hooks a context is given (``ElasticRefit(..., hooks=...)``):
 a phase hook, and every epoch's transport a :class:`FaultyTransport`, so that a hook firing
 at ``transfer.before`` finds ``context["transport"]`` ready to be programmed.
@@ -137,6 +140,29 @@ class FaultyTransport:
 
     def wait(self, work: Work, peer: int, what: str) -> None:
         self.inner.wait(work.work if isinstance(work, _KeptWork) else work, peer, what)
+
+    # ---- direct reads (an inner IpcTransport's; AttributeError where it has none) -----
+    # Unforwarded, a wrapped rank would move its same-host messages through post() while
+    # its unwrapped peers read them directly: the two ends of a message would disagree.
+    @property
+    def direct_peers(self) -> frozenset[int]:
+        return self.inner.direct_peers  # type: ignore[attr-defined]
+
+    @property
+    def moved(self) -> dict[str, int]:
+        return self.inner.moved  # type: ignore[attr-defined]
+
+    def share(self, buffers):
+        return self.inner.share(buffers)  # type: ignore[attr-defined]
+
+    def peer_buffers(self, peer, gen, specs):
+        """Mapping a peer's buffers starts reading its messages: an operation a fault may
+        be programmed before (as a receive)."""
+        self._before("recv")
+        return self.inner.peer_buffers(peer, gen, specs)  # type: ignore[attr-defined]
+
+    def fence_reads(self) -> None:
+        self.inner.fence_reads()  # type: ignore[attr-defined]
 
     def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
         return self.inner.vote(ok, participants)

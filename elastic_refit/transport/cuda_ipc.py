@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HANDLE_BYTES", "IpcExport", "MappedSegment", "export_tensor", "open_mappings"]
+__all__ = ["HANDLE_BYTES", "IpcExport", "MappedSegment", "export_tensor", "mapped", "open_mappings"]
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -145,16 +145,26 @@ class MappedSegment:
         return raw.view(dtype).view(shape)
 
     def close(self) -> None:
-        """Unmap; idempotent."""
+        """Unmap; idempotent. A mapping the driver refused to unmap stays counted by
+        :func:`open_mappings` (a leak check must see it), and the error is raised."""
         if self.closed:
             return
         self.closed = True
+        # The driver API acts on the calling thread's context: a thread that never used the
+        # device (a close at exit, on another thread than the reads) would have none.
+        _bind_context(self.device)
+        _check(_cuda().cuIpcCloseMemHandle(self.ptr), "cuIpcCloseMemHandle")
         with _lock:
             _open.pop(self.ptr, None)
-        _check(_cuda().cuIpcCloseMemHandle(self.ptr), "cuIpcCloseMemHandle")
 
 
 def open_mappings() -> int:
     """How many other processes' allocations this process has mapped now."""
     with _lock:
         return len(_open)
+
+
+def mapped() -> list[str]:
+    """What :func:`open_mappings` counts, as ``address+bytes`` (for leak reports)."""
+    with _lock:
+        return [f"{ptr:#x}+{seg.nbytes}" for ptr, seg in sorted(_open.items())]

@@ -18,6 +18,11 @@ finishes its pending writes, then signals each of its readers with its registrat
 generation; a reader maps what it was told, copies, and finishes its copies before the
 executor's closing vote, which every source waits for: no source changes or frees what is
 read before the readers are done, and a source that died before its signal fails the read.
+Deliveries are read before the network exchange, fan-outs (bytes the source itself received
+over the network in this refit) after it, each stage behind its own signal. The transport is
+told when copies were queued (``fence_reads``), so that releasing its mappings waits for
+those copies and nothing else (never the whole device: a collective stuck on a dead peer
+would hold that wait for good).
 
 Which messages are direct (:func:`split_direct`, decided alike on both sides): intra-domain
 messages whose peer is in the transport's ``direct_peers``. Network messages and the
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_refit.layout import DTYPE_ITEMSIZE, Buffer
-from elastic_refit.plan import Plan, TransferKind
+from elastic_refit.plan import Phase, Plan, TransferKind
 from elastic_refit.transport.bucket_io import contiguous_span
 from elastic_refit.transport.options import ExecutorOptions
 from elastic_refit.transport.protocol import P2POp, Transport
@@ -183,10 +188,47 @@ def _sent_message(sender: RankSchedule, me: int, phase: int, round_: int) -> Mes
     raise ValueError(f"rank {sender.rank}'s schedule sends nothing to rank {me} in phase {phase} round {round_}")
 
 
+class _Stage:
+    """The direct messages of one stage: the readers this rank signals, the sources it reads
+    from, and its copies (one launch per kind for every source at once)."""
+
+    def __init__(self, sends, recvs, me: int, senders: Mapping[int, RankSchedule], mine: RankSchedule,
+                 device: torch.device, options: ExecutorOptions) -> None:
+        self.readers = sorted({m.peer for _, _, m in sends})
+        self.sources = sorted({m.peer for _, _, m in recvs})
+        self.copies = c = plan_direct_copies(recvs, me, senders, mine, options.staging_bytes)
+        self.source_specs = {key: senders[key[0]].buffers[key[1]] for key in c.sources}
+        src_shapes = [self.source_specs[k].shape for k in c.sources]
+        src_dtypes = [getattr(torch, self.source_specs[k].dtype) for k in c.sources]
+        dst_shapes = [mine.buffers[r].shape for r in c.targets]
+        dst_dtypes = [getattr(torch, mine.buffers[r].dtype) for r in c.targets]
+        backend = options.pack_backend
+
+        def prog(shapes, dtypes, items, gather):
+            return SpanCopy(shapes, dtypes, items, gather=gather, device=device, backend=backend)
+
+        self.gather = prog(src_shapes, src_dtypes, c.gather, True)
+        self.scatter = prog(dst_shapes, dst_dtypes, c.scatter, False)
+        self.staged = [(prog(src_shapes, src_dtypes, g, True), prog(dst_shapes, dst_dtypes, s, False), n)
+                       for g, s, n in c.staged]
+
+    @property
+    def empty(self) -> bool:
+        return not self.readers and not self.sources
+
+
 class DirectReads:
     """One rank's direct messages of a plan over a transport with ``direct_peers`` (and
     ``share`` / ``peer_buffers``, see :class:`~elastic_refit.transport.ipc.IpcTransport`):
-    built once per (plan, epoch), :meth:`run` every refit."""
+    built once per (plan, epoch); every refit calls :meth:`run` before the network
+    exchange and :meth:`run_fan_out` after it.
+
+    Two stages, because a fan-out's source holds its bytes only once the network phase
+    delivered them to it: the deliveries (phase ``DELIVER``: source pieces, final when the
+    refit starts) are read first, the fan-outs (phase ``FAN_OUT``: what the source rank
+    received in this refit) once every rank's network exchange is done, each stage after
+    its own signal from the source. Read earlier, a fan-out copied what the buffers held
+    before the refit."""
 
     def __init__(self, plan: Plan, schedule: RankSchedule, transport: Transport, options: ExecutorOptions) -> None:
         self.transport = transport
@@ -194,68 +236,83 @@ class DirectReads:
         self.rank = transport.rank
         split = split_direct(schedule, frozenset(transport.direct_peers))  # type: ignore[attr-defined]
         self.network_schedule = split.schedule
-        self.readers = sorted({m.peer for _, _, m in split.sends})
         self.exported = sorted({b.buffer for _, _, m in split.sends for bk in m.buckets for b in bk.boxes})
         senders = {p: build_rank_schedule(plan, p) for p in sorted({m.peer for _, _, m in split.recvs})}
+        fan_out = int(Phase.FAN_OUT)
+
+        def stage(later: bool) -> _Stage:
+            sends = tuple(x for x in split.sends if (x[0] >= fan_out) == later)
+            recvs = tuple(x for x in split.recvs if (x[0] >= fan_out) == later)
+            return _Stage(sends, recvs, self.rank, senders, schedule, self.device, options)
+
+        self.stages = (stage(False), stage(True))
+        self.readers = sorted(set().union(*(s.readers for s in self.stages)))
         self.sources = sorted(senders)
-        self.copies = plan_direct_copies(split.recvs, self.rank, senders, schedule, options.staging_bytes)
-        c = self.copies
-        self.source_specs = {key: senders[key[0]].buffers[key[1]] for key in c.sources}
-        src_shapes = [self.source_specs[k].shape for k in c.sources]
-        src_dtypes = [getattr(torch, self.source_specs[k].dtype) for k in c.sources]
-        dst_shapes = [schedule.buffers[r].shape for r in c.targets]
-        dst_dtypes = [getattr(torch, schedule.buffers[r].dtype) for r in c.targets]
-        backend = options.pack_backend
-
-        def prog(shapes, dtypes, items, gather):
-            return SpanCopy(shapes, dtypes, items, gather=gather, device=self.device, backend=backend)
-
-        self._gather = prog(src_shapes, src_dtypes, c.gather, True)
-        self._scatter = prog(dst_shapes, dst_dtypes, c.scatter, False)
-        self._staged = [(prog(src_shapes, src_dtypes, g, True), prog(dst_shapes, dst_dtypes, s, False), n)
-                        for g, s, n in c.staged]
+        self._gen = 0
+        staged = [n for s in self.stages for _, _, n in s.staged]
+        self._staging_bytes = max(staged, default=0)
         self._staging: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes this rank reads directly per refit."""
-        return self.copies.nbytes
+        return sum(s.copies.nbytes for s in self.stages)
 
     def run(self, tensors: Mapping[BufferRef, torch.Tensor]) -> int:
-        """Share this rank's read buffers, signal its readers, read from its sources; the
-        copies are queued on the current stream (the caller synchronises before its vote).
-        Returns the bytes read."""
+        """The first stage: share this rank's read buffers (all of them, for both stages),
+        signal its readers of deliveries, read its deliveries; the copies are queued on the
+        current stream. Returns the bytes read."""
         t = self.transport
-        gen = t.share({ref: tensors[ref] for ref in self.exported}) if self.exported else 0  # type: ignore[attr-defined]
-        if self.readers and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # what readers read is final before they are told
-        mine = torch.tensor([gen], dtype=torch.int64, device=self.device)
-        theirs = torch.zeros(len(self.sources), dtype=torch.int64, device=self.device)
-        ops = [P2POp("send", mine, p, DIRECT_TAG) for p in self.readers]
-        ops += [P2POp("recv", theirs[i : i + 1], p, DIRECT_TAG) for i, p in enumerate(self.sources)]
-        if ops:
-            for op, work in zip(ops, t.post(ops), strict=True):
-                t.wait(work, op.peer, f"direct-read signal {'to' if op.op == 'send' else 'from'} rank {op.peer}")
-        if not self.sources:
+        self._gen = t.share({ref: tensors[ref] for ref in self.exported}) if self.exported else 0  # type: ignore[attr-defined]
+        return self._run_stage(self.stages[0], tensors)
+
+    def run_fan_out(self, tensors: Mapping[BufferRef, torch.Tensor]) -> int:
+        """The second stage, once this rank's network exchange is done (what it received is
+        in its buffers): signal its fan-out readers, read its fan-outs."""
+        return self._run_stage(self.stages[1], tensors)
+
+    def _run_stage(self, stage: _Stage, tensors: Mapping[BufferRef, torch.Tensor]) -> int:
+        if stage.empty:
             return 0
-        gens = dict(zip(self.sources, theirs.tolist(), strict=True))
+        t = self.transport
+        if stage.readers and self.device.type == "cuda":
+            # What readers read is final before they are told: the executor's writes (local
+            # copies, the network phase's unpacks) are on the current stream. Not the whole
+            # device: a parked communicator's collective stuck on a dead peer never ends.
+            torch.cuda.current_stream(self.device).synchronize()
+        mine = torch.tensor([self._gen], dtype=torch.int64, device=self.device)
+        theirs = torch.zeros(len(stage.sources), dtype=torch.int64, device=self.device)
+        ops = [P2POp("send", mine, p, DIRECT_TAG) for p in stage.readers]
+        ops += [P2POp("recv", theirs[i : i + 1], p, DIRECT_TAG) for i, p in enumerate(stage.sources)]
+        for op, work in zip(ops, t.post(ops), strict=True):
+            t.wait(work, op.peer, f"direct-read signal {'to' if op.op == 'send' else 'from'} rank {op.peer}")
+        if not stage.sources:
+            return 0
+        gens = dict(zip(stage.sources, theirs.tolist(), strict=True))
         mapped: dict[SourceKey, torch.Tensor] = {}
-        for p in self.sources:
-            specs = {ref: spec for (peer, ref), spec in self.source_specs.items() if peer == p}
+        for p in stage.sources:
+            specs = {ref: spec for (peer, ref), spec in stage.source_specs.items() if peer == p}
             views = t.peer_buffers(p, gens[p], specs)  # type: ignore[attr-defined]
             mapped.update({(p, ref): v for ref, v in views.items()})
-        src = [mapped[k] for k in self.copies.sources]
-        dst = [tensors[r] for r in self.copies.targets]
-        self._gather.run(src, dst)
-        self._scatter.run(dst, src)
-        if self._staged:
-            if self._staging is None:
-                size = max(n for _, _, n in self._staged)
-                self._staging = torch.empty(size, dtype=torch.uint8, device=self.device)
-            for gather, scatter, _ in self._staged:
-                gather.run(src, [self._staging])
-                scatter.run(dst, [self._staging])
+        try:
+            self._copy(stage, [mapped[k] for k in stage.copies.sources],
+                       [tensors[r] for r in stage.copies.targets])
+        finally:
+            # Whatever was queued reads mapped memory: nothing is unmapped before it is done.
+            fence = getattr(t, "fence_reads", None)
+            if fence is not None:
+                fence()
         moved = getattr(t, "moved", None)
         if moved is not None:
-            moved["direct"] += self.copies.nbytes
-        return self.copies.nbytes
+            moved["direct"] += stage.copies.nbytes
+        return stage.copies.nbytes
+
+    def _copy(self, stage: _Stage, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+        stage.gather.run(src, dst)
+        stage.scatter.run(dst, src)
+        if stage.staged:
+            if self._staging is None:
+                self._staging = torch.empty(self._staging_bytes, dtype=torch.uint8, device=self.device)
+            for gather, scatter, _ in stage.staged:
+                gather.run(src, [self._staging])
+                scatter.run(dst, [self._staging])

@@ -211,6 +211,8 @@ class Executor:
                 self._direct.run(tensors)
             for window, slots in zip(self.windows, self._slots, strict=True):
                 self._exchange(window, slots, tensors, counts)
+            if self._direct is not None:  # fan-outs read what the network phase delivered
+                self._direct.run_fan_out(tensors)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException as exc:

@@ -12,9 +12,11 @@ colocated job can run with gloo alone for its control and its few network bytes.
 Memory: a source shares its read buffers' IPC handles through the epoch's store once per
 set of addresses (``ipc/{rank}/{generation}``; a new generation when an address changes);
 a reader maps each peer's allocations once per generation. Every mapping is released when
-the transport is closed or aborted, i.e. on every epoch change, after the device has
-finished the reads in flight; :func:`~elastic_refit.transport.cuda_ipc.open_mappings`
-counts what a process still has mapped.
+the transport is closed or aborted, i.e. on every epoch change, once the reads queued on it
+are done (:meth:`IpcTransport.fence_reads`: an event after them, never a device-wide
+synchronisation, which would wait for good on a collective stuck on a dead peer);
+:func:`~elastic_refit.transport.cuda_ipc.open_mappings` counts what a process still has
+mapped.
 
 Made by :func:`elastic_refit.transport.factory.with_direct_reads`; :func:`same_host_peers`
 is the routing decision (pure).
@@ -85,6 +87,7 @@ class IpcTransport:
         self._shared: tuple | None = None
         self._peers: dict[int, _Peer] = {}
         self._closed = False
+        self._reads: Any = None  # a CUDA event after the last direct reads queued (fence_reads)
         # Bytes received, by route, over the transport's life (benchmarks check the split).
         self.moved = {"direct": 0, "base": 0}
 
@@ -144,7 +147,8 @@ class IpcTransport:
         return self.base.vote(ok, participants)
 
     def abort(self) -> None:
-        """Release every mapping, then abort the base (peers fail fast)."""
+        """Release every mapping (once the reads queued on it are done), then abort the
+        base (peers fail fast)."""
         self._release()
         self.base.abort()
 
@@ -178,6 +182,7 @@ class IpcTransport:
         state = self._peers.get(peer)
         if state is None or state.gen != gen:
             if state is not None:
+                self._wait_reads()  # the old generation's views may still be read
                 self._unmap(peer)
             state = self._peers[peer] = _Peer(gen)
             raw = self.store.get(f"ipc/{peer}/{gen}")
@@ -191,10 +196,19 @@ class IpcTransport:
                     seg = state.segments[e.handle] = MappedSegment(e.handle, self.device)
                 spec = specs[ref]
                 state.views[ref] = seg.view(e.offset, e.nbytes, getattr(torch, spec.dtype), spec.shape)
+            log.info("transport.ipc.mapped", rank=self.rank, peer=peer, generation=gen, buffers=len(state.views),
+                     segments=len(state.segments), bytes=sum(seg.nbytes for seg in state.segments.values()))
         missing = sorted(set(specs) - set(state.views))
         if missing:
             raise ValueError(f"rank {peer} shared no buffer {missing[0][1]!r} in generation {gen}")
         return {ref: state.views[ref] for ref in specs}
+
+    def fence_reads(self) -> None:
+        """The direct reads queued so far on the current stream read mapped memory: no
+        mapping is released before they are done."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._reads = event
 
     @property
     def num_mapped(self) -> int:
@@ -209,16 +223,25 @@ class IpcTransport:
         for seg in state.segments.values():
             try:
                 seg.close()
-            except Exception as exc:  # a dead exporter: the mapping is gone either way
+            except Exception as exc:  # still counted by open_mappings: the leak checks see it
                 log.warning("transport.ipc.unmap_failed", rank=self.rank, peer=peer, error=brief(exc))
+
+    def _wait_reads(self) -> None:
+        """No read in flight touches what is unmapped next. Only the reads: a device-wide
+        synchronisation would also wait for the base's collectives, and one stuck on a peer
+        that died (the reason for an abort) ends only when its communicator is aborted,
+        which comes after the release."""
+        reads, self._reads = self._reads, None
+        if reads is not None:
+            try:
+                reads.synchronize()
+            except Exception as exc:
+                log.warning("transport.ipc.sync_failed", rank=self.rank, error=brief(exc))
 
     def _release(self) -> None:
         if not self._peers:
             return
-        try:
-            torch.cuda.synchronize(self.device)  # no read in flight touches what is unmapped
-        except Exception as exc:
-            log.warning("transport.ipc.sync_failed", rank=self.rank, error=brief(exc))
+        self._wait_reads()
         for peer in list(self._peers):
             self._unmap(peer)
         log.info("transport.ipc.released", rank=self.rank)

@@ -7,10 +7,12 @@ where the IPC transport hands out views of its mapped memory (tests/gpu covers t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from elastic_refit.layout import parse_spec
+from elastic_refit.layout import Buffer, parse_spec
 from elastic_refit.layout.core import Topology
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.layout.refit import model_refit_spec
@@ -53,6 +55,9 @@ class _Base:
         self.aborted = False
 
     def close(self):
+        self.aborted = True
+
+    def abort(self):
         self.aborted = True
 
 
@@ -201,3 +206,87 @@ def test_direct_reads_land_every_byte(backend, case):
         assert check_pieces(plan.destination, r, buffers[r][1], seed=5) == []
     assert sum(readers[r].nbytes for r in world) == sum(
         build_rank_schedule(plan, r).bytes_by_kind()["intra_recv"] for r in world)
+
+
+class _Store:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, key, value):
+        self.kv[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.kv[key]
+
+
+class _Segment:
+    """A mapping of a peer's allocation, as the IPC transport sees one (no CUDA here)."""
+
+    def __init__(self, handle, device):
+        self.handle, self.nbytes, self.closed = handle, 1 << 20, False
+
+    def view(self, offset, nbytes, dtype, shape):
+        return torch.empty(shape, dtype=dtype)
+
+    def close(self):
+        self.closed = True
+
+
+class _Event:
+    def __init__(self):
+        self.waited = False
+
+    def record(self, stream):
+        pass
+
+    def synchronize(self):
+        self.waited = True
+
+
+def test_releasing_mappings_waits_for_the_reads_never_for_the_device(monkeypatch):
+    """An abort comes after a collective failed, and one stuck on a dead peer ends only when
+    its communicator is aborted (later): a device-wide synchronisation there would hang for
+    good. Releasing waits for the direct reads queued on the transport, then unmaps."""
+    from elastic_refit.transport import cuda_ipc
+    from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport
+
+    def device_sync(*_a, **_k):
+        raise AssertionError("the device was synchronised")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_sync)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    made = []
+    monkeypatch.setattr(cuda_ipc, "MappedSegment", lambda h, d: made.append(_Segment(h, d)) or made[-1])
+    store = _Store()
+    for gen in (1, 2):
+        store.set(f"ipc/1/{gen}", json.dumps([[0, "w", *IpcExport(bytes([gen]) * HANDLE_BYTES, 0, 64).to_json()]]))
+    base = _Base(0, 2)
+    ipc = IpcTransport(base, store, frozenset({1}), torch.device("cuda:0"))
+    specs = {(0, "w"): Buffer(1, "w", (4, 4), "float32")}
+    ipc.peer_buffers(1, 1, specs)
+    ipc.fence_reads()
+    first_reads = ipc._reads
+    ipc.peer_buffers(1, 2, specs)  # the peer's buffers moved: generation 1 goes, once read
+    assert first_reads.waited and made[0].closed and not made[1].closed and ipc.num_mapped == 1
+    ipc.fence_reads()
+    second_reads = ipc._reads
+    ipc.abort()
+    assert second_reads.waited and made[1].closed and ipc.num_mapped == 0 and base.aborted
+
+
+def test_a_faulty_transport_keeps_the_direct_reads_of_the_transport_it_wraps():
+    """Chaos wraps a member's transport only where a fault may fire: unforwarded, that rank
+    would move its same-host messages through post() while its peers read them directly."""
+    from elastic_refit.testing.faults import FaultyTransport
+
+    assert getattr(FaultyTransport(_Base(0, 2)), "direct_peers", None) is None
+    plan = _plan(layers=1, bucket=1 << 10, model=TINY_MOE)
+    peers = _Peers(plan, 4, {}, torch.device("cpu"), 8)
+    wrapped = FaultyTransport(peers)
+    assert wrapped.direct_peers == peers.direct_peers and wrapped.share({}) == 7
+    fired = []
+    wrapped.inject(lambda: fired.append(True), after=0, op="recv")
+    with pytest.raises(KeyError):  # _Peers has no buffers here: the mapping itself is not the point
+        wrapped.peer_buffers(0, 7, {(0, "x"): None})
+    assert fired == [True]  # mapping a peer counts as a receive: a transfer fault can fire there
