@@ -11,7 +11,7 @@ violation has a category that the runner counts:
 - ``hung``: the trial ran past its deadline, a live member never reported, or a member
   gave up on a timeout.
 - ``leaked``: etcd leases outlived every member, processes outlived the trial, or a
-  member's process kept TCP sockets or threads after it closed.
+  member's process kept TCP sockets, threads or CUDA IPC mappings after it closed.
 - ``unsafe``: epochs did not strictly increase, participants of one attempt planned
   different fingerprints, a rank moved bytes / acked / committed in a stale epoch, or a
   member was fenced as a confirmed suspect although no fault killed its process (a false
@@ -319,11 +319,12 @@ def check_no_live_member_fenced(evidence: TrialEvidence) -> list[Violation]:
 _MEMBER_LEFTOVERS = (
     ("leftover_sockets", "sockets", "TCP sockets", 4),
     ("leftover_threads", "threads", "threads", 6),
+    ("leftover_ipc_mappings", "ipc_mappings", "other processes' GPU memory mapped (CUDA IPC)", 4),
 )
 
 
 def check_leaks(evidence: TrialEvidence) -> list[Violation]:
-    """No etcd lease, child process, socket or thread outlives its owner."""
+    """No etcd lease, child process, socket, thread or IPC mapping outlives its owner."""
     out = []
     if evidence.leases:
         out.append(Violation("leaked", "leases", f"etcd leases {list(evidence.leases)} outlived every member"))

@@ -183,10 +183,11 @@ class Trial:
                 return
             self.reports[inc] = payload
             w.task = None
-            # A worker that leaked sockets or threads would carry them into later
+            # A worker that leaked sockets, threads or mappings would carry them into later
             # trials: the leak is this trial's finding, and the worker is retired.
             if not w.proc.is_alive() or payload.get("error_type") == "Terminated" \
-                    or payload.get("leftover_sockets") or payload.get("leftover_threads"):
+                    or payload.get("leftover_sockets") or payload.get("leftover_threads") \
+                    or payload.get("leftover_ipc_mappings"):
                 w.proc.join(5)
                 self.pool.drop(w)
         except (EOFError, OSError):

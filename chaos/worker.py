@@ -8,21 +8,25 @@ member's ``ElasticRefit`` context closes (a graceful leave, its lease revoked).
 
 After each member the worker reports the TCP sockets and threads it still holds beyond
 its idle baseline: what a closed ``ElasticRefit`` leaks (less gRPC's process-wide poller
-thread and pooled etcd connection, which are shared and do not grow).
+thread and pooled etcd connection, which are shared and do not grow); on a GPU also the
+other processes' memory it still maps (CUDA IPC) and the bytes of live tensors before and
+after the member.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
 from typing import Any
 
-__all__ = ["Terminated", "open_tcp_sockets", "worker_main"]
+__all__ = ["Terminated", "cuda_allocated", "ipc_mappings", "open_tcp_sockets", "worker_main"]
 
 
 class Terminated(BaseException):
@@ -88,6 +92,23 @@ def _settled_leftovers(baseline_threads: int, sockets_before: set[str], etcd_end
         time.sleep(0.1)
 
 
+def ipc_mappings() -> list[str]:
+    """Other processes' GPU memory this process still maps over CUDA IPC (``address+bytes``);
+    none where nothing imported the IPC module (no direct reads ran here)."""
+    module = sys.modules.get("elastic_refit.transport.cuda_ipc")
+    return module.mapped() if module is not None else []
+
+
+def cuda_allocated() -> int | None:
+    """Bytes of this process's live tensors on its GPU, after a collection (None while it
+    has not used a GPU: nothing to measure, and no CUDA context is made for it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    gc.collect()
+    return int(torch.cuda.memory_allocated())
+
+
 def _run_member(member, hook, conn) -> dict[str, Any]:
     """``run_member``, but a member that reached the last version stays in the job (serving,
     holding its shard) until the parent says stop: a restarted rank can always catch up from
@@ -150,6 +171,7 @@ def worker_main(conn, gpu: bool = False) -> None:
         reset_state()
         terminated = False
         sockets_before = set(open_tcp_sockets())
+        allocated_before = cuda_allocated()
         with open(log_path, "a", buffering=1) as log_file:
             configure_logging(json=True, stream=log_file)
             start = time.monotonic()
@@ -170,6 +192,9 @@ def worker_main(conn, gpu: bool = False) -> None:
             sockets, threads = _settled_leftovers(baseline_threads, sockets_before, member.etcd)
             report["leftover_sockets"] = sockets
             report["leftover_threads"] = threads
+            report["leftover_ipc_mappings"] = ipc_mappings()
+            report["cuda_allocated_before"] = allocated_before
+            report["cuda_allocated_after"] = cuda_allocated()
         configure_logging(json=True, stream=devnull)  # late events of this member go nowhere
         with contextlib.suppress(Exception):
             conn.send(("report", report))

@@ -95,11 +95,13 @@ class MemberSpec:
         return TensorFormats()
 
     def refit_config(self) -> RefitConfig:
-        extra = dict(self.config)
+        """The member's ``RefitConfig``: its identity, and ``config`` over the rest (a
+        ``domain`` there wins over the member's: a colocated job's members share one)."""
+        extra = {"domain": self.domain, "mode": self.mode, **self.config}
         if self.incarnation:
             extra["incarnation"] = self.incarnation
         return RefitConfig(job=self.job, role=self.role, member_id=self.member_id, layout_rank=self.layout_rank,
-                           etcd=self.etcd, domain=self.domain, mode=self.mode, **extra)
+                           etcd=self.etcd, **extra)
 
 
 class CommitRecord:

@@ -124,9 +124,10 @@ def test_leaks_are_caught():
     e = clean()
     assert ("leaked", "leases") in categories(replace(e, leases=(42,)))
     assert ("leaked", "processes") in categories(replace(e, stray_pids=(4242,)))
-    leaky = dict(e.reports["i0-L0"], leftover_sockets=["a->b st=01"], leftover_threads=["refit-agent-i0"])
+    leaky = dict(e.reports["i0-L0"], leftover_sockets=["a->b st=01"], leftover_threads=["refit-agent-i0"],
+                 leftover_ipc_mappings=["0x7f0000000000+2097152"])
     found = categories(replace(e, reports=dict(e.reports, **{"i0-L0": leaky})))
-    assert {("leaked", "sockets"), ("leaked", "threads")} <= found
+    assert {("leaked", "sockets"), ("leaked", "threads"), ("leaked", "ipc_mappings")} <= found
 
 
 def test_only_victims_may_fail_and_every_fault_must_fire():
@@ -220,3 +221,15 @@ def test_after_a_wipe_every_member_stops_and_nothing_commits_or_is_served():
     assert check_all(replace(base, logs=before)).passed, check_all(replace(base, logs=before)).violations
     went_on = dict(stopped, **{"t0-L0": {"committed": [{"version": 1}], "problems": []}})
     assert ("unsafe", "stops_on_wipe") in categories(replace(base, logs=before, reports=went_on))
+
+
+def test_a_member_config_may_put_every_member_in_one_domain():
+    """Colocated trials (tests/gpu/test_colocated_runtime_gpu.py) give every member one
+    domain through the scenario's member config."""
+    from elastic_refit.testing.job import MemberSpec
+
+    spec = MemberSpec("job", "trainer", "t0", 0, ("localhost:2379",), "d-train",
+                      config={"domain": "host-0", "same_host": "ipc", "device": "cuda:0"})
+    config = spec.refit_config()
+    assert config.domain == "host-0" and config.transfer.same_host == "ipc"
+    assert MemberSpec("job", "trainer", "t0", 0, ("localhost:2379",), "d-train").refit_config().domain == "d-train"
