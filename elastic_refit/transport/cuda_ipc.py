@@ -34,6 +34,20 @@ class _Handle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
 
 
+def _handle_bytes(handle: _Handle) -> bytes:
+    """All 64 bytes of ``handle``. (Not ``handle.reserved``: a ``c_char`` array reads as a C
+    string, cut at its first NUL, and a handle has many.)"""
+    return bytes(handle)
+
+
+def _handle_of(raw: bytes) -> _Handle:
+    """The handle named by ``raw`` (64 bytes), NULs included (assigning ``reserved`` would
+    stop copying at the first one)."""
+    if len(raw) != HANDLE_BYTES:
+        raise ValueError(f"an IPC handle has {HANDLE_BYTES} bytes, got {len(raw)}")
+    return _Handle.from_buffer_copy(raw)
+
+
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
 _open: dict[int, MappedSegment] = {}  # base address -> mapping, this process's
@@ -103,7 +117,7 @@ def export_tensor(tensor: torch.Tensor) -> IpcExport:
     _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
     handle = _Handle()
     _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
-    return IpcExport(bytes(handle.reserved), ptr - base.value, tensor.numel() * tensor.element_size())
+    return IpcExport(_handle_bytes(handle), ptr - base.value, tensor.numel() * tensor.element_size())
 
 
 class _Window:
@@ -121,8 +135,7 @@ class MappedSegment:
     def __init__(self, handle: bytes, device: torch.device) -> None:
         _bind_context(device)
         lib = _cuda()
-        raw = _Handle()
-        raw.reserved = handle
+        raw = _handle_of(handle)
         ptr = ctypes.c_uint64()
         _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         base, size = ctypes.c_uint64(), ctypes.c_size_t()

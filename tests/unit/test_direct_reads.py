@@ -290,3 +290,18 @@ def test_a_faulty_transport_keeps_the_direct_reads_of_the_transport_it_wraps():
     with pytest.raises(KeyError):  # _Peers has no buffers here: the mapping itself is not the point
         wrapped.peer_buffers(0, 7, {(0, "x"): None})
     assert fired == [True]  # mapping a peer counts as a receive: a transfer fault can fire there
+
+
+def test_ipc_handles_keep_their_nul_bytes():
+    """A CUDA IPC handle is 64 raw bytes with many NULs: read as a ``c_char`` array (a C
+    string) it was cut at the first, and assigned as one the rest was dropped; every
+    export failed (a handle of fewer than 64 bytes) and no import named its allocation."""
+    from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport, _handle_bytes, _handle_of
+
+    raw = bytes([0x41, 0, 0, 7] + [0] * 28 + list(range(1, 33)))
+    assert len(raw) == HANDLE_BYTES
+    handle = _handle_of(raw)
+    assert _handle_bytes(handle) == raw
+    assert IpcExport.from_json(IpcExport(raw, 16, 64).to_json()).handle == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        _handle_of(raw[:10])
