@@ -10,7 +10,8 @@ go to ``base``; a GPU buffer posted to a CPU base (gloo) is staged through host 
 colocated job can run with gloo alone for its control and its few network bytes.
 
 Memory: a source shares its read buffers' IPC handles through the epoch's store once per
-set of addresses (``ipc/{rank}/{generation}``; a new generation when an address changes);
+set of allocations (``ipc/{rank}/{generation}``; the handles are taken every refit, and a
+new generation is written when one changed, even at the same address);
 a reader maps each peer's allocations once per generation. Every mapping is released when
 the transport is closed or aborted, i.e. on every epoch change, once the reads queued on it
 are done (:meth:`IpcTransport.fence_reads`: an event after them, never a device-wide
@@ -84,7 +85,7 @@ class IpcTransport:
         self.direct_peers = frozenset(direct_peers)
         self._capabilities = dataclasses.replace(base.capabilities, device=device)
         self._gen = 0
-        self._shared: tuple | None = None
+        self._shared: list | None = None
         self._peers: dict[int, _Peer] = {}
         self._closed = False
         self._reads: Any = None  # a CUDA event after the last direct reads queued (fence_reads)
@@ -161,15 +162,20 @@ class IpcTransport:
     # ---- direct reads ----------------------------------------------------------------
     def share(self, buffers: Mapping[BufferRef, torch.Tensor]) -> int:
         """Make ``buffers`` readable by this rank's direct peers; returns the generation
-        readers map (a new one, written to the store, when an address changed)."""
-        key = tuple((ref, t.data_ptr(), t.numel() * t.element_size()) for ref, t in sorted(buffers.items()))
-        if key != self._shared:
-            from elastic_refit.transport.cuda_ipc import export_tensor
+        readers map (a new one, written to the store, when an allocation changed).
 
-            exports = [[side, name, *export_tensor(t).to_json()] for (side, name), t in sorted(buffers.items())]
+        The handles are taken anew every time, not only when an address moved: memory freed
+        to the driver (``torch.cuda.empty_cache()``, which colocated trainers call to make
+        room for the engine) and allocated again may come back at the same address as
+        another allocation, which a reader's old mapping does not show (it would read the
+        old memory, and no digest covers a direct read)."""
+        from elastic_refit.transport.cuda_ipc import export_tensor
+
+        exports = [[side, name, *export_tensor(t).to_json()] for (side, name), t in sorted(buffers.items())]
+        if exports != self._shared:
             self._gen += 1
             self.store.set(f"ipc/{self.rank}/{self._gen}", json.dumps(exports))
-            self._shared = key
+            self._shared = exports
             log.info("transport.ipc.shared", rank=self.rank, generation=self._gen, buffers=len(exports))
         return self._gen
 

@@ -305,3 +305,21 @@ def test_ipc_handles_keep_their_nul_bytes():
     assert IpcExport.from_json(IpcExport(raw, 16, 64).to_json()).handle == raw
     with pytest.raises(ValueError, match="64 bytes"):
         _handle_of(raw[:10])
+
+
+def test_a_source_shares_a_new_generation_when_an_allocation_changes_at_the_same_address(monkeypatch):
+    """Memory freed to the driver (empty_cache) and allocated again can sit at the same
+    address in another allocation: a reader's old mapping would not show it. The handles are
+    compared every refit, not the addresses."""
+    from elastic_refit.transport import cuda_ipc
+    from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport
+
+    allocation = {"handle": b"\x01" * HANDLE_BYTES}
+    monkeypatch.setattr(cuda_ipc, "export_tensor", lambda t: IpcExport(allocation["handle"], 0, 64))
+    store = _Store()
+    ipc = IpcTransport(_Base(0, 2), store, frozenset({1}), torch.device("cuda:0"))
+    w = torch.zeros(16)
+    assert ipc.share({(0, "w"): w}) == 1
+    assert ipc.share({(0, "w"): w}) == 1 and list(store.kv) == ["ipc/0/1"]  # nothing changed: no write
+    allocation["handle"] = b"\x02" * HANDLE_BYTES  # same tensor, same address, another allocation
+    assert ipc.share({(0, "w"): w}) == 2 and "ipc/0/2" in store.kv
