@@ -44,8 +44,16 @@ _RESULTS: list = []  # every trial of the module, for the leak test at its end
 
 @pytest.fixture(scope="module")
 def run():
-    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")))
+    # Under the GPU session's $OUT, a failed trial's logs come back with the session's files.
+    out = os.environ.get("OUT")
+    root = {"root": os.path.join(out, "colocated_chaos")} if out and os.path.isdir(out) else {}
+    if root:
+        os.makedirs(root["root"], exist_ok=True)
+    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")),
+                     **root)
     yield chaos
+    if any(not r.verdict.passed for r in _RESULTS):
+        chaos.keep_logs = True  # close() would remove the failed trials' logs with the rest
     assert chaos.close() == [], "processes outlived the run"
 
 
