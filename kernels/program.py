@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import _triton_backend
+from .binding import PackBinding
 from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
 from .reference import cast_copy, copy_reference
 
@@ -393,72 +394,6 @@ class PackProgram:
             f"PackProgram(tensors={len(self.shapes)}, regions={len(self.regions)}, "
             f"nbytes={self.nbytes}, backend={self.backend!r}, device={str(self.device)!r})"
         )
-
-
-class PackBinding:
-    """A program bound to fixed tensors and one buffer: the hot path of a refit loop.
-
-    Keeps references to the tensors and the buffer, so their addresses stay valid while bound.
-    """
-
-    __slots__ = ("_desc", "_graphs", "buf", "cuda_graph", "program", "tensors")
-
-    def __init__(
-        self,
-        program: PackProgram,
-        tensors: tuple[torch.Tensor, ...],
-        buf: torch.Tensor,
-        cuda_graph: bool = False,
-    ):
-        self.program = program
-        self.tensors = tensors
-        self.buf = buf
-        self.cuda_graph = cuda_graph
-        self._desc = program._resolved(tensors, buf) if program._plan is not None else None
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-
-    def pack(self) -> torch.Tensor:
-        """Pack the bound tensors into the bound buffer; returns the buffer."""
-        self._copy(pack=True)
-        return self.buf
-
-    def unpack(self) -> None:
-        """Unpack the bound buffer into the bound tensors."""
-        p = self.program
-        if p._unpack_conflict is not None:
-            raise ValueError(f"cannot unpack: {p._unpack_conflict}")
-        self._copy(pack=False)
-
-    def _copy(self, pack: bool) -> None:
-        p = self.program
-        if p._plan is None:
-            copy_reference(p._byte_regions, self.tensors, self.buf, pack=pack)
-        elif p._plan.num_tiles:
-            self._run(pack)
-        if p._cast_regions:
-            cast_copy(p._cast_regions, self.tensors, self.buf, p.packed_dtypes, pack=pack)
-
-    def _launch(self, pack: bool) -> None:
-        assert self._desc is not None
-        self.program._launch(self.buf, self._desc, pack)
-
-    def _run(self, pack: bool) -> None:
-        if not self.cuda_graph:
-            self._launch(pack)
-            return
-        graph = self._graphs.get(pack)
-        if graph is None:
-            # The first launch compiles (outside the capture); it also does this call's work.
-            self._launch(pack)
-            side = torch.cuda.Stream(self.buf.device)
-            side.wait_stream(torch.cuda.current_stream(self.buf.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                self._launch(pack)
-            torch.cuda.current_stream(self.buf.device).wait_stream(side)
-            self._graphs[pack] = graph
-            return
-        graph.replay()
 
 
 def _canonical_device(device: torch.device) -> torch.device:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from elastic_refit.kernels import BoxRegion, PackProgram
+from elastic_refit.kernels import _triton_backend as tb
 
 from tests.unit.test_kernels import DTYPES, random_program
 
@@ -163,3 +164,83 @@ def test_binding_with_cuda_graph_replays():
         for a, b in zip(dst, want_dst, strict=True):
             assert torch.equal(as_bytes(a), as_bytes(b)), f"step {step}"
     assert set(pack_b._graphs) == {True} and set(unpack_b._graphs) == {False}
+
+
+# ---- direct launches (issue 39): after the first call, straight to the compiled kernel -----
+def _small_vectors(n: int, length: int, dtype: torch.dtype) -> tuple[list, list, list]:
+    isz = torch.empty((), dtype=dtype).element_size()
+    shapes = [(length,)] * n
+    return shapes, [dtype] * n, [BoxRegion(i, (0,), (length,), i * length * isz) for i in range(n)]
+
+
+@pytest.mark.parametrize("buf_off", [0, 2, 8])  # each alignment of the buffer its own specialisation
+def test_bound_calls_launch_directly_and_stay_bit_exact(buf_off):
+    gen = torch.Generator(device=DEV).manual_seed(11 + buf_off)
+    shapes, dtypes, regions = _small_vectors(256, 4096, torch.bfloat16)
+    shapes.append((96, 200))
+    dtypes.append(torch.float32)
+    regions.append(BoxRegion(256, (8, 16), (80, 100), 256 * 8192))
+    prog = PackProgram(shapes, dtypes, regions, device=DEV, backend="triton")
+    ref = PackProgram(shapes, dtypes, regions, device=DEV, backend="torch")
+    src = [rand_tensor(s, d, gen) for s, d in zip(shapes, dtypes, strict=True)]
+    dst = [rand_tensor(s, d, gen) for s, d in zip(shapes, dtypes, strict=True)]
+    buf = rand_bytes(prog.nbytes, gen, buf_off)
+    pack_b, unpack_b = prog.bind(src, buf), prog.bind(dst, buf)
+    before = tb.direct_stats()
+    for step in range(4):  # the first call of each direction may compile; later ones go direct
+        for t in src:
+            as_bytes(t).copy_(rand_bytes(as_bytes(t).numel(), gen))
+        want_buf, want_dst = buf.clone(), [t.clone() for t in dst]
+        ref.pack(src, want_buf)
+        ref.unpack(want_buf, want_dst)
+        pack_b.pack()
+        unpack_b.unpack()
+        torch.cuda.synchronize()
+        assert torch.equal(buf, want_buf), f"step {step}"
+        for i, (a, b) in enumerate(zip(dst, want_dst, strict=True)):
+            assert torch.equal(as_bytes(a), as_bytes(b)), f"step {step} tensor {i}"
+    after = tb.direct_stats()
+    assert after["enabled"] == 1, after
+    assert after["direct"] - before["direct"] >= 6, (before, after)  # steps 1-3, both directions
+
+
+def test_unbound_calls_launch_directly_on_any_stream():
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    shapes, dtypes, regions = _small_vectors(64, 7168, torch.float32)
+    prog = PackProgram(shapes, dtypes, regions, device=DEV, backend="triton")
+    ref = PackProgram(shapes, dtypes, regions, device=DEV, backend="torch")
+    src = [rand_tensor(s, d, gen) for s, d in zip(shapes, dtypes, strict=True)]
+    prog.pack(src, torch.empty(prog.nbytes, dtype=torch.uint8, device=DEV))  # compiles
+    before = tb.direct_stats()["direct"]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a launch goes to the caller's current stream
+        out = torch.empty(prog.nbytes, dtype=torch.uint8, device=DEV)
+        prog.pack(src, out)
+        want = torch.empty_like(out)
+        ref.pack(src, want)
+    side.synchronize()
+    assert torch.equal(out, want)
+    assert tb.direct_stats()["direct"] > before
+
+
+def test_direct_launches_step_aside_for_triton_launch_hooks():
+    from triton import knobs
+
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    shapes, dtypes, regions = _small_vectors(8, 4096, torch.bfloat16)
+    prog = PackProgram(shapes, dtypes, regions, device=DEV, backend="triton")
+    src = [rand_tensor(s, d, gen) for s, d in zip(shapes, dtypes, strict=True)]
+    buf = torch.empty(prog.nbytes, dtype=torch.uint8, device=DEV)
+    binding = prog.bind(src, buf)
+    binding.pack()
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731 - a profiler's hook
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        binding.pack()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert seen, "a launch hook set by a profiler was not called"
+    assert torch.equal(buf, torch.cat([as_bytes(t) for t in src]))
