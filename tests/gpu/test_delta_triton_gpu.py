@@ -1,0 +1,83 @@
+"""The fused delta kernels compiled on CUDA (``kernels.delta_triton``, gpu marker): bit-exact
+against the torch reference over random sizes, element sizes and densities (nothing changed,
+one element, a few percent, everything), a run past 2**31 elements (64-bit offsets), and
+the codec's CUDA path with the kernels in giving what the torch form gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from elastic_refit.kernels import delta as codec
+from elastic_refit.kernels import delta_triton
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64]
+_rng = random.Random(35)
+SIZES = [1, 7, delta_triton.BLOCK, delta_triton.BLOCK + 1] + sorted(_rng.randrange(2, 3_000_000) for _ in range(4))
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    if not delta_triton.HAVE_TRITON:
+        pytest.fail("triton does not import on this GPU machine: the fused delta kernels cannot run")
+    t = torch.zeros(1, device="cuda")
+    assert delta_triton.usable(t), "the fused delta kernels are turned off (ELASTIC_REFIT_DELTA_KERNELS=torch?)"
+
+
+def _pair(n: int, dtype: torch.dtype, density, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    base = torch.randint(-100, 100, (n,), generator=g, device="cuda").to(dtype)
+    cur = base.clone()
+    if density == "one":
+        cur[(n * 7) // 11] += 1
+    elif density:
+        cur[torch.rand(n, generator=g, device="cuda") < density] += 1
+    return cur, base
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("density", [0.0, "one", 0.013, 0.13, 1.0])
+def test_encode_and_scatter_equal_the_torch_reference(dtype, n, density):
+    cur, base = _pair(n, dtype, density, n)
+    want = (cur != base).nonzero().flatten()
+    index, values = delta_triton.encode_changes(cur, base)
+    assert index.dtype == torch.int64 and torch.equal(index, want)
+    assert values.dtype == dtype and torch.equal(values, cur[want])
+    only, _ = delta_triton.encode_changes(cur, base, values=False)
+    assert torch.equal(only, want)
+    target = base.clone()
+    delta_triton.scatter(target, index, values)
+    assert torch.equal(target, cur)
+
+
+def test_a_run_past_two_to_the_31_elements():
+    """64-bit offsets: changes on both sides of element 2**31 and in the last block."""
+    n = 2**31 + 3 * delta_triton.BLOCK + 5
+    base = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    cur = base.clone()
+    where = torch.tensor([0, 2**31 - 1, 2**31, 2**31 + 1, n - 1], device="cuda")
+    cur[where] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8, device="cuda")
+    index, values = delta_triton.encode_changes(cur, base)
+    assert torch.equal(index, where) and values.tolist() == [1, 2, 3, 4, 5]
+    delta_triton.scatter(base, index, values)
+    assert torch.equal(base[where], cur[where]) and int(base.count_nonzero()) == 5
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("density", [0.0, "one", 0.02, 1.0])
+def test_the_flat_codec_with_the_kernels_equals_the_torch_form(unit, density):
+    cur, base = _pair(1_000_003 * unit, torch.uint8, density, unit)
+    fused = codec.encode_delta(cur, base, unit)
+    previous = delta_triton.set_enabled(False)
+    try:
+        reference = codec.encode_delta(cur, base, unit)
+    finally:
+        delta_triton.set_enabled(previous)
+    assert torch.equal(fused, reference)
+    target = base.clone()
+    codec.apply_delta(fused, target, unit)
+    assert torch.equal(target, cur)
