@@ -36,6 +36,7 @@ try:  # the compiled form (setup.py); without it numpy runs, with the same resul
 except ImportError:  # pragma: no cover - no compiler where it was installed
     _native = None
 
+_CHANGED = "changed elements by buffer"  # the vectorized form's entry in a refit's cache (segments)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -252,11 +253,13 @@ class Boxes:
     # ---- segments: each box's gap entries then its values, box after box -------------------
     def segments(self, tensors, base, verify: bool, cache: dict | None = None) -> Segments:
         """The change of the boxes from ``base`` to ``tensors`` (by ref) as segments.
-        ``cache``: boxes already coded in this refit (the same region sent to several
-        destinations, e.g. data-parallel replicas, is compared once; compiled form)."""
+        ``cache``: what this refit already compared: boxes coded (the same region sent to
+        several destinations, e.g. data-parallel replicas, is compared once; compiled form),
+        or each buffer's changed elements (vectorized form: a buffer cut into boxes for
+        several messages, e.g. TP shards, is compared once per refit, not once per message)."""
         if not self.vectorized and _native is not None:
             return self._segments_native(tensors, base, {} if cache is None else cache)
-        change = self.code(tensors, base, {}, verify)
+        change = self.code(tensors, base, {} if cache is None else cache.setdefault(_CHANGED, {}), verify)
         device = change.values.device
         # Per-box sizes come to the host (a few numbers per box); per-element work stays on the device.
         entries = segment_entry_counts(change.local, change.counts.to(device)).cpu()
