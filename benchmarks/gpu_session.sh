@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh bench      # lifecycle, NCCL refit and churn benchmarks
 #   bash benchmarks/gpu_session.sh churn      # churn with and without connecting ahead (nccl4py)
 #   bash benchmarks/gpu_session.sh digest     # digest GB/s against a plain copy on the GPU
+#   bash benchmarks/gpu_session.sh all        # the whole GPU suite in parallel lanes, then kernels,
+#                                             # lifecycle and churn benchmarks: one table, < 10 min
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -119,5 +121,44 @@ case "${1:-}" in
   kernels)  # issue 39: pack/unpack against a plain copy, eager
     env_ready
     timeout "${KERNELS_TIMEOUT:-120}" python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -40 ;;
-  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | kernels" >&2; exit 2 ;;
+  all)  # issue 39: the whole GPU suite (two pytest-xdist lanes side by side), then the GPU
+        # benchmarks one at a time; one table at the end (benchmarks/gpu_all_table.py). Sized
+        # to end within 10 minutes: every step has its own deadline (ALL_* overrides them).
+    t_all=$(date +%s)
+    if [ "${ALL_SETUP:-1}" = 1 ] && { [ ! -x /tmp/etcd/usr/bin/etcd ] || ! python3 -c "import nccl.core, aetcd, structlog" 2>/dev/null; }; then
+      SMOKE=0 bash "$0" setup > "$OUT/setup.log" 2>&1; tail -4 "$OUT/setup.log"  # a fresh machine
+    fi
+    env_ready
+    export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_nccl.jsonl"
+    # Parallel workers are safe: etcd and stores take free ports per test, and every NCCL rank
+    # is a host of its own per process (NCCL_HOSTID with its pid, testing/processes.py).
+    xdist() { python3 -c "import xdist" 2>/dev/null && echo "-n $1 --dist load"; }
+    lane() {  # NAME WORKERS SECONDS FILES...: one pytest run, its JUnit report and exit code
+      local name=$1 workers=$2 secs=$3 t; shift 3; t=$(date +%s)
+      python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | tail -1 > "$OUT/$name.collected"
+      # shellcheck disable=SC2046
+      timeout -s INT -k 30 "$secs" python3 -m pytest -q -p no:cacheprovider $(xdist "$workers") \
+        --timeout "${ALL_TEST_TIMEOUT:-150}" --timeout-method thread -rfE --durations 20 \
+        --junitxml "$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+      echo "$? $(( $(date +%s) - t ))" > "$OUT/$name.rc"
+    }
+    runtime=(tests/gpu/test_runtime_nccl.py tests/gpu/test_runtime_fp8_nccl.py)
+    mapfile -t rest < <(grep -rl "pytest.mark.gpu" tests --include='test_*.py' | sort | grep -v -x -F "${runtime[@]/#/-e}")
+    lane runtime "${ALL_RUNTIME_WORKERS:-4}" "${ALL_TESTS_S:-300}" "${runtime[@]}" &
+    lane rest "${ALL_WORKERS:-4}" "${ALL_TESTS_S:-300}" "${rest[@]}" &
+    wait
+    bench() {  # NAME SECONDS COMMAND...: one benchmark's JSON (stdout) and exit code
+      local name=$1 secs=$2 t; shift 2; t=$(date +%s)
+      timeout -k 10 "$secs" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+      echo "$? $(( $(date +%s) - t ))" > "$OUT/$name.rc"
+    }
+    bench kernels "${ALL_KERNELS_S:-70}" python3 benchmarks/bench_kernels.py --device cuda --repeats 5 --json
+    bench lifecycle "${ALL_LIFECYCLE_S:-70}" python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 \
+      --repeat "${REPEAT:-5}" --backend nccl4py --json
+    bench churn "${ALL_CHURN_S:-100}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py \
+      --versions "${VERSIONS:-14}" --kill-at 4 --json
+    for name in runtime rest; do grep -E "^(FAILED|ERROR)|slowest|^[0-9.]+s (call|setup|teardown)" "$OUT/$name.log" \
+      | head -30 > "$OUT/$name.summary"; done
+    python3 benchmarks/gpu_all_table.py "$OUT" --total-s "$(( $(date +%s) - t_all ))" | tee "$OUT/all_table.md" ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | kernels | all" >&2; exit 2 ;;
 esac

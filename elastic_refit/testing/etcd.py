@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -50,10 +51,29 @@ def find_etcd_binary() -> str:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (held open together while picked)."""
-    socks = []
+    """``count`` distinct free TCP ports on 127.0.0.1 (held open together while picked).
+
+    Picked below the kernel's ephemeral range where there is room: a port handed out by
+    ``bind(0)`` is an ephemeral one, which any process's outgoing connection (NCCL's
+    sockets, gRPC channels of tests running beside this one) may take between the pick and
+    the server's own bind; below that range only a listener that binds it explicitly can,
+    and the random start keeps parallel pickers apart."""
+    socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        low = _ephemeral_low()
+        candidates = list(range(_FIXED_LOW, low)) if low - _FIXED_LOW >= 4 * count else []
+        random.SystemRandom().shuffle(candidates)
+        for port in candidates:
+            if len(socks) == count:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < count:  # no room below the ephemeral range: the kernel's pick
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
             socks.append(s)
@@ -61,6 +81,18 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+_FIXED_LOW = 20000  # above the well-known and most registered service ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _shm_root() -> str:

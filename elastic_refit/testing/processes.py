@@ -48,7 +48,9 @@ def nccl_rank_env(rank: int) -> dict[str, str]:
            "NCCL_NVLS_ENABLE": "0",  # never NVLink multicast on shared hosts
            "NCCL_RAS_ENABLE": "0"}  # its process-wide sockets would outlive every communicator
     if num_gpus <= rank:
-        env["NCCL_HOSTID"] = f"elastic-refit-rank{rank}"
+        # Unique per process, not only per rank: worlds of tests running side by side
+        # (pytest-xdist workers) never claim the same host.
+        env["NCCL_HOSTID"] = f"elastic-refit-rank{rank}-{os.getpid()}"
     return env
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario, build_matrix
-from elastic_refit.chaos.runner import ChaosRun, run_matrix
+from elastic_refit.chaos.runner import ChaosRun
 
 from tests.chaos.paths import assert_paths_name_their_epochs, path_into
 
@@ -115,19 +115,28 @@ def test_a_restart_inside_the_lease_is_a_rebuild(run):
     assert path_into(paths, "i0-L1-") <= ({"rebuild", "grow"} if _can_grow() else {"rebuild"}), paths
 
 
-@pytest.mark.timeout(600)
-def test_second_faults_during_recovery_leave_no_nccl_listeners(run):
+# One test item per trial (they were two tests of 8 trials each): pytest-xdist spreads them
+# over its workers, each worker's ChaosRun on its own etcd and free ports.
+KILL_KILL = build_matrix("full", trials=8, seed=11, faults=["kill+kill"])
+QUICK = [s for s in build_matrix("quick", seed=3)
+         if s.fault in {"kill", "restart<ttl", "restart+kill", "terminate"} and s.victim != "etcd"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("index", range(len(KILL_KILL)), ids=[f"{i}-{s.name}" for i, s in enumerate(KILL_KILL)])
+def test_second_faults_during_recovery_leave_no_nccl_listeners(run, index):
     """The kill+kill cells, where 4 of 10 trials on 2026-12-02 left NCCL listening sockets in
     a surviving trainer: a build abandoned for a newer epoch kept NCCL's bootstrap root and
     root listeners. The oracle reads every member's sockets after close."""
-    for i, scenario in enumerate(build_matrix("full", trials=8, seed=11, faults=["kill+kill"])):
-        _check(run.run_trial(scenario, i))
+    _check(run.run_trial(KILL_KILL[index], index))
 
 
-@pytest.mark.timeout(540)
-def test_chaos_quick_matrix_on_nccl():
-    wanted = {"kill", "restart<ttl", "restart+kill", "terminate"}
-    scenarios = [s for s in build_matrix("quick", seed=3) if s.fault in wanted and s.victim != "etcd"]
-    summary = run_matrix(scenarios, deadline_s=90.0, backend=BACKEND, results_path=RESULTS, progress=print)
-    bad = {c: summary[c] for c in ("torn", "lost", "hung", "leaked", "unsafe", "error") if summary[c]}
-    assert not bad and summary["passed"] == summary["trials"] == len(scenarios), (bad, summary["failures"])
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("index", range(len(QUICK)), ids=[f"{i}-{s.name}" for i, s in enumerate(QUICK)])
+def test_chaos_quick_matrix_on_nccl(run, index):
+    """The quick matrix's process faults on NCCL: nothing torn, lost, hung, leaked or unsafe."""
+    result = run.run_trial(QUICK[index], index)
+    if RESULTS:
+        with open(RESULTS, "a") as fh:
+            fh.write(json.dumps({**result.to_json(), "backend": BACKEND, "paths": _paths(result)}) + "\n")
+    assert result.verdict.passed, [f"{v.category}: {v.detail}" for v in result.verdict.violations]
