@@ -371,6 +371,12 @@ class EtcdClient:
                     self._log.warning("membership.client.tasks_stuck_at_close",
                                       tasks=sorted(t.get_name() for t in stuck))
                     self._stuck = stuck  # kept referenced: destroying them would hide the report
+            # Channels retired or opened while close() ran: closed here, after the last task.
+            loose = [c for c in (*self._retired, self._conn) if c is not None]
+            self._conn, self._retired = None, []
+            for conn in loose:
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait_for(conn.close(), 2.0))
             with contextlib.suppress(Exception):
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
@@ -427,6 +433,8 @@ class EtcdClient:
         if self._conn_lock is None:
             self._conn_lock = asyncio.Lock()
         async with self._conn_lock:
+            if self._closed:  # a retry racing close() would open a channel nobody closes
+                raise EtcdUnavailable(self.config.targets, "connect", RuntimeError("the client is closed"))
             if self._conn is None:
                 self._conn = _Connection(self.endpoint, self.config)
             await asyncio.wait_for(self._conn.connect(), self.config.request_timeout_s)
@@ -446,7 +454,7 @@ class EtcdClient:
             try:
                 await asyncio.wait_for(old.close(), 1.0)
             except Exception:  # (a stalled endpoint) closed again at shutdown: never a leaked socket
-                self._retired.append(old)
+                self._retired.append(old)  # the loop thread's last sweep closes it if shutdown ran
 
     def _rotates_on(self, exc: BaseException | None) -> bool:
         """Whether ``exc`` is worth a new channel. With several endpoints a slow or failed
