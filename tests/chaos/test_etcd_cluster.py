@@ -15,8 +15,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.etcd]
 
 # A member that rejoined after etcd stalled for 5x its TTL on the cluster sometimes still holds
 # an etcd channel and its first epoch's gloo listener when it closes (1-2 of 4 trials here,
-# 2026-12-05; never on one node): a leak the oracle's socket check finds, under investigation
-# (issue 34). The cell runs apart, so the others stay strict and the leak stays visible.
+# 2026-12-05; never on one node): a leak the oracle's socket check finds (issue 34). The listener
+# outlives every Python object of the group (a gc dump after such a member found none): gloo's C++
+# state keeps it after a send/recv timed out against a live but stalled peer; the etcd socket
+# listed beside it is gRPC's pooled subchannel. The cell runs apart, so the others stay strict
+# and the leak stays visible.
 LEAKY = "etcd_stall5x>ttl"
 
 
