@@ -21,6 +21,7 @@ them nor nccl4py.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.protocol import Transport
 
-__all__ = ["create_transport", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
+__all__ = ["create_transport", "gloo_device", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
            "probe_nccl4py", "revive_nccl4py", "shrink_nccl4py", "with_direct_reads"]
 
 
@@ -107,9 +108,33 @@ def gloo_group(store: Any, rank: int, world_size: int, *, timeout_s: float, inte
 
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
-                        if interface else dist.ProcessGroupGloo.create_default_device()]
+    options._devices = [gloo_device(interface)]
     return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+_gloo_devices: dict[str | None, Any] = {}
+_gloo_devices_lock = threading.Lock()
+
+
+def gloo_device(interface: str | None = None) -> Any:
+    """This process's gloo transport device bound to ``interface`` (None: gloo's default),
+    made on first use and shared by every group of the process, so its one listening socket
+    is the process's, like gRPC's channel pool.
+
+    Why not one per group (torch's default): gloo's C++ state keeps a group's device, and so
+    its listener, alive for good once a send or recv of the group timed out and the group was
+    dropped (a member whose peer stalled on etcd past its lease; reproduced with two
+    processes, 2026-12-05), so every such fault left one more listening socket behind. A
+    shared device leaves none: later groups keep using it."""
+    import torch.distributed as dist
+
+    with _gloo_devices_lock:
+        device = _gloo_devices.get(interface)
+        if device is None:
+            device = (dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                      else dist.ProcessGroupGloo.create_default_device())
+            _gloo_devices[interface] = device
+        return device
 
 
 def nccl_group(store: Any, rank: int, world_size: int, *, timeout: timedelta, device: torch.device,
