@@ -220,7 +220,9 @@ def _ipv4_of(interface: str) -> str | None:
 
 
 def _tcp_local_addresses() -> set[str]:
-    """The local IPv4 addresses of this process's open TCP sockets (its fds' inodes in /proc/net/tcp)."""
+    """The local IPv4 addresses of this process's connected TCP sockets (its fds' inodes in
+    /proc/net/tcp). Listeners are left out: gloo's device, with its listener, is the process's
+    and outlives the groups that used it (``transport.factory.gloo_device``)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -229,7 +231,8 @@ def _tcp_local_addresses() -> set[str]:
                 inodes.add(target[len("socket:["):-1])
     with open("/proc/net/tcp") as f:
         rows = [line.split() for line in f.read().splitlines()[1:]]
-    return {socket.inet_ntoa(struct.pack("<I", int(row[1].split(":")[0], 16))) for row in rows if row[9] in inodes}
+    return {socket.inet_ntoa(struct.pack("<I", int(row[1].split(":")[0], 16))) for row in rows
+            if row[9] in inodes and row[3] != "0A"}
 
 
 def _gloo_ring(make_client, endpoints, interface: str) -> set[str]:
