@@ -12,6 +12,8 @@ import torch
 from elastic_refit.kernels import delta as codec
 from elastic_refit.kernels import delta_triton
 
+from tests.delta_reference import assert_encode_and_scatter_match_torch
+
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -42,16 +44,7 @@ def _pair(n: int, dtype: torch.dtype, density, seed: int) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("density", [0.0, "one", 0.013, 0.13, 1.0])
 def test_encode_and_scatter_equal_the_torch_reference(dtype, n, density):
-    cur, base = _pair(n, dtype, density, n)
-    want = (cur != base).nonzero().flatten()
-    index, values = delta_triton.encode_changes(cur, base)
-    assert index.dtype == torch.int64 and torch.equal(index, want)
-    assert values.dtype == dtype and torch.equal(values, cur[want])
-    only, _ = delta_triton.encode_changes(cur, base, values=False)
-    assert torch.equal(only, want)
-    target = base.clone()
-    delta_triton.scatter(target, index, values)
-    assert torch.equal(target, cur)
+    assert_encode_and_scatter_match_torch(*_pair(n, dtype, density, n))
 
 
 def test_a_run_past_two_to_the_31_elements():

@@ -17,6 +17,7 @@ from elastic_refit.kernels import delta_triton
 
 from elastic_refit.transport.delta_boxes import Boxes
 from elastic_refit.transport.schedule import BoxCopy
+from tests.delta_reference import assert_encode_and_scatter_match_torch
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 
@@ -36,16 +37,7 @@ def _pair(n: int, dtype: torch.dtype, density, seed: int) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("n", [1, 9, delta_triton.BLOCK, delta_triton.BLOCK + 1, 3 * delta_triton.BLOCK - 5])
 @pytest.mark.parametrize("density", [0.0, "one", 0.03, 1.0])
 def test_encode_and_scatter_equal_the_reference(dtype, n, density):
-    cur, base = _pair(n, dtype, density, n)
-    want = (cur != base).nonzero().flatten()
-    index, values = delta_triton.encode_changes(cur, base)
-    assert index.dtype == torch.int64 and torch.equal(index, want)
-    assert values.dtype == dtype and torch.equal(values, cur[want])
-    only, none = delta_triton.encode_changes(cur, base, values=False)
-    assert none is None and torch.equal(only, want)
-    target = base.clone()
-    delta_triton.scatter(target, index, values)
-    assert torch.equal(target, cur)
+    assert_encode_and_scatter_match_torch(*_pair(n, dtype, density, n))
 
 
 def test_bad_inputs_are_value_errors():
