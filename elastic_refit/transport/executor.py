@@ -233,10 +233,16 @@ class Executor:
                 raise refused
             raise TransferRefused(f"rank {self.rank}: another rank voted the refit down at its close",
                                   rank=self.rank, phase="vote")
+        return self._report(time.perf_counter() - start, counts, rnd)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _report(self, seconds: float, counts: Mapping[str, int], rnd: DeltaRound) -> TransferReport:
+        """What one refit moved on this rank (bytes by kind from the plan, what the round
+        counted), logged as ``transport.executor.done``."""
         by_kind = self._full_schedule.bytes_by_kind()
         report = TransferReport(
             rank=self.rank,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             network_send_bytes=by_kind["network_send"],
             network_recv_bytes=by_kind["network_recv"],
             intra_send_bytes=by_kind["intra_send"],
@@ -258,7 +264,6 @@ class Executor:
                  saved_bytes=report.network_saved_bytes + report.intra_saved_bytes)
         return report
 
-    # ---- internals ---------------------------------------------------------------------
     def _quantized_base(self, delta: DeltaInputs) -> DeltaInputs:
         """A quantized plan's deltas compare FP8 bytes and scales: the base is what this
         sender quantized for ``delta.base_version`` (kept when it sent it; none: full
