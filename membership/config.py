@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_refit.membership.keys import check_name
+
 
 @dataclass(frozen=True, slots=True)
 class MembershipConfig:
-    """Timeouts and pacing of one member; defaults suit a 2 s TTL on loopback."""
+    """Timeouts, pacing and run of one member; defaults suit a 2 s TTL on loopback."""
 
     ttl_s: int = 2
     keepalive_interval_s: float | None = None  # default ttl/3: two misses still keep the lease
@@ -39,8 +41,13 @@ class MembershipConfig:
     # is only used by peers on the same ``host``. None: no ring (TTL expiry, and suspicions
     # from transport failures, remain).
     liveness_host: str | None = "127.0.0.1"
+    # The run this member belongs to (``RefitConfig.run_id``): a job name held by another run
+    # id is refused at start (``RunClash``). None: the member joins whatever run is there.
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
+        if self.run_id is not None:
+            check_name("run_id", self.run_id)
         if not isinstance(self.ttl_s, int) or self.ttl_s < 2:
             raise ValueError(f"ttl_s must be an int >= 2 (etcd grants no less), got {self.ttl_s!r}")
         ka = self.keepalive_interval

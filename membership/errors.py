@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from elastic_refit.errors import MembershipLost, RefitError
 
 __all__ = ["CommunicatorError", "EpochTimeout", "EtcdUnavailable", "FencedWrite", "IdentityClash", "JobStateLost", "LeadershipLost",
-           "MembershipError", "MembershipLost", "StoreTimeout"]
+           "MembershipError", "MembershipLost", "RunClash", "StoreTimeout"]
 
 
 class MembershipError(RefitError):
@@ -56,6 +56,12 @@ class FencedWrite(MembershipError):
 class IdentityClash(MembershipError):
     """A member tried to register under a ``member_id`` that a live member of the other
     role holds: every member of a job needs its own id. Raised at start, before it joins."""
+
+
+class RunClash(MembershipError):
+    """A member started with an explicit run id (``RefitConfig.run_id``) found its job's name
+    held by another run id: a second run reuses the job's name. Raised at start, before it
+    registers (its lease is revoked); the message names the job, both runs and the fix."""
 
 
 class JobStateLost(MembershipLost):

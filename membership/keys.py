@@ -83,10 +83,11 @@ class JobKeys:
 
     @property
     def run(self) -> str:
-        """``run``: the job's run id (JSON ``{run_id}``), created once, when the job's first
-        member registers, never on a lease: a member that finds another run id (or none) when
-        it registers again knows the job's control state in etcd was replaced (etcd wiped,
-        or restored from another state)."""
+        """``run``: the job's run (JSON ``{run_id, instance, started}``, see
+        ``membership.run``), created once, when the job's first member registers, never on a
+        lease: a member that finds another run instance (or none) when it registers again
+        knows the job's control state in etcd was replaced (etcd wiped, or restored from
+        another state)."""
         return self.prefix + "run"
 
     @property

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
@@ -50,6 +48,7 @@ from elastic_refit.membership.liveness import (
     ring_order,
     ring_successor_in,
 )
+from elastic_refit.membership.run import job_run
 from elastic_refit.membership.view import MemberRecord, MembershipView, diff
 from elastic_refit.membership.watch import (
     RangeSnapshot,
@@ -84,7 +83,9 @@ class Membership:
         self.lost = threading.Event()
         self.lost_reason = ""
         self.replaced = False  # lost because another lease took the member key over (see _taken_over)
-        self.run_id = ""  # the job's run id when this member registered (see JobKeys.run)
+        self.run_id = ""  # the job's run id when this member registered (see membership.run)
+        self.run_instance = ""  # ... and its instance: a wiped etcd may recreate the id, never this
+        self.run_started = ""  # ... and when the run's key was created (UTC, ISO 8601)
         self.closing = False
         self.is_leader = False
         self.fenced_writes = 0
@@ -135,7 +136,10 @@ class Membership:
                 self.record = replace(self.record, probe=probe)
             # Not under an id a live member of the other role holds (a restart of this
             # role's member takes its key over, see below; two roles cannot share an id).
-            self.run_id = self._job_run()
+            # The job's run, created if this is its first member; RunClash (before the
+            # member key is written) if it is another run than the one configured.
+            run = job_run(self.client, self.keys, self.config.run_id)
+            self.run_id, self.run_instance, self.run_started = run.run_id, run.instance, run.started
             others = [self.keys.member(r, self.record.member_id) for r in ROLES if r != self.record.role]
             res = self.client.txn([Compare(k, "create", "==", 0) for k in others],
                                   [Get(self.member_key), Put(self.member_key, self.record.encode(), self.lease_id)],
@@ -165,16 +169,6 @@ class Membership:
         if self.config.candidate:
             self.client.spawn(self._leader.run(), name="leader")
         return self
-
-    def _job_run(self) -> str:
-        """The job's run id, created if this is the job's first member (see ``JobKeys.run``)."""
-        mine = uuid.uuid4().hex[:12]
-        res = self.client.txn([Compare(self.keys.run, "create", "==", 0)],
-                              [Put(self.keys.run, json.dumps({"run_id": mine}).encode())], [Get(self.keys.run)])
-        if res.succeeded:
-            return mine
-        kv = res.gets[0][0] if res.gets and res.gets[0] else None
-        return str(json.loads(kv.value)["run_id"]) if kv is not None else mine
 
     def _clash(self, res: TxnResult) -> str:
         holder = next((kvs[0] for kvs in res.gets if kvs), None)

@@ -51,6 +51,7 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
         epoch_kv = client.get(keys.epoch)
         state = VersionStore(client, job).snapshot()
     view = MembershipView.decode(epoch_kv.value) if epoch_kv is not None else None
+    run = json.loads(run_kv.value) if run_kv is not None else {}
     members: dict[str, list[dict[str, Any]]] = {"trainer": [], "inference": []}
     for kv in members_kv:
         parsed = keys.parse_member_key(kv.key)
@@ -81,7 +82,9 @@ def job_status(endpoints: list[str] | EtcdConfig, job: str, last: int = 5) -> di
     pending = sorted(v for v in state.sources if (latest is None or v > latest) and v not in state.failed)
     return {
         "job": job,
-        "run_id": json.loads(run_kv.value).get("run_id") if run_kv is not None else None,
+        # {run_id, instance, started} (membership.run); keys of older versions: {run_id}
+        "run_id": run.get("run_id"),
+        "run_started": run.get("started"),
         "revision": state.revision,
         "epoch": view.epoch if view else None,
         "epoch_members": list(view.member_ids) if view else [],

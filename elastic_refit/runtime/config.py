@@ -14,6 +14,7 @@ from typing import Any
 
 from elastic_refit.layout import Layout
 from elastic_refit.membership.client import EtcdConfig
+from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.keys import check_name
 from elastic_refit.runtime.config_env import values_from_env
 from elastic_refit.runtime.settings import (
@@ -64,7 +65,8 @@ FLAT: dict[str, tuple[str, str]] = {
     **{f.name: ("transfer", f.name) for f in fields(TransferSettings)},
     **{f.name: ("versions", f.name) for f in fields(VersionSettings)},
 }
-IDENTITY = ("job", "role", "member_id", "layout_rank", "etcd", "domain", "host", "device", "backend", "incarnation")
+IDENTITY = ("job", "role", "member_id", "layout_rank", "etcd", "domain", "host", "device", "backend", "incarnation",
+            "run_id")
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -100,6 +102,14 @@ class RefitConfig:
     """The transport of the refit's communicators (``gloo``, ``nccl``, ``nccl4py``)."""
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """This life of the member: a restart is a new incarnation."""
+    run_id: str | None = None
+    """This run's id, the same on every member of the run (``ELASTIC_REFIT_RUN_ID``): a member
+    that finds its job's name held by another run id is refused at start (``RunClash``,
+    naming both runs) instead of joining it. None (the default): the member joins whatever
+    run holds the job's name, under a random run id if it is the first. Never defaulted from
+    a launcher's id (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``): trainers and inference ranks
+    are often started by different launchers, and such a default would refuse a legitimate
+    job; give the same id to every member (e.g. an experiment's id) or none."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Leases, collectives, epochs (``Timeouts``)."""
     etcd_access: EtcdAccess = field(default_factory=EtcdAccess)
@@ -113,7 +123,7 @@ class RefitConfig:
 
     def __init__(self, job: str, role: str, member_id: str, layout_rank: int, etcd: str | tuple[str, ...],
                  domain: str = "domain-0", host: str | None = None, device: str = "cpu", backend: str = "gloo",
-                 incarnation: str | None = None, *, timeouts: Timeouts | None = None,
+                 incarnation: str | None = None, *, run_id: str | None = None, timeouts: Timeouts | None = None,
                  etcd_access: EtcdAccess | None = None, plan: PlanSettings | None = None,
                  transfer: TransferSettings | None = None, versions: VersionSettings | None = None,
                  **settings: Any) -> None:
@@ -133,7 +143,7 @@ class RefitConfig:
         values = {"job": job, "role": role, "member_id": member_id, "layout_rank": layout_rank, "etcd": etcd,
                   "domain": domain, "host": socket.gethostname() if host is None else host, "device": device,
                   "backend": backend, "incarnation": uuid.uuid4().hex[:12] if incarnation is None else incarnation,
-                  **given}
+                  "run_id": run_id, **given}
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -143,6 +153,8 @@ class RefitConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         check_name("job", self.job)
         check_name("member_id", self.member_id)
+        if self.run_id is not None:
+            check_name("run_id", self.run_id)
         for name in ("domain", "host", "device", "incarnation"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -187,6 +199,10 @@ class RefitConfig:
         """Whether entering an epoch connects the plan's pairs (``connect_ahead``)."""
         mode = self.transfer.connect_ahead
         return mode == "on" or (mode == "auto" and self.backend != Backend.GLOO)
+
+    def membership_config(self) -> MembershipConfig:
+        """The membership layer's settings: the ``timeouts`` and the ``run_id``."""
+        return replace(self.timeouts.membership(), run_id=self.run_id)
 
     def etcd_config(self) -> EtcdConfig:
         """How this rank reaches etcd (``EtcdAccess.config``)."""

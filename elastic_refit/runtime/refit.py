@@ -172,7 +172,7 @@ class ElasticRefit:
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank, layout=self._side.described,
                               deltas=c.transfer.delta_base_bytes > 0)
-        membership = Membership(client, c.job, record, c.timeouts.membership())
+        membership = Membership(client, c.job, record, c.membership_config())
         self._closers.append(membership.close)
         layout_cache = LayoutCache(LayoutStore(client, c.job), self._known_layouts)
         if torch.device(c.device).type == "cuda":

@@ -11,7 +11,7 @@ receives the latest version again (``next_action``: it does not hold it). Anothe
 holding the member key (a second member with the same id, or this member restarted
 elsewhere) is not a loss to come back from: the agent fails then (``Driver._may_rejoin``);
 nor is a job whose control state was replaced (etcd wiped or restored from another state:
-its run id changed, ``JobStateLost``), where going on could serve versions out of order.
+its run instance changed, ``JobStateLost``), where going on could serve versions out of order.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from elastic_refit.membership import (
     JobStateLost,
     MemberRecord,
     Membership,
+    RunClash,
 )
 from elastic_refit.runtime.checks import Side
 from elastic_refit.runtime.config import RefitConfig
@@ -70,10 +71,13 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
     for tries in range(1, 1 << 30):
         if services.stop.is_set():
             raise MembershipLost(f"{c.member_id}: closing while it registered again")
-        membership = Membership(services.client, c.job, record, c.timeouts.membership())
+        membership = Membership(services.client, c.job, record, c.membership_config())
         try:
-            membership.start()
-            _check_same_run(membership, services.membership.run_id)
+            try:
+                membership.start()
+            except RunClash as exc:  # another run holds the job's name now: not the one it joined
+                raise JobStateLost(_state_replaced(services.membership, brief(exc))) from exc
+            _check_same_run(membership, services.membership)
             services.layouts.publish(membership, side.layout, side.formats)
         except JobStateLost:
             with contextlib.suppress(Exception):
@@ -143,15 +147,22 @@ class Detachment:
         return services
 
 
-def _check_same_run(membership: Membership, joined: str) -> None:
-    """``JobStateLost`` unless the job's run id is still ``joined`` (the one this member
-    joined): a wiped etcd has none (the new registration just created one), an etcd
+def _check_same_run(membership: Membership, joined: Membership) -> None:
+    """``JobStateLost`` unless the job's run is still the one ``joined`` (this member's
+    previous membership) joined: a wiped etcd has none (the new registration just created
+    one: a new instance, under the same run id if the run has an explicit one), an etcd
     restored from another run's state another."""
-    if joined and membership.run_id != joined:
-        raise JobStateLost(f"{membership.record.member_id}: the job's control state in etcd is not the one it joined "
-                           f"(run {joined}, now run {membership.run_id}): etcd was wiped or restored from another "
-                           "state, and going on could commit or serve versions out of order; this member stops. "
-                           "Start the job again under a new name (or after `elastic-refit job reset`)")
+    if joined.run_instance and membership.run_instance != joined.run_instance:
+        since = f", started {membership.run_started}" if membership.run_started else ""
+        raise JobStateLost(_state_replaced(joined, f"now run {membership.run_id} instance "
+                                                   f"{membership.run_instance}{since}"))
+
+
+def _state_replaced(joined: Membership, now: str) -> str:
+    return (f"{joined.record.member_id}: the job's control state in etcd is not the one it joined (run "
+            f"{joined.run_id} instance {joined.run_instance}; {now}): etcd was wiped or restored from another "
+            "state, and going on could commit or serve versions out of order; this member stops. Start the job "
+            "again under a new name (or after `elastic-refit job reset`)")
 
 
 def rejoin(services: Services, side: Side, published: PublishedVersions | None, reason: str, *,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 
 import pytest
+from elastic_refit.membership import EtcdClient, JobKeys, RunClash
 
+from elastic_refit.cli.job_cmd import reset_job
 from elastic_refit.runtime import ElasticRefit, RefitConfig
 from elastic_refit.testing.pattern import allocate, fill_pieces
 
 from .test_causes import SOURCE
-from .test_rejoin import TTL_S, small_job
+from .test_rejoin import TTL_S, assert_serving, publish, small_job
 
 pytestmark = pytest.mark.etcd
 
@@ -36,6 +38,36 @@ def test_a_second_run_reusing_the_job_name_with_other_data_is_refused_at_once(et
             assert "another run reusing the job's name" in str(refused.value)
         # The same data again (a restarted trainer of the same run) still gets its commit back.
         assert again.publish(_tensors(2), 2) == first[2]
+
+
+def test_a_second_run_with_another_run_id_is_refused_at_start_naming_both_runs(etcd_server, job):
+    """Run "a" holds the job's name: a member of run "b" is refused when it starts (before it
+    registers, in well under a second), not at its first publish; run "a" goes on. Once
+    run "a" has ended and the job was reset, run "b" starts under the name."""
+    etcd = etcd_server.endpoint
+    with small_job(etcd, job, run_id="a") as (trainer, engines, params):
+        publish(trainer, 1)
+        assert {m.membership.run_id for m in (trainer, *engines)} == {"a"}
+        config = RefitConfig(job=job, role="trainer", member_id="t1", layout_rank=0, etcd=(etcd,), ttl_s=TTL_S,
+                             run_id="b")
+        t0 = time.monotonic()
+        with pytest.raises(RunClash) as refused:
+            ElasticRefit(config, SOURCE).start()
+        refused_s = time.monotonic() - t0
+        message = str(refused.value)
+        assert f"job {job!r} is held by run 'a' (started " in message and "this member's run 'b'" in message
+        assert "give this run its own job name" in message.lower() and "job reset" in message
+        assert refused_s < 1.0, refused_s
+        with EtcdClient([etcd]) as client:
+            assert client.get(JobKeys(job).member("trainer", "t1")) is None
+        publish(trainer, 2)  # run "a" keeps working
+        assert_serving(engines, params, 2)
+    assert reset_job([etcd], job, confirm=True) > 0
+    with small_job(etcd, job, run_id="b") as (trainer, engines, params):
+        assert trainer.membership.run_id == "b"
+        publish(trainer, 1)
+        assert_serving(engines, params, 1)
+    print(f"run 'b' refused at start in {refused_s * 1000:.0f} ms")
 
 
 def _tensors(version: int, seed: int | None = None):

@@ -102,13 +102,15 @@ def test_etcd_stalled_past_the_ttl_loses_no_member_for_good(etcd_server, job, st
               f"version 2 committed in {commit_s:.2f} s")
 
 
-def test_a_wiped_etcd_stops_every_member_with_a_clear_error(etcd_server, job):
+@pytest.mark.parametrize("run_id", [None, "run-a"])
+def test_a_wiped_etcd_stops_every_member_with_a_clear_error(etcd_server, job, run_id):
     """etcd restarted with an empty data directory mid-job: every lease is gone with the
-    state; each member finds, registering again, that the job's run id is not the one it
+    state; each member finds, registering again, that the job's run is not the one it
     joined, and stops: publish, wait_for_version and weights raise ``JobStateLost`` and no
     version is served out of order (before: a fresh pair could commit version 2 after the
-    job had committed 3, and the old ranks went on serving)."""
-    with small_job(etcd_server.endpoint, job) as (trainer, engines, _params):
+    job had committed 3, and the old ranks went on serving). With an explicit run id the
+    first member to register again recreates the same id: its instance tells them apart."""
+    with small_job(etcd_server.endpoint, job, run_id=run_id) as (trainer, engines, _params):
         publish(trainer, 1)
         for engine in engines:
             engine.wait_for_version(1)
