@@ -9,9 +9,11 @@ commit now keeps its sources' data digests.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 import pytest
-from elastic_refit.membership import EtcdClient, JobKeys, RunClash
+from elastic_refit.membership import EtcdClient, JobKeys, JobStateLost, RunClash
+from elastic_refit.membership.run import JobRun
 
 from elastic_refit.cli.job_cmd import reset_job
 from elastic_refit.runtime import ElasticRefit, RefitConfig
@@ -68,6 +70,24 @@ def test_a_second_run_with_another_run_id_is_refused_at_start_naming_both_runs(e
         publish(trainer, 1)
         assert_serving(engines, params, 1)
     print(f"run 'b' refused at start in {refused_s * 1000:.0f} ms")
+
+
+def test_a_member_that_registers_again_into_another_run_stops(etcd_server, job):
+    """The job's run key names another run when i0 registers again (etcd restored from
+    another run's state): i0's new registration is refused (``RunClash``) and i0 stops with
+    ``JobStateLost`` naming both runs, instead of retrying as if etcd were unreachable."""
+    etcd = etcd_server.endpoint
+    with small_job(etcd, job, run_id="a") as (trainer, engines, _params):
+        publish(trainer, 1)
+        i0 = engines[0]
+        with EtcdClient([etcd]) as client:
+            client.put(JobKeys(job).run, JobRun.new("b", datetime.now(UTC)).encode())
+            client.revoke_lease(i0.membership.lease_id)
+        t0 = time.monotonic()
+        with pytest.raises(JobStateLost, match=r"not the one it joined \(run a instance \w+; job .* is held by "
+                                               r"run 'b' .*not by this member's run 'a'"):
+            i0.wait_for_version(2, timeout_s=30)
+        print(f"i0 stopped {time.monotonic() - t0:.2f} s after its lease was revoked")
 
 
 def _tensors(version: int, seed: int | None = None):
