@@ -26,6 +26,7 @@ import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
 from elastic_refit.membership.errors import EtcdAccessDenied, EtcdUnavailable
+from elastic_refit.membership.revisions import RevisionGuard
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -332,7 +333,13 @@ class EtcdClient:
     >>> client.put("/k", b"v"); client.get("/k").value  # doctest: +SKIP
     """
 
-    def __init__(self, endpoints: Sequence[str] | str | EtcdConfig, **options: Any):
+    def __init__(self, endpoints: Sequence[str] | str | EtcdConfig, *, monotonic: bool = False,
+                 **options: Any):
+        """``monotonic``: every key-value answer's revision is checked against the highest
+        seen before (:class:`~membership.revisions.RevisionGuard`): a member's client, for
+        which a store that went back is ``JobStateLost``. Off for tools and harnesses that
+        use one client across an etcd they wipe on purpose."""
+        self.revisions = RevisionGuard() if monotonic else None
         self.config = endpoints if isinstance(endpoints, EtcdConfig) else EtcdConfig(
             endpoints=tuple([endpoints] if isinstance(endpoints, str) else endpoints), **options)
         self._log = get_logger(component="etcd-client")
@@ -542,13 +549,25 @@ class EtcdClient:
         return self.run(coro, timeout_s=self.config.retry_deadline_s
                         + 2 * self.config.request_timeout_s + 5.0)
 
+    async def _kv(self, conn: _Connection, method: Callable[..., Awaitable[Any]], request: Any) -> Any:
+        """One key-value RPC; a monotonic client (see ``__init__``) checks its answer's
+        revision against the highest one answered before the request was sent: only
+        requests ordered in real time are ordered in revisions (two in flight at once may
+        be answered in either order)."""
+        if self.revisions is None:
+            return await method(request, **self._md(conn))
+        floor = self.revisions.highest
+        resp = await method(request, **self._md(conn))
+        self.revisions.saw(int(resp.header.revision), self.endpoint, floor=floor)
+        return resp
+
     def _md(self, conn: _Connection) -> dict[str, Any]:
         return {"timeout": self.config.request_timeout_s, "metadata": conn.metadata}
 
     # ---------------------------------------------------------------- async API
     async def aget(self, key: str) -> KeyValue | None:
         async def fn(c: _Connection):
-            resp = await c.kvstub.Range(rpc.RangeRequest(key=_b(key)), **self._md(c))
+            resp = await self._kv(c, c.kvstub.Range, rpc.RangeRequest(key=_b(key)))
             return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
 
         return await self.call(f"get {key}", fn)
@@ -557,7 +576,7 @@ class EtcdClient:
                      count_only: bool = False) -> RangeResult | int:
         async def fn(c: _Connection):
             req = rpc.RangeRequest(**_key_range(start, prefix=prefix, end=end), count_only=count_only)
-            resp = await c.kvstub.Range(req, **self._md(c))
+            resp = await self._kv(c, c.kvstub.Range, req)
             if count_only:
                 return int(resp.count)
             return RangeResult(tuple(KeyValue.from_pb(kv) for kv in resp.kvs),
@@ -567,15 +586,14 @@ class EtcdClient:
 
     async def afirst(self, start: str, end: str) -> KeyValue | None:
         async def fn(c: _Connection):
-            resp = await c.kvstub.Range(rpc.RangeRequest(**_key_range(start, end=end), limit=1), **self._md(c))
+            resp = await self._kv(c, c.kvstub.Range, rpc.RangeRequest(**_key_range(start, end=end), limit=1))
             return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
 
         return await self.call(f"range {start}", fn)
 
     async def aput(self, key: str, value: bytes | str, lease: int = 0) -> int:
         async def fn(c: _Connection):
-            resp = await c.kvstub.Put(rpc.PutRequest(key=_b(key), value=_b(value), lease=lease),
-                                      **self._md(c))
+            resp = await self._kv(c, c.kvstub.Put, rpc.PutRequest(key=_b(key), value=_b(value), lease=lease))
             return resp.header.revision
 
         return await self.call(f"put {key}", fn)
@@ -583,7 +601,7 @@ class EtcdClient:
     async def adelete(self, key: str, *, prefix: bool = False) -> int:
         async def fn(c: _Connection):
             req = rpc.DeleteRangeRequest(**_key_range(key, prefix=prefix))
-            resp = await c.kvstub.DeleteRange(req, **self._md(c))
+            resp = await self._kv(c, c.kvstub.DeleteRange, req)
             return int(resp.deleted)
 
         return await self.call(f"delete {key}", fn)
@@ -597,7 +615,7 @@ class EtcdClient:
             req = rpc.TxnRequest(compare=[x.to_pb() for x in compare],
                                  success=[x.to_pb() for x in success],
                                  failure=[x.to_pb() for x in failure])
-            resp = await c.kvstub.Txn(req, **self._md(c))
+            resp = await self._kv(c, c.kvstub.Txn, req)
             gets = tuple(
                 tuple(KeyValue.from_pb(kv) for kv in r.response_range.kvs)
                 for r in resp.responses if r.WhichOneof("response") == "response_range"
@@ -668,8 +686,7 @@ class EtcdClient:
         """The current store revision (a cheap read of one missing key)."""
 
         async def fn(c: _Connection):
-            resp = await c.kvstub.Range(rpc.RangeRequest(key=b"\0", count_only=True),
-                                        **self._md(c))
+            resp = await self._kv(c, c.kvstub.Range, rpc.RangeRequest(key=b"\0", count_only=True))
             return int(resp.header.revision)
 
         return await self.call("revision", fn)

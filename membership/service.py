@@ -31,6 +31,7 @@ from elastic_refit.membership.errors import (
     EpochTimeout,
     EtcdUnavailable,
     IdentityClash,
+    JobStateLost,
     MembershipLost,
 )
 from elastic_refit.membership.index import ControlIndex, control_index
@@ -83,6 +84,10 @@ class Membership:
         self.lost = threading.Event()
         self.lost_reason = ""
         self.replaced = False  # lost because another lease took the member key over (see _taken_over)
+        # Lost because etcd answered below a revision this process saw (membership.revisions):
+        # the job's state went back, and no new incarnation may join it.
+        self.state_lost: JobStateLost | None = None
+        self._unguard: Callable[[], None] = lambda: None
         self.run_id = ""  # the job's run id when this member registered (see membership.run)
         self.run_instance = ""  # ... and its instance: a wiped etcd may recreate the id, never this
         self.run_started = ""  # ... and when the run's key was created (UTC, ISO 8601)
@@ -164,6 +169,8 @@ class Membership:
             self.client.revoke_lease(previous.lease)
             self.log.info("membership.member.replaced", previous_lease_id=previous.lease)
         self.watcher.add_listener(self._on_change)
+        if self.client.revisions is not None:  # etcd restored from an older state: lost for good
+            self._unguard = self.client.revisions.on_went_back(self._went_back)
         self.client.spawn(self._suspicion_loop(), name="suspicions")
         self.watcher.start(revision=res.revision)
         if self.config.candidate:
@@ -185,6 +192,7 @@ class Membership:
         if self.closing:
             return
         self.closing = True
+        self._unguard()
         try:
             self._leader.changed_threadsafe(self.client)
             self.watcher.stop()
@@ -562,6 +570,10 @@ class Membership:
         for cb in list(self._on_back):
             with contextlib.suppress(Exception):
                 cb()
+
+    def _went_back(self, error: JobStateLost) -> None:
+        self.state_lost = error
+        self._lease_lost_threadsafe(str(error))
 
     def _lease_lost_threadsafe(self, reason: str) -> None:
         """etcd answered a keepalive with TTL 0 (keeper thread): the lease is gone."""

@@ -23,7 +23,7 @@ import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
 from elastic_refit.membership.client import EtcdClient, KeyValue, _b
-from elastic_refit.membership.errors import EtcdUnavailable, MembershipError
+from elastic_refit.membership.errors import EtcdUnavailable, JobStateLost, MembershipError
 
 from elastic_refit.log import get_logger
 
@@ -237,6 +237,9 @@ class RangeWatcher:
                 self._log.warning("membership.watch.compacted", revision=self._revision,
                                   compact_revision=exc.compact_revision)
                 self._need_list = True
+            except JobStateLost as exc:  # etcd went back (membership.revisions): nothing to watch
+                self._log.error("membership.watch.stopped", revision=self._revision, error=str(exc)[:300])
+                return
             except Exception as exc:  # any fault: the watch must outlive it
                 self.reconnects += 1
                 if isinstance(exc, WatchStalled):
@@ -299,6 +302,8 @@ class RangeWatcher:
                 if resp.canceled:
                     raise aetcd_exc.ConnectionFailedError(
                         f"watch canceled by server: {resp.cancel_reason!r}")
+                if resp.header.revision < self._revision:
+                    await self._confirm_not_behind()
                 if resp.created and not created:
                     created = True
                     if self.reconnects:
@@ -322,6 +327,16 @@ class RangeWatcher:
             with contextlib.suppress(Exception):
                 await queue.put(None)
             call.cancel()
+
+    async def _confirm_not_behind(self) -> None:
+        """A watch answer below this watcher's revision: a lagging cluster member, or etcd
+        restored from an older state. A monotonic client tells them apart with one
+        linearizable read (``JobStateLost`` when the store went back, see
+        ``membership.revisions``)."""
+        guard = self._client.revisions
+        if guard is not None:
+            guard.floor(self._revision)
+            await self._client.arevision()
 
     def _apply(self, pb_events) -> None:
         events: list[WatchEvent] = []

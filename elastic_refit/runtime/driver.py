@@ -127,7 +127,8 @@ class Driver:
             action, state = decide(state, AgentInputs(settings, s.membership.view, outcome), time.monotonic())
             if isinstance(action, Fail):
                 s.log.error("fault.detected", kind="membership_lost", error=action.reason)
-                self.outcomes.latch(lost if lost is not None else MembershipLost(action.reason))
+                went_back = s.membership.state_lost  # etcd answered below a revision seen before
+                self.outcomes.latch(lost if lost is not None else went_back or MembershipLost(action.reason))
                 return
             if isinstance(action, Rejoin):
                 try:
@@ -147,9 +148,10 @@ class Driver:
     def _may_rejoin(self) -> bool:
         """A lost member comes back as a new incarnation unless it closes, another process
         holds its key (two members with one id, or its restart elsewhere), or the context
-        gave no way to (``rejoin``)."""
+        gave no way to (``rejoin``), or the job's state in etcd went back."""
         s = self.services
-        return self._rejoin is not None and not s.membership.replaced and not s.stop.is_set()
+        return (self._rejoin is not None and not s.membership.replaced and s.membership.state_lost is None
+                and not s.stop.is_set())
 
     def _come_back(self, action: Rejoin) -> None:
         """Register as a new incarnation (``rejoin``, retried while etcd is unreachable) and

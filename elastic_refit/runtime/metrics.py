@@ -33,8 +33,9 @@ class RefitMetrics:
         self.epoch = prom.Gauge("refit_epoch", "Membership epoch this process works in", **kw)
         self.serving_version = prom.Gauge("refit_serving_version", "Committed version an inference rank serves",
                                           **kw)
-        self.detached = prom.Gauge("refit_detached", "1 while this member is out of the job (its lease was lost) "
-                                   "and registers again as a new incarnation", **kw)
+        self.detached = prom.Gauge("refit_detached", "1 while this member is out of the job: its lease was lost "
+                                   "and it registers again as a new incarnation, or it stopped (membership lost "
+                                   "for good)", **kw)
         self.rejoins = prom.Counter("refit_rejoins", "Times this process came back as a new incarnation", **kw)
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
@@ -55,6 +56,8 @@ class RefitMetrics:
             self.versions.labels(role).inc()
         elif event == "fault.detected":
             self.faults.labels(str(fields.get("kind", "unknown"))).inc()
+            if fields.get("kind") == "membership_lost":  # out for good: no rejoin clears it
+                self.detached.set(1)
         elif event == "refit.epoch.entered":
             self.epoch.set(int(fields["epoch"]))
         elif event == "refit.version.serving":

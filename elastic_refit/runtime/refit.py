@@ -167,7 +167,7 @@ class ElasticRefit:
         # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch
         # deadline). Lazy connection (TORCH_GLOO_LAZY_INIT) was tried and rejected: a send to a
         # peer that died before its pair connected blocks inside send() for ~50 s of retries.
-        client = EtcdClient(c.etcd_config())
+        client = EtcdClient(c.etcd_config(), monotonic=True)  # a store that went back: JobStateLost
         self._closers.append(client.close)
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank, layout=self._side.described,

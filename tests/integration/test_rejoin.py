@@ -148,6 +148,37 @@ def test_a_control_state_that_went_back_stops_every_member(etcd_server, job):
         assert time.monotonic() - back < 5.0
 
 
+def test_etcd_restored_from_an_older_copy_with_the_same_latest_version_stops_every_member(etcd_server, job):
+    """etcd restored from a copy of its data directory taken after the latest commit but
+    before later writes (here a member left, and a new epoch was formed): the versions did
+    not go back, the run id is the same, yet the membership, epochs and leases are older
+    than what the members saw. Each member's etcd client finds an answer below a revision it
+    saw before (membership.revisions) and stops with ``JobStateLost``: nothing is planned
+    against, committed into or served from the older state. Before, this went unnoticed."""
+    with small_job(etcd_server.endpoint, job) as (trainer, engines, _params):
+        publish(trainer, 1)
+        publish(trainer, 2)
+        for engine in engines:
+            engine.wait_for_version(2)
+        backup = etcd_server.copy_data()
+        before = trainer.membership.view.epoch
+        engines[1].close()  # i1 leaves: a new epoch, the latest committed version stays 2
+        wait_until(lambda: trainer.membership.view.epoch > before, 30, "the epoch after i1 left")
+        etcd_server.restore_data(backup)
+        restored = time.monotonic()
+        i0 = engines[0]
+        with pytest.raises(JobStateLost, match="below revision"):
+            i0.wait_for_version(3, timeout_s=30)
+        detected_s = time.monotonic() - restored
+        with pytest.raises(JobStateLost, match="below revision"), i0.weights(timeout_s=1):
+            pass
+        with pytest.raises(JobStateLost, match="below revision"):
+            publish(trainer, 3)
+        assert detected_s < 2 * TTL_S + 1.0, detected_s
+        print(f"etcd restored from an older copy (same latest version): i0 stopped {detected_s:.2f} s after "
+              "etcd was back")
+
+
 @pytest.mark.parametrize("policy", ["keep", "block"])
 def test_a_detached_inference_rank_serves_as_its_policy_says(etcd_server, job, policy):
     """etcd stalled past the TTL: each member's keeper finds its lease expired and the member

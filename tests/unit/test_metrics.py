@@ -32,6 +32,20 @@ def test_events_become_metrics():
     assert "i0" not in text and "member_id" not in text  # no member ids as labels
 
 
+def test_detached_is_set_while_rejoining_and_when_out_for_good():
+    registry = prom.CollectorRegistry()
+    metrics = RefitMetrics(registry)
+    base = {"role": "inference", "member_id": "i0"}
+    metrics("refit.member.detached", {**base, "reason": "lease expired"})
+    assert registry.get_sample_value("refit_detached") == 1
+    metrics("refit.member.rejoined", {**base, "previous_incarnation": "x"})
+    assert (registry.get_sample_value("refit_detached"), registry.get_sample_value("refit_rejoins_total")) == (0, 1)
+    metrics("fault.detected", {**base, "kind": "attempt_failed"})
+    assert registry.get_sample_value("refit_detached") == 0
+    metrics("fault.detected", {**base, "kind": "membership_lost", "error": "etcd went back"})
+    assert registry.get_sample_value("refit_detached") == 1
+
+
 def test_metrics_are_served_on_the_address_given_and_loopback_by_default():
     import urllib.request
 
