@@ -64,6 +64,11 @@ class RunClash(MembershipError):
     registers (its lease is revoked); the message names the job, both runs and the fix."""
 
 
+# What every JobStateLost says after its cause (membership.revisions, runtime.rejoin).
+JOB_STATE_LOST_ADVICE = ("going on could commit or serve versions out of order, so this member stops. Start the "
+                         "job again under a new name (or after `elastic-refit job reset`)")
+
+
 class JobStateLost(MembershipLost):
     """The job's control state in etcd is not the one this member joined (its run id is
     gone or another): etcd was wiped or restored from another state. Going on could commit

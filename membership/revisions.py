@@ -22,7 +22,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 
-from elastic_refit.membership.errors import JobStateLost
+from elastic_refit.membership.errors import JOB_STATE_LOST_ADVICE, JobStateLost
 
 
 class RevisionGuard:
@@ -66,9 +66,8 @@ class RevisionGuard:
                 self._went_back = JobStateLost(
                     f"the job's control state in etcd is not the one it joined: etcd at {where} answered at "
                     f"revision {revision}, below revision {floor} that this process saw before (etcd "
-                    "was restored from an older snapshot or copy of its data directory, or wiped); going on "
-                    "could commit or serve versions out of order, so this member stops. Start the job again "
-                    "under a new name (or after `elastic-refit job reset`)")
+                    "was restored from an older snapshot or copy of its data directory, or wiped); "
+                    + JOB_STATE_LOST_ADVICE)
                 listeners = list(self._listeners)
             else:
                 listeners = []

@@ -32,6 +32,7 @@ from elastic_refit.membership import (
     Membership,
     RunClash,
 )
+from elastic_refit.membership.errors import JOB_STATE_LOST_ADVICE
 from elastic_refit.runtime.checks import Side
 from elastic_refit.runtime.config import RefitConfig
 from elastic_refit.runtime.outcomes import Outcomes
@@ -161,8 +162,7 @@ def _check_same_run(membership: Membership, joined: Membership) -> None:
 def _state_replaced(joined: Membership, now: str) -> str:
     return (f"{joined.record.member_id}: the job's control state in etcd is not the one it joined (run "
             f"{joined.run_id} instance {joined.run_instance}; {now}): etcd was wiped or restored from another "
-            "state, and going on could commit or serve versions out of order; this member stops. Start the job "
-            "again under a new name (or after `elastic-refit job reset`)")
+            "state; " + JOB_STATE_LOST_ADVICE)
 
 
 def rejoin(services: Services, side: Side, published: PublishedVersions | None, reason: str, *,
