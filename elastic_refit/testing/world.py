@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -134,6 +135,41 @@ def padding_problems(layout: Layout, rank: int, buffers: dict[str, torch.Tensor]
     return problems
 
 
+def leave_together(store: dist.Store, rank: int, world_size: int, timeout_s: float, *, key: str = "left",
+                   outcome: str = "done") -> list[int]:
+    """Say that this rank is done with the world (``outcome``) and, after a clean run, wait
+    (up to ``timeout_s``) until every rank has said so; returns the ranks that had not.
+
+    Why: a collective that returned on this rank may still be in flight to its peers. NCCL
+    completes a rank's kernel once its sends are handed to its proxy thread, and over the
+    socket transport (ranks sharing a GPU, each its own ``NCCL_HOSTID``) the proxy writes
+    them later: a rank that aborted its communicator or exited right after the closing vote
+    took the vote's last message with it, and its peers' votes failed ("NCCL error 6: remote
+    process exited") or timed out. Seen on the H200 with 4-8 ranks per world and eight test
+    workers side by side, whose proxies ran late; never with one world at a time. A failed
+    rank only says so (its peers' refits failed too, nobody waits for it)."""
+    store.set(f"{key}/{rank}", outcome)
+    if outcome != "done":
+        return []
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return []
+    except Exception:  # the store's timeout: name who did not come
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+
+
+def left_before(store: dist.Store, world_size: int, *, key: str = "left") -> dict[int, str]:
+    """The ranks that had left the world (their ``leave_together`` outcome), by rank."""
+    out = {}
+    for r in range(world_size):
+        k = f"{key}/{r}"
+        if store.check([k]):
+            raw = store.get(k)
+            out[r] = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return out
+
+
 def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, options: WorkerOptions,
                fault: Callable[[FaultyTransport], None] | None = None) -> dict[str, Any]:
     """Run ``case`` on this rank and return its report, timings and verification result.
@@ -155,13 +191,23 @@ def refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
     fill_pieces(plan.source, rank, src, options.seed)
     reports = []
-    for _ in range(options.warmup):
-        executor.run(src, dst)
-    for _ in range(options.repeat):
-        reports.append(executor.run(src, dst))
+    try:
+        for _ in range(options.warmup):
+            executor.run(src, dst)
+        for _ in range(options.repeat):
+            reports.append(executor.run(src, dst))
+    except BaseException as exc:
+        # Who had left by then names the first rank to fail (the others failed after it).
+        left = left_before(store, world_size)
+        leave_together(store, rank, world_size, options.timeout_s, outcome=f"failed: {type(exc).__name__}")
+        exc.add_note(f"rank {rank}: ranks that had left the world by then: {left or 'none'}")
+        raise
     problems = check_pieces(plan.destination, rank, dst, options.seed)
     problems += padding_problems(plan.destination, rank, dst, SENTINEL)
-    transport.abort()  # done with this world; nothing else uses it
+    late = leave_together(store, rank, world_size, options.timeout_s)
+    if late:
+        problems.append(f"rank {rank}: ranks {late} did not finish the world within {options.timeout_s} s")
+    transport.abort()  # every rank is done with this world: nothing of it is in flight
     return {
         "rank": rank,
         "plan_seconds": plan_seconds,
@@ -489,8 +535,17 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
             staging_bytes=gb.staging_bytes, num_messages=gb.num_messages)
         if "reshard_checked" in methods:  # the timed runs only (the warm-ups come first)
             results["reshard_checked"]["checks_seconds"] = methods["reshard_checked"].checks_seconds[options.warmup:]
+    except BaseException as exc:
+        leave_together(store, rank, world_size, options.timeout_s, key="bench-left",
+                       outcome=f"failed: {type(exc).__name__}")
+        raise
+    else:
+        late = leave_together(store, rank, world_size, options.timeout_s, key="bench-left")
+        if late:
+            results["reshard"]["problems"].append(f"rank {rank}: ranks {late} did not finish within "
+                                                  f"{options.timeout_s} s")
     finally:
-        transport.abort()  # done with this world; nothing else uses it
+        transport.abort()  # every rank is done with this world (leave_together): nothing is in flight
     return {
         "rank": rank,
         "fingerprint": plan.fingerprint,
