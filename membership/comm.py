@@ -57,6 +57,7 @@ from elastic_refit.transport.factory import (
     init_nccl4py,
     make_transport,
     nccl_group,
+    release_deferred_mappings,
     revive_nccl4py,
     shrink_nccl4py,
     with_direct_reads,
@@ -246,6 +247,11 @@ class CommunicatorManager:
         if any(t.is_alive() for t in self._reaping):
             self.log.error("comm.abort.timed_out", what="shrink_parent", timeout_s=self.config.abort_timeout_s)
         self._reaping.clear()
+        # IPC mappings a faulted transport deferred (its kernel was stuck on a dead peer):
+        # the communicator is aborted now, so that work ends and they can go.
+        left = release_deferred_mappings(max(0.0, deadline - time.monotonic()))
+        if left:
+            self.log.error("comm.ipc.release_timed_out", mappings=left, timeout_s=self.config.abort_timeout_s)
 
     # --------------------------------------------------------------- internals
     def _agree_path(self, old: MembershipView | None, view: MembershipView, mine: str, *,

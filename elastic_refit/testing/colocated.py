@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -28,10 +29,18 @@ from elastic_refit.layout.core import Topology
 from elastic_refit.layout.models import ModelConfig
 from elastic_refit.layout.refit import model_refit_spec
 from elastic_refit.plan import Plan, PlanOptions, make_plan
-from elastic_refit.testing.world import SENTINEL, _padded_buffers, padding_problems, pattern_pieces
+from elastic_refit.testing.world import (
+    SENTINEL,
+    _padded_buffers,
+    leave_together,
+    padding_problems,
+    pattern_pieces,
+)
 from elastic_refit.transport.buffers import buffer_digests, byte_view
 
 __all__ = ["ColocatedCase", "colocated_plan", "colocated_rank", "summarise"]
+
+log = structlog.get_logger("elastic_refit.testing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +138,15 @@ def colocated_rank(rank: int, world_size: int, store: dist.Store, case: Colocate
                 elif buffer_digests(dst) != reference:
                     res["problems"].append(f"rank {rank} run {i}: buffers differ from the verified first run")
                 if m == "ipc" and case.die_rank is not None:
+                    # Every rank is past the first refit's vote before the source dies (its
+                    # proxy may still owe peers that vote's last message, see leave_together):
+                    # the death falls between two refits, with the memory still mapped.
+                    late = leave_together(store, rank, world_size, case.timeout_s, key="first-refit")
+                    if late:
+                        raise RuntimeError(f"rank {rank}: ranks {late} did not finish the first refit")
                     if rank == case.die_rank:
                         os._exit(17)  # a peer dies with its memory mapped by readers
-                    return _after_death(rank, routed, run, src, dst, res, open_mappings)
+                    return _after_death(rank, routed, run, src, dst, res, open_mappings, case.timeout_s)
             res["recv_bytes"] = getattr(report, "network_recv_bytes", 0) + getattr(report, "intra_recv_bytes", 0)
             if m == "ipc":
                 res["direct_recv_bytes"] = report.direct_recv_bytes
@@ -141,21 +156,40 @@ def colocated_rank(rank: int, world_size: int, store: dist.Store, case: Colocate
                 res["moved"] = {k: v // runs for k, v in getattr(routed, "moved", {}).items()}
         if rank == 0:
             out["ceiling"] = _copy_ceiling(device, case.ceiling_bytes)
+    except BaseException as exc:
+        leave_together(store, rank, world_size, case.timeout_s, outcome=f"failed: {type(exc).__name__}")
+        raise
+    else:
+        late = leave_together(store, rank, world_size, case.timeout_s)  # nothing of the world in flight
+        if late:
+            out["late_ranks"] = late
     finally:
         routed.close()  # closes base too
         out["open_mappings_after_close"] = open_mappings()
     return out
 
 
-def _after_death(rank, routed, run, src, dst, res, open_mappings) -> dict[str, Any]:
-    """The refit after a peer died: it must fail (typed), then closing unmaps everything."""
+def _after_death(rank, routed, run, src, dst, res, open_mappings, timeout_s: float) -> dict[str, Any]:
+    """The refit after a peer died: it must fail (typed), then closing unmaps everything.
+
+    The failed refit may leave a collective of the communicator stuck on the dead peer, and
+    unmapping synchronises the device: the transport defers those mappings until that work
+    ended. Here the harness owns the communicator, so it aborts it (as the runtime's
+    communicator manager does on the epoch change), then the deferred mappings go."""
+    from elastic_refit.transport.factory import release_deferred_mappings
+    from elastic_refit.transport.protocol import abort_with_watchdog
+
     res["mapped_before"] = open_mappings()
     try:
         run(src, dst)
         res["second_refit"] = "passed"
     except Exception as exc:
         res["second_refit"] = type(exc).__name__
+    comm = getattr(routed.base, "comm", None)  # before the close drops it
     routed.close()
+    if comm is not None:
+        abort_with_watchdog(comm, timeout_s, log, what="after_death")
+    res["pending_after_abort"] = release_deferred_mappings(timeout_s)
     res["open_mappings_after_close"] = open_mappings()
     return {"rank": rank, "methods": {"ipc": res}, "open_mappings_after_close": open_mappings()}
 

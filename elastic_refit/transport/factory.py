@@ -8,7 +8,8 @@ and never names a concrete one:
   gloo and torch NCCL, an nccl4py communicator);
 - :func:`create_transport` builds the communicator of a world from a store, then wraps it;
 - :func:`with_direct_reads` routes a transport by peer: CUDA IPC between ranks of one host,
-  the transport for everything else;
+  the transport for everything else; :func:`release_deferred_mappings` unmaps what a
+  faulted one could not unmap yet (its owner calls it once the communicator is aborted);
 - :func:`gloo_group` and :func:`nccl_group` build the c10d process groups an owner keeps
   across epochs (with the options membership's lifecycle needs);
 - the nccl4py lifecycle (:func:`probe_nccl4py`, :func:`init_nccl4py`,
@@ -32,7 +33,8 @@ from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.protocol import Transport
 
 __all__ = ["create_transport", "gloo_device", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
-           "probe_nccl4py", "revive_nccl4py", "shrink_nccl4py", "with_direct_reads"]
+           "probe_nccl4py", "release_deferred_mappings", "revive_nccl4py", "shrink_nccl4py",
+           "with_direct_reads"]
 
 
 def make_transport(backend: Backend | str, communicator: Any, rank: int, world_size: int, *,
@@ -88,15 +90,30 @@ def with_direct_reads(transport: Transport, store: Any, hosts: Sequence[str], *,
     or aborting it releases every mapping, then closes or aborts ``transport``. Without a
     peer on this host, ``transport`` itself, unless that moves other tensors than
     ``device``'s (a gloo base: the result stages GPU buffers through host memory)."""
-    from elastic_refit.transport.ipc import IpcTransport, same_host_peers
+    from elastic_refit.transport.ipc import IpcTransport, release_deferred, same_host_peers
 
     if len(hosts) != transport.world_size:
         raise ValueError(f"hosts names {len(hosts)} ranks, the world has {transport.world_size}")
+    # A new epoch's communicator exists: the previous one was shrunk or aborted, so the
+    # work that held a faulted transport's mappings has ended.
+    release_deferred()
     peers = same_host_peers(hosts, transport.rank)
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     if not peers and transport.device.type == dev.type:
         return transport
     return IpcTransport(transport, store, peers, dev)
+
+
+def release_deferred_mappings(timeout_s: float = 0.0) -> int:
+    """Unmap the CUDA IPC mappings a faulted transport deferred (its communicator may have
+    held a kernel stuck on a dead peer, and unmapping synchronises the device), waiting up
+    to ``timeout_s`` for that work to end; the communicator's owner calls it after aborting
+    the communicator. Returns how many are still deferred. Loads nothing when no direct
+    reads ran in this process."""
+    import sys
+
+    ipc = sys.modules.get("elastic_refit.transport.ipc")
+    return ipc.release_deferred(timeout_s) if ipc is not None else 0
 
 
 # ------------------------------------------------------------------ c10d process groups

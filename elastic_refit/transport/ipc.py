@@ -19,6 +19,16 @@ synchronisation, which would wait for good on a collective stuck on a dead peer)
 :func:`~elastic_refit.transport.cuda_ipc.open_mappings` counts what a process still has
 mapped.
 
+Unmapping (``cuIpcCloseMemHandle``) synchronises the whole device, as ``cudaFree`` does. After
+a fault, the base's communicator may hold a kernel stuck on a dead peer, which ends only
+when its owner aborts or shrinks it, after the transport was closed: unmapping then would
+wait for good (seen on the H200: a surviving member blocked ~50 s in the release after a
+peer was killed mid-refit, and missed the next epochs). So a transport that saw a fault
+unmaps only once the work queued on its streams is done; until then its mappings are
+*deferred* (still counted by ``open_mappings``) and :func:`release_deferred` unmaps them once
+that work ended: the factory calls it when it routes the next epoch's transport, and the
+communicator's owner after aborting it.
+
 Made by :func:`elastic_refit.transport.factory.with_direct_reads`; :func:`same_host_peers`
 is the routing decision (pure).
 """
@@ -27,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,9 +50,59 @@ from elastic_refit.layout import Buffer
 from elastic_refit.transport.protocol import Capabilities, P2POp, Transport, Work
 from elastic_refit.transport.schedule import BufferRef
 
-__all__ = ["IpcTransport", "same_host_peers"]
+__all__ = ["IpcTransport", "pending_releases", "release_deferred", "same_host_peers"]
 
 log = structlog.get_logger("elastic_refit.transport")
+
+_POLL_S = 0.01
+_deferred_lock = threading.Lock()
+# Mappings of faulted transports, unmapped once their guards (CUDA events after the work
+# that was queued when they were released) have passed: (rank, guards, segments).
+_deferred: list[tuple[int, list[Any], list[Any]]] = []
+
+
+def _passed(guards: Sequence[Any]) -> bool:
+    """Whether every guard event has passed (never blocks)."""
+    for event in guards:
+        try:
+            if not event.query():
+                return False
+        except Exception:  # an event of a broken context: its work will not run any more
+            continue
+    return True
+
+
+def _close_segments(rank: int, segments: Sequence[Any]) -> None:
+    for seg in segments:
+        try:
+            seg.close()
+        except Exception as exc:  # still counted by open_mappings: the leak checks see it
+            log.warning("transport.ipc.unmap_failed", rank=rank, error=brief(exc))
+
+
+def pending_releases() -> int:
+    """Mappings of this process deferred by a faulted transport, not unmapped yet."""
+    with _deferred_lock:
+        return sum(len(segments) for _, _, segments in _deferred)
+
+
+def release_deferred(timeout_s: float = 0.0) -> int:
+    """Unmap the deferred mappings whose guards passed, waiting up to ``timeout_s`` for the
+    others (polling; the device is never synchronised before their work ended). Returns how
+    many mappings are still deferred."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _deferred_lock:
+            ready = [entry for entry in _deferred if _passed(entry[1])]
+            for entry in ready:
+                _deferred.remove(entry)
+            left = sum(len(segments) for _, _, segments in _deferred)
+        for rank, _, segments in ready:
+            _close_segments(rank, segments)
+            log.info("transport.ipc.released", rank=rank, deferred=True, segments=len(segments))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(_POLL_S)
 
 
 def same_host_peers(hosts: Sequence[str], rank: int) -> frozenset[int]:
@@ -89,6 +151,9 @@ class IpcTransport:
         self._peers: dict[int, _Peer] = {}
         self._closed = False
         self._reads: Any = None  # a CUDA event after the last direct reads queued (fence_reads)
+        # An operation failed or the transport was aborted: the base may hold work stuck on
+        # a dead peer, so mappings are released only once the queued work ended.
+        self._faulted = False
         # Bytes received, by route, over the transport's life (benchmarks check the split).
         self.moved = {"direct": 0, "base": 0}
 
@@ -121,7 +186,7 @@ class IpcTransport:
                                   if op.op == "recv" and op.tag != DIRECT_TAG)
         on = self.base.device
         if all(op.tensor.device == on for op in ops):
-            return self.base.post(ops)
+            return self._faults(self.base.post, ops)
         moved, staged = [], []
         for op in ops:
             if op.tensor.device == on:
@@ -134,22 +199,31 @@ class IpcTransport:
                 host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device=on)
                 moved.append(dataclasses.replace(op, tensor=host))
                 staged.append((host, op.tensor))
-        works = self.base.post(moved)
+        works = self._faults(self.base.post, moved)
         return tuple(w if s is None else _StagedWork(w, *s) for w, s in zip(works, staged, strict=True))
 
     def wait(self, work: Work, peer: int, what: str) -> None:
         if isinstance(work, _StagedWork):
-            self.base.wait(work.inner, peer, what)
+            self._faults(self.base.wait, work.inner, peer, what)
             work.target.copy_(work.host)  # type: ignore[union-attr]
             return
-        self.base.wait(work, peer, what)
+        self._faults(self.base.wait, work, peer, what)
 
     def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
-        return self.base.vote(ok, participants)
+        return self._faults(self.base.vote, ok, participants)
+
+    def _faults(self, fn, *args):
+        """``fn(*args)``, noting a failure (see ``_faulted``)."""
+        try:
+            return fn(*args)
+        except BaseException:
+            self._faulted = True
+            raise
 
     def abort(self) -> None:
-        """Release every mapping (once the reads queued on it are done), then abort the
-        base (peers fail fast)."""
+        """Release every mapping (now if nothing queued may still be running, else once it
+        ended: see the module), then abort the base (peers fail fast)."""
+        self._faulted = True
         self._release()
         self.base.abort()
 
@@ -244,10 +318,44 @@ class IpcTransport:
             except Exception as exc:
                 log.warning("transport.ipc.sync_failed", rank=self.rank, error=brief(exc))
 
+    def _guards(self) -> list[Any]:
+        """Events after everything queued so far that may touch mapped memory or hold the
+        device: the direct reads, the current stream (a c10d wait makes it wait for the
+        communicator's stream) and the base's own stream (nccl4py)."""
+        guards = [self._reads] if self._reads is not None else []
+        streams = [torch.cuda.current_stream(self.device)]
+        own = getattr(self.base, "stream", None)
+        if own is not None:
+            streams.append(own)
+        for stream in streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            guards.append(event)
+        return guards
+
     def _release(self) -> None:
+        release_deferred()  # an earlier epoch's, whose communicator has been dealt with since
         if not self._peers:
             return
-        self._wait_reads()
+        if not (self._faulted or self.base.aborted):
+            self._wait_reads()
+            for peer in list(self._peers):
+                self._unmap(peer)
+            log.info("transport.ipc.released", rank=self.rank)
+            return
+        # After a fault: unmapping synchronises the device, and the base may hold a kernel
+        # stuck on a dead peer until its owner aborts the communicator (after this close).
+        guards = self._guards()
+        self._reads = None
+        segments = []
         for peer in list(self._peers):
-            self._unmap(peer)
-        log.info("transport.ipc.released", rank=self.rank)
+            state = self._peers.pop(peer)
+            state.views.clear()
+            segments.extend(state.segments.values())
+        if _passed(guards):
+            _close_segments(self.rank, segments)
+            log.info("transport.ipc.released", rank=self.rank)
+            return
+        with _deferred_lock:
+            _deferred.append((self.rank, guards, segments))
+        log.info("transport.ipc.release_deferred", rank=self.rank, segments=len(segments))

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from elastic_refit.errors import TransportAborted
 from elastic_refit.layout import Buffer, parse_spec
 from elastic_refit.layout.core import Topology
 from elastic_refit.layout.models import ModelConfig
@@ -233,6 +234,8 @@ class _Segment:
 
 
 class _Event:
+    done = True  # whether recorded work has ended (the class's: every event of a test)
+
     def __init__(self):
         self.waited = False
 
@@ -242,11 +245,14 @@ class _Event:
     def synchronize(self):
         self.waited = True
 
+    def query(self):
+        return _Event.done
+
 
 def test_releasing_mappings_waits_for_the_reads_never_for_the_device(monkeypatch):
-    """An abort comes after a collective failed, and one stuck on a dead peer ends only when
-    its communicator is aborted (later): a device-wide synchronisation there would hang for
-    good. Releasing waits for the direct reads queued on the transport, then unmaps."""
+    """A clean close (an epoch change after a refit that passed) waits for the direct reads
+    queued on the transport, then unmaps; never a device-wide synchronisation (a parked
+    communicator's collective may be stuck on a dead peer)."""
     from elastic_refit.transport import cuda_ipc
     from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport
 
@@ -271,8 +277,81 @@ def test_releasing_mappings_waits_for_the_reads_never_for_the_device(monkeypatch
     assert first_reads.waited and made[0].closed and not made[1].closed and ipc.num_mapped == 1
     ipc.fence_reads()
     second_reads = ipc._reads
-    ipc.abort()
+    ipc.close()
     assert second_reads.waited and made[1].closed and ipc.num_mapped == 0 and base.aborted
+
+
+class _StuckBase(_Base):
+    """An nccl4py-like base (its own stream) whose vote failed on a peer that died."""
+
+    stream = "nccl-stream"
+
+    def vote(self, ok, participants=None):
+        raise TransportAborted("rank 0: completion vote with rank -1 failed: NCCL error 6", rank=0)
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_after_a_fault_mappings_wait_for_the_stuck_work_not_the_device(monkeypatch, end):
+    """The H200 colocated trials: a surviving member's vote failed on a killed peer, and
+    releasing its mappings (cuIpcCloseMemHandle, which synchronises the device) blocked ~50 s
+    behind the vote's kernel, stuck until its communicator is aborted, which comes after
+    the release: the member missed the next epochs and versions 2 and 3 were lost. Now the
+    release never waits: the mappings are deferred while the work queued on the transport's
+    streams has not ended, still counted, and go once it ended (the communicator aborted)."""
+    from elastic_refit.transport import cuda_ipc
+    from elastic_refit.transport import ipc as ipc_module
+    from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport
+    from elastic_refit.transport.factory import release_deferred_mappings
+
+    def device_sync(*_a, **_k):
+        raise AssertionError("the device was synchronised")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_sync)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    made = []
+
+    class _SyncingSegment(_Segment):
+        def close(self):
+            if not _Event.done:  # what cuIpcCloseMemHandle does: wait for the whole device
+                raise AssertionError("unmapped while a kernel was stuck: this waits for good")
+            super().close()
+
+    monkeypatch.setattr(cuda_ipc, "MappedSegment", lambda h, d: made.append(_SyncingSegment(h, d)) or made[-1])
+    store = _Store()
+    store.set("ipc/1/1", json.dumps([[0, "w", *IpcExport(b"\x01" * HANDLE_BYTES, 0, 64).to_json()]]))
+    base = _StuckBase(0, 2)
+    ipc = IpcTransport(base, store, frozenset({1}), torch.device("cuda:0"))
+    ipc.peer_buffers(1, 1, {(0, "w"): Buffer(1, "w", (4, 4), "float32")})
+    ipc.fence_reads()
+    monkeypatch.setattr(_Event, "done", False)  # the vote's kernel never ends on its own
+    with pytest.raises(TransportAborted):
+        ipc.vote(True)
+    getattr(ipc, end)()  # returns at once
+    assert base.aborted and ipc.num_mapped == 0
+    assert not made[0].closed and ipc_module.pending_releases() == 1  # still counted: not leaked silently
+    assert release_deferred_mappings(0.05) == 1  # bounded: the kernel is still stuck
+    monkeypatch.setattr(_Event, "done", True)  # the owner aborted the communicator: the kernel ended
+    assert release_deferred_mappings() == 0 and made[0].closed and ipc_module.pending_releases() == 0
+
+
+def test_after_a_fault_with_nothing_stuck_mappings_go_at_once(monkeypatch):
+    """A fault that left no work queued (e.g. a refused plan) unmaps at the close itself."""
+    from elastic_refit.transport import cuda_ipc
+    from elastic_refit.transport import ipc as ipc_module
+    from elastic_refit.transport.cuda_ipc import HANDLE_BYTES, IpcExport
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_Event, "done", True)
+    made = []
+    monkeypatch.setattr(cuda_ipc, "MappedSegment", lambda h, d: made.append(_Segment(h, d)) or made[-1])
+    store = _Store()
+    store.set("ipc/1/1", json.dumps([[0, "w", *IpcExport(b"\x02" * HANDLE_BYTES, 0, 64).to_json()]]))
+    ipc = IpcTransport(_StuckBase(0, 2), store, frozenset({1}), torch.device("cuda:0"))
+    ipc.peer_buffers(1, 1, {(0, "w"): Buffer(1, "w", (4, 4), "float32")})
+    ipc.abort()
+    assert made[0].closed and ipc_module.pending_releases() == 0
 
 
 def test_a_faulty_transport_keeps_the_direct_reads_of_the_transport_it_wraps():
