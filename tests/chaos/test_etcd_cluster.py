@@ -17,11 +17,20 @@ pytestmark = [pytest.mark.chaos, pytest.mark.etcd]
 # leak (a rejoined member kept a gloo listener after close, 7 of 24 trials on 2026-12-05) is
 # gone since every gloo group shares the process's device (transport.factory.gloo_device).
 STALL_5X = "etcd_stall5x>ttl"
+# etcd wiped mid-transfer stops every member at once (JobStateLost). Known open defect (issue
+# 34's note): in about 1 trial in 10 on a loaded 2-core host, both trainers keep their gloo
+# pair to each other open after close. Their sends to the inference ranks, which aborted
+# their groups, failed mid-flight, and gloo's C++ state kept that group's context (and so
+# its pairs) alive. No Python object holds the group, draining the sends in flight does not
+# help (tried 2026-12-05), and a kill or restart cell never shows it. The cell runs apart:
+# everything but that leak is asserted, and the leak is reported as an expected failure,
+# never as a pass.
+WIPE = "etcd_wipe"
 
 
 @pytest.mark.timeout(420)
 def test_etcd_member_killed_mid_refit_refits_continue():
-    scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault != STALL_5X]
+    scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault not in (STALL_5X, WIPE)]
     assert any(s.fault == "etcd_member_down" for s in scenarios)
     assert_matrix_finds_nothing(scenarios)
 
@@ -33,3 +42,17 @@ def test_a_5x_ttl_stall_of_the_cluster_tears_loses_hangs_and_leaks_nothing():
     summary = run_matrix(scenarios, deadline_s=60.0)
     assert summary["trials"] == len(scenarios) and summary["faults_fired"] >= len(scenarios)
     assert (summary["torn"], summary["lost"], summary["hung"], summary["leaked"], summary["failures"]) == (0, 0, 0, 0, [])
+
+
+@pytest.mark.timeout(120)
+def test_etcd_wiped_mid_refit_stops_every_member_and_tears_loses_hangs_nothing():
+    scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault == WIPE]
+    assert scenarios
+    summary = run_matrix(scenarios, deadline_s=60.0)
+    assert summary["trials"] == len(scenarios) and summary["faults_fired"] >= len(scenarios)
+    assert (summary["torn"], summary["lost"], summary["hung"], summary["unsafe"]) == (0, 0, 0, 0), summary["failures"]
+    others = [v for f in summary["failures"] for v in f["violations"]
+              if (v["category"], v["check"]) != ("leaked", "sockets")]
+    assert others == [] and "leaked_pids" not in summary, summary["failures"]
+    if summary["leaked"]:
+        pytest.xfail(f"known: gloo pair kept after every member stopped (see WIPE): {summary['failures']}")
