@@ -8,6 +8,11 @@ the membership layer (``elastic_refit.membership.errors``: ``EtcdUnavailable``,
 
 from __future__ import annotations
 
+import traceback
+from typing import NoReturn, TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class RefitError(RuntimeError):
     """Base class of runtime faults during a refit."""
@@ -135,3 +140,46 @@ def brief(exc: BaseException | str, *, limit: int | None = _BRIEF_CHARS) -> str:
     if lines:
         return lines[0].strip()[:limit]
     return "" if isinstance(exc, str) else type(exc).__name__
+
+
+def drop_frames(exc: E) -> E:
+    """Drop the locals of the finished frames ``exc`` went through, along its whole chain
+    (``__cause__``, ``__context__``), and return it; the traceback still says where.
+
+    For a fault of a refit those locals are the transport's posted work, whose gloo context
+    keeps its sockets open, and the staging buffers. A handled fault, or one kept for a
+    member's lifetime (a latched error), must not hold them: reference cycles through
+    tracebacks are common (a future that holds the fault its result raised, a frame that
+    holds an exception raised through it), and gc frees a cycle only when it gets to it.
+    Raise a kept error with :func:`raise_latched`.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)  # skips frames still running
+        pending += [link.__cause__, link.__context__]
+    return exc
+
+
+def raise_latched(exc: BaseException) -> NoReturn:
+    """Raise a copy of latched error ``exc`` (same type, message, fields and cause).
+
+    Raising the kept object itself would grow it at every raise: Python prepends the
+    raising frames to its traceback and sets its ``__context__`` to whatever fault the
+    raising code was handling (with that fault's frames), all kept for as long as the error
+    is. A copy takes those with it when its caller is done with it.
+    """
+    cls = type(exc)
+    copy = cls.__new__(cls, *exc.args)  # not __init__: the args and fields are the kept ones
+    copy.args = exc.args
+    copy.__dict__.update(vars(exc))
+    copy.__cause__ = exc.__cause__
+    copy.__suppress_context__ = exc.__suppress_context__
+    try:
+        raise copy
+    finally:
+        copy = exc = None  # else copy -> its traceback -> this frame -> copy: a cycle only gc frees

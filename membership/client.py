@@ -407,6 +407,10 @@ class EtcdClient:
         except TimeoutError:
             fut.cancel()
             raise
+        finally:
+            # A fault raised here holds this frame, which holds the future, which holds the
+            # fault: a cycle (with the caller's handled fault as its __context__) only gc frees.
+            fut = None
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Future:
         """Start a background task on the client loop; it is cancelled by :meth:`close`."""

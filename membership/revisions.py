@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 from elastic_refit.membership.errors import JOB_STATE_LOST_ADVICE, JobStateLost
 
+from elastic_refit.errors import raise_latched
+
 
 class RevisionGuard:
     """The highest revision one client saw in a linearizable answer, and the latched finding
@@ -48,10 +50,10 @@ class RevisionGuard:
             return self._went_back
 
     def check(self) -> None:
-        """Raise the latched finding, if any."""
+        """Raise the latched finding (a copy: the kept one never picks up a raiser's frames), if any."""
         error = self.went_back
         if error is not None:
-            raise error
+            raise_latched(error)
 
     def saw(self, revision: int, where: str, *, floor: int) -> None:
         """Record the revision of a linearizable answer from ``where`` (an endpoint) to a
@@ -75,7 +77,7 @@ class RevisionGuard:
         for listener in listeners:  # outside the lock: a listener may read the guard
             with contextlib.suppress(Exception):
                 listener(error)
-        raise error
+        raise_latched(error)
 
     def floor(self, revision: int) -> None:
         """Raise :attr:`highest` to ``revision`` without checking it: a revision some answer

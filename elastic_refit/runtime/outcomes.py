@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from elastic_refit._validate import check_timeout
-from elastic_refit.errors import RefitError, RefitFailed, RefitTimeout, VersionUnreachable
+from elastic_refit.errors import (
+    RefitError,
+    RefitFailed,
+    RefitTimeout,
+    VersionUnreachable,
+    drop_frames,
+    raise_latched,
+)
 from elastic_refit.membership.versions import Commit, Failure
 
 __all__ = ["Outcomes", "PublishHandle"]
@@ -70,9 +77,9 @@ class Outcomes:
                 self._cond.notify_all()
 
     def latch(self, exc: BaseException) -> None:
-        """The agent failed for good: every waiter raises ``exc`` from now on."""
+        """The agent failed for good: every waiter raises ``exc`` (a copy) from now on."""
         with self._cond:
-            self._error = exc
+            self._error = drop_frames(exc)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -124,7 +131,7 @@ class Outcomes:
         with self._cond:
             while True:
                 if self._error is not None:
-                    raise self._error
+                    raise_latched(self._error)
                 value = ready()
                 if value is not None:
                     return value

@@ -18,7 +18,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from elastic_refit.errors import RefitError, SourceChanged, TransferRefused, TransportAborted, brief
+from elastic_refit.errors import (
+    RefitError,
+    SourceChanged,
+    TransferRefused,
+    TransportAborted,
+    brief,
+    drop_frames,
+)
 from elastic_refit.membership import MembershipError, MembershipLost, MembershipView
 from elastic_refit.membership.attempts import OK, AttemptSpec, Done
 from elastic_refit.plan import Plan
@@ -78,7 +85,14 @@ class Participant:
                 self.phase = Phase.DONE
                 return True
             except Exception as exc:  # any fault (or bug) fails this attempt, not the agent
-                return self._failed(exc, view, transport, seq, log)
+                try:
+                    return self._failed(exc, view, transport, seq, log)
+                finally:
+                    # Handled (or on its way to be latched): its frames' locals are the
+                    # attempt's posted work, whose gloo context holds the group's sockets,
+                    # and staging. Kept, a cycle through a later fault's __context__ held a
+                    # stopped trainer's pair to its peer open (the etcd_wipe chaos cell).
+                    drop_frames(exc)
 
     def _attempt(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec,
                  executor_for: ExecutorFor, log) -> None:
