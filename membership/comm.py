@@ -49,7 +49,7 @@ from elastic_refit.membership.rendezvous import (
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
 
-from elastic_refit.errors import brief
+from elastic_refit.errors import brief, drop_frames
 from elastic_refit.log import get_logger
 from elastic_refit.transport.factory import (
     gloo_group,
@@ -212,6 +212,7 @@ class CommunicatorManager:
             if path in ("shrink", "shrink_abort", "grow"):
                 self.log.warning("comm.fast_path.failed", path=path, epoch=new_view.epoch,
                                  error=repr(exc)[:300])
+                drop_frames(exc)  # handled: its frames must not keep the old communicator alive
                 abort_s += self._abort_current("fallback")
                 t1 = time.monotonic()
                 self.current = self._build(new_view, "rebuild")

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic_refit.errors import RefitError, TransportAborted, brief
+from elastic_refit.errors import RefitError, TransportAborted, brief, drop_frames
 from elastic_refit.membership import (
     CommunicatorError,
     EpochTimeout,
@@ -291,7 +291,9 @@ class Driver:
         return self._transport is not None and self._transport.capabilities.can_shrink
 
     def _fault_detected(self, exc: Exception, epoch: int | None, seq: int) -> None:
-        """A fault of the agent outside any attempt: counted, noted for timeouts, logged."""
+        """A fault of the agent outside any attempt: counted, noted for timeouts, logged; its
+        frames' locals (a broken communicator's, a transport's posted work) are dropped."""
+        drop_frames(exc)
         self.services.stats["failed_attempts"] += 1
         self.outcomes.note_fault(fault_cause(exc))
         self.services.log.warning("fault.detected", kind=type(exc).__name__, error=brief(exc), epoch=epoch, seq=seq)
@@ -341,6 +343,7 @@ class Driver:
             num_directions = connect_ahead(self._transport, plan_peers(plan, view.rank_of(s.config.member_id)))
         except TransportAborted as exc:
             log.warning("refit.connect.failed", error=brief(exc))
+            drop_frames(exc)  # its frames hold the posted connect work (and so the group's sockets)
             return False
         s.stats["connected_ahead"] += 1
         log.info("refit.connect.done", seconds=time.perf_counter() - t0, num_directions=num_directions,
