@@ -8,6 +8,7 @@ the membership layer (``elastic_refit.membership.errors``: ``EtcdUnavailable``,
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import NoReturn, TypeVar
 
@@ -173,8 +174,7 @@ def raise_latched(exc: BaseException) -> NoReturn:
     raising code was handling (with that fault's frames), all kept for as long as the error
     is. A copy takes those with it when its caller is done with it.
     """
-    cls = type(exc)
-    copy = cls.__new__(cls, *exc.args)  # not __init__: the args and fields are the kept ones
+    copy = _blank(type(exc), exc.args)  # not __init__: the args and fields are the kept ones
     copy.args = exc.args
     copy.__dict__.update(vars(exc))
     copy.__cause__ = exc.__cause__
@@ -183,3 +183,16 @@ def raise_latched(exc: BaseException) -> NoReturn:
         raise copy
     finally:
         copy = exc = None  # else copy -> its traceback -> this frame -> copy: a cycle only gc frees
+
+
+def _blank(cls: type[E], args: tuple) -> E:
+    """An instance of exception class ``cls`` without calling its ``__init__``: from the
+    ``__new__`` of its layout base (``OSError``'s for a ``TimeoutError`` mixed in; Python
+    refuses ``RuntimeError.__new__`` for such a class)."""
+    for base in cls.__mro__:
+        new = base.__dict__.get("__new__")
+        if new is None:
+            continue
+        with contextlib.suppress(TypeError):
+            return new(cls, *args)
+    raise TypeError(f"cannot make a blank {cls.__name__}")

@@ -14,10 +14,17 @@ import threading
 import weakref
 
 import pytest
-from elastic_refit.membership import JobStateLost
+from elastic_refit.membership import EtcdUnavailable, JobStateLost
 from elastic_refit.membership.revisions import RevisionGuard
 
-from elastic_refit.errors import MembershipLost, RefitFailed, drop_frames, raise_latched
+from elastic_refit.errors import (
+    MembershipLost,
+    RefitFailed,
+    RefitTimeout,
+    VersionUnreachable,
+    drop_frames,
+    raise_latched,
+)
 from elastic_refit.runtime.outcomes import Outcomes
 
 _KEPT = (JobStateLost, MembershipLost, RefitFailed)
@@ -117,3 +124,15 @@ def test_waiters_on_many_threads_each_get_their_own_copy():
         t.join(10)
     assert len(seen) == 4 and len({id(e) for e in seen}) == 4
     assert {str(e) for e in seen} == {"i0 (incarnation 2) lost: lease expired"}
+
+
+@pytest.mark.parametrize("kept", [
+    RefitTimeout("version 3", 5.0, member_id="i0", last_failure="TransportAborted: rank 1"),  # an OSError too
+    VersionUnreachable(3, "its TP peer is gone", member_id="i1"),
+    EtcdUnavailable(("127.0.0.1:2379",), "put", ConnectionError("refused")),
+    JobStateLost("wiped"),
+])
+def test_every_kind_of_kept_error_copies_without_its_init(kept):
+    with pytest.raises(type(kept)) as caught:
+        raise_latched(kept)
+    assert caught.value is not kept and str(caught.value) == str(kept) and vars(caught.value) == vars(kept)
