@@ -166,6 +166,11 @@ def own_catch_up(view: MembershipView, state: VersionState, member_id: str) -> A
     latest = state.latest_committed
     if latest is None or member_id not in view or view.member(member_id).role != "inference":
         return None
+    if state.committed[latest].epoch > view.epoch:
+        # Committed in an epoch this rank has not seen: its view is behind (after an etcd
+        # stall its own lease may be gone too, and the holders came back as new
+        # incarnations). Judged from it, every holder looks gone; the newer view decides.
+        return None
     inference = view.members_of("inference")
     if holds(state, latest, view.member(member_id)):
         return None

@@ -94,6 +94,8 @@ class AttemptPlanner:
     def _verdict(self, view: MembershipView, spec: AttemptSpec) -> bool | str:
         """True: plannable; False: not yet (a layout not in etcd, a region no live member
         holds); a string: never, with these members (why)."""
+        if spec.kind != REFIT and not spec.holders and not spec.sources:
+            return False  # nobody to catch up from (yet): not a fault of the layouts (see uncovered)
         where = self.format_disagreement(view, spec)
         if where is not None:
             return where

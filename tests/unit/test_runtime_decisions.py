@@ -62,7 +62,7 @@ def view(*names: str, epoch: int = 1) -> MembershipView:
 
 
 def state(sources: dict[int, list[str]] | None = None, acks: dict[int, list[str]] | None = None,
-          committed: tuple[int, ...] = (), failed: tuple[int, ...] = ()) -> VersionState:
+          committed: tuple[int, ...] = (), failed: tuple[int, ...] = (), committed_epoch: int = 1) -> VersionState:
     """``sources``/``acks``: version -> ``["t0", "t1@old", ...]`` (incarnation ``a`` unless
     given after ``@``)."""
     def split(name: str) -> tuple[str, str]:
@@ -73,7 +73,7 @@ def state(sources: dict[int, list[str]] | None = None, acks: dict[int, list[str]
         sources={v: dict(split(n) for n in names) for v, names in (sources or {}).items()},
         acks={v: {m: Ack(inc, 1, f"digest-{m}-{v}") for m, inc in map(split, names)}
               for v, names in (acks or {}).items()},
-        committed={v: Commit(v, 1, "d") for v in committed},
+        committed={v: Commit(v, committed_epoch, "d") for v in committed},
         failed={v: Failure(v, "ValueError: bad", 5, 1) for v in failed},
     )
 
@@ -697,6 +697,13 @@ def test_connect_ahead_auto_means_nccl_backends(backend, device, connect_ahead, 
      state(sources={4: ["t0"]}, acks={3: ["i0"]}, committed=(3,), failed=(4,)), (3, (), ("i0",), ("i1",))),
     ("nothing committed yet", "i1", ("t0", "i0", "i1"), state(sources={1: ["t0"]}), None),
     ("a trainer never catches up", "t0", ("t0", "i0", "i1"), state(acks={3: ["i0"]}, committed=(3,)), None),
+    # The 3-node chaos matrix, etcd_stall2x>ttl: every lease expired in the stall; i1 came back
+    # as a new incarnation and holds v3, committed in epoch 3, before i0 saw that it was lost:
+    # from its epoch-1 view no holder was live and v3 was "unreachable" (lost/reached_last).
+    ("committed in an epoch it has not seen: its view is behind", "i0", ("t0", "i0", "i1"),
+     state(acks={3: ["i1@b"]}, committed=(3,), committed_epoch=3), None),
+    ("committed in the epoch it sees: judged", "i0", ("t0", "i0", "i1@b"),
+     state(acks={3: ["i1@b"]}, committed=(3,), committed_epoch=1), (3, (), ("i1",), ("i0",))),
 ])
 def test_own_catch_up(name, me, members, versions, expected):
     spec = own_catch_up(view(*members), versions, me)
