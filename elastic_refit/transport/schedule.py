@@ -7,11 +7,13 @@ the same bucket boundaries from the same plan rows, so no sizes travel on the wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from elastic_refit.layout import DTYPE_ITEMSIZE, DTYPES, Buffer, Layout
 from elastic_refit.plan import Phase, Plan, SourceSide, TransferKind
+from elastic_refit.plan.types import ExpandedTransfers
 
 # A local buffer is named by its side and name; a colocated rank has both sides.
 BufferRef = tuple[int, str]  # (SourceSide value, buffer name)
@@ -159,6 +161,70 @@ def wire_dtypes(plan: Plan, rank: int) -> dict[BufferRef, str]:
 
 def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     """Derive rank ``rank``'s local copies and message steps from ``plan``."""
+    copies = _expand_copies(plan, rank)
+    local_copies, per_step = _group_copies(copies)
+    half = plan.options.max_transfer_bytes
+    steps = _steps(per_step, half)
+    buffers = rank_buffers(plan, rank)
+    max_bucket = _max_bucket_bytes(steps)
+    assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
+    return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket,
+                        wire_dtypes(plan, rank))
+
+
+# Per (phase, round): "send"/"recv" message specs
+# [peer, kind, direct buckets, packed boxes, relayed, from_destination] and
+# "forward_send"/"forward_recv" {peer: [(stream position, bytes, box at the needer)]}.
+_StepSpecs = dict[tuple[int, int], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Copies:
+    """One rank's box copies of a plan (``Plan.expand`` of its rows) and their local regions."""
+
+    plan: Plan
+    rank: int
+    x: ExpandedTransfers
+    k: int  # columns of the plan's offsets/lengths
+    kind: np.ndarray  # TransferKind of each copy
+    src_side: np.ndarray  # SourceSide of each copy
+    forwarded: np.ndarray  # copies a relay forwards over NVLink (sent or received here)
+    has_dst: np.ndarray  # False: a relayed copy, only staged here
+    relay_messages: set[int]  # messages that go packed (see ``_relay_messages``)
+    src_off: np.ndarray  # region of each copy in its source-side local buffer
+    src_len: np.ndarray
+    dst_off: np.ndarray  # region of each copy in its destination local buffer
+    dst_len: np.ndarray
+
+    def box(self, side: int, pieces: np.ndarray, i: int, off: np.ndarray, ln: np.ndarray) -> BoxCopy:
+        """Copy ``i``'s box in the local buffer of ``pieces[i]`` on ``side`` (packed offset 0)."""
+        layout = self.plan.destination if side == int(SourceSide.DESTINATION) else self.plan.source
+        return _box_of(layout, int(pieces[i]), side, off[i], ln[i])
+
+
+def _relay_messages(plan: Plan) -> set[int]:
+    """Messages with forwarded rows: they go packed (no direct chunks), so that a copy's place
+    in the stream is its message_offset on every rank, the needers included."""
+    t = plan.transfers
+    relay_rows = t.src_side == int(SourceSide.RELAY)
+    return set(np.unique(t.message[t.src_piece[relay_rows]]).tolist()) if relay_rows.any() else set()
+
+
+def _local_regions(layout: Layout, pieces: np.ndarray, sel: np.ndarray, offsets: np.ndarray,
+                   lengths: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Regions of the selected copies' boxes in ``layout``'s local buffers (others: zeros/ones)."""
+    off = np.zeros((pieces.size, k), dtype=np.int64)
+    ln = np.ones((pieces.size, k), dtype=np.int64)
+    idx = np.flatnonzero(sel)
+    if idx.size:
+        lk = layout.ndim
+        o, n = layout.local_regions(pieces[idx], offsets[idx, :lk], lengths[idx, :lk])
+        off[idx, :lk], ln[idx, :lk] = o, n
+    return off, ln
+
+
+def _expand_copies(plan: Plan, rank: int) -> _Copies:
+    """Expand rank ``rank``'s plan rows into box copies and place them in its local buffers."""
     t = plan.transfers
     rows = plan.rows_for(rank)
     x = plan.expand(rows)
@@ -167,120 +233,120 @@ def build_rank_schedule(plan: Plan, rank: int) -> RankSchedule:
     from_dst = t.src_side[x.row] == int(SourceSide.DESTINATION)
     from_src = t.src_side[x.row] == int(SourceSide.SOURCE)
     forwarded = t.src_side[x.row] == int(SourceSide.RELAY)
-    # Messages whose rows are forwarded go packed (no direct chunks), so that a copy's place
-    # in the stream is its message_offset on every rank, the needers included.
-    relay_rows = t.src_side == int(SourceSide.RELAY)
-    relay_messages = set(np.unique(t.message[t.src_piece[relay_rows]]).tolist()) if relay_rows.any() else set()
+    relay_messages = _relay_messages(plan)
     has_dst = x.dst_piece >= 0  # -1: a relayed copy, only staged here
-
-    def regions(layout: Layout, pieces: np.ndarray, sel: np.ndarray):
-        off = np.zeros((pieces.size, k), dtype=np.int64)
-        ln = np.ones((pieces.size, k), dtype=np.int64)
-        idx = np.flatnonzero(sel)
-        if idx.size:
-            lk = layout.ndim
-            o, n = layout.local_regions(pieces[idx], offsets[idx, :lk], lengths[idx, :lk])
-            off[idx, :lk], ln[idx, :lk] = o, n
-        return off, ln
-
-    src_off, src_len = regions(plan.source, x.src_piece, from_src)
-    o2, l2 = regions(plan.destination, x.src_piece, from_dst)
+    src_off, src_len = _local_regions(plan.source, x.src_piece, from_src, offsets, lengths, k)
+    o2, l2 = _local_regions(plan.destination, x.src_piece, from_dst, offsets, lengths, k)
     src_off[from_dst], src_len[from_dst] = o2[from_dst], l2[from_dst]
-    dst_off, dst_len = regions(plan.destination, np.maximum(x.dst_piece, 0), has_dst)
+    dst_off, dst_len = _local_regions(plan.destination, np.maximum(x.dst_piece, 0), has_dst, offsets, lengths, k)
+    return _Copies(plan, rank, x, k, t.kind[x.row], t.src_side[x.row], forwarded, has_dst, relay_messages,
+                   src_off, src_len, dst_off, dst_len)
 
-    def box(side: int, pieces: np.ndarray, i: int, off: np.ndarray, ln: np.ndarray, packed: int) -> BoxCopy:
-        layout = plan.destination if side == int(SourceSide.DESTINATION) else plan.source
-        b = int(layout.piece_buffer[int(pieces[i])])
-        nd = int(layout.buffer_ndim[b])
-        name = layout.buffer_names[int(layout.buffer_name[b])]
-        itemsize = DTYPE_ITEMSIZE[DTYPES[int(layout.buffer_dtype[b])]]
-        return BoxCopy((side, name), tuple(int(v) for v in off[i, :nd]), tuple(int(v) for v in ln[i, :nd]),
-                       packed, int(np.prod(ln[i, :nd])) * itemsize)
 
-    half = plan.options.max_transfer_bytes
-    direct_min = plan.options.direct_min_bytes
-    kind = t.kind[x.row]
-    src_side = t.src_side[x.row]
+def _group_copies(c: _Copies) -> tuple[list[LocalCopy], _StepSpecs]:
+    """Sort the copies, in plan order, into local copies and per-step message/forward specs."""
     local_copies = []
-    per_step: dict[tuple[int, int], dict[str, list]] = {}
-    for i in range(x.row.size):
-        row = int(x.row[i])
-        if forwarded[i]:
-            # (stream position in the network message, bytes, box at the needer)
-            sending = int(t.src_rank[row]) == rank
-            entry = per_step.setdefault((int(t.phase[row]), int(t.round[row])), {})
-            side = entry.setdefault("forward_send" if sending else "forward_recv", {})
-            peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
-            target = None if sending else box(int(SourceSide.DESTINATION), x.dst_piece, i, dst_off, dst_len, 0)
-            side.setdefault(peer, []).append((int(x.message_offset[i]), int(t.nbytes[row]), target))
-            continue
-        if kind[i] == int(TransferKind.LOCAL):
+    per_step: _StepSpecs = {}
+    for i in range(c.x.row.size):
+        if c.forwarded[i]:
+            _add_forward(c, i, per_step)
+        elif c.kind[i] == int(TransferKind.LOCAL):
             local_copies.append(LocalCopy(
-                box(int(src_side[i]), x.src_piece, i, src_off, src_len, 0),
-                box(int(SourceSide.DESTINATION), x.dst_piece, i, dst_off, dst_len, 0),
+                c.box(int(c.src_side[i]), c.x.src_piece, i, c.src_off, c.src_len),
+                c.box(int(SourceSide.DESTINATION), c.x.dst_piece, i, c.dst_off, c.dst_len),
             ))
-            continue
-        sending = int(t.src_rank[row]) == rank
-        key = (int(t.phase[row]), int(t.round[row]))
-        entry = per_step.setdefault(key, {})
-        peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
-        msg = entry.setdefault("send" if sending else "recv", [peer, int(kind[i]), [], [], False, False])
-        msg[4] = msg[4] or int(t.message[row]) in relay_messages
-        msg[5] = msg[5] or bool(src_side[i] == int(SourceSide.DESTINATION))
-        src_layout = plan.destination if src_side[i] == int(SourceSide.DESTINATION) else plan.source
-        if not sending and not has_dst[i]:  # staged for forwarding only: no buffer of ours
-            msg[3].append(BoxCopy(STAGED, (), (), 0, int(t.nbytes[row])))
-            continue
-        chunks = None if int(t.message[row]) in relay_messages else _direct_chunks(
-            t.offsets[row], t.lengths[row],
-            (src_layout, int(x.src_piece[i])), (plan.destination, int(x.dst_piece[i])), direct_min,
-            int(plan.destination.tensor_itemsize[int(t.tensor[row])]), half,
-        )
-        if chunks is None:
-            layout, pieces, off, ln, side = ((src_layout, x.src_piece, src_off, src_len, int(src_side[i])) if sending
-                                             else (plan.destination, x.dst_piece, dst_off, dst_len,
-                                                   int(SourceSide.DESTINATION)))
-            msg[3].append(box(side, pieces, i, off, ln, 0))
         else:
-            layout, piece, side = ((src_layout, int(x.src_piece[i]), int(src_side[i])) if sending
-                                   else (plan.destination, int(x.dst_piece[i]), int(SourceSide.DESTINATION)))
-            c_off, c_len = _pad_cols(*layout.local_regions(np.full(len(chunks[0]), piece), *_cut(chunks, layout.ndim)), k)
-            for j in range(c_off.shape[0]):
-                msg[2].append(Bucket(0, (_box_of(layout, piece, side, c_off[j], c_len[j]),)))
+            _add_to_message(c, i, per_step)
+    return local_copies, per_step
 
-    def message(spec) -> Message | None:
-        if spec is None:
-            return None
-        peer, kind_value, directs, packed, relayed, from_destination = spec
-        buckets: dict[int, list[BoxCopy]] = {}
-        position = 0
-        for b in packed:  # sequential layout; a bucket holds the boxes starting in one half-window
-            index, offset = divmod(position, half)
-            buckets.setdefault(index, []).append(BoxCopy(b.buffer, b.offsets, b.lengths, offset, b.nbytes))
-            position += b.nbytes
-        out = [Bucket(d.boxes[0].nbytes, d.boxes) for d in directs]
-        for index in sorted(buckets):
-            boxes = buckets[index]
-            start = min(b.packed_offset for b in boxes)
-            end = max(b.packed_offset + b.nbytes for b in boxes)
-            boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes) for b in boxes)
-            out.append(Bucket(end - start, boxes))
-        return Message(peer, TransferKind(kind_value), tuple(out), relayed, from_destination)
 
+def _add_forward(c: _Copies, i: int, per_step: _StepSpecs) -> None:
+    """Record forwarded copy ``i``: (stream position in the network message, bytes, box at the needer)."""
+    t = c.plan.transfers
+    row = int(c.x.row[i])
+    sending = int(t.src_rank[row]) == c.rank
+    entry = per_step.setdefault((int(t.phase[row]), int(t.round[row])), {})
+    side = entry.setdefault("forward_send" if sending else "forward_recv", {})
+    peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
+    target = None if sending else c.box(int(SourceSide.DESTINATION), c.x.dst_piece, i, c.dst_off, c.dst_len)
+    side.setdefault(peer, []).append((int(c.x.message_offset[i]), int(t.nbytes[row]), target))
+
+
+def _add_to_message(c: _Copies, i: int, per_step: _StepSpecs) -> None:
+    """Add copy ``i`` to its step's send or receive spec: as a packed box or as direct chunks."""
+    t, x = c.plan.transfers, c.x
+    row = int(x.row[i])
+    sending = int(t.src_rank[row]) == c.rank
+    key = (int(t.phase[row]), int(t.round[row]))
+    entry = per_step.setdefault(key, {})
+    peer = int(t.dst_rank[row]) if sending else int(t.src_rank[row])
+    msg = entry.setdefault("send" if sending else "recv", [peer, int(c.kind[i]), [], [], False, False])
+    msg[4] = msg[4] or int(t.message[row]) in c.relay_messages
+    msg[5] = msg[5] or bool(c.src_side[i] == int(SourceSide.DESTINATION))
+    src_layout = c.plan.destination if c.src_side[i] == int(SourceSide.DESTINATION) else c.plan.source
+    if not sending and not c.has_dst[i]:  # staged for forwarding only: no buffer of ours
+        msg[3].append(BoxCopy(STAGED, (), (), 0, int(t.nbytes[row])))
+        return
+    chunks = None if int(t.message[row]) in c.relay_messages else _direct_chunks(
+        t.offsets[row], t.lengths[row],
+        (src_layout, int(x.src_piece[i])), (c.plan.destination, int(x.dst_piece[i])),
+        c.plan.options.direct_min_bytes,
+        int(c.plan.destination.tensor_itemsize[int(t.tensor[row])]), c.plan.options.max_transfer_bytes,
+    )
+    if chunks is None:
+        pieces, off, ln, side = ((x.src_piece, c.src_off, c.src_len, int(c.src_side[i])) if sending
+                                 else (x.dst_piece, c.dst_off, c.dst_len, int(SourceSide.DESTINATION)))
+        msg[3].append(c.box(side, pieces, i, off, ln))
+    else:
+        msg[2].extend(_chunk_buckets(c, i, sending, src_layout, chunks))
+
+
+def _chunk_buckets(c: _Copies, i: int, sending: bool, src_layout: Layout,
+                   chunks: tuple[np.ndarray, np.ndarray]) -> list[Bucket]:
+    """One single-box bucket per direct chunk of copy ``i``, in this rank's buffer."""
+    layout, piece, side = ((src_layout, int(c.x.src_piece[i]), int(c.src_side[i])) if sending
+                           else (c.plan.destination, int(c.x.dst_piece[i]), int(SourceSide.DESTINATION)))
+    c_off, c_len = _pad_cols(*layout.local_regions(np.full(len(chunks[0]), piece), *_cut(chunks, layout.ndim)), c.k)
+    return [Bucket(0, (_box_of(layout, piece, side, c_off[j], c_len[j]),)) for j in range(c_off.shape[0])]
+
+
+def _message(spec: list | None, half: int) -> Message | None:
+    """A message of a spec: its direct chunks, then its packed boxes bucketed by half-window."""
+    if spec is None:
+        return None
+    peer, kind_value, directs, packed, relayed, from_destination = spec
+    buckets: dict[int, list[BoxCopy]] = {}
+    position = 0
+    for b in packed:  # sequential layout; a bucket holds the boxes starting in one half-window
+        index, offset = divmod(position, half)
+        buckets.setdefault(index, []).append(BoxCopy(b.buffer, b.offsets, b.lengths, offset, b.nbytes))
+        position += b.nbytes
+    out = [Bucket(d.boxes[0].nbytes, d.boxes) for d in directs]
+    for index in sorted(buckets):
+        boxes = buckets[index]
+        start = min(b.packed_offset for b in boxes)
+        end = max(b.packed_offset + b.nbytes for b in boxes)
+        boxes = tuple(BoxCopy(b.buffer, b.offsets, b.lengths, b.packed_offset - start, b.nbytes) for b in boxes)
+        out.append(Bucket(end - start, boxes))
+    return Message(peer, TransferKind(kind_value), tuple(out), relayed, from_destination)
+
+
+def _steps(per_step: _StepSpecs, half: int) -> tuple[Step, ...]:
+    """The steps of the specs, in (phase, round) order."""
     steps = []
     for (phase, rnd), entry in sorted(per_step.items()):
-        recv = message(entry.get("recv"))
-        steps.append(Step(Phase(phase), rnd, message(entry.get("send")), recv,
+        recv = _message(entry.get("recv"), half)
+        steps.append(Step(Phase(phase), rnd, _message(entry.get("send"), half), recv,
                           _forward_sends(entry.get("forward_send", {}), entry.get("recv"), half),
                           _forward_recvs(entry.get("forward_recv", {}), half)))
-    steps = tuple(steps)
-    buffers = rank_buffers(plan, rank)
-    max_bucket = max([b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets]
-                     + [p.nbytes for s in steps for f in s.forward_recvs + s.forward_sends for p in f.parts],
-                     default=0)
-    assert max_bucket <= 2 * half, "buckets and direct chunks stay within bucket_bytes"
-    return RankSchedule(rank, plan.fingerprint, tuple(local_copies), steps, buffers, max_bucket,
-                        wire_dtypes(plan, rank))
+    return tuple(steps)
+
+
+def _max_bucket_bytes(steps: tuple[Step, ...]) -> int:
+    """The largest bucket or forward part of the steps (0 when there are none)."""
+    return max([b.nbytes for s in steps for m in (s.send, s.recv) if m for b in m.buckets]
+               + [p.nbytes for s in steps for f in s.forward_recvs + s.forward_sends for p in f.parts],
+               default=0)
 
 
 def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forward, ...]:
@@ -290,7 +356,7 @@ def _forward_sends(by_peer: dict[int, list], recv_spec, half: int) -> tuple[Forw
         return ()
     if recv_spec is None or recv_spec[2]:
         raise ValueError("a forward needs a packed network message to forward from")
-    # Where each bucket of the received message starts in the stream (see ``message``), and
+    # Where each bucket of the received message starts in the stream (see ``_message``), and
     # each box's place in its bucket (the index of its digest there).
     bucket_start: dict[int, int] = {}
     box_at: dict[int, int] = {}
