@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,14 @@ from elastic_refit.plan import (
     make_plan,
     make_rank_plan,
 )
-from elastic_refit.plan.cost import CLUSTERS, get_cluster, predict, predict_delta
+from elastic_refit.plan.cost import (
+    CLUSTERS,
+    DeltaPrediction,
+    Prediction,
+    get_cluster,
+    predict,
+    predict_delta,
+)
 from elastic_refit.plan.quantized import format_layouts
 
 __all__ = ["add_case_arguments", "add_format_argument", "check_format_flag", "destination_formats", "load_case", "plan_figures",
@@ -299,52 +307,66 @@ def _print_rank(args: argparse.Namespace, figures: dict[str, Any], description: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """``elastic-refit plan``: the whole plan's figures, or with ``--rank`` one rank's view."""
     cluster = get_cluster(args.cluster) if args.cluster else None
-    if args.bucket_mib < 1:
-        raise ValueError(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
-    check_format_flag(args)
-    plot_path = None
-    if getattr(args, "plot", None) is not None:
-        from elastic_refit.cli.plan_plot import check_plot_path
-
-        if args.rank is not None:
-            raise ValueError("--plot draws the whole plan; leave out --rank")
-        plot_path = check_plot_path(args.plot)
-    if (args.rank is not None and args.model and not getattr(args, "explicit_layouts", False)
-            and check_format_flag(args) in (None, "bf16")):
-        return _run_rank_from_rules(args, PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay), cluster)
+    plot_path = _check_run_flags(args)
+    if _plans_rank_from_rules(args):
+        return _run_rank_from_rules(args, _plan_options(args), cluster)
     if not args.json:
         progress("building layouts ...")
     t0 = time.perf_counter()
     spec, description = load_case(args, cluster.domain_size if cluster else None)
     layout_seconds = time.perf_counter() - t0
-    options = PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
+    options = _plan_options(args)
     if args.rank is not None:
         return _run_rank(args, spec, description, options, cluster, layout_seconds)
+    return _run_plan(args, spec, description, options, cluster, layout_seconds, plot_path)
+
+
+def _check_run_flags(args: argparse.Namespace) -> Path | None:
+    """Refuse, before any work, what ``run`` cannot do: ``--bucket-mib`` below 1, an unknown
+    ``--destination-format``, ``--plot`` with ``--rank`` or to a file it cannot draw; the
+    plot's path (None without ``--plot``)."""
+    if args.bucket_mib < 1:
+        raise ValueError(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
+    check_format_flag(args)
+    if getattr(args, "plot", None) is None:
+        return None
+    from elastic_refit.cli.plan_plot import check_plot_path
+
+    if args.rank is not None:
+        raise ValueError("--plot draws the whole plan; leave out --rank")
+    return check_plot_path(args.plot)
+
+
+def _plans_rank_from_rules(args: argparse.Namespace) -> bool:
+    """Whether ``--rank`` plans from the layouts' rules: a model in bf16 without
+    ``--explicit-layouts``."""
+    return (args.rank is not None and bool(args.model) and not getattr(args, "explicit_layouts", False)
+            and check_format_flag(args) in (None, "bf16"))
+
+
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The planner's options the arguments ask for (bucket size, relay)."""
+    return PlanOptions(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
+
+
+def _run_plan(args: argparse.Namespace, spec: RefitSpec, description: str, options: PlanOptions, cluster,
+              layout_seconds: float, plot_path: Path | None) -> int:
+    """The whole plan: plan it, gather its figures (predictions on a cluster, the BF16
+    comparison of a quantized format), draw it when asked, and print it."""
     if not args.json:
         progress(f"planning ({spec.source.num_pieces} source pieces, {spec.destination.num_pieces} destination pieces) ...")
     t0 = time.perf_counter()
     formats = spec.destination_formats
     plan = make_plan(spec.source, spec.destination, spec.topology, options, formats=formats)
-    plan_seconds = time.perf_counter() - t0
-    figures = plan_figures(plan, plan_seconds)
+    figures = plan_figures(plan, time.perf_counter() - t0)
     figures["layout_seconds"] = layout_seconds
-    prediction = predict(plan, cluster) if cluster else None
-    if prediction:
-        figures.update(cluster=prediction.cluster, predicted_seconds=prediction.seconds,
-                       bound_seconds=prediction.bound_seconds)
-    deltas = [predict_delta(plan, cluster, d) for d in _densities(args.delta_density, cluster)]
-    if deltas:
-        figures["deltas"] = [{"density": d.density, "wire_fraction": d.fraction, "predicted_seconds": d.seconds,
-                              "network_seconds": d.network_seconds, "codec_seconds": d.codec_seconds,
-                              "wire_bytes": d.wire_bytes, "bound_bytes": d.bound_bytes} for d in deltas]
+    prediction = _add_prediction(figures, plan, cluster)
+    deltas = _add_deltas(figures, plan, cluster, args.delta_density)
     bf16 = None
     if formats:
-        # The same refit in BF16, for the comparison the quantized plan is about.
-        if not args.json:
-            progress("planning the same refit in bf16, for comparison ...")
-        bf16 = make_plan(spec.source, spec.destination, spec.topology, options)
-        figures.update(quantized_figures(plan, bf16, cluster))
+        bf16 = _add_bf16_comparison(figures, plan, spec, options, cluster, quiet=args.json)
     if plot_path is not None:
         from elastic_refit.cli.plan_plot import save_plot
 
@@ -354,9 +376,53 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(figures)
         return 0
+    rows = (_plan_rows(plan, figures) + _cluster_rows(plan, prediction, deltas)
+            + (_quantized_rows(plan, bf16, formats, figures) if bf16 is not None else []))
+    s = plan.stats
+    print(f"{description}  |  {s.num_source_ranks} source ranks, {s.num_destination_ranks} "
+          f"destination ranks, {s.num_domains} domains")
+    print(render_table(("figure", "value", "ratio / note"), rows))
+    print(f"fingerprint {plan.fingerprint}")
+    return 0
+
+
+def _add_prediction(figures: dict[str, Any], plan: Plan, cluster) -> Prediction | None:
+    """With a cluster: the plan's predicted seconds there, also added to ``figures``."""
+    prediction = predict(plan, cluster) if cluster else None
+    if prediction:
+        figures.update(cluster=prediction.cluster, predicted_seconds=prediction.seconds,
+                       bound_seconds=prediction.bound_seconds)
+    return prediction
+
+
+def _add_deltas(figures: dict[str, Any], plan: Plan, cluster, value: str | None) -> list[DeltaPrediction]:
+    """``--delta-density``'s predictions of the plan sent as deltas, also added to ``figures``
+    (as ``deltas``)."""
+    deltas = [predict_delta(plan, cluster, d) for d in _densities(value, cluster)]
+    if deltas:
+        figures["deltas"] = [{"density": d.density, "wire_fraction": d.fraction, "predicted_seconds": d.seconds,
+                              "network_seconds": d.network_seconds, "codec_seconds": d.codec_seconds,
+                              "wire_bytes": d.wire_bytes, "bound_bytes": d.bound_bytes} for d in deltas]
+    return deltas
+
+
+def _add_bf16_comparison(figures: dict[str, Any], plan: Plan, spec: RefitSpec, options: PlanOptions, cluster,
+                         quiet: bool) -> Plan:
+    """The same refit planned in BF16, for the comparison a quantized plan is about; its
+    figures (``quantized_figures``) added to ``figures``."""
+    if not quiet:
+        progress("planning the same refit in bf16, for comparison ...")
+    bf16 = make_plan(spec.source, spec.destination, spec.topology, options)
+    figures.update(quantized_figures(plan, bf16, cluster))
+    return bf16
+
+
+def _plan_rows(plan: Plan, figures: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The readable table's rows every plan has: its bytes against the bound, its transfers,
+    messages and buckets, and the layout and plan times."""
     s = plan.stats
     lb = max(s.lower_bound_bytes, 1)
-    rows = [
+    return [
         ("model (logical)", format_bytes(s.model_bytes), ""),
         ("destination pieces", format_bytes(s.dst_bytes), f"{s.dst_bytes / max(s.model_bytes, 1):.2f}x model"),
         ("lower bound, cross-domain", format_bytes(s.lower_bound_bytes), "1.000"),
@@ -370,9 +436,17 @@ def run(args: argparse.Namespace) -> int:
         ("transfers net/intra/local", f"{s.num_network_transfers}/{s.num_intra_transfers}/{s.num_local_transfers}",
          ""),
         ("messages / rounds / buckets", f"{s.num_messages}/{s.num_rounds}/{s.num_buckets}", ""),
-        ("layout build time", format_seconds(layout_seconds), ""),
-        ("plan time", format_seconds(plan_seconds), ""),
+        ("layout build time", format_seconds(figures["layout_seconds"]), ""),
+        ("plan time", format_seconds(figures["plan_seconds"]), ""),
     ]
+
+
+def _cluster_rows(plan: Plan, prediction: Prediction | None,
+                  deltas: list[DeltaPrediction]) -> list[tuple[str, str, str]]:
+    """The readable table's rows for a cluster: the predicted seconds against the bound, and
+    one row per ``--delta-density``."""
+    lb = max(plan.stats.lower_bound_bytes, 1)
+    rows = []
     if prediction:
         ratio = prediction.seconds / prediction.bound_seconds if prediction.bound_seconds > 0 else float("nan")
         rows.append((f"predicted on {prediction.cluster}", format_seconds(prediction.seconds),
@@ -380,23 +454,27 @@ def run(args: argparse.Namespace) -> int:
     for d in deltas:
         rows.append((f"deltas at density {d.density:g}", format_seconds(d.seconds),
                      f"{format_bytes(d.wire_bytes)} cross-domain ({d.wire_bytes / lb:.3f} of the full bound)"))
-    if bf16 is not None:
-        b = bf16.stats
-        rows.append(("destination formats", ", ".join(sorted({f.name for _, f in formats.entries})),
-                     f"{len(formats)} tensors quantized"))
-        rows.append(("bf16 plan, cross-domain", format_bytes(b.cross_domain_bytes),
-                     f"fp8 plan moves {s.cross_domain_bytes / max(b.cross_domain_bytes, 1):.3f}x"))
-        if "bf16_predicted_seconds" in figures:
-            rows.append(("bf16 plan, predicted", format_seconds(figures["bf16_predicted_seconds"]),
-                         f"bound {format_seconds(figures['bf16_bound_seconds'])}"))
-        if figures.get("amax_exchange_bytes"):
-            rows.append(("partial-amax exchange", format_bytes(figures["amax_exchange_bytes"]),
-                         f"{format_bytes(figures['amax_exchange_cross_domain_bytes'])} cross-domain (counted above)"))
-    print(f"{description}  |  {s.num_source_ranks} source ranks, {s.num_destination_ranks} "
-          f"destination ranks, {s.num_domains} domains")
-    print(render_table(("figure", "value", "ratio / note"), rows))
-    print(f"fingerprint {plan.fingerprint}")
-    return 0
+    return rows
+
+
+def _quantized_rows(plan: Plan, bf16: Plan, formats: TensorFormats,
+                    figures: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The readable table's rows for a quantized destination format: the formats, the BF16
+    plan's bytes (and seconds) beside this plan's, and the partial-amax exchange."""
+    b = bf16.stats
+    rows = [
+        ("destination formats", ", ".join(sorted({f.name for _, f in formats.entries})),
+         f"{len(formats)} tensors quantized"),
+        ("bf16 plan, cross-domain", format_bytes(b.cross_domain_bytes),
+         f"fp8 plan moves {plan.stats.cross_domain_bytes / max(b.cross_domain_bytes, 1):.3f}x"),
+    ]
+    if "bf16_predicted_seconds" in figures:
+        rows.append(("bf16 plan, predicted", format_seconds(figures["bf16_predicted_seconds"]),
+                     f"bound {format_seconds(figures['bf16_bound_seconds'])}"))
+    if figures.get("amax_exchange_bytes"):
+        rows.append(("partial-amax exchange", format_bytes(figures["amax_exchange_bytes"]),
+                     f"{format_bytes(figures['amax_exchange_cross_domain_bytes'])} cross-domain (counted above)"))
+    return rows
 
 
 def _densities(value: str | None, cluster) -> list[float]:
