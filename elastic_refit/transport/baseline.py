@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from elastic_refit.errors import TransportAborted, brief
-from elastic_refit.layout import Layout
+from elastic_refit.layout import Layout, LogicalTensor
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan
 from elastic_refit.transport.buffers import byte_view, resolve_buffers, split_box
@@ -183,110 +183,163 @@ def _tag(tensor: int, phase: int, item: int) -> int:
     return ((tensor & 0x3FFF) << 17) | (phase << 16) | item
 
 
+def _piece_box(layout: Layout, p: int, nd: int) -> tuple[list[int], list[int]]:
+    """Piece ``p``'s global box over the tensor's first ``nd`` dims, as plain int lists."""
+    return ([int(v) for v in layout.piece_offsets[p, :nd]], [int(v) for v in layout.piece_lengths[p, :nd]])
+
+
+def _staging_region(t: LogicalTensor, off, ln) -> _Region:
+    """The element box (off, ln) of tensor ``t``'s staging copy (a whole, dense tensor)."""
+    return _region(None, tuple(t.shape), t.itemsize, off, ln)
+
+
+def _source_region(src: Layout, p: int, t: LogicalTensor, off, ln) -> _Region:
+    """Where the global box (off, ln), inside source piece ``p``, lies in that piece's buffer."""
+    nd, item = len(t.shape), t.itemsize
+    lo, ll = src.local_regions(np.array([p]), np.array([off + [0] * (src.ndim - nd)]),
+                               np.array([ln + [1] * (src.ndim - nd)]))
+    b = int(src.piece_buffer[p])
+    bnd = int(src.buffer_ndim[b])
+    return _region(src.buffer_names[int(src.buffer_name[b])],
+                   tuple(int(v) for v in src.buffer_shape[b, :bnd]), item, lo[0, :bnd], ll[0, :bnd])
+
+
+def _gather_root(src: Layout, t: LogicalTensor, s_pieces: list[int], src_nbytes) -> int:
+    """The source rank holding most bytes of ``t`` (ties: the lowest), as the planner counts it."""
+    if not s_pieces:
+        raise ValueError(f"tensor {t.name!r} has no source pieces to gather from")
+    held: dict[int, int] = {}
+    for p in s_pieces:
+        r = int(src.piece_rank[p])
+        held[r] = held.get(r, 0) + int(src_nbytes[p])
+    return min(held, key=lambda r: (-held[r], r))
+
+
+def _own_copies(src: Layout, t: LogicalTensor, s_pieces: list[int], root: int) -> list[_Copy]:
+    """The root's local copies of its own source pieces into staging."""
+    nd = len(t.shape)
+    own = []
+    for p in s_pieces:
+        if int(src.piece_rank[p]) == root:
+            o, n = _piece_box(src, p, nd)
+            own.append(_Copy(_source_region(src, p, t, o, n), _staging_region(t, o, n)))
+    return own
+
+
+def _gather_regions(src: Layout, t: LogicalTensor, s_pieces: list[int], root: int,
+                    limit: int) -> dict[int, list[tuple[int, list[int], list[int]]]]:
+    """Per sender rank, the (piece, offsets, lengths) it sends the root: each non-root piece in
+    (rank, piece) order gives only what nobody before it covered, cut to ``limit`` bytes."""
+    nd, item = len(t.shape), t.itemsize
+    covered = [_piece_box(src, p, nd) for p in s_pieces if int(src.piece_rank[p]) == root]
+    per_sender: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    others = sorted((p for p in s_pieces if int(src.piece_rank[p]) != root),
+                    key=lambda p: (int(src.piece_rank[p]), p))
+    for p in others:
+        todo = [_piece_box(src, p, nd)]
+        for c in covered:
+            todo = [part for r in todo for part in _subtract(r, c)]
+        for o, n in todo:
+            if math.prod(n) == 0:
+                continue
+            covered.append((o, n))
+            for so, sn in split_box(o, n, limit // item):  # at most limit bytes each
+                per_sender.setdefault(int(src.piece_rank[p]), []).append((p, so, sn))
+    missing = t.numel - sum(math.prod(n) for _, n in covered)
+    if missing != 0:
+        raise ValueError(f"tensor {t.name!r}: the source pieces leave {missing} elements uncovered")
+    return per_sender
+
+
+def _round_robin(t: LogicalTensor, per_sender: dict[int, list[tuple[int, list[int], list[int]]]]) -> list[tuple]:
+    """The root takes the senders round-robin so that they all stream at once; the message
+    index in this order is part of each tag."""
+    order = []
+    queues = [deque(per_sender[r]) for r in sorted(per_sender)]
+    senders = sorted(per_sender)
+    while any(queues):
+        for r, q in zip(senders, queues, strict=True):
+            if q:
+                order.append((r, *q.popleft()))
+    if len(order) >= _MAX_ITEMS:
+        raise ValueError(f"tensor {t.name!r}: {len(order)} gather messages; raise chunk_bytes")
+    return order
+
+
+def _gather_items(src: Layout, t: LogicalTensor, ti: int, rank: int, root: int,
+                  order: list[tuple]) -> tuple[list[_Item], list[_Item]]:
+    """This rank's gather messages: the root's receives into staging, a holder's sends."""
+    gather_recv, gather_send = [], []
+    for i, (r, p, o, n) in enumerate(order):
+        if rank == root:
+            gather_recv.append(_Item(r, _tag(ti, _GATHER, i), _staging_region(t, o, n)))
+        elif rank == r:
+            gather_send.append(_Item(root, _tag(ti, _GATHER, i), _source_region(src, p, t, o, n)))
+    return gather_recv, gather_send
+
+
+def _broadcast_chunks(t: LogicalTensor, limit: int) -> tuple[tuple[int, int], ...]:
+    """(offset, nbytes) of each chunk of the staging tensor that the chain pipelines."""
+    nchunks = -(-t.nbytes // limit)
+    if nchunks >= _MAX_ITEMS:
+        raise ValueError(f"tensor {t.name!r}: {nchunks} broadcast chunks; raise chunk_bytes")
+    return tuple((c * limit, min(limit, t.nbytes - c * limit)) for c in range(nchunks))
+
+
+def _copy_out(dst: Layout, t: LogicalTensor, d_pieces: list[int], rank: int) -> list[_Copy]:
+    """This rank's copies from staging into each of its destination pieces of ``t``."""
+    nd, item = len(t.shape), t.itemsize
+    copy_out = []
+    for p in d_pieces:
+        if int(dst.piece_rank[p]) != rank:
+            continue
+        o, n = _piece_box(dst, p, nd)
+        b = int(dst.piece_buffer[p])
+        bnd = int(dst.buffer_ndim[b])
+        copy_out.append(_Copy(_staging_region(t, o, n), _region(
+            dst.buffer_names[int(dst.buffer_name[b])], tuple(int(v) for v in dst.buffer_shape[b, :bnd]),
+            item, dst.piece_local_offsets[p, :bnd], dst.piece_local_lengths[p, :bnd])))
+    return copy_out
+
+
+def _tensor_op(src: Layout, dst: Layout, rank: int, limit: int, ti: int, t: LogicalTensor, s_pieces: list[int],
+               d_pieces: list[int], src_nbytes) -> _TensorOp | None:
+    """Rank ``rank``'s part in moving destination tensor ``ti``; None when it takes no part.
+    Every rank derives the same root, gather order and chain, so tags match."""
+    root = _gather_root(src, t, s_pieces, src_nbytes)
+    receivers = sorted({int(dst.piece_rank[p]) for p in d_pieces} - {root})
+    in_chain = rank == root or rank in receivers
+    own = _own_copies(src, t, s_pieces, root) if rank == root else []
+    order = _round_robin(t, _gather_regions(src, t, s_pieces, root, limit))
+    gather_recv, gather_send = _gather_items(src, t, ti, rank, root, order)
+    if not (in_chain or gather_send):
+        return None
+    chain = [root, *receivers]
+    pred = succ = None
+    if in_chain:
+        k = chain.index(rank)
+        pred = chain[k - 1] if k > 0 else None
+        succ = chain[k + 1] if k + 1 < len(chain) else None
+    chunks = _broadcast_chunks(t, limit)
+    copy_out = _copy_out(dst, t, d_pieces, rank) if in_chain else []
+    return _TensorOp(ti, t.name, t.nbytes, root, tuple(own), tuple(gather_recv), tuple(gather_send),
+                     pred, succ, chunks if in_chain and len(chain) > 1 else (), tuple(copy_out))
+
+
 def build_baseline_schedule(plan: Plan, rank: int, options: BaselineOptions) -> tuple[_TensorOp, ...]:
     """Rank ``rank``'s part of the gather-and-broadcast refit of ``plan``'s layouts."""
     src, dst = plan.source, plan.destination
     src_nbytes = src.piece_nbytes()
     src_starts = np.searchsorted(src.piece_tensor, np.arange(len(src.tensors) + 1))
     dst_starts = np.searchsorted(dst.piece_tensor, np.arange(len(dst.tensors) + 1))
-    limit = options.chunk_bytes
     ops = []
     for ti, t in enumerate(dst.tensors):
         si = src.tensor_index(t.name)
         s_pieces = list(range(int(src_starts[si]), int(src_starts[si + 1])))
         d_pieces = list(range(int(dst_starts[ti]), int(dst_starts[ti + 1])))
-        if not s_pieces:
-            raise ValueError(f"tensor {t.name!r} has no source pieces to gather from")
-        held: dict[int, int] = {}
-        for p in s_pieces:
-            r = int(src.piece_rank[p])
-            held[r] = held.get(r, 0) + int(src_nbytes[p])
-        root = min(held, key=lambda r: (-held[r], r))
-        receivers = sorted({int(dst.piece_rank[p]) for p in d_pieces} - {root})
-        in_chain = rank == root or rank in receivers
-        nd = len(t.shape)
-        shape = tuple(t.shape)
-        item = t.itemsize
-
-        def staging(off, ln, shape=shape, item=item) -> _Region:
-            return _region(None, shape, item, off, ln)
-
-        def src_region(p: int, off, ln, nd=nd, item=item) -> _Region:
-            lo, ll = src.local_regions(np.array([p]), np.array([off + [0] * (src.ndim - nd)]),
-                                       np.array([ln + [1] * (src.ndim - nd)]))
-            b = int(src.piece_buffer[p])
-            bnd = int(src.buffer_ndim[b])
-            return _region(src.buffer_names[int(src.buffer_name[b])],
-                           tuple(int(v) for v in src.buffer_shape[b, :bnd]), item, lo[0, :bnd], ll[0, :bnd])
-
-        def box(p: int, layout: Layout = src, nd: int = nd) -> tuple[list[int], list[int]]:
-            return ([int(v) for v in layout.piece_offsets[p, :nd]], [int(v) for v in layout.piece_lengths[p, :nd]])
-
-        # Gather: who sends which region, in a fixed order every rank derives alike.
-        covered = [box(p) for p in s_pieces if int(src.piece_rank[p]) == root]
-        own = []
-        if rank == root:
-            for p in s_pieces:
-                if int(src.piece_rank[p]) == root:
-                    o, n = box(p)
-                    own.append(_Copy(src_region(p, o, n), staging(o, n)))
-        per_sender: dict[int, list[tuple[int, list[int], list[int]]]] = {}
-        others = sorted((p for p in s_pieces if int(src.piece_rank[p]) != root),
-                        key=lambda p: (int(src.piece_rank[p]), p))
-        for p in others:
-            todo = [box(p)]
-            for c in covered:
-                todo = [part for r in todo for part in _subtract(r, c)]
-            for o, n in todo:
-                if math.prod(n) == 0:
-                    continue
-                covered.append((o, n))
-                for so, sn in split_box(o, n, limit // item):  # at most limit bytes each
-                    per_sender.setdefault(int(src.piece_rank[p]), []).append((p, so, sn))
-        missing = t.numel - sum(math.prod(n) for _, n in covered)
-        if missing != 0:
-            raise ValueError(f"tensor {t.name!r}: the source pieces leave {missing} elements uncovered")
-        # The root takes the senders round-robin so that they all stream at once.
-        order = []
-        queues = [deque(per_sender[r]) for r in sorted(per_sender)]
-        senders = sorted(per_sender)
-        while any(queues):
-            for r, q in zip(senders, queues, strict=True):
-                if q:
-                    order.append((r, *q.popleft()))
-        if len(order) >= _MAX_ITEMS:
-            raise ValueError(f"tensor {t.name!r}: {len(order)} gather messages; raise chunk_bytes")
-        gather_recv, gather_send = [], []
-        for i, (r, p, o, n) in enumerate(order):
-            if rank == root:
-                gather_recv.append(_Item(r, _tag(ti, _GATHER, i), staging(o, n)))
-            elif rank == r:
-                gather_send.append(_Item(root, _tag(ti, _GATHER, i), src_region(p, o, n)))
-        if not (in_chain or gather_send):
-            continue
-        chain = [root, *receivers]
-        pred = succ = None
-        if in_chain:
-            k = chain.index(rank)
-            pred = chain[k - 1] if k > 0 else None
-            succ = chain[k + 1] if k + 1 < len(chain) else None
-        nchunks = -(-t.nbytes // limit)
-        if nchunks >= _MAX_ITEMS:
-            raise ValueError(f"tensor {t.name!r}: {nchunks} broadcast chunks; raise chunk_bytes")
-        chunks = tuple((c * limit, min(limit, t.nbytes - c * limit)) for c in range(nchunks))
-        copy_out = []
-        if in_chain:
-            for p in d_pieces:
-                if int(dst.piece_rank[p]) != rank:
-                    continue
-                o, n = box(p, dst)
-                b = int(dst.piece_buffer[p])
-                bnd = int(dst.buffer_ndim[b])
-                copy_out.append(_Copy(staging(o, n), _region(
-                    dst.buffer_names[int(dst.buffer_name[b])], tuple(int(v) for v in dst.buffer_shape[b, :bnd]),
-                    item, dst.piece_local_offsets[p, :bnd], dst.piece_local_lengths[p, :bnd])))
-        ops.append(_TensorOp(ti, t.name, t.nbytes, root, tuple(own), tuple(gather_recv), tuple(gather_send),
-                             pred, succ, chunks if in_chain and len(chain) > 1 else (), tuple(copy_out)))
+        op = _tensor_op(src, dst, rank, options.chunk_bytes, ti, t, s_pieces, d_pieces, src_nbytes)
+        if op is not None:
+            ops.append(op)
     return tuple(ops)
 
 
