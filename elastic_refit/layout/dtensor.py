@@ -522,17 +522,27 @@ def from_dtensors(
     bytes) and its scale sibling (parameter name + the format's ``scale_suffix``) is left
     out of the layout.
     """
-    import torch
-    from torch.distributed.tensor import DTensor
+    import torch.distributed.tensor  # noqa: F401  (a missing torch fails before the arguments are checked)
 
     rename = _rank_renamer(rank_map, rank_offset)
     logical = _logical_namer(names)
     builder = LayoutBuilder()
-    seen_logical: dict[str, str] = {}
-    plain: list[tuple[str, str, torch.Tensor]] = []
-    mesh_ranks: set[int] = set()
     formats = formats if formats is not None else TensorFormats()
     entries = _named_tensors(named)
+    scale_siblings = _scale_siblings(entries, formats, logical)
+    plain, mesh_ranks = _declare_dtensors(builder, entries, scale_siblings, logical, rename, formats)
+    if plain:
+        ranks = _plain_ranks(plain, plain_ranks, mesh_ranks)
+        for name, tensor_name, tensor in plain:
+            add_sharded_tensor(builder, tensor_name, tuple(tensor.shape), _declared_dtype(formats, tensor_name, tensor),
+                               rename(name, ranks), [Replicate()], buffer=name)
+    return builder
+
+
+def _scale_siblings(entries: list[tuple[str, object]], formats: TensorFormats,
+                    logical: Callable[[str], str]) -> set[str]:
+    """Parameter names of the scales of quantized tensors: the format implies them, so the
+    layout leaves them out."""
     present = {name for name, _ in entries}
     scale_siblings: set[str] = set()
     for name, _ in entries:
@@ -544,21 +554,43 @@ def from_dtensors(
                     continue
                 if fmt.quantized and fmt.scale_suffix == suffix:
                     scale_siblings.add(name + suffix)
+    return scale_siblings
 
-    def dtype_of(tensor_name: str, tensor: torch.Tensor) -> object:
-        return "bfloat16" if tensor_name in formats else tensor.dtype
 
+def _declared_dtype(formats: TensorFormats, tensor_name: str, tensor: torch.Tensor) -> object:
+    """A quantized tensor is declared in its logical dtype; its local bytes are FP8."""
+    return "bfloat16" if tensor_name in formats else tensor.dtype
+
+
+def _claim_logical_name(name: str, tensor_name: object, seen_logical: dict[str, str]) -> None:
+    """Check that ``names`` gave parameter ``name`` a usable logical name no other parameter has."""
+    if not isinstance(tensor_name, str) or not tensor_name:
+        raise ValueError(f"names gave {tensor_name!r} for parameter {name!r}; expected a non-empty string")
+    if tensor_name in seen_logical:
+        raise ValueError(
+            f"parameters {seen_logical[tensor_name]!r} and {name!r} both map to logical tensor {tensor_name!r}"
+        )
+    seen_logical[tensor_name] = name
+
+
+def _declare_dtensors(
+    builder: LayoutBuilder, entries: list[tuple[str, object]], skip: set[str], logical: Callable[[str], str],
+    rename: Callable[[str, np.ndarray], np.ndarray], formats: TensorFormats,
+) -> tuple[list[tuple[str, str, torch.Tensor]], set[int]]:
+    """Declare every DTensor of ``entries`` (but ``skip``), lifted onto its root mesh; returns
+    the plain tensors, ``(name, logical name, tensor)`` in order, and the torch ranks of the
+    meshes seen (the default holders of the plain tensors)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    seen_logical: dict[str, str] = {}
+    plain: list[tuple[str, str, torch.Tensor]] = []
+    mesh_ranks: set[int] = set()
     for name, tensor in entries:
-        if name in scale_siblings:
+        if name in skip:
             continue
         tensor_name = logical(name)
-        if not isinstance(tensor_name, str) or not tensor_name:
-            raise ValueError(f"names gave {tensor_name!r} for parameter {name!r}; expected a non-empty string")
-        if tensor_name in seen_logical:
-            raise ValueError(
-                f"parameters {seen_logical[tensor_name]!r} and {name!r} both map to logical tensor {tensor_name!r}"
-            )
-        seen_logical[tensor_name] = name
+        _claim_logical_name(name, tensor_name, seen_logical)
         if not isinstance(tensor, DTensor):
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
@@ -568,27 +600,28 @@ def from_dtensors(
         full = _full_mesh(name, tensor.device_mesh)
         mesh_ranks.update(full.reshape(-1).tolist())
         add_sharded_tensor(
-            builder, tensor_name, tuple(tensor.shape), dtype_of(tensor_name, tensor),
+            builder, tensor_name, tuple(tensor.shape), _declared_dtype(formats, tensor_name, tensor),
             rename(name, full), [Replicate(), *placements], buffer=name,
         )
-    if plain:
-        if plain_ranks is not None:
-            ranks = np.asarray(list(plain_ranks))
-            if ranks.size == 0 or not np.issubdtype(ranks.dtype, np.integer) or ranks.ndim != 1:
-                raise ValueError(f"plain_ranks must be a non-empty list of torch ranks, got {plain_ranks!r}")
-            ranks = ranks.astype(np.int64)
-        elif mesh_ranks:
-            ranks = np.array(sorted(mesh_ranks), dtype=np.int64)
-        else:
-            name = plain[0][0]
-            raise ValueError(
-                f"{name!r} is a {type(plain[0][2]).__name__}, not a DTensor, and no DTensor mesh "
-                f"says which ranks hold it: pass plain_ranks=[...] (the torch ranks that replicate it)"
-            )
-        for name, tensor_name, tensor in plain:
-            add_sharded_tensor(builder, tensor_name, tuple(tensor.shape), dtype_of(tensor_name, tensor),
-                               rename(name, ranks), [Replicate()], buffer=name)
-    return builder
+    return plain, mesh_ranks
+
+
+def _plain_ranks(plain: list[tuple[str, str, torch.Tensor]], plain_ranks: Sequence[int] | None,
+                 mesh_ranks: set[int]) -> np.ndarray:
+    """The torch ranks replicating the plain tensors: ``plain_ranks`` if given, else every
+    rank of the DTensors' meshes; with neither, nobody could say, so ValueError."""
+    if plain_ranks is not None:
+        ranks = np.asarray(list(plain_ranks))
+        if ranks.size == 0 or not np.issubdtype(ranks.dtype, np.integer) or ranks.ndim != 1:
+            raise ValueError(f"plain_ranks must be a non-empty list of torch ranks, got {plain_ranks!r}")
+        return ranks.astype(np.int64)
+    if mesh_ranks:
+        return np.array(sorted(mesh_ranks), dtype=np.int64)
+    name = plain[0][0]
+    raise ValueError(
+        f"{name!r} is a {type(plain[0][2]).__name__}, not a DTensor, and no DTensor mesh "
+        f"says which ranks hold it: pass plain_ranks=[...] (the torch ranks that replicate it)"
+    )
 
 
 def _block_format(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> DestinationFormat:
