@@ -660,97 +660,133 @@ def _transfer_rows(source: Layout, destination: Layout, options: PlanOptions, te
     atom_tensor, atom_offsets, atom_lengths, atom_src_region, atom_dst_region, atom_nbytes = atoms
     del atoms
     atom_weight = atom_nbytes * instances[atom_tensor]  # bytes of one copy, times the class's members
+    needers = _needer_rows(destination, dst_rows, dst_regions, atom_dst_region, domain_of_rank, atom_tensor.size)
+    holders = _holder_rows(source, src_rows, src_regions, atom_src_region, domain_of_rank)
+    demands, held, held_rows = _demands(needers, holders, num_domains)
+    lower_bound_bytes = int(atom_weight[demands[2][~held]].sum())
+    if not held_rows.size:
+        holders = None  # with disjoint pools the holder rows are most of the peak: free them now
+    network_demands = np.flatnonzero(~held)
+    network_region = atom_src_region[demands[2][network_demands]]
+    network_weight = atom_weight[demands[2][network_demands]]
+    egress_group = (_egress_group(network_region, network_weight, src_regions, src_rows, source, domain_of_rank)
+                    if figures else (0, 1))
+    sender_at, senders = _sender_rows(network_demands, demands[2], network_region, atom_src_region, atom_weight,
+                                      src_regions, src_rows, source, num_ranks)
+    receivers = _relay_receivers(options, network_demands, demands, atom_weight, network_weight, needers[2],
+                                 senders, source, destination, domain_of_rank)
+    del network_region, network_weight
+    table = _fill_table(held_rows, network_demands, demands, needers, holders, sender_at, receivers, src_regions,
+                        src_rows, source, num_domains, num_ranks)
+    atoms = (atom_tensor, atom_offsets, atom_lengths, atom_nbytes)
+    num_forward = int(np.count_nonzero(table["src_side"] == int(SourceSide.RELAY))) if receivers is not None else 0
+    relayed = options.relay == "on" or receivers is not None
+    return table, atoms, lower_bound_bytes, num_forward, egress_group, relayed
 
-    # Needers: (atom, destination piece) incidence rows.
+
+def _needer_rows(destination, dst_rows, dst_regions, atom_dst_region, domain_of_rank, num_atoms):
+    """The (atom, destination piece) incidence rows as (atom, piece, rank, domain), sorted by
+    (atom, domain, rank, piece): a demand is then a run of rows, and the order is the same on
+    every rank."""
+    num_domains = int(domain_of_rank.max()) + 1
     needer_atom, needer_at = _expand(dst_regions.piece_start[atom_dst_region],
                                      dst_regions.piece_count[atom_dst_region])
     needer_piece = dst_rows[dst_regions.pieces[needer_at]]
     needer_rank = destination.piece_rank[needer_piece]
     needer_domain = domain_of_rank[needer_rank]
-    # Holders: (atom, source piece) incidence rows; source piece ids are layout rows.
+    needer_order = _order_or_none([needer_atom, needer_domain, needer_rank, needer_piece],
+                                  [num_atoms, num_domains, domain_of_rank.size, destination.num_pieces])
+    if needer_order is not None:
+        needer_atom, needer_piece = needer_atom[needer_order], needer_piece[needer_order]
+        needer_rank, needer_domain = needer_rank[needer_order], needer_domain[needer_order]
+    return needer_atom, needer_piece, needer_rank, needer_domain
+
+
+def _holder_rows(source, src_rows, src_regions, atom_src_region, domain_of_rank):
+    """The (atom, source piece) incidence rows as (atom, piece, rank, domain); source piece ids
+    are layout rows."""
     holder_atom, holder_at = _expand(src_regions.piece_start[atom_src_region],
                                      src_regions.piece_count[atom_src_region])
     holder_piece = src_rows[src_regions.pieces[holder_at]]
     holder_rank = source.piece_rank[holder_piece]
-    holder_domain = domain_of_rank[holder_rank]
+    return holder_atom, holder_piece, holder_rank, domain_of_rank[holder_rank]
 
-    # Demands: group needer rows by (atom, domain); sort inside by rank for determinism.
-    needer_order = _order_or_none([needer_atom, needer_domain, needer_rank, needer_piece],
-                                  [atom_tensor.size, num_domains, num_ranks, destination.num_pieces])
-    if needer_order is not None:
-        needer_atom, needer_piece = needer_atom[needer_order], needer_piece[needer_order]
-        needer_rank, needer_domain = needer_rank[needer_order], needer_domain[needer_order]
+
+def _demands(needers, holders, num_domains):
+    """Group the needer rows by (atom, domain) into demands (first row, row count, atom), and
+    tell which are held (a source rank of the domain holds the atom: served over NVLink) and
+    the needer rows of those. Only domains with a holder can hold a demand (often none:
+    training and inference pools are disjoint), so only their demands are looked up."""
+    needer_atom, _, _, needer_domain = needers
+    holder_atom, _, _, holder_domain = holders
     demand_key = needer_atom * num_domains + needer_domain
     new_demand = np.ones(demand_key.size, dtype=bool)
     new_demand[1:] = demand_key[1:] != demand_key[:-1]
     demand_first = np.flatnonzero(new_demand)
     demand_count = np.diff(np.append(demand_first, demand_key.size))
     demand_atom = needer_atom[demand_first]
-
-    # Held demands: only domains with a holder can hold one (often none: training and
-    # inference pools are disjoint), so only those demands are looked up.
     domain_holds = np.zeros(num_domains, dtype=bool)
     domain_holds[holder_domain] = True
     maybe_held = np.flatnonzero(domain_holds[needer_domain[demand_first]])
     held = np.zeros(demand_first.size, dtype=bool)
     if maybe_held.size:
         held[maybe_held] = np.isin(demand_key[demand_first[maybe_held]], holder_atom * num_domains + holder_domain)
-    lower_bound_bytes = int(atom_weight[demand_atom[~held]].sum())
-
     held_rows = np.flatnonzero(np.repeat(held, demand_count)) if maybe_held.size else maybe_held
-    # Free what only the held demands need as soon as it is known, before the senders' and the
-    # table's arrays are allocated (with disjoint pools the holder rows are most of the peak).
-    del demand_key, new_demand, needer_at, holder_at
-    if not held_rows.size:
-        del holder_atom, holder_piece, holder_rank, holder_domain
-    network_demands = np.flatnonzero(~held)
-    network_region, network_weight = atom_src_region[demand_atom[network_demands]], atom_weight[demand_atom[network_demands]]
-    egress_group = (_egress_group(network_region, network_weight, src_regions, src_rows, source, domain_of_rank)
-                    if figures else (0, 1))
-    sender_at = receivers = None
-    if network_demands.size:
-        network_atom = demand_atom[network_demands]
-        run_atom, run_first, run_count = _runs(network_atom)
-        senders = _network_senders(run_atom, atom_src_region[run_atom], atom_weight[run_atom], run_count,
-                                   src_regions, src_rows, source, num_ranks)
-        run_of = np.repeat(np.arange(run_atom.size), run_count)
-        sender_at = src_regions.piece_start[network_region] + senders.all_choices(
-            run_of, np.arange(network_atom.size) - run_first[run_of])
-        del network_atom, run_of
-    if options.relay != "off" and network_demands.size:
-        busiest_send = -1
-        if options.relay == "auto":  # the senders are the same with or without relay
-            busiest_send = int(senders.load.max())
-        receiver, receiver_row, plain_load = _choose_receivers(
-            network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank, domain_of_rank,
-            _participants(source, destination), busiest_send)
-        receivers = (receiver, receiver_row)
-        if options.relay == "auto" and not _balance_lowers_busiest_nic(busiest_send, receiver, plain_load,
-                                                                       network_weight, num_ranks):
-            receivers = None  # the plain plan, byte for byte
-        del receiver, receiver_row, plain_load  # kept in `receivers` where the plan relays
-    del network_region, network_weight
-    # The table is allocated once and each part writes its rows in place: held needers,
-    # then one network row per network demand, then the fan-outs (or forwards) of shared
-    # demands; a relayed demand forwards to every needer.
-    num_fan_out = int(demand_count[network_demands].sum()) - network_demands.size
+    return (demand_first, demand_count, demand_atom), held, held_rows
+
+
+def _sender_rows(network_demands, demand_atom, network_region, atom_src_region, atom_weight, src_regions, src_rows,
+                 source, num_ranks):
+    """The sender of every network demand, as its row of ``src_regions.pieces``, and the
+    balanced senders (their load); ``(None, None)`` without network demands. Demands of one
+    atom in several domains are one run, so its sends are spread over the atom's holders."""
+    if not network_demands.size:
+        return None, None
+    network_atom = demand_atom[network_demands]
+    run_atom, run_first, run_count = _runs(network_atom)
+    senders = _network_senders(run_atom, atom_src_region[run_atom], atom_weight[run_atom], run_count,
+                               src_regions, src_rows, source, num_ranks)
+    run_of = np.repeat(np.arange(run_atom.size), run_count)
+    sender_at = src_regions.piece_start[network_region] + senders.all_choices(
+        run_of, np.arange(network_atom.size) - run_first[run_of])
+    return sender_at, senders
+
+
+def _relay_receivers(options, network_demands, demands, atom_weight, network_weight, needer_rank, senders, source,
+                     destination, domain_of_rank):
+    """The relay receivers ``(receiver, receiver_row)`` of the network demands, or ``None``
+    for the plain plan: relay off, no network demands, or relay ``auto`` where relaying does
+    not lower the busiest NIC (the senders are the same with or without relay)."""
+    if options.relay == "off" or not network_demands.size:
+        return None
+    busiest_send = -1
+    if options.relay == "auto":
+        busiest_send = int(senders.load.max())
+    demand_first, demand_count, demand_atom = demands
+    receiver, receiver_row, plain_load = _choose_receivers(
+        network_demands, demand_first, demand_count, demand_atom, atom_weight, needer_rank, domain_of_rank,
+        _participants(source, destination), busiest_send)
+    if options.relay == "auto" and not _balance_lowers_busiest_nic(busiest_send, receiver, plain_load,
+                                                                   network_weight, domain_of_rank.size):
+        return None  # the plain plan, byte for byte
+    return receiver, receiver_row
+
+
+def _fill_table(held_rows, network_demands, demands, needers, holders, sender_at, receivers, src_regions, src_rows,
+                source, num_domains, num_ranks):
+    """The table, allocated once, each part writing its rows in place: held needers (a source
+    rank of the domain holds the atom), then one network row per network demand, then the
+    fan-outs (or forwards) of shared demands; a relayed demand forwards to every needer."""
+    num_fan_out = int(demands[1][network_demands].sum()) - network_demands.size
     if receivers is not None:
         num_fan_out += int(np.count_nonzero(receivers[1] < 0))
     table = _empty_table(held_rows.size + network_demands.size + num_fan_out)
-    atoms = (atom_tensor, atom_offsets, atom_lengths, atom_nbytes)
-    needers = (needer_atom, needer_piece, needer_rank, needer_domain)
-    # -- demands served inside the domain (a source rank of the domain holds the atom) --
     if held_rows.size:
-        holders = (holder_atom, holder_piece, holder_rank, holder_domain)
         _serve_held(table, held_rows, needers, holders, num_domains, num_ranks)
-    # -- demands that cross the network once, then fan out --
     if network_demands.size:
-        demands = (demand_first, demand_count, demand_atom)
         _serve_network(table, held_rows.size, network_demands, demands, needers, sender_at, src_regions, src_rows,
                        source, receivers)
-    num_forward = int(np.count_nonzero(table["src_side"] == int(SourceSide.RELAY))) if receivers is not None else 0
-    relayed = options.relay == "on" or receivers is not None
-    return table, atoms, lower_bound_bytes, num_forward, egress_group, relayed
+    return table
 
 
 def tensor_classes(source: Layout, destination: Layout, tensor_map: np.ndarray) -> TensorClasses:

@@ -166,7 +166,21 @@ def _scale_tensors(formats: TensorFormats, *layouts: Layout) -> dict[str, str]:
 
 
 def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
+    """``layout`` in ``formats`` (module docstring); ``side`` names it in errors."""
     builder = LayoutBuilder(ndim=layout.ndim)
+    tensor_fmt = _format_tensors(builder, layout, formats)
+    fmt_objects, buffer_fmt = _buffer_formats(layout, tensor_fmt, side)
+    starts = np.searchsorted(layout.piece_tensor, np.arange(len(layout.tensors) + 1))
+    scale_start, scale_extent = _scale_placement(layout, tensor_fmt, starts, side)
+    new_id, scale_id = _format_buffers(builder, layout, fmt_objects, buffer_fmt, scale_extent)
+    _format_pieces(builder, layout, tensor_fmt, starts, new_id, scale_id, scale_start)
+    return builder.build()
+
+
+def _format_tensors(builder: LayoutBuilder, layout: Layout, formats: TensorFormats) -> list[DestinationFormat | None]:
+    """Add the tensors to ``builder`` in their planned dtype, each quantized one followed by its
+    scale tensor, and return each tensor's format (``None``: stays as it is). Tensors come
+    first so the tensor ids of the result follow the layout's."""
     tensor_fmt: list[DestinationFormat | None] = []
     for t in layout.tensors:
         fmt = formats.of(t.name)
@@ -178,34 +192,40 @@ def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
         else:
             builder.tensor(t.name, t.shape, t.dtype)
             tensor_fmt.append(None)
+    return tensor_fmt
 
-    num_buffers = layout.num_buffers
-    # Per buffer: the format its pieces are quantized in (-1: none yet) and their block phase.
+
+def _buffer_formats(layout: Layout, tensor_fmt: list[DestinationFormat | None],
+                    side: str) -> tuple[list[DestinationFormat], np.ndarray]:
+    """The formats in use (sorted by name) and each buffer's index into them (-1: plain, -2:
+    no piece). ``ValueError`` for a buffer that mixes formats: a buffer's pieces are all
+    quantized in one format, or none of them, since the whole buffer changes dtype."""
     fmt_names = sorted({f.name for f in tensor_fmt if f is not None})
     fmt_objects = [DestinationFormat(n) for n in fmt_names]
     tensor_fmt_id = np.array([-1 if f is None else fmt_names.index(f.name) for f in tensor_fmt], dtype=np.int64)
-    buffer_fmt = np.full(num_buffers, -2, dtype=np.int64)  # -2: no piece seen
-    scale_extent = np.zeros((num_buffers, 2), dtype=np.int64)  # blocks a scale buffer must hold
+    buffer_fmt = np.full(layout.num_buffers, -2, dtype=np.int64)  # -2: no piece seen
     piece_fmt = tensor_fmt_id[layout.piece_tensor] if layout.num_pieces else np.zeros(0, dtype=np.int64)
+    b_ids = layout.piece_buffer
+    order = np.lexsort((piece_fmt, b_ids))
+    sb, sf = b_ids[order], piece_fmt[order]
+    mixed = np.flatnonzero((sb[1:] == sb[:-1]) & (sf[1:] != sf[:-1]))
+    if mixed.size:
+        b = int(sb[mixed[0]])
+        pieces = order[[mixed[0], mixed[0] + 1]]
+        what = [layout.tensors[int(layout.piece_tensor[p])].name for p in pieces]
+        where = f"{side} buffer {layout.buffer_names[int(layout.buffer_name[b])]!r} on rank {int(layout.buffer_rank[b])}"
+        raise ValueError(f"{where} holds tensors {what[0]!r} and {what[1]!r} in different destination "
+                         f"formats; a buffer is quantized whole or not at all")
+    buffer_fmt[sb] = sf
+    return fmt_objects, buffer_fmt
 
-    def buffer_where(b: int) -> str:
-        return f"{side} buffer {layout.buffer_names[int(layout.buffer_name[b])]!r} on rank {int(layout.buffer_rank[b])}"
 
-    # Mixed buffers: a buffer's pieces all quantized in one format, or none of them.
-    for b_ids, f_ids in ((layout.piece_buffer, piece_fmt),):
-        order = np.lexsort((f_ids, b_ids))
-        sb, sf = b_ids[order], f_ids[order]
-        mixed = np.flatnonzero((sb[1:] == sb[:-1]) & (sf[1:] != sf[:-1]))
-        if mixed.size:
-            b = int(sb[mixed[0]])
-            pieces = order[[mixed[0], mixed[0] + 1]]
-            what = [layout.tensors[int(layout.piece_tensor[p])].name for p in pieces]
-            raise ValueError(f"{buffer_where(b)} holds tensors {what[0]!r} and {what[1]!r} in different destination "
-                             f"formats; a buffer is quantized whole or not at all")
-        buffer_fmt[sb] = sf
-
-    # Pieces of quantized tensors: last two dims map to the buffer's last two, and one phase per buffer.
-    starts = np.searchsorted(layout.piece_tensor, np.arange(len(layout.tensors) + 1))
+def _scale_placement(layout: Layout, tensor_fmt: list[DestinationFormat | None], starts: np.ndarray,
+                     side: str) -> tuple[np.ndarray, np.ndarray]:
+    """Where each quantized piece's blocks start in its buffer's scale grid (last two dims;
+    zeros for plain pieces), and the blocks each buffer's scale grid must hold. The pieces
+    are checked tensor by tensor first (``_quantized_pieces``), so errors name the first
+    bad tensor."""
     q_rows: list[np.ndarray] = []
     q_lo: list[np.ndarray] = []
     q_phase: list[np.ndarray] = []
@@ -217,29 +237,13 @@ def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
         rows = np.arange(starts[tid], starts[tid + 1])
         if rows.size == 0:
             continue
-        nd_t = len(layout.tensors[tid].shape)
-        bufs = layout.piece_buffer[rows]
-        nd_b = layout.buffer_ndim[bufs]
-        g_off, g_len = layout.piece_offsets[rows, :nd_t], layout.piece_lengths[rows, :nd_t]
-        lo = np.stack([layout.piece_local_offsets[rows, nd_b - 2], layout.piece_local_offsets[rows, nd_b - 1]], 1) \
-            if (nd_b >= 2).all() else None
-        ll = np.stack([layout.piece_local_lengths[rows, nd_b - 2], layout.piece_local_lengths[rows, nd_b - 1]], 1) \
-            if lo is not None else None
-        if lo is None or not np.array_equal(ll, g_len[:, -2:]):
-            bad = int(rows[0]) if lo is None else int(rows[np.flatnonzero((ll != g_len[:, -2:]).any(axis=1))[0]])
-            raise ValueError(f"{side} piece {layout.piece(bad)}: a quantized tensor's last two dims must be its "
-                             f"buffer's last two (blocks of rows x cols)")
-        block = np.array(fmt.block_shape, dtype=np.int64)
-        phase = (g_off[:, -2:] - lo) % block
+        lo, phase, ll, block = _quantized_pieces(layout, tid, fmt, rows, side)
         q_rows.append(rows)
         q_lo.append(lo)
         q_phase.append(phase)
         q_len.append(ll)
-        q_block.append(np.broadcast_to(block, lo.shape))
-        if side == "source":
-            _check_source_covers(layout, tid, g_off, g_len)
-
-    # Where each quantized piece's blocks start in its buffer's scale grid (last two dims).
+        q_block.append(block)
+    scale_extent = np.zeros((layout.num_buffers, 2), dtype=np.int64)  # blocks a scale buffer must hold
     scale_start = np.zeros((layout.num_pieces, 2), dtype=np.int64)
     if q_rows:
         rows, lo, phase = np.concatenate(q_rows), np.concatenate(q_lo), np.concatenate(q_phase)
@@ -247,11 +251,42 @@ def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
         start, end = _scale_starts(layout.piece_buffer[rows], lo, phase, ll, block)
         scale_start[rows] = start
         np.maximum.at(scale_extent, layout.piece_buffer[rows], end)
+    return scale_start, scale_extent
 
-    # Buffers, grouped by name: plain ones keep their dtype, quantized ones become FP8 and
-    # get a scale buffer beside them.
-    new_id = np.full(num_buffers, -1, dtype=np.int64)
-    scale_id = np.full(num_buffers, -1, dtype=np.int64)
+
+def _quantized_pieces(layout: Layout, tid: int, fmt: DestinationFormat, rows: np.ndarray,
+                      side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For the pieces ``rows`` of quantized tensor ``tid``: local starts, block phases,
+    lengths and block sizes in the last two dims. ``ValueError`` unless the tensor's last two
+    dims are the buffer's last two (blocks are rows x cols of the buffer), or, on the source
+    side, unless the pieces cover the tensor (a block's scale needs all of the block)."""
+    nd_t = len(layout.tensors[tid].shape)
+    bufs = layout.piece_buffer[rows]
+    nd_b = layout.buffer_ndim[bufs]
+    g_off, g_len = layout.piece_offsets[rows, :nd_t], layout.piece_lengths[rows, :nd_t]
+    lo = np.stack([layout.piece_local_offsets[rows, nd_b - 2], layout.piece_local_offsets[rows, nd_b - 1]], 1) \
+        if (nd_b >= 2).all() else None
+    ll = np.stack([layout.piece_local_lengths[rows, nd_b - 2], layout.piece_local_lengths[rows, nd_b - 1]], 1) \
+        if lo is not None else None
+    if lo is None or not np.array_equal(ll, g_len[:, -2:]):
+        bad = int(rows[0]) if lo is None else int(rows[np.flatnonzero((ll != g_len[:, -2:]).any(axis=1))[0]])
+        raise ValueError(f"{side} piece {layout.piece(bad)}: a quantized tensor's last two dims must be its "
+                         f"buffer's last two (blocks of rows x cols)")
+    block = np.array(fmt.block_shape, dtype=np.int64)
+    phase = (g_off[:, -2:] - lo) % block
+    if side == "source":
+        _check_source_covers(layout, tid, g_off, g_len)
+    return lo, phase, ll, np.broadcast_to(block, lo.shape)
+
+
+def _format_buffers(builder: LayoutBuilder, layout: Layout, fmt_objects: list[DestinationFormat],
+                    buffer_fmt: np.ndarray, scale_extent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Add the buffers to ``builder``, grouped by name, then format, dtype and ndim (one
+    ``builder.buffers`` call per group): plain ones keep their dtype, quantized ones become
+    FP8 with a scale buffer beside them. Returns each buffer's new id and its scale buffer's
+    id (-1: none)."""
+    new_id = np.full(layout.num_buffers, -1, dtype=np.int64)
+    scale_id = np.full(layout.num_buffers, -1, dtype=np.int64)
     by_name = np.argsort(layout.buffer_name, kind="stable")
     name_starts = np.searchsorted(layout.buffer_name[by_name], np.arange(len(layout.buffer_names) + 1))
     for k, name in enumerate(layout.buffer_names):
@@ -264,18 +299,35 @@ def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
                 sub = group[layout.buffer_dtype[group] == dt]
                 for nd in np.unique(layout.buffer_ndim[sub]).tolist():
                     part = sub[layout.buffer_ndim[sub] == nd]
-                    shapes = layout.buffer_shape[part, :nd]
-                    if f < 0:
-                        new_id[part] = builder.buffers(name, layout.buffer_rank[part], shapes, DTYPES[dt])
-                        continue
-                    fmt = fmt_objects[f]
-                    new_id[part] = builder.buffers(name, layout.buffer_rank[part], shapes, "float8_e4m3fn")
-                    scale_shapes = shapes.copy()
-                    for j, b in zip((-2, -1), fmt.block_shape, strict=True):
-                        scale_shapes[:, j] = np.maximum(-(-shapes[:, j] // b), scale_extent[part, j])
-                    scale_id[part] = builder.buffers(name + fmt.scale_suffix, layout.buffer_rank[part], scale_shapes,
-                                                     fmt.scale_dtype)
+                    fmt = fmt_objects[f] if f >= 0 else None
+                    _add_buffers(builder, layout, name, part, nd, dt, fmt, scale_extent, new_id, scale_id)
+    return new_id, scale_id
 
+
+def _add_buffers(builder: LayoutBuilder, layout: Layout, name: str, part: np.ndarray, nd: int, dt: int,
+                 fmt: DestinationFormat | None, scale_extent: np.ndarray, new_id: np.ndarray,
+                 scale_id: np.ndarray) -> None:
+    """Add one group of buffers (one name, format, dtype and ndim) and record their ids in
+    ``new_id`` / ``scale_id``. A scale buffer covers the buffer's block grid, or more where
+    unaligned pieces placed their blocks past it (``scale_extent``)."""
+    shapes = layout.buffer_shape[part, :nd]
+    if fmt is None:
+        new_id[part] = builder.buffers(name, layout.buffer_rank[part], shapes, DTYPES[dt])
+        return
+    new_id[part] = builder.buffers(name, layout.buffer_rank[part], shapes, "float8_e4m3fn")
+    scale_shapes = shapes.copy()
+    for j, b in zip((-2, -1), fmt.block_shape, strict=True):
+        scale_shapes[:, j] = np.maximum(-(-shapes[:, j] // b), scale_extent[part, j])
+    scale_id[part] = builder.buffers(name + fmt.scale_suffix, layout.buffer_rank[part], scale_shapes,
+                                     fmt.scale_dtype)
+
+
+def _format_pieces(builder: LayoutBuilder, layout: Layout, tensor_fmt: list[DestinationFormat | None],
+                   starts: np.ndarray, new_id: np.ndarray, scale_id: np.ndarray, scale_start: np.ndarray) -> None:
+    """Add every piece in its new buffer, tensor by tensor, and for a quantized tensor the
+    piece of its scales (the blocks the piece touches, at ``scale_start`` in the scale
+    buffer). Pieces go in groups of one buffer ndim, as ``builder.pieces`` takes local boxes
+    of one width."""
     for tid, t in enumerate(layout.tensors):
         rows = np.arange(starts[tid], starts[tid + 1])
         if rows.size == 0:
@@ -297,7 +349,6 @@ def _format_layout(layout: Layout, formats: TensorFormats, side: str) -> Layout:
                 s_off[:, nd_b - 2 + j] = scale_start[sel, j]
                 s_len[:, nd_b - 2 + j] = b_len[:, nd_t - 2 + j]
             builder.pieces(fmt.scale_name(t.name), scale_id[bufs], b_off, b_len, s_off, s_len)
-    return builder.build()
 
 
 def _scale_starts(buffer: np.ndarray, lo: np.ndarray, phase: np.ndarray, length: np.ndarray,
