@@ -71,6 +71,7 @@ from elastic_refit.plan.types import (
     TensorClasses,
     TransferKind,
     TransferTable,
+    Uncovered,
 )
 
 __all__ = ["PLANNER_VERSION", "gather_broadcast_bytes", "make_plan", "tensor_classes"]
@@ -835,13 +836,6 @@ def _atoms(src: _Regions, dst: _Regions, ndim: int):
     dst_region, src_region = dst_region[keep], src_region[keep]
     return (dst.tensor[dst_region], np.take(start, keep, axis=0), np.take(extent, keep, axis=0), src_region,
             dst_region)
-
-
-class Uncovered(ValueError):
-    """A destination region no source piece covers: the sources named lack it (a member
-    holding it is gone or not there yet). Unlike the planner's other ``ValueError`` (shapes,
-    dtypes, tensors one side lacks, overlaps, a bucket too small) it may pass once the
-    members change."""
 
 
 def _check_coverage(atoms, dst: _Regions, dst_rows: np.ndarray, destination: Layout) -> None:

@@ -53,7 +53,7 @@ import numpy as np
 from elastic_refit.layout import DTYPES, Layout, LayoutBuilder, Topology
 from elastic_refit.layout.core import readonly_column
 from elastic_refit.layout.formats import DestinationFormat, TensorFormats
-from elastic_refit.plan.types import TransferKind
+from elastic_refit.plan.types import TransferKind, Uncovered
 
 __all__ = ["AMAX_ITEMSIZE", "AmaxExchange", "Quantization", "destination_format_layout", "format_layouts"]
 
@@ -381,12 +381,19 @@ def _scale_starts(buffer: np.ndarray, lo: np.ndarray, phase: np.ndarray, length:
 
 
 def _check_source_covers(layout: Layout, tid: int, g_off: np.ndarray, g_len: np.ndarray) -> None:
-    """The source's distinct boxes of a quantized tensor must cover it (they are disjoint)."""
+    """The source's distinct boxes of a quantized tensor must cover it (they are disjoint).
+    Fewer elements than the tensor: a source holding the rest is gone or not there yet
+    (``Uncovered``: the version waits for it); more: pieces overlap (a layout fault)."""
     t = layout.tensors[tid]
     boxes = np.unique(np.concatenate([g_off, g_len], axis=1), axis=0)
     nd = len(t.shape)
     covered = int(np.prod(boxes[:, nd:], axis=1).sum())
-    if covered != int(np.prod(t.shape)):
+    total = int(np.prod(t.shape))
+    if covered < total:
+        raise Uncovered(f"tensor {t.name!r}: the sources' pieces hold {covered} of its {total} elements; a quantized "
+                        "tensor needs the whole of every block on the source side (a source holding the rest is "
+                        "gone or not there yet)")
+    if covered != total:
         raise ValueError(f"tensor {t.name!r}: the source's distinct pieces hold {covered} of its {int(np.prod(t.shape))} "
                          f"elements (or overlap); a quantized tensor needs the whole of every block on the source side")
 

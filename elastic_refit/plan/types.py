@@ -23,6 +23,7 @@ __all__ = [
     "TensorClasses",
     "TransferKind",
     "TransferTable",
+    "Uncovered",
     "relay_mode",
 ]
 
@@ -382,3 +383,10 @@ class RankPlan(_ClassRows):
             out[f"{name}_recv"] = int(weight[of_kind & recvs].sum())
         out["local"] = int(weight[t.kind == int(TransferKind.LOCAL)].sum())
         return out
+
+
+class Uncovered(ValueError):
+    """A destination region no source piece covers: the sources named lack it (a member
+    holding it is gone or not there yet). Unlike the planner's other ``ValueError`` (shapes,
+    dtypes, tensors one side lacks, overlaps, a bucket too small) it may pass once the
+    members change."""

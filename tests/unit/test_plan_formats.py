@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from elastic_refit.layout import LayoutBuilder, TensorFormats, Topology, shard_boxes
 from elastic_refit.layout.dtensor import Replicate, Shard
 from elastic_refit.layout.formats import DestinationFormat
-from elastic_refit.plan import PlanOptions, SourceSide, TransferKind, make_plan
+from elastic_refit.plan import PlanOptions, SourceSide, TransferKind, Uncovered, make_plan
 from elastic_refit.plan.quantized import AMAX_ITEMSIZE
 from elastic_refit.testing.inprocess import (
     allocate_buffers,
@@ -292,9 +292,19 @@ def test_bad_formats_are_refused_by_name():
     only_top.tensor("w", (96, 80), "bfloat16")
     ids = only_top.buffers("w", [2], [(32, 80)], "bfloat16")
     only_top.pieces("w", ids, [(0, 0)], [(32, 80)], [(0, 0)])
-    with pytest.raises(ValueError, match=r"tensor .w.*whole of every block"):
+    # a source holding the rest may still come (a trainer not joined yet): the version waits
+    with pytest.raises(Uncovered, match=r"tensor .w.*whole of every block.*not there yet"):
         make_plan(half.build(), only_top.build(), Topology((0, 1, 2, 2)),
                   formats=TensorFormats.from_mapping({"w": "fp8-block32"}))
+    # pieces that overlap never will: a layout fault
+    overlapping = LayoutBuilder()
+    overlapping.tensor("w", (96, 80), "bfloat16")
+    ids = overlapping.buffers("w", [0, 1], [(60, 80), (56, 80)], "bfloat16")
+    overlapping.pieces("w", ids, [(0, 0), (40, 0)], [(60, 80), (56, 80)], [(0, 0), (0, 0)])
+    with pytest.raises(ValueError, match=r"tensor .w.*overlap") as caught:
+        make_plan(overlapping.build(), only_top.build(), Topology((0, 1, 2, 2)),
+                  formats=TensorFormats.from_mapping({"w": "fp8-block32"}))
+    assert not isinstance(caught.value, Uncovered)
 
 
 def test_rank_views_of_the_fp8_layouts_are_slices_of_the_plan():
