@@ -9,10 +9,13 @@ the membership layer (``elastic_refit.membership.errors``: ``EtcdUnavailable``,
 from __future__ import annotations
 
 import contextlib
-import traceback
+import inspect
 from typing import NoReturn, TypeVar
 
 E = TypeVar("E", bound=BaseException)
+
+_SUSPENDABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+                | inspect.CO_ITERABLE_COROUTINE)
 
 
 class RefitError(RuntimeError):
@@ -161,7 +164,14 @@ def drop_frames(exc: E) -> E:
         if link is None or id(link) in seen:
             continue
         seen.add(id(link))
-        traceback.clear_frames(link.__traceback__)  # skips frames still running
+        tb = link.__traceback__
+        while tb is not None:
+            # Not a generator's or coroutine's frame: clearing one that is suspended would
+            # close it (a retrying etcd call, a watch). Those hold no transport work.
+            if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+                with contextlib.suppress(RuntimeError):  # a frame still running keeps its locals
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
         pending += [link.__cause__, link.__context__]
     return exc
 

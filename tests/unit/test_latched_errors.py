@@ -136,3 +136,22 @@ def test_every_kind_of_kept_error_copies_without_its_init(kept):
     with pytest.raises(type(kept)) as caught:
         raise_latched(kept)
     assert caught.value is not kept and str(caught.value) == str(kept) and vars(caught.value) == vars(kept)
+
+
+def test_drop_frames_leaves_a_suspended_generator_running():
+    """A fault caught inside a generator that goes on (a retry loop) has that generator's
+    frame in its traceback: clearing it would close the generator."""
+    caught: list[BaseException] = []
+
+    def retrying():
+        for attempt in range(3):
+            try:
+                raise ConnectionError(f"attempt {attempt}")
+            except ConnectionError as exc:
+                caught.append(exc)
+            yield attempt
+
+    gen = retrying()
+    assert next(gen) == 0
+    drop_frames(caught[0])  # the generator is suspended, its frame is in the traceback
+    assert next(gen) == 1 and next(gen) == 2
