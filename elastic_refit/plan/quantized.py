@@ -258,8 +258,9 @@ def _quantized_pieces(layout: Layout, tid: int, fmt: DestinationFormat, rows: np
                       side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For the pieces ``rows`` of quantized tensor ``tid``: local starts, block phases,
     lengths and block sizes in the last two dims. ``ValueError`` unless the tensor's last two
-    dims are the buffer's last two (blocks are rows x cols of the buffer), or, on the source
-    side, unless the pieces cover the tensor (a block's scale needs all of the block)."""
+    dims are the buffer's last two (blocks are rows x cols of the buffer); on the source side
+    ``Uncovered`` (a ``ValueError``) while pieces are missing and ``ValueError`` when they
+    overlap (a block's scale needs all of the block, once)."""
     nd_t = len(layout.tensors[tid].shape)
     bufs = layout.piece_buffer[rows]
     nd_b = layout.buffer_ndim[bufs]

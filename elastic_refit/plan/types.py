@@ -386,7 +386,7 @@ class RankPlan(_ClassRows):
 
 
 class Uncovered(ValueError):
-    """A destination region no source piece covers: the sources named lack it (a member
-    holding it is gone or not there yet). Unlike the planner's other ``ValueError`` (shapes,
+    """A destination region no source piece covers, or a quantized tensor whose sources lack
+    some of its blocks: the sources named lack it (a member holding it is gone or not there yet). Unlike the planner's other ``ValueError`` (shapes,
     dtypes, tensors one side lacks, overlaps, a bucket too small) it may pass once the
     members change."""
