@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh bench      # lifecycle, NCCL refit and churn benchmarks
 #   bash benchmarks/gpu_session.sh churn      # churn with and without connecting ahead (nccl4py)
 #   bash benchmarks/gpu_session.sh digest     # digest GB/s against a plain copy on the GPU
+#   bash benchmarks/gpu_session.sh wave       # issues 36, 35, 37: IPC tests, colocated benches, deltas, RL step
 #   bash benchmarks/gpu_session.sh all        # the whole GPU suite in parallel lanes, then kernels,
 #                                             # lifecycle and churn benchmarks: one table, < 10 min
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
@@ -118,6 +119,33 @@ case "${1:-}" in
       || tail -20 "$OUT/colocated.err"
     timeout 120 python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 --hosts 2 --methods ipc,nccl4py \
       2>"$OUT/colocated2.err" | tee "$OUT/colocated2.txt" || tail -20 "$OUT/colocated2.err" ;;
+  wave)  # issues 36, 35, 37 in one call after setup: IPC tests, colocated benches, deltas, the RL step
+        # (every step has its own deadline, WAVE_*_S overrides them; logs and JSON in $OUT)
+    env_ready
+    export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_wave.jsonl"
+    step() {  # NAME SECONDS COMMAND...: stdout to NAME.txt, stderr to NAME.err, exit code and seconds to NAME.rc
+      local name=$1 secs=$2 t; shift 2; t=$(date +%s)
+      timeout -k 10 "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+      echo "$? $(( $(date +%s) - t ))" | tee "$OUT/$name.rc" | sed "s/^/$name rc, s: /"
+    }
+    xd=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+    steps=${WAVE_STEPS:-ipc_tests colocated colocated2 delta rl}
+    for name in $steps; do
+      case $name in
+        # shellcheck disable=SC2086
+        ipc_tests) step $name "${WAVE_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider $xd --timeout 140 -rfE \
+          tests/gpu/test_ipc_gpu.py tests/gpu/test_colocated_runtime_gpu.py tests/gpu/test_delta_gpu.py ;;
+        colocated) step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 ;;
+        colocated2) step $name "${WAVE_COLOCATED_S:-80}" python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 \
+          --hosts 2 --methods ipc,nccl4py ;;
+        delta) step $name "${WAVE_DELTA_S:-110}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
+          --steps 10 --refit-hidden 1024 --refit-layers 6 --json ;;
+        rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
+          --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
+        *) echo "wave: unknown step $name" >&2 ;;
+      esac
+    done
+    for f in $steps; do echo "== $f"; grep -v -E "^\s*$" "$OUT/$f.txt" | tail -25; done ;;
   kernels)  # issue 39: pack/unpack against a plain copy, eager
     env_ready
     timeout "${KERNELS_TIMEOUT:-120}" python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -40 ;;
@@ -160,5 +188,5 @@ case "${1:-}" in
     for name in runtime rest; do grep -E "^(FAILED|ERROR)|slowest|^[0-9.]+s (call|setup|teardown)" "$OUT/$name.log" \
       | head -30 > "$OUT/$name.summary"; done
     python3 benchmarks/gpu_all_table.py "$OUT" --total-s "$(( $(date +%s) - t_all ))" | tee "$OUT/all_table.md" ;;
-  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | kernels | all" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | wave | kernels | all" >&2; exit 2 ;;
 esac
