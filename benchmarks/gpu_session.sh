@@ -142,6 +142,12 @@ case "${1:-}" in
           --steps 10 --refit-hidden 1024 --refit-layers 6 --json ;;
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
+        rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
+          export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+          mkdir -p /tmp/mps /tmp/mps-log && nvidia-cuda-mps-control -d \
+            && step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
+              --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged
+          echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done
