@@ -638,6 +638,30 @@ def _squeeze_dim_map(g_len: np.ndarray, l_len: np.ndarray) -> np.ndarray:
     return dim_map
 
 
+def _pad_columns(a: np.ndarray, k: int, fill: int) -> np.ndarray:
+    """``a`` widened to ``k`` columns, the new ones set to ``fill``."""
+    if a.shape[1] == k:
+        return a
+    out = np.full((a.shape[0], k), fill, dtype=np.int64)
+    out[:, : a.shape[1]] = a
+    return out
+
+
+def _canonical_buffer_order(b_rank: np.ndarray, b_name: np.ndarray,
+                            buffer_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Buffers sorted by (rank, name): the order and the old-id -> new-id map. A (rank, name)
+    declared twice is a ``ValueError``."""
+    b_order = np.lexsort((b_name, b_rank))
+    sorted_keys = np.stack([b_rank[b_order], b_name[b_order]], axis=1)
+    dup = np.flatnonzero(np.all(sorted_keys[1:] == sorted_keys[:-1], axis=1)) if b_rank.size > 1 else []
+    if len(dup):
+        r, nm = sorted_keys[dup[0]]
+        raise ValueError(f"buffer {buffer_names[int(nm)]!r} declared twice on rank {int(r)}")
+    b_new = np.empty_like(b_order)
+    b_new[b_order] = np.arange(b_order.size)
+    return b_order, b_new
+
+
 class LayoutBuilder:
     """Accumulates tensors, buffers and pieces (vectorised) and validates them in ``build``."""
 
@@ -737,63 +761,11 @@ class LayoutBuilder:
     def build(self) -> Layout:
         """Validate and freeze; rows are sorted canonically (tensors and buffer names by name, so
         declaration order does not matter); empty pieces are dropped."""
-        k = max(
-            [self._ndim or 1]
-            + [len(t.shape) for t in self._tensors]
-            + [c[3] for c in self._buffer_chunks]
-        )
-
-        def pad(a: np.ndarray, fill: int) -> np.ndarray:
-            if a.shape[1] == k:
-                return a
-            out = np.full((a.shape[0], k), fill, dtype=np.int64)
-            out[:, : a.shape[1]] = a
-            return out
-
-        # Canonical order, whatever the declaration order: tensors and buffer names sorted by
-        # name, so two ranks (or two sides) that declare one layout differently agree on its
-        # rows and fingerprint.
-        tensor_order = sorted(range(len(self._tensors)), key=lambda i: self._tensors[i].name)
-        tensors = tuple(self._tensors[i] for i in tensor_order)
-        tensor_new = np.empty(len(tensor_order), dtype=np.int64)
-        tensor_new[tensor_order] = np.arange(len(tensor_order))
-        name_order = sorted(range(len(self._buffer_names)), key=lambda i: self._buffer_names[i])
-        buffer_names = tuple(self._buffer_names[i] for i in name_order)
-        name_new = np.empty(len(name_order), dtype=np.int64)
-        name_new[name_order] = np.arange(len(name_order))
-        if self._buffer_chunks:
-            b_rank = np.concatenate([c[0] for c in self._buffer_chunks])
-            b_name = np.concatenate([np.full(c[0].size, name_new[c[1]], dtype=np.int64)
-                                     for c in self._buffer_chunks])
-            b_shape = np.concatenate([pad(c[2], 1) for c in self._buffer_chunks])
-            b_ndim = np.concatenate([np.full(c[0].size, c[3], dtype=np.int64) for c in self._buffer_chunks])
-            b_dtype = np.concatenate([np.full(c[0].size, c[4], dtype=np.int64) for c in self._buffer_chunks])
-        else:
-            b_rank = b_name = b_ndim = b_dtype = np.zeros(0, dtype=np.int64)
-            b_shape = np.zeros((0, k), dtype=np.int64)
-        # Canonical buffer order: (rank, name); duplicates are an error.
-        b_order = np.lexsort((b_name, b_rank))
-        sorted_keys = np.stack([b_rank[b_order], b_name[b_order]], axis=1)
-        dup = np.flatnonzero(np.all(sorted_keys[1:] == sorted_keys[:-1], axis=1)) if b_rank.size > 1 else []
-        if len(dup):
-            r, nm = sorted_keys[dup[0]]
-            raise ValueError(f"buffer {buffer_names[int(nm)]!r} declared twice on rank {int(r)}")
-        b_new = np.empty_like(b_order)
-        b_new[b_order] = np.arange(b_order.size)
-
-        if self._piece_chunks:
-            p_tensor = np.concatenate([np.full(c[1].size, tensor_new[c[0]], dtype=np.int64)
-                                       for c in self._piece_chunks])
-            p_buffer = np.concatenate([c[1] for c in self._piece_chunks])
-            p_off = np.concatenate([pad(c[2], 0) for c in self._piece_chunks])
-            p_len = np.concatenate([pad(c[3], 1) for c in self._piece_chunks])
-            p_loff = np.concatenate([pad(c[4], 0) for c in self._piece_chunks])
-            p_llen = np.concatenate(
-                [pad(c[5] if c[5] is not None else c[3], 1) for c in self._piece_chunks]
-            )
-        else:
-            p_tensor = p_buffer = np.zeros(0, dtype=np.int64)
-            p_off = p_len = p_loff = p_llen = np.zeros((0, k), dtype=np.int64)
+        k = self._common_rank()
+        tensors, tensor_new, buffer_names, name_new = self._canonical_names()
+        b_rank, b_name, b_shape, b_ndim, b_dtype = self._buffer_rows(k, name_new)
+        b_order, b_new = _canonical_buffer_order(b_rank, b_name, buffer_names)
+        p_tensor, p_buffer, p_off, p_len, p_loff, p_llen = self._piece_rows(k, tensor_new)
 
         if p_buffer.size and ((p_buffer < 0) | (p_buffer >= self._num_buffers)).any():
             raise ValueError("piece refers to an unknown buffer id")
@@ -826,6 +798,56 @@ class LayoutBuilder:
             piece_local_offsets=p_loff[order],
             piece_local_lengths=p_llen[order],
         )
+
+    def _common_rank(self) -> int:
+        """The one box rank every row is padded to: the largest of tensors, buffers and ``ndim``."""
+        return max(
+            [self._ndim or 1]
+            + [len(t.shape) for t in self._tensors]
+            + [c[3] for c in self._buffer_chunks]
+        )
+
+    def _canonical_names(self) -> tuple[tuple[LogicalTensor, ...], np.ndarray, tuple[str, ...], np.ndarray]:
+        """Tensors and buffer names sorted by name, each with its old-id -> new-id map."""
+        # Canonical order, whatever the declaration order: two ranks (or two sides) that declare
+        # one layout differently agree on its rows and fingerprint.
+        tensor_order = sorted(range(len(self._tensors)), key=lambda i: self._tensors[i].name)
+        tensors = tuple(self._tensors[i] for i in tensor_order)
+        tensor_new = np.empty(len(tensor_order), dtype=np.int64)
+        tensor_new[tensor_order] = np.arange(len(tensor_order))
+        name_order = sorted(range(len(self._buffer_names)), key=lambda i: self._buffer_names[i])
+        buffer_names = tuple(self._buffer_names[i] for i in name_order)
+        name_new = np.empty(len(name_order), dtype=np.int64)
+        name_new[name_order] = np.arange(len(name_order))
+        return tensors, tensor_new, buffer_names, name_new
+
+    def _buffer_rows(self, k: int, name_new: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The declared buffers as (rank, name, shape, ndim, dtype) columns, in declaration order."""
+        chunks = self._buffer_chunks
+        if not chunks:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, np.zeros((0, k), dtype=np.int64), empty, empty
+        b_rank = np.concatenate([c[0] for c in chunks])
+        b_name = np.concatenate([np.full(c[0].size, name_new[c[1]], dtype=np.int64) for c in chunks])
+        b_shape = np.concatenate([_pad_columns(c[2], k, 1) for c in chunks])
+        b_ndim = np.concatenate([np.full(c[0].size, c[3], dtype=np.int64) for c in chunks])
+        b_dtype = np.concatenate([np.full(c[0].size, c[4], dtype=np.int64) for c in chunks])
+        return b_rank, b_name, b_shape, b_ndim, b_dtype
+
+    def _piece_rows(self, k: int, tensor_new: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The added pieces as (tensor, buffer, offsets, lengths, local offsets, local lengths)
+        columns, in the order they were added; buffers keep their declaration ids."""
+        chunks = self._piece_chunks
+        if not chunks:
+            empty, boxes = np.zeros(0, dtype=np.int64), np.zeros((0, k), dtype=np.int64)
+            return empty, empty, boxes, boxes, boxes, boxes
+        p_tensor = np.concatenate([np.full(c[1].size, tensor_new[c[0]], dtype=np.int64) for c in chunks])
+        p_buffer = np.concatenate([c[1] for c in chunks])
+        p_off = np.concatenate([_pad_columns(c[2], k, 0) for c in chunks])
+        p_len = np.concatenate([_pad_columns(c[3], k, 1) for c in chunks])
+        p_loff = np.concatenate([_pad_columns(c[4], k, 0) for c in chunks])
+        p_llen = np.concatenate([_pad_columns(c[5] if c[5] is not None else c[3], k, 1) for c in chunks])
+        return p_tensor, p_buffer, p_off, p_len, p_loff, p_llen
 
     @staticmethod
     def _validate(tensors, names, p_tensor, p_buffer, p_off, p_len, p_loff, p_llen, t_shape, b_rank, b_name,
