@@ -163,65 +163,84 @@ def config_from_hf(path_or_dict: str | Path | Mapping[str, object], name: str | 
 
     Supported ``model_type``: llama, qwen3, qwen3_moe, deepseek_v3, kimi_k2. No network.
     """
-    if isinstance(path_or_dict, Mapping):
-        raw = dict(path_or_dict)
-        source = "config dict"
-    else:
-        path = Path(path_or_dict)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"no HF config at {str(path)!r}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(raw).__name__}")
-        source = str(path)
-        if name is None:
-            name = path.parent.name or None
+    raw, source, name = _read_hf_config(path_or_dict, name)
     model_type = raw.get("model_type")
     if model_type not in _SUPPORTED_TYPES:
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported; known: {', '.join(_SUPPORTED_TYPES)}"
         )
     name = name or str(raw.get("_name_or_path") or model_type)
-
-    def need(key: str) -> int:
-        if key not in raw:
-            raise ValueError(f"{source}: missing {key!r} for model_type {model_type!r}")
-        return raw[key]  # type: ignore[return-value]
-
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ValueError(f"{source}: attention_bias / mlp_bias are not supported")
-    hidden = need("hidden_size")
-    heads = need("num_attention_heads")
-    common = dict(
-        name=name,
-        hidden_size=hidden,
-        num_layers=need("num_hidden_layers"),
-        vocab_size=need("vocab_size"),
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        intermediate_size=need("intermediate_size"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
-    )
+    common = _hf_common_fields(raw, source, name)
     if model_type in ("llama", "qwen3"):
         return ModelConfig(**common, qk_norm=model_type == "qwen3")
     if model_type == "qwen3_moe":
-        if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(
-                f"{source}: mixed dense/MoE layers (mlp_only_layers={raw.get('mlp_only_layers')}, "
-                f"decoder_sparse_step={raw.get('decoder_sparse_step')}) are not supported"
-            )
-        return ModelConfig(
-            **common, num_experts=need("num_experts"), moe_intermediate_size=need("moe_intermediate_size"),
-            qk_norm=True,
+        return _qwen3_moe_config(raw, source, common)
+    return _deepseek_v3_config(raw, source, common)  # Kimi-K2 reuses the DeepSeek-V3 architecture
+
+
+def _read_hf_config(path_or_dict: str | Path | Mapping[str, object],
+                    name: str | None) -> tuple[dict, str, str | None]:
+    """(the raw config, where it came from for messages, the name: given, else the file's folder)."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict), "config dict", name
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no HF config at {str(path)!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+    if name is None:
+        name = path.parent.name or None
+    return raw, str(path), name
+
+
+def _hf_need(raw: Mapping[str, object], source: str, key: str) -> int:
+    """``raw[key]``, or a ``ValueError`` naming the key the model type needs."""
+    if key not in raw:
+        raise ValueError(f"{source}: missing {key!r} for model_type {raw.get('model_type')!r}")
+    return raw[key]  # type: ignore[return-value]
+
+
+def _hf_common_fields(raw: Mapping[str, object], source: str, name: str) -> dict[str, object]:
+    """The ``ModelConfig`` fields every supported model type sets, from an HF config."""
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ValueError(f"{source}: attention_bias / mlp_bias are not supported")
+    hidden = _hf_need(raw, source, "hidden_size")
+    heads = _hf_need(raw, source, "num_attention_heads")
+    return dict(
+        name=name,
+        hidden_size=hidden,
+        num_layers=_hf_need(raw, source, "num_hidden_layers"),
+        vocab_size=_hf_need(raw, source, "vocab_size"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        intermediate_size=_hf_need(raw, source, "intermediate_size"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
+    )
+
+
+def _qwen3_moe_config(raw: Mapping[str, object], source: str, common: dict[str, object]) -> ModelConfig:
+    """A Qwen3-MoE config: every layer MoE (mixed dense/MoE layers are refused)."""
+    if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"{source}: mixed dense/MoE layers (mlp_only_layers={raw.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={raw.get('decoder_sparse_step')}) are not supported"
         )
-    # DeepSeek-V3 architecture (Kimi-K2 reuses it).
+    return ModelConfig(
+        **common, num_experts=_hf_need(raw, source, "num_experts"),
+        moe_intermediate_size=_hf_need(raw, source, "moe_intermediate_size"), qk_norm=True,
+    )
+
+
+def _deepseek_v3_config(raw: Mapping[str, object], source: str, common: dict[str, object]) -> ModelConfig:
+    """A DeepSeek-V3-architecture config (MLA + MoE after ``first_k_dense`` dense layers)."""
     if raw.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"{source}: moe_layer_freq={raw.get('moe_layer_freq')} is not supported")
     num_experts = raw.get("n_routed_experts") or 0
@@ -234,10 +253,10 @@ def config_from_hf(path_or_dict: str | Path | Mapping[str, object], name: str | 
         # HF's DeepseekV3 router always carries e_score_correction_bias (noaux_tc routing).
         router_bias=bool(num_experts) and raw.get("topk_method", "noaux_tc") == "noaux_tc",
         q_lora_rank=raw.get("q_lora_rank"),
-        kv_lora_rank=need("kv_lora_rank"),
-        qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"),
-        v_head_dim=need("v_head_dim"),
+        kv_lora_rank=_hf_need(raw, source, "kv_lora_rank"),
+        qk_nope_head_dim=_hf_need(raw, source, "qk_nope_head_dim"),
+        qk_rope_head_dim=_hf_need(raw, source, "qk_rope_head_dim"),
+        v_head_dim=_hf_need(raw, source, "v_head_dim"),
     )
 
 
