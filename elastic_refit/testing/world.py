@@ -439,6 +439,150 @@ def _with_snapshot_digests(run: Callable, source: Layout, rank: int) -> Callable
     return refit
 
 
+@dataclass(frozen=True, slots=True)
+class _BenchPlans:
+    """The bench's plans, agreed by every rank: into the BF16 destination, and into the
+    quantized one (``fp8``; None when the case names no destination formats)."""
+
+    plan: Plan
+    fp8: Plan | None
+
+    @property
+    def finite(self) -> frozenset[str]:
+        """Tensors whose sources hold ``finite_pattern`` (what a quantizer accepts)."""
+        return frozenset(self.fp8.quantization.scale_tensor) if self.fp8 is not None else frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class _BenchMethods:
+    """The refits the bench times, by name (``run(src, dst)``), the destination buffers each
+    fills and the pattern-filled source buffers they all read."""
+
+    runs: dict[str, Callable]
+    destinations: dict[str, dict[str, torch.Tensor]]
+    source: dict[str, torch.Tensor]
+
+
+def _agreed_plans(rank: int, world_size: int, store: dist.Store, case: RefitCase) -> _BenchPlans:
+    """This rank's plans of ``case``, once every rank agreed on their fingerprints."""
+    plan = case.plan()
+    fp8_plan = case.plan_quantized()
+    agree_on_plan(store, plan.fingerprint + (fp8_plan.fingerprint if fp8_plan is not None else ""), me=str(rank),
+                  participants=[str(r) for r in range(world_size)], key=lambda r: f"bench-plan/{r}")
+    return _BenchPlans(plan, fp8_plan)
+
+
+def _p2p_seconds(transport: Transport, world_size: int, options: BenchOptions) -> tuple[list[float], list[float]]:
+    """Raw send/recv seconds: ranks 0 -> 1 alone, then every rank of the first half to its
+    peer in the second half at once (none in a world of one rank)."""
+    if world_size <= 1:
+        return [], []
+    half = world_size // 2
+    pair = _p2p(transport, [(0, 1)], options.p2p_bytes, options.p2p_repeat)
+    return pair, _p2p(transport, [(i, i + half) for i in range(half)], options.p2p_bytes, options.p2p_repeat)
+
+
+def _bench_methods(plans: _BenchPlans, transport: Transport, rank: int, options: BenchOptions,
+                   say: Callable[[str], None]) -> _BenchMethods:
+    """The executor's reshard and the gather-and-broadcast baseline (plus, as ``options``
+    and the case ask, the reshard with the runtime's source checks and the one into the FP8
+    destination), with the sources filled with the pattern and destinations allocated."""
+    from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
+
+    plan, device = plans.plan, transport.device
+    executor_options = ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
+                                       pack_backend=options.pack_backend)
+    executor = Executor(plan, transport, executor_options)
+    baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=options.chunk_bytes))
+    say("filling source buffers with the pattern")
+    src = allocate(plan.source, rank, fill=0, device=device)
+    pattern_pieces(plan.source, rank, src, options.seed, write=True, finite=plans.finite)
+    dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
+    runs: dict[str, Callable] = {"reshard": executor.run, "gather_broadcast": baseline.run}
+    if options.snapshot_digests:
+        runs["reshard_checked"] = _with_snapshot_digests(executor.run, plan.source, rank)
+    destinations = dict.fromkeys(runs, dst)
+    if plans.fp8 is not None:
+        # The same sources into an FP8 destination: quantized on the senders, FP8 bytes
+        # and scales on the wire, checked against the reference quantizer.
+        executor_fp8 = Executor(plans.fp8, transport, executor_options)
+        dst_fp8 = allocate(plans.fp8.destination, rank, fill=SENTINEL, device=device)
+        runs["reshard_fp8"] = lambda s, _d: executor_fp8.run(s, dst_fp8)
+        destinations["reshard_fp8"] = dst_fp8
+    return _BenchMethods(runs, destinations, src)
+
+
+def _first_run_problems(method: str, plans: _BenchPlans, rank: int, out: dict[str, torch.Tensor],
+                        seed: int) -> list[str]:
+    """A destination's first run checked byte by byte: its pieces against the pattern (the
+    FP8 one against the reference quantizer), its padding against the sentinel."""
+    if method == "reshard_fp8":
+        layout = plans.fp8.destination
+        problems = quantized_problems(plans.fp8, rank, out, seed)
+    else:
+        layout = plans.plan.destination
+        problems = pattern_pieces(layout, rank, out, seed, write=False, finite=plans.finite)
+    return problems + padding_problems(layout, rank, _padded_buffers(layout, rank, out), SENTINEL)
+
+
+def _run_problems(method: str, plans: _BenchPlans, rank: int, out: dict[str, torch.Tensor], seed: int,
+                  references: dict[int, dict[str, str]]) -> list[str]:
+    """What is wrong with ``out`` after a run of ``method``. The first run into a destination
+    is checked against the pattern byte by byte and its digests kept in ``references``;
+    later runs must reproduce those verified buffers exactly (a SHA-1 per buffer:
+    generating the pattern again would cost more than the refit)."""
+    reference = references.get(id(out))
+    if reference is None:
+        problems = _first_run_problems(method, plans, rank, out, seed)
+        references[id(out)] = _buffer_digests(out)
+        return problems
+    return [f"rank {rank} buffer {n!r} differs from the pattern-verified first run"
+            for n, d in _buffer_digests(out).items() if d != reference[n]]
+
+
+def _bench_runs(transport: Transport, methods: _BenchMethods, plans: _BenchPlans, rank: int,
+                options: BenchOptions, say: Callable[[str], None]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every method ``warmup + repeat`` times, alternating which goes first, each run into
+    sentinel-filled destinations and checked; returns each method's seconds and problems,
+    and each method's last report."""
+    results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
+                                          for m in methods.runs}
+    last: dict[str, Any] = {}
+    references: dict[int, dict[str, str]] = {}  # per destination (the FP8 one has its own)
+    for i in range(options.warmup + options.repeat):
+        order = list(methods.runs) if i % 2 == 0 else list(methods.runs)[::-1]
+        for m in order:
+            out = methods.destinations[m]
+            for t in out.values():
+                byte_view(t).fill_(SENTINEL)
+            transport.vote(True)  # start together; the refit's own vote ends it together
+            report = methods.runs[m](methods.source, out)
+            key = "warmup_seconds" if i < options.warmup else "seconds"
+            results[m][key].append(report.seconds)
+            last[m] = report
+            problems = _run_problems(m, plans, rank, out, options.seed, references)
+            if problems and len(results[m]["problems"]) < 5:
+                results[m]["problems"] += [f"run {i}: {p}" for p in problems]
+            phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"
+            verdict = f"{len(problems)} problems on rank 0" if problems else "verified"
+            say(f"{phase}: {m} {report.seconds:.3f} s (rank 0), {verdict}")
+    return results, last
+
+
+def _byte_counts(last: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Each method's bytes, from its last report (the executor's and the baseline's)."""
+    counts = {}
+    for m in last.keys() - {"gather_broadcast"}:
+        ex = last[m]
+        counts[m] = dict(send_bytes=ex.network_send_bytes + ex.intra_send_bytes,
+                         recv_bytes=ex.network_recv_bytes + ex.intra_recv_bytes,
+                         local_bytes=ex.local_bytes, staging_bytes=ex.staging_bytes)
+    gb = last["gather_broadcast"]
+    counts["gather_broadcast"] = dict(send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
+                                      staging_bytes=gb.staging_bytes, num_messages=gb.num_messages)
+    return counts
+
+
 def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, options: BenchOptions,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One rank of ``elastic-refit bench``: raw send/recv bandwidth, then the reshard
@@ -447,94 +591,22 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
     to the sentinel before every run; the first run is checked byte by byte against the
     pattern (pieces and padding), every later run must reproduce it exactly (SHA-1 per
     buffer). Returns this rank's seconds, bytes and problems."""
-    from elastic_refit.transport.baseline import BaselineOptions, GatherBroadcast
-
     say = progress if (progress is not None and rank == 0) else (lambda _m: None)
     if options.torch_threads:
         torch.set_num_threads(options.torch_threads)
-    plan = case.plan()
-    fp8_plan = case.plan_quantized()
-    agree_on_plan(store, plan.fingerprint + (fp8_plan.fingerprint if fp8_plan is not None else ""), me=str(rank),
-                  participants=[str(r) for r in range(world_size)], key=lambda r: f"bench-plan/{r}")
-    finite = frozenset(fp8_plan.quantization.scale_tensor) if fp8_plan is not None else frozenset()
+    plans = _agreed_plans(rank, world_size, store, case)
     transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, options.backend,
                                options.timeout_s)
-    device = transport.device
     try:
         say(f"raw send/recv: {options.p2p_bytes >> 20} MiB messages")
-        p2p_pair = _p2p(transport, [(0, 1)], options.p2p_bytes, options.p2p_repeat) if world_size > 1 else []
-        half = world_size // 2
-        p2p_all = _p2p(transport, [(i, i + half) for i in range(half)], options.p2p_bytes,
-                       options.p2p_repeat) if world_size > 1 else []
-        executor = Executor(plan, transport, ExecutorOptions(staging_bytes=options.staging_bytes, verify=options.verify,
-                                                         pack_backend=options.pack_backend))
-        baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=options.chunk_bytes))
-        say("filling source buffers with the pattern")
-        src = allocate(plan.source, rank, fill=0, device=device)
-        pattern_pieces(plan.source, rank, src, options.seed, write=True, finite=finite)
-        dst = allocate(plan.destination, rank, fill=SENTINEL, device=device)
-        padded = _padded_buffers(plan.destination, rank, dst)
-        methods = {"reshard": executor.run, "gather_broadcast": baseline.run}
-        if options.snapshot_digests:
-            methods["reshard_checked"] = _with_snapshot_digests(executor.run, plan.source, rank)
-        destinations = dict.fromkeys(methods, dst)
-        if fp8_plan is not None:
-            # The same sources into an FP8 destination: quantized on the senders, FP8 bytes
-            # and scales on the wire, checked against the reference quantizer.
-            executor_fp8 = Executor(fp8_plan, transport, ExecutorOptions(
-                staging_bytes=options.staging_bytes, verify=options.verify, pack_backend=options.pack_backend))
-            dst_fp8 = allocate(fp8_plan.destination, rank, fill=SENTINEL, device=device)
-            methods["reshard_fp8"] = lambda s, _d: executor_fp8.run(s, dst_fp8)
-            destinations["reshard_fp8"] = dst_fp8
-        results: dict[str, dict[str, Any]] = {m: {"seconds": [], "warmup_seconds": [], "problems": []}
-                                              for m in methods}
-        last: dict[str, Any] = {}
-        references: dict[int, dict[str, str]] = {}  # per destination (the FP8 one has its own)
-        for i in range(options.warmup + options.repeat):
-            order = list(methods) if i % 2 == 0 else list(methods)[::-1]
-            for m in order:
-                out = destinations[m]
-                for t in out.values():
-                    byte_view(t).fill_(SENTINEL)
-                transport.vote(True)  # start together; the refit's own vote ends it together
-                report = methods[m](src, out)
-                key = "warmup_seconds" if i < options.warmup else "seconds"
-                results[m][key].append(report.seconds)
-                last[m] = report
-                reference = references.get(id(out))
-                if reference is None:
-                    # The first run is checked against the pattern byte by byte; later
-                    # runs must reproduce those verified buffers exactly (a SHA-1 per
-                    # buffer: generating the pattern again would cost more than the refit).
-                    if m == "reshard_fp8":
-                        problems = quantized_problems(fp8_plan, rank, out, options.seed)
-                        problems += padding_problems(fp8_plan.destination, rank,
-                                                     _padded_buffers(fp8_plan.destination, rank, out), SENTINEL)
-                    else:
-                        problems = pattern_pieces(plan.destination, rank, out, options.seed, write=False,
-                                                  finite=finite)
-                        problems += padding_problems(plan.destination, rank, padded, SENTINEL)
-                    references[id(out)] = _buffer_digests(out)
-                else:
-                    problems = [f"rank {rank} buffer {n!r} differs from the pattern-verified first run"
-                                for n, d in _buffer_digests(out).items() if d != reference[n]]
-                if problems and len(results[m]["problems"]) < 5:
-                    results[m]["problems"] += [f"run {i}: {p}" for p in problems]
-                phase = "warm-up" if i < options.warmup else f"repeat {i - options.warmup + 1}/{options.repeat}"
-                verdict = f"{len(problems)} problems on rank 0" if problems else "verified"
-                say(f"{phase}: {m} {report.seconds:.3f} s (rank 0), {verdict}")
-        gb = last["gather_broadcast"]
-        for m in methods.keys() - {"gather_broadcast"}:
-            ex = last[m]
-            results[m].update(
-                send_bytes=ex.network_send_bytes + ex.intra_send_bytes,
-                recv_bytes=ex.network_recv_bytes + ex.intra_recv_bytes,
-                local_bytes=ex.local_bytes, staging_bytes=ex.staging_bytes)
-        results["gather_broadcast"].update(
-            send_bytes=gb.send_bytes, recv_bytes=gb.recv_bytes, local_bytes=gb.local_bytes,
-            staging_bytes=gb.staging_bytes, num_messages=gb.num_messages)
-        if "reshard_checked" in methods:  # the timed runs only (the warm-ups come first)
-            results["reshard_checked"]["checks_seconds"] = methods["reshard_checked"].checks_seconds[options.warmup:]
+        p2p_pair, p2p_all = _p2p_seconds(transport, world_size, options)
+        methods = _bench_methods(plans, transport, rank, options, say)
+        results, last = _bench_runs(transport, methods, plans, rank, options, say)
+        for m, counts in _byte_counts(last).items():
+            results[m].update(counts)
+        if "reshard_checked" in methods.runs:  # the timed runs only (the warm-ups come first)
+            results["reshard_checked"]["checks_seconds"] = \
+                methods.runs["reshard_checked"].checks_seconds[options.warmup:]
     except BaseException as exc:
         leave_together(store, rank, world_size, options.timeout_s, key="bench-left",
                        outcome=f"failed: {type(exc).__name__}")
@@ -548,12 +620,12 @@ def bench_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, o
         transport.abort()  # every rank is done with this world (leave_together): nothing is in flight
     return {
         "rank": rank,
-        "fingerprint": plan.fingerprint,
+        "fingerprint": plans.plan.fingerprint,
         "p2p_pair_seconds": p2p_pair,
         "p2p_all_seconds": p2p_all,
         "p2p_bytes": options.p2p_bytes,
-        "p2p_pairs": half,
-        "gather_broadcast_bytes": plan.stats.gather_broadcast_bytes,
+        "p2p_pairs": world_size // 2,
+        "gather_broadcast_bytes": plans.plan.stats.gather_broadcast_bytes,
         "max_rss_bytes": _max_rss(),
         **results,
     }
