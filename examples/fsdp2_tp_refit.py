@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass, field
 
 NUM_TRAINERS, NUM_ENGINES = 4, 2  # trainers: dp=2 x tp=2; engine: tp=2
 DP, TP = 2, 2
@@ -307,7 +308,37 @@ def compare(reference, other) -> tuple[float, bool]:
     return diff, bool(torch.equal(reference, other))
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Reports:
+    """What the children reported, as the parent collects it, and every error found so far."""
+
+    trainer_logits: dict[int, dict[str, object]] = field(default_factory=dict)  # version -> member -> logits
+    engine_logits: dict[int, dict[str, object]] = field(default_factory=dict)
+    publish_seconds: dict[int, float] = field(default_factory=dict)  # trainer0's, per version
+    losses: dict[int, float] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # trainer -> the layout fingerprint it computed
+    errors: list[str] = field(default_factory=list)
+
+    def record(self, e: dict, done: set[str], proceed) -> None:
+        """Take in one event of a child."""
+        if e["type"] == "error":
+            self.errors.append(f"{e['member']} failed:\n{e['error']}")
+        elif e["type"] == "done":
+            done.add(e["member"])
+        elif e["type"] == "layout":
+            self.fingerprints[e["member"]] = e["fingerprint"]
+        elif e["member"].startswith("trainer"):
+            self.trainer_logits.setdefault(e["version"], {})[e["member"]] = from_bytes(e["logits"])
+            if e["member"] == "trainer0":
+                self.publish_seconds[e["version"]] = e["seconds"]
+                self.losses[e["version"]] = e["loss"]
+        else:
+            self.engine_logits.setdefault(e["version"], {})[e["member"]] = from_bytes(e["logits"])
+            if len(self.engine_logits[e["version"]]) == NUM_ENGINES:
+                proceed[e["version"] - 1].set()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--versions", type=int, default=2)
@@ -320,14 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     if importlib.util.find_spec("transformers") is None:
         parser.error("this example needs transformers: pip install -e .[examples]")
+    return args
 
+
+def quiet_parent() -> None:
+    """Warnings only from this process, and the clean-up of ``run_job`` on SIGTERM too."""
     from elastic_refit.log import configure_logging
-    from elastic_refit.testing.etcd import EtcdServer, free_ports
 
-    configure_logging(level=30)  # warnings only from this process
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
+    configure_logging(level=30)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    start = time.monotonic()
+
+
+def child_context():
+    """A fork server that loads the children's shared imports once."""
     # The children share one set of imports (torch, elastic-refit): a fork server loads them
     # once instead of once per process (6 processes on a small machine). Importing gRPC before
     # the fork is fine; its channels are created in each child. Not transformers: Python 3.11's
@@ -337,15 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
                                 "elastic_refit.runtime"])
+    return ctx
+
+
+def run_job(ctx, args: argparse.Namespace, start: float, reports: Reports) -> None:
+    """Start etcd (unless given one) and the six processes, collect their reports, then stop
+    whatever is left."""
+    from elastic_refit.testing.etcd import EtcdServer, free_ports
+
     server = None
     procs: dict[str, mp.Process] = {}
-    killed: list[str] = []
-    errors: list[str] = []
-    trainer_logits: dict[int, dict[str, object]] = {}
-    engine_logits: dict[int, dict[str, object]] = {}
-    publish_seconds: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    fingerprints: dict[str, str] = {}  # trainer -> the layout fingerprint it computed
     try:
         if args.etcd is None:
             server = EtcdServer(name="fsdp2-tp")
@@ -362,94 +400,118 @@ def main(argv: list[str] | None = None) -> int:
         # publish v + 1. Without this lockstep an engine rank could skip a version (v + 1 may
         # commit between its wait_for_version(v) and weights()), and v would go unchecked.
         proceed = [ctx.Event() for _ in range(args.versions)]
-        for role, target, count in (("trainer", trainer, NUM_TRAINERS), ("engine", engine, NUM_ENGINES)):
-            for rank in range(count):
-                p = ctx.Process(target=target, args=(rank, child_args, events, proceed), daemon=True,
-                                name=f"{role}{rank}")
-                p.start()
-                procs[p.name] = p
-        done: set[str] = set()
-        deadline = start + args.timeout
-        while len(done) < len(procs) and not errors:
-            if time.monotonic() > deadline:
-                errors.append(f"timed out after {args.timeout:.0f} s; waiting for {sorted(set(procs) - done)}")
-                break
-            try:
-                e = events.get(timeout=0.5)
-            except queue.Empty:
-                dead = [n for n, p in procs.items() if n not in done and not p.is_alive()]
-                if dead:  # give an error it put just before dying a moment to arrive
-                    try:
-                        e = events.get(timeout=2.0)
-                    except queue.Empty:
-                        errors.extend(f"{n} exited with code {procs[n].exitcode} without reporting" for n in dead)
-                        break
-                else:
-                    continue
-            if e["type"] == "error":
-                errors.append(f"{e['member']} failed:\n{e['error']}")
-            elif e["type"] == "done":
-                done.add(e["member"])
-            elif e["type"] == "layout":
-                fingerprints[e["member"]] = e["fingerprint"]
-            elif e["member"].startswith("trainer"):
-                trainer_logits.setdefault(e["version"], {})[e["member"]] = from_bytes(e["logits"])
-                if e["member"] == "trainer0":
-                    publish_seconds[e["version"]] = e["seconds"]
-                    losses[e["version"]] = e["loss"]
-            else:
-                engine_logits.setdefault(e["version"], {})[e["member"]] = from_bytes(e["logits"])
-                if len(engine_logits[e["version"]]) == NUM_ENGINES:
-                    proceed[e["version"] - 1].set()
-        if not errors:  # every child reported done: let them exit on their own
+        start_processes(ctx, (child_args, events, proceed), procs)
+        collect(events, procs, proceed, reports, start + args.timeout, args.timeout)
+        if not reports.errors:  # every child reported done: let them exit on their own
             for p in procs.values():
                 p.join(timeout=10)
     finally:
-        killed = [name for name, p in procs.items() if p.is_alive() and p.pid is not None]
-        for name in killed:  # stop what is left, by pid
-            os.kill(procs[name].pid, signal.SIGKILL)
-        for name in killed:
-            procs[name].join(5)
+        killed = kill_survivors(procs)
         if server is not None:
             server.stop()
     if killed:
-        errors.append(f"killed {', '.join(killed)} (still running)")
+        reports.errors.append(f"killed {', '.join(killed)} (still running)")
 
+
+def start_processes(ctx, shared: tuple, procs: dict[str, mp.Process]) -> None:
+    """Start the trainers and the engine ranks, each into ``procs`` as soon as it runs."""
+    for role, target, count in (("trainer", trainer, NUM_TRAINERS), ("engine", engine, NUM_ENGINES)):
+        for rank in range(count):
+            p = ctx.Process(target=target, args=(rank, *shared), daemon=True, name=f"{role}{rank}")
+            p.start()
+            procs[p.name] = p
+
+
+def collect(events, procs: dict[str, mp.Process], proceed, reports: Reports, deadline: float,
+            timeout: float) -> None:
+    """Record events until every child is done, one failed, one died silently, or time is up."""
+    done: set[str] = set()
+    while len(done) < len(procs) and not reports.errors:
+        if time.monotonic() > deadline:
+            reports.errors.append(f"timed out after {timeout:.0f} s; waiting for {sorted(set(procs) - done)}")
+            break
+        try:
+            e = events.get(timeout=0.5)
+        except queue.Empty:
+            dead = [n for n, p in procs.items() if n not in done and not p.is_alive()]
+            if not dead:
+                continue
+            try:  # give an error it put just before dying a moment to arrive
+                e = events.get(timeout=2.0)
+            except queue.Empty:
+                reports.errors.extend(f"{n} exited with code {procs[n].exitcode} without reporting" for n in dead)
+                break
+        reports.record(e, done, proceed)
+
+
+def kill_survivors(procs: dict[str, mp.Process]) -> list[str]:
+    """SIGKILL, by pid, every child still running; returns their names."""
+    killed = [name for name, p in procs.items() if p.is_alive() and p.pid is not None]
+    for name in killed:
+        os.kill(procs[name].pid, signal.SIGKILL)
+    for name in killed:
+        procs[name].join(5)
+    return killed
+
+
+def verify(reports: Reports, args: argparse.Namespace) -> None:
+    """Print the trainers' layout fingerprint and one row per version; every mismatch is an error."""
+    fingerprints = reports.fingerprints
     distinct = sorted(set(fingerprints.values()))
     if len(fingerprints) != NUM_TRAINERS or len(distinct) != 1:
-        errors.append(f"the trainers' layout fingerprints differ or are missing: {fingerprints}")
+        reports.errors.append(f"the trainers' layout fingerprints differ or are missing: {fingerprints}")
     else:
         print(f"trainer layout fingerprint: {distinct[0]} (the same on all {NUM_TRAINERS} ranks, each from its own "
               "DTensors)")
     print(f"{'version':>7}  {'dtype':<9} {'loss':>8}  {'max abs diff':>12}  {'equal':<5}  {'publish s':>9}")
     for version in range(1, args.versions + 1):
-        trained = trainer_logits.get(version, {})
-        served = engine_logits.get(version, {})
-        missing = [m for m in [f"trainer{r}" for r in range(NUM_TRAINERS)] + [f"engine{r}" for r in range(NUM_ENGINES)]
-                   if m not in trained and m not in served]
-        if missing:
-            errors.append(f"version {version}: no logits from {', '.join(missing)}")
-            continue
-        reference = trained["trainer0"]
-        for name, other in sorted(trained.items()):  # every trainer replica computes the same probe
-            if compare(reference, other)[0] != 0:
-                errors.append(f"version {version}: {name}'s logits differ from trainer0's")
-        results = [compare(reference, other) for _, other in sorted(served.items())]
-        diffs = [r[0] for r in results]
-        diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
-        equal = all(r[1] for r in results)
-        if diff != 0 or not equal:
-            errors.append(f"version {version}: engine logits differ from the trainer's (max abs diff {diff:g})")
-        print(f"{version:>7}  {args.dtype:<9} {losses[version]:>8.4f}  {diff:>12g}  {'yes' if equal else 'NO':<5}  "
-              f"{publish_seconds[version]:>9.3f}")
+        verify_version(reports, version, args.dtype)
+
+
+def verify_version(reports: Reports, version: int, dtype: str) -> None:
+    """Every trainer's and every engine rank's logits of ``version`` against trainer0's; prints its row."""
+    trained = reports.trainer_logits.get(version, {})
+    served = reports.engine_logits.get(version, {})
+    missing = [m for m in [f"trainer{r}" for r in range(NUM_TRAINERS)] + [f"engine{r}" for r in range(NUM_ENGINES)]
+               if m not in trained and m not in served]
+    if missing:
+        reports.errors.append(f"version {version}: no logits from {', '.join(missing)}")
+        return
+    reference = trained["trainer0"]
+    for name, other in sorted(trained.items()):  # every trainer replica computes the same probe
+        if compare(reference, other)[0] != 0:
+            reports.errors.append(f"version {version}: {name}'s logits differ from trainer0's")
+    results = [compare(reference, other) for _, other in sorted(served.items())]
+    diffs = [r[0] for r in results]
+    diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+    equal = all(r[1] for r in results)
+    if diff != 0 or not equal:
+        reports.errors.append(f"version {version}: engine logits differ from the trainer's (max abs diff {diff:g})")
+    print(f"{version:>7}  {dtype:<9} {reports.losses[version]:>8.4f}  {diff:>12g}  {'yes' if equal else 'NO':<5}  "
+          f"{reports.publish_seconds[version]:>9.3f}")
+
+
+def report(errors: list[str], versions: int, start: float) -> int:
+    """The last word, OK or every error; the exit code."""
     seconds = time.monotonic() - start
     if errors:
         print(f"FAILED after {seconds:.1f} s:", file=sys.stderr)
         for error in errors:
             print("  " + error.rstrip().replace("\n", "\n  "), file=sys.stderr)
         return 1
-    print(f"OK: {args.versions} version(s), engine logits equal the trainer's bit for bit ({seconds:.1f} s)")
+    print(f"OK: {versions} version(s), engine logits equal the trainer's bit for bit ({seconds:.1f} s)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the job; 0 when every version's engine logits equal the trainers' bit for bit, else 1."""
+    args = parse_args(argv)
+    quiet_parent()
+    start = time.monotonic()
+    reports = Reports()
+    run_job(child_context(), args, start, reports)  # trainers publish, the engine serves, each reports
+    verify(reports, args)  # the engine's logits against the trainers', per version
+    return report(reports.errors, args.versions, start)
 
 
 if __name__ == "__main__":

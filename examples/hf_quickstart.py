@@ -122,7 +122,8 @@ def _member(target, env: dict[str, str], args: tuple) -> None:
         events.put((env["ELASTIC_REFIT_MEMBER_ID"], None, {"error": f"{type(exc).__name__}: {exc}"}))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
+    """The command line, and the etcd endpoint from ``ELASTIC_REFIT_ETCD``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps, one version each (default 3)")
     parser.add_argument("--job", default="quickstart", help="job name in etcd (default quickstart)")
@@ -136,61 +137,42 @@ def main(argv: list[str] | None = None) -> int:
                      "the line it prints")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args, etcd
+
+
+def job_members(args: argparse.Namespace, etcd: str) -> list[tuple]:
+    """(role function, its ELASTIC_REFIT_* variables, its arguments) of each process of the job."""
     common = {"ELASTIC_REFIT_JOB": args.job, "ELASTIC_REFIT_ETCD": etcd}
-    members = [(trainer, {"ELASTIC_REFIT_ROLE": "trainer", "ELASTIC_REFIT_MEMBER_ID": "trainer",
+    members = [(trainer, {**common, "ELASTIC_REFIT_ROLE": "trainer", "ELASTIC_REFIT_MEMBER_ID": "trainer",
                           "ELASTIC_REFIT_LAYOUT_RANK": "0", "ELASTIC_REFIT_DOMAIN": "training-node"},
                 (args.steps, args.engine_dtype))]
-    members += [(engine, {"ELASTIC_REFIT_ROLE": "inference", "ELASTIC_REFIT_MEMBER_ID": f"engine{k}",
+    members += [(engine, {**common, "ELASTIC_REFIT_ROLE": "inference", "ELASTIC_REFIT_MEMBER_ID": f"engine{k}",
                           "ELASTIC_REFIT_LAYOUT_RANK": str(k), "ELASTIC_REFIT_DOMAIN": "inference-node"},
                  (k, args.steps, args.engine_dtype)) for k in range(NUM_ENGINES)]
+    return members
+
+
+def print_banner(args: argparse.Namespace, etcd: str) -> None:
+    """One line on the job: where it runs, the model, the members."""
     model = build_model()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"job {args.job} on etcd {etcd}: Qwen3 from a config ({model.config.num_hidden_layers} layers, "
           f"{num_params / 1e6:.2f} M parameters, float32), 1 trainer, {NUM_ENGINES} engines"
           + ("" if args.engine_dtype == "float32" else f" in {args.engine_dtype}"), flush=True)
+
+
+def run_job(args: argparse.Namespace, etcd: str) -> tuple[dict[int, str], dict[str, dict[int, str]], list[str]]:
+    """Start the trainer and the engines, watch them until every engine served the last version,
+    then stop them; returns what ``watch`` saw."""
     ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
     events, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_member, args=(target, {**common, **env}, (*extra, stop, events)), daemon=True)
-             for target, env, extra in members]
+    procs = [ctx.Process(target=_member, args=(target, env, (*extra, stop, events)), daemon=True)
+             for target, env, extra in job_members(args, etcd)]
     start = time.monotonic()
-    trained: dict[int, str] = {}
-    served: dict[str, dict[int, str]] = {f"engine{k}": {} for k in range(NUM_ENGINES)}
-    errors: list[str] = []
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 120 + 10 * args.steps
-        trained_at = None  # when the trainer's last version committed
-        while (len(trained) < args.steps or any(args.steps not in s for s in served.values())) and not errors:
-            if time.monotonic() > deadline:
-                errors.append("timed out")
-                break
-            if trained_at is not None and not any(served.values()) and time.monotonic() - trained_at > 30:
-                # versions only move forward: a job name that ran before on this etcd has these
-                # versions committed already, and there is nothing new to send the engines
-                errors.append(f"every version committed but no engine received one: did job {args.job!r} run "
-                              f"before on this etcd? Pass another --job")
-                break
-            try:
-                who, version, data = events.get(timeout=0.5)
-            except queue.Empty:
-                failed = [p for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    errors.append(f"{len(failed)} process(es) died (exit status {failed[0].exitcode})")
-                continue
-            t = time.monotonic() - start
-            if "error" in data:
-                errors.append(f"{who}: {data['error']}")
-            elif "joined" in data:  # start-up (imports, the model, joining the job in etcd) is over
-                print(f"[{t:5.1f}s] {who}: joined the job", flush=True)
-            elif who == "trainer":
-                trained[version] = data["digest"]
-                trained_at = time.monotonic() if len(trained) == args.steps else None
-                print(f"[{t:5.1f}s] trainer: step {version}, loss {data['loss']:.3f}; version {version} committed",
-                      flush=True)
-            else:
-                served[who][version] = data["digest"]
-                print(f"[{t:5.1f}s] {who}: serving version {version}, next token {data['token']}", flush=True)
+        trained, served, errors = watch(args, procs, events, start)
         stop.set()
         for p in procs:
             p.join(timeout=15)
@@ -199,10 +181,63 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
-    for who, versions in served.items():
-        for version, digest in sorted(versions.items()):
-            if trained.get(version) != digest:
-                errors.append(f"{who}: version {version}'s weights differ from the trainer's")
+    return trained, served, errors
+
+
+def watch(args: argparse.Namespace, procs: list, events, start: float) -> tuple[dict, dict, list[str]]:
+    """Print the members' events as they come until the end (or an error): the digests the trainer
+    published per version, those each engine served per version, and the errors."""
+    trained: dict[int, str] = {}
+    served: dict[str, dict[int, str]] = {f"engine{k}": {} for k in range(NUM_ENGINES)}
+    errors: list[str] = []
+    deadline = time.monotonic() + 120 + 10 * args.steps
+    trained_at = None  # when the trainer's last version committed
+    while (len(trained) < args.steps or any(args.steps not in s for s in served.values())) and not errors:
+        if time.monotonic() > deadline:
+            errors.append("timed out")
+            break
+        if trained_at is not None and not any(served.values()) and time.monotonic() - trained_at > 30:
+            # versions only move forward: a job name that ran before on this etcd has these
+            # versions committed already, and there is nothing new to send the engines
+            errors.append(f"every version committed but no engine received one: did job {args.job!r} run "
+                          f"before on this etcd? Pass another --job")
+            break
+        try:
+            who, version, data = events.get(timeout=0.5)
+        except queue.Empty:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                errors.append(f"{len(failed)} process(es) died (exit status {failed[0].exitcode})")
+            continue
+        t = time.monotonic() - start
+        if "error" in data:
+            errors.append(f"{who}: {data['error']}")
+        elif "joined" in data:  # start-up (imports, the model, joining the job in etcd) is over
+            print(f"[{t:5.1f}s] {who}: joined the job", flush=True)
+        elif who == "trainer":
+            trained[version] = data["digest"]
+            trained_at = time.monotonic() if len(trained) == args.steps else None
+            print(f"[{t:5.1f}s] trainer: step {version}, loss {data['loss']:.3f}; version {version} committed",
+                  flush=True)
+        else:
+            served[who][version] = data["digest"]
+            print(f"[{t:5.1f}s] {who}: serving version {version}, next token {data['token']}", flush=True)
+    return trained, served, errors
+
+
+def check_digests(trained: dict[int, str], served: dict[str, dict[int, str]]) -> list[str]:
+    """An error for every version an engine served whose weights differ from the trainer's."""
+    return [f"{who}: version {version}'s weights differ from the trainer's"
+            for who, versions in served.items() for version, digest in sorted(versions.items())
+            if trained.get(version) != digest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the job; 0 when every version an engine served equals the trainer's, bit for bit, else 1."""
+    args, etcd = parse_args(argv)
+    print_banner(args, etcd)
+    trained, served, errors = run_job(args, etcd)  # the trainer publishes, the engines serve
+    errors += check_digests(trained, served)
     if errors:
         print("FAILED: " + "; ".join(errors), file=sys.stderr, flush=True)
         return 1
