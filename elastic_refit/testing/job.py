@@ -167,6 +167,20 @@ def wait_for_epoch_members(config: RefitConfig, member_ids: tuple[str, ...], tim
     raise TimeoutError(f"members {missing} were not in the epoch of job {config.job!r} after {timeout_s} s")
 
 
+@dataclass(frozen=True, slots=True)
+class _MemberRun:
+    """What one member's loop works with: its spec, layouts, config, device and formats,
+    the context's phase hooks and ``hold`` (see ``run_member``)."""
+
+    member: MemberSpec
+    layouts: RefitLayouts
+    config: RefitConfig
+    device: torch.device
+    formats: TensorFormats
+    hooks: PhaseHooks | None
+    hold: Callable[[ElasticRefit], None] | None
+
+
 def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None = None,
                pace: Pace | None = None, hooks: PhaseHooks | None = None) -> dict[str, Any]:
     """Run one member until its versions are done; returns what it saw. ``hooks``: the
@@ -187,70 +201,109 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
         torch.cuda.set_device(device)
     out: dict[str, Any] = {"member_id": member.member_id, "role": member.role, "problems": []}
     record = CommitRecord(member.record_window)
-    formats = member.formats()
-    # Random bytes may be NaN, which no quantized format holds: finite values then.
-    fill = fill_finite if formats else fill_pieces
+    run = _MemberRun(member, layouts, config, device, member.formats(), hooks, hold)
     if member.role == "trainer":
-        with ElasticRefit(config, layouts, hooks=hooks) as refit:
-            if member.start_with:
-                wait_for_epoch_members(config, member.start_with, member.start_timeout_s)
-            tensors = allocate(layouts.source, member.layout_rank, fill=0, device=device)
-            ahead: dict[int, dict[str, torch.Tensor]] = {}
-            for version in member.versions if member.weights_ahead else ():
-                ahead[version] = allocate(layouts.source, member.layout_rank, fill=0, device=device)
-                fill(layouts.source, member.layout_rank, ahead[version], seed=version)
-            pending = None  # (version, handle, start) of the version in flight
+        _run_trainer(run, pace, out, record)
+    else:
+        _run_inference(run, out, record)
+    return out | record.report()
 
-            def committed(commit: Any, start: float) -> None:
-                record.append({"version": commit.version, "epoch": commit.epoch,
-                               "seconds": time.monotonic() - start})
-                if pace is not None:
-                    pace.committed(commit.version)
 
-            loop_start = time.monotonic()
-            for version in member.versions:
-                time.sleep(member.pause_s)  # the training step
-                if pending is not None:
-                    committed(pending[1].wait(), pending[2])
-                if pace is not None:
-                    pace.wait_turn(version)
-                if version in ahead:  # the new weights
-                    for name, t in tensors.items():
-                        t.copy_(ahead[version][name])
-                elif member.delta_density is not None:
-                    new = version_buffers(layouts.source, member.layout_rank, version, density=member.delta_density,
-                                          device=device)
-                    for name, t in tensors.items():
-                        t.copy_(new[name])
-                else:
-                    fill(layouts.source, member.layout_rank, tensors, seed=version)
-                start = time.monotonic()
-                if member.async_publish:
-                    pending = (version, refit.publish(tensors, version, wait=False), start)
-                    continue
-                committed(refit.publish(tensors, version), start)
+def _source_fill(run: _MemberRun) -> Callable[..., None]:
+    """How a trainer fills its sources: random bytes may be NaN, which no quantized format
+    holds, so finite values in a job with quantized destinations."""
+    return fill_finite if run.formats else fill_pieces
+
+
+def _weights_ahead(run: _MemberRun) -> dict[int, dict[str, torch.Tensor]]:
+    """Every version's weights, made before the loop (``MemberSpec.weights_ahead``; else none)."""
+    member, fill = run.member, _source_fill(run)
+    ahead: dict[int, dict[str, torch.Tensor]] = {}
+    for version in member.versions if member.weights_ahead else ():
+        ahead[version] = allocate(run.layouts.source, member.layout_rank, fill=0, device=run.device)
+        fill(run.layouts.source, member.layout_rank, ahead[version], seed=version)
+    return ahead
+
+
+def _new_weights(run: _MemberRun, tensors: dict[str, torch.Tensor], ahead: dict[int, dict[str, torch.Tensor]],
+                 version: int) -> None:
+    """Write ``version``'s weights into ``tensors`` (the training step's result)."""
+    member, source = run.member, run.layouts.source
+    if version in ahead:
+        for name, t in tensors.items():
+            t.copy_(ahead[version][name])
+    elif member.delta_density is not None:
+        new = version_buffers(source, member.layout_rank, version, density=member.delta_density, device=run.device)
+        for name, t in tensors.items():
+            t.copy_(new[name])
+    else:
+        _source_fill(run)(source, member.layout_rank, tensors, seed=version)
+
+
+def _run_trainer(run: _MemberRun, pace: Pace | None, out: dict[str, Any], record: CommitRecord) -> None:
+    """A trainer: publish every version (at most one in flight with ``async_publish``),
+    recording each commit in ``record``; the loop's seconds and the stats go to ``out``."""
+    member = run.member
+    with ElasticRefit(run.config, run.layouts, hooks=run.hooks) as refit:
+        if member.start_with:
+            wait_for_epoch_members(run.config, member.start_with, member.start_timeout_s)
+        tensors = allocate(run.layouts.source, member.layout_rank, fill=0, device=run.device)
+        ahead = _weights_ahead(run)
+        pending = None  # (version, handle, start) of the version in flight
+
+        def committed(commit: Any, start: float) -> None:
+            record.append({"version": commit.version, "epoch": commit.epoch, "seconds": time.monotonic() - start})
+            if pace is not None:
+                pace.committed(commit.version)
+
+        loop_start = time.monotonic()
+        for version in member.versions:
+            time.sleep(member.pause_s)  # the training step
             if pending is not None:
                 committed(pending[1].wait(), pending[2])
-            out["loop_s"] = time.monotonic() - loop_start  # every step and every commit
-            if hold is not None:
-                hold(refit)
-            out["stats"] = dict(refit.stats)
-        return out | record.report()
-    params = allocate(destination_format_layout(layouts.destination, formats), member.layout_rank, fill=0,
-                      device=device)
+            if pace is not None:
+                pace.wait_turn(version)
+            _new_weights(run, tensors, ahead, version)
+            start = time.monotonic()
+            if member.async_publish:
+                pending = (version, refit.publish(tensors, version, wait=False), start)
+                continue
+            committed(refit.publish(tensors, version), start)
+        if pending is not None:
+            committed(pending[1].wait(), pending[2])
+        out["loop_s"] = time.monotonic() - loop_start  # every step and every commit
+        if run.hold is not None:
+            run.hold(refit)
+        out["stats"] = dict(refit.stats)
 
+
+def _version_check(run: _MemberRun, params: dict[str, torch.Tensor]) -> Callable[[int], list[str]]:
+    """``check(version)``: what differs between ``params`` and ``version``'s weights (its
+    delta data, its quantized bytes and scales, or its pattern cast as the refit casts it)."""
+    member, destination = run.member, run.layouts.destination
     # tensors the trainers publish in another dtype (a refit casts them: layout.casts)
-    cast_from = {name: src for name, (src, _) in source_casts(layouts.source, layouts.destination).items()}
+    cast_from = {name: src for name, (src, _) in source_casts(run.layouts.source, destination).items()}
 
-    def check_version(version: int) -> list[str]:
+    def check(version: int) -> list[str]:
         if member.delta_density is not None:
-            return version_problems(layouts.destination, member.layout_rank, params, version,
-                                    density=member.delta_density)
-        if formats:
-            return check_quantized(layouts.destination, formats, member.layout_rank, params, seed=version)
-        return check_pieces(layouts.destination, member.layout_rank, params, seed=version, cast_from=cast_from)
+            return version_problems(destination, member.layout_rank, params, version, density=member.delta_density)
+        if run.formats:
+            return check_quantized(destination, run.formats, member.layout_rank, params, seed=version)
+        return check_pieces(destination, member.layout_rank, params, seed=version, cast_from=cast_from)
 
-    with ElasticRefit(config, layouts, parameters=params, formats=formats or None, hooks=hooks) as refit:
+    return check
+
+
+def _run_inference(run: _MemberRun, out: dict[str, Any], record: CommitRecord) -> None:
+    """An inference rank: wait for each newer version and check the one it serves (or the
+    last only), recording each in ``record``; problems, unreachable versions and the stats
+    go to ``out``."""
+    member = run.member
+    params = allocate(destination_format_layout(run.layouts.destination, run.formats), member.layout_rank, fill=0,
+                      device=run.device)
+    check_version = _version_check(run, params)
+    with ElasticRefit(run.config, run.layouts, parameters=params, formats=run.formats or None,
+                      hooks=run.hooks) as refit:
         seen = -1
         while seen < member.versions[-1]:  # each wait returns a newer version or times out
             try:
@@ -265,7 +318,6 @@ def run_member(member: MemberSpec, hold: Callable[[ElasticRefit], None] | None =
             record.append({"version": serving, "verified": not problems, "checked": check})
             out["problems"] += problems
             seen = max(seen, version)
-        if hold is not None:
-            hold(refit)
+        if run.hold is not None:
+            run.hold(refit)
         out["stats"] = dict(refit.stats)
-    return out | record.report()
