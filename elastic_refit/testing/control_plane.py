@@ -492,6 +492,23 @@ class _Process:
 
 
 # ---------------------------------------------------------------- driver
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """What one run of the bench measured, before it is summed up: the start-up seconds,
+    the idle upkeep, the commit rounds and kills, the workers' errors and lost members,
+    etcd's size and key count at the end, and where each phase's time went."""
+
+    startup_s: float
+    idle: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    kills: list[dict[str, Any]]
+    errors: list[str]
+    lost: list[str]
+    db_bytes: int
+    num_keys: int
+    phases: list[dict[str, Any]]
+
+
 def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Run the bench; returns its figures (see the module docstring)."""
     from elastic_refit.membership.client import EtcdClient
@@ -500,7 +517,6 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
 
     job = f"cp-{os.getpid()}"
     workers_of, victims = member_specs(cfg)
-    ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
     procs: list[_Process] = []
     victim_procs: list[_Process] = []
     with EtcdServer(name="cp") as etcd:
@@ -513,86 +529,117 @@ def run_control_plane(cfg: ControlPlaneConfig, progress: Callable[[str], None] =
             progress(f"starting {cfg.num_members} members in {len(workers_of)} processes "
                      f"(+{len(victims)} to be killed), lease TTL {cfg.ttl_s} s, "
                      + (f"{cfg.join_rate:g} joins/s" if cfg.join_rate else "all joining at once"))
-            for members in workers_of:  # each process's share of the job-wide rate
-                rate = cfg.join_rate * len(members) / cfg.num_members
-                procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads,
-                                                       rate)))
-            for victim in victims:
-                victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
-            # Every process imported and connected before any member joins: a join burst
-            # beside other processes' start-up is not what a job's ranks see.
-            for p in procs + victim_procs:
-                p.receive(timeout_s=3 * _TIMEOUT_S)
-            for p in procs + victim_procs:
-                p.conn.send(("start", None))
-            started = [p.receive(timeout_s=3 * _TIMEOUT_S) for p in procs + victim_procs]
-            everyone = {m.member_id for p in procs + victim_procs for m in p.spec.members}
-            meter.procs = procs
-            try:
-                epoch, _ = _wait_epoch(procs, everyone, "every member")
-            finally:
-                progress(_meter_line(meter.mark("startup")))
-            startup_s = time.monotonic() - t0
-            progress(f"epoch {epoch}: all {len(everyone)} members in {startup_s:.1f} s "
-                     f"(slowest process start {max(s['started_s'] for s in started):.1f} s)")
+            _spawn_workers(cfg, endpoints, job, workers_of, victims, procs, victim_procs)
+            everyone, startup_s = _start_members(procs, victim_procs, meter, t0, progress)
             idle = _measure_idle(etcd_requests, endpoints[0], cfg.idle_s, len(everyone))
             if idle:
                 progress(f"idle: {idle['idle_requests_per_s_per_member']:.2f} etcd requests/s per member")
                 progress(_meter_line(meter.mark("idle")))
-
-            try:
-                rounds = [_commit_round(procs, v, progress) for v in range(1, cfg.num_versions + 1)]
-            finally:
-                progress(_meter_line(meter.mark("rounds")))
-            kills = []
-            version = cfg.num_versions
-            for victim_proc in victim_procs:
-                kills.append(_kill_trial(procs, victim_proc, everyone, progress))
-                everyone -= {m.member_id for m in victim_proc.spec.members}
-                version += 1
-                rounds.append({**_commit_round(procs, version, progress), "after_kill": True})
-            if victim_procs:
-                progress(_meter_line(meter.mark("kills")))
+            rounds, kills = _rounds_and_kills(cfg, procs, victim_procs, everyone, meter, progress)
             reports = [p.ask("report") for p in procs]
-            errors = [e for r in reports for e in r["errors"]]
-            lost = [m for r in reports for m in r["lost"]]
-            db_bytes = client.db_size()
-            num_keys = client.count_prefix(f"/elastic-refit/{job}/")
+            measured = _Measured(startup_s=startup_s, idle=idle, rounds=rounds, kills=kills,
+                                 errors=[e for r in reports for e in r["errors"]],
+                                 lost=[m for r in reports for m in r["lost"]], db_bytes=client.db_size(),
+                                 num_keys=client.count_prefix(f"/elastic-refit/{job}/"), phases=meter.phases)
         finally:
             for p in procs + victim_procs:
                 p.close()
             client.close()
-    steady = [r["round_s"] for r in rounds if not r.get("after_kill")]
-    convergence = [s for k in kills for s in k["per_member_s"]]
+    return _figures(cfg, len(workers_of) + len(victims), measured)
+
+
+def _spawn_workers(cfg: ControlPlaneConfig, endpoints: tuple[str, ...], job: str,
+                   workers_of: list[list[_MemberSpec]], victims: list[_MemberSpec],
+                   procs: list[_Process], victim_procs: list[_Process]) -> None:
+    """Start a worker process for each share of members and one per victim, appending each
+    to ``procs`` or ``victim_procs`` as soon as it runs (the caller closes them all)."""
+    ctx = mp.get_context("spawn")  # gRPC channels do not survive fork()
+    for members in workers_of:  # each process's share of the job-wide rate
+        rate = cfg.join_rate * len(members) / cfg.num_members
+        procs.append(_Process(ctx, _WorkerSpec(endpoints, job, tuple(members), cfg.ttl_s, cfg.pool_threads,
+                                               rate)))
+    for victim in victims:
+        victim_procs.append(_Process(ctx, _WorkerSpec(endpoints, job, (victim,), cfg.ttl_s, 2)))
+
+
+def _start_members(procs: list[_Process], victim_procs: list[_Process], meter: _PhaseMeter, t0: float,
+                   progress: Callable[[str], None]) -> tuple[set[str], float]:
+    """Start every member and wait for the epoch that holds them all; returns (every
+    member id, seconds since ``t0``)."""
+    # Every process imported and connected before any member joins: a join burst
+    # beside other processes' start-up is not what a job's ranks see.
+    for p in procs + victim_procs:
+        p.receive(timeout_s=3 * _TIMEOUT_S)
+    for p in procs + victim_procs:
+        p.conn.send(("start", None))
+    started = [p.receive(timeout_s=3 * _TIMEOUT_S) for p in procs + victim_procs]
+    everyone = {m.member_id for p in procs + victim_procs for m in p.spec.members}
+    meter.procs = procs
+    try:
+        epoch, _ = _wait_epoch(procs, everyone, "every member")
+    finally:
+        progress(_meter_line(meter.mark("startup")))
+    startup_s = time.monotonic() - t0
+    progress(f"epoch {epoch}: all {len(everyone)} members in {startup_s:.1f} s "
+             f"(slowest process start {max(s['started_s'] for s in started):.1f} s)")
+    return everyone, startup_s
+
+
+def _rounds_and_kills(cfg: ControlPlaneConfig, procs: list[_Process], victim_procs: list[_Process],
+                      everyone: set[str], meter: _PhaseMeter,
+                      progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``num_versions`` commit rounds, then for each victim a kill and one more round
+    (marked ``after_kill``); returns (rounds, kills)."""
+    try:
+        rounds = [_commit_round(procs, v, progress) for v in range(1, cfg.num_versions + 1)]
+    finally:
+        progress(_meter_line(meter.mark("rounds")))
+    kills = []
+    alive = set(everyone)
+    version = cfg.num_versions
+    for victim_proc in victim_procs:
+        kills.append(_kill_trial(procs, victim_proc, alive, progress))
+        alive -= {m.member_id for m in victim_proc.spec.members}
+        version += 1
+        rounds.append({**_commit_round(procs, version, progress), "after_kill": True})
+    if victim_procs:
+        progress(_meter_line(meter.mark("kills")))
+    return rounds, kills
+
+
+def _figures(cfg: ControlPlaneConfig, num_processes: int, m: _Measured) -> dict[str, Any]:
+    """The bench's figures (see the module docstring) from what one run measured."""
+    steady = [r["round_s"] for r in m.rounds if not r.get("after_kill")]
+    convergence = [s for k in m.kills for s in k["per_member_s"]]
     return {
         "members": cfg.num_members,
         "trainers": cfg.trainers,
-        "processes": len(workers_of) + len(victims),
+        "processes": num_processes,
         "ttl_s": cfg.ttl_s,
         "versions": len(steady),
-        "kills": len(kills),
-        "startup_s": startup_s,
+        "kills": len(m.kills),
+        "startup_s": m.startup_s,
         "commit_round_p50_s": percentile(steady, 50),
         "commit_round_p99_s": percentile(steady, 99),
         "commit_round_max_s": max(steady),
-        "commit_round_after_kill_s": [r["round_s"] for r in rounds if r.get("after_kill")],
+        "commit_round_after_kill_s": [r["round_s"] for r in m.rounds if r.get("after_kill")],
         "epoch_convergence_p50_s": percentile(convergence, 50),
         "epoch_convergence_p99_s": percentile(convergence, 99),
         "epoch_convergence_max_s": max(convergence) if convergence else float("nan"),
-        "kill_seen_by_all": all(k["seen_by_all"] for k in kills),
+        "kill_seen_by_all": all(k["seen_by_all"] for k in m.kills),
         "goal_epoch_convergence_s": cfg.ttl_s + 0.5,
         "goal_commit_round_s": 1.0,
-        "etcd_requests_per_s_per_member": idle.get("idle_requests_per_s_per_member", float("nan")),
-        "etcd_requests_by_method": idle.get("idle_requests_by_method", {}),
-        "idle_seconds": idle.get("idle_seconds", 0.0),
-        "etcd_db_bytes": db_bytes,
-        "etcd_keys_final": num_keys,
-        "members_lost": lost,
-        "errors": errors[:20],
-        "num_errors": len(errors),
-        "per_round": rounds,
-        "per_phase": meter.phases,
-        "per_kill": [{k: v for k, v in kill.items() if k != "per_member_s"} for kill in kills],
+        "etcd_requests_per_s_per_member": m.idle.get("idle_requests_per_s_per_member", float("nan")),
+        "etcd_requests_by_method": m.idle.get("idle_requests_by_method", {}),
+        "idle_seconds": m.idle.get("idle_seconds", 0.0),
+        "etcd_db_bytes": m.db_bytes,
+        "etcd_keys_final": m.num_keys,
+        "members_lost": m.lost,
+        "errors": m.errors[:20],
+        "num_errors": len(m.errors),
+        "per_round": m.rounds,
+        "per_phase": m.phases,
+        "per_kill": [{k: v for k, v in kill.items() if k != "per_member_s"} for kill in m.kills],
         "config": asdict(cfg),
     }
 
