@@ -132,7 +132,7 @@ def summarise(case: str, runs: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes per case (default 3)")
     parser.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the last allowed one)")
@@ -143,11 +143,11 @@ def main() -> None:
     parser.add_argument("--domain-size", type=int, default=8, help="ranks per NVLink domain (default 8)")
     parser.add_argument("--baseline", metavar="DIR", help="also time the planner of this checkout (old vs new)")
     parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
-    if args.worker:
-        print(json.dumps(worker(args.worker, cpu, args.domain_size, args.relay)))
-        return
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``) what a measuring run can't use; a worker is not checked."""
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.domain_size < 1:
@@ -155,7 +155,10 @@ def main() -> None:
     if args.baseline is not None and not (Path(args.baseline) / "elastic_refit" / "plan").is_dir():
         parser.error(f"--baseline {args.baseline!r} holds no elastic_refit/plan")
 
-    from elastic_refit.cli._output import format_seconds, print_json, progress, render_table
+
+def _measure(args: argparse.Namespace, cpu: int) -> tuple[dict, dict]:
+    """Summaries of every case (with the baseline's times when asked), and the baseline's own."""
+    from elastic_refit.cli._output import progress
 
     results, baseline = {}, {}
     for case in args.case or list(CASES):
@@ -169,34 +172,42 @@ def main() -> None:
         if args.baseline:
             baseline[case] = summarise(case, old_runs)
             results[case]["baseline"] = {key: baseline[case][key] for key in TIMES}
-    if args.json:
-        print_json({"cpu": cpu, "repeat": args.repeat, "relay": args.relay, "domain_size": args.domain_size,
-                    "baseline": args.baseline, "cases": results})
-        return
+    return results, baseline
 
-    def cell_of(r: dict, key: str) -> str:
-        return f"{format_seconds(r[key])} / {format_seconds(r[key.replace('_s', '_cpu_s')])}"
 
-    def cell(case: str, key: str) -> str:
-        """``wall / cpu``, and the verdict of each against the goal when there is one."""
-        r = results[case]
-        cpu_key = key.replace("_s", "_cpu_s")
-        text = f"{format_seconds(r[key])} / {format_seconds(r[cpu_key])}"
-        goal = r["goals"].get(key)
-        if goal:
-            verdict = "/".join("ok" if goal[m] else "MISS" for m in ("met_wall", "met_cpu"))
-            text += f" [<= {format_seconds(goal['goal_s'])}: {verdict}]"
-        return text
+def _cell_of(r: dict, key: str) -> str:
+    """``wall / cpu`` of one step."""
+    from elastic_refit.cli._output import format_seconds
+
+    return f"{format_seconds(r[key])} / {format_seconds(r[key.replace('_s', '_cpu_s')])}"
+
+
+def _cell(r: dict, key: str) -> str:
+    """``wall / cpu``, and the verdict of each against the goal when there is one."""
+    from elastic_refit.cli._output import format_seconds
+
+    cpu_key = key.replace("_s", "_cpu_s")
+    text = f"{format_seconds(r[key])} / {format_seconds(r[cpu_key])}"
+    goal = r["goals"].get(key)
+    if goal:
+        verdict = "/".join("ok" if goal[m] else "MISS" for m in ("met_wall", "met_cpu"))
+        text += f" [<= {format_seconds(goal['goal_s'])}: {verdict}]"
+    return text
+
+
+def _print_results(args: argparse.Namespace, cpu: int, results: dict) -> None:
+    """The headline and the table of every case's times and plan size."""
+    from elastic_refit.cli._output import render_table
 
     rows = []
     for case, r in results.items():
         rows.append((
             f"{case} {r['source']} -> {r['destination']}",
             f"{r['num_source_ranks']}+{r['num_destination_ranks']}",
-            cell(case, "layout_s"),
-            cell(case, "cold_plan_s"),
-            cell(case, "warm_plan_s"),
-            cell(case, "replan_s"),
+            _cell(r, "layout_s"),
+            _cell(r, "cold_plan_s"),
+            _cell(r, "warm_plan_s"),
+            _cell(r, "replan_s"),
             f"{r['num_rows']}/{r['num_transfers']}/{r['num_tensor_classes']}",
             f"{r['cross_over_bound']:.3f}",
         ))
@@ -205,18 +216,45 @@ def main() -> None:
           f"relayed: {', '.join(case for case, r in results.items() if r['relayed']) or 'none'}")
     print(render_table(("case", "ranks", "layout", "cold plan", "warm plan", "re-plan (-1 dst rank)",
                         "rows/transfers/classes", "cross/bound"), rows))
-    if args.baseline:
-        print(f"old planner: {args.baseline} (default options); ratio of CPU times, new / old")
-        def ratio(r: dict, key: str) -> str:
-            cpu_key = key.replace("_s", "_cpu_s")
-            return f"{r[cpu_key] / baseline_of[cpu_key]:.2f}" if (baseline_of := r["baseline"]) else ""
 
-        print(render_table(("case", "old cold plan", "new cold plan", "new / old", "old warm", "new warm",
-                            "new / old", "old re-plan", "new re-plan", "new / old"), [
-            (case, cell_of(baseline[case], "cold_plan_s"), cell_of(r, "cold_plan_s"), ratio(r, "cold_plan_s"),
-             cell_of(baseline[case], "warm_plan_s"), cell_of(r, "warm_plan_s"), ratio(r, "warm_plan_s"),
-             cell_of(baseline[case], "replan_s"), cell_of(r, "replan_s"), ratio(r, "replan_s"))
-            for case, r in results.items()]))
+
+def _cpu_ratio(r: dict, key: str) -> str:
+    """New CPU time over the baseline's, of one step ('' without a baseline)."""
+    cpu_key = key.replace("_s", "_cpu_s")
+    return f"{r[cpu_key] / baseline_of[cpu_key]:.2f}" if (baseline_of := r["baseline"]) else ""
+
+
+def _print_baseline(args: argparse.Namespace, results: dict, baseline: dict) -> None:
+    """Old and new planner side by side, with the ratio of their CPU times."""
+    from elastic_refit.cli._output import render_table
+
+    print(f"old planner: {args.baseline} (default options); ratio of CPU times, new / old")
+    print(render_table(("case", "old cold plan", "new cold plan", "new / old", "old warm", "new warm",
+                        "new / old", "old re-plan", "new re-plan", "new / old"), [
+        (case, _cell_of(baseline[case], "cold_plan_s"), _cell_of(r, "cold_plan_s"), _cpu_ratio(r, "cold_plan_s"),
+         _cell_of(baseline[case], "warm_plan_s"), _cell_of(r, "warm_plan_s"), _cpu_ratio(r, "warm_plan_s"),
+         _cell_of(baseline[case], "replan_s"), _cell_of(r, "replan_s"), _cpu_ratio(r, "replan_s"))
+        for case, r in results.items()]))
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
+    if args.worker:
+        print(json.dumps(worker(args.worker, cpu, args.domain_size, args.relay)))
+        return
+    _check_args(parser, args)
+    results, baseline = _measure(args, cpu)
+    if args.json:
+        from elastic_refit.cli._output import print_json
+
+        print_json({"cpu": cpu, "repeat": args.repeat, "relay": args.relay, "domain_size": args.domain_size,
+                    "baseline": args.baseline, "cases": results})
+        return
+    _print_results(args, cpu, results)
+    if args.baseline:
+        _print_baseline(args, results, baseline)
 
 
 if __name__ == "__main__":
