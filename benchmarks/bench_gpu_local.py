@@ -49,7 +49,7 @@ def _time(fn, device: torch.device, repeat: int) -> list[float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=8)
@@ -64,15 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pack-backend", default="auto")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    return parser.parse_args(argv)
 
+
+def _make_plan(args: argparse.Namespace, device: torch.device):
+    """The plan of the model's refit; direct copies from 16 MiB on GPU, 256 KiB on CPU unless asked."""
     spec = model_refit_spec(args.model, args.source, args.destination, domain_size=args.domain_size,
                             num_layers=args.layers)
     direct_kib = args.direct_min_kib if args.direct_min_kib is not None else (16384 if device.type == "cuda" else 256)
-    plan = make_plan(spec.source, spec.destination, spec.topology,
+    return make_plan(spec.source, spec.destination, spec.topology,
                      PlanOptions(bucket_bytes=args.bucket_mib << 20, direct_min_bytes=direct_kib << 10))
-    ranks = sorted(set(plan.source.ranks) | set(plan.destination.ranks))
+
+
+def _allocate_buffers(plan, ranks: list[int], device: torch.device) -> dict:
+    """Every rank's (source, destination) buffers: sources filled with the pattern, destinations 0x5A."""
     print(f"allocating {format_bytes(plan.source.nbytes + plan.destination.nbytes)} on {device} ...",
           file=sys.stderr, flush=True)
     buffers = {}
@@ -80,14 +85,21 @@ def main(argv: list[str] | None = None) -> int:
         src = allocate(plan.source, r, fill=0, device=device)
         fill_pieces(plan.source, r, src, seed=11)
         buffers[r] = (src, allocate(plan.destination, r, fill=0x5A, device=device))
+    return buffers
 
-    def verify() -> bool:
-        ok = all(not check_pieces(plan.destination, r, dst, seed=11, limit=1) for r, (_, dst) in buffers.items())
-        for _, dst in buffers.values():  # reset so the next method starts from scratch
-            for t in dst.values():
-                byte_view(t).fill_(0x5A)
-        return ok
 
+def _verify_and_reset(plan, buffers: dict) -> bool:
+    """Whether every destination holds the pattern; then refill them so the next method starts from scratch."""
+    ok = all(not check_pieces(plan.destination, r, dst, seed=11, limit=1) for r, (_, dst) in buffers.items())
+    for _, dst in buffers.values():  # reset so the next method starts from scratch
+        for t in dst.values():
+            byte_view(t).fill_(0x5A)
+    return ok
+
+
+def _time_methods(plan, buffers: dict, device: torch.device, args: argparse.Namespace):
+    """Time the reshard and the gather-and-broadcast baseline, each verified; returns the
+    reshard transport and both results."""
     print("building the local transport ...", file=sys.stderr, flush=True)
     reshard = LocalTransport(plan, device, pack_backend=args.pack_backend)
     baseline = GatherBroadcastLocal(plan, device)
@@ -96,13 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timing {name} ...", file=sys.stderr, flush=True)
         times = _time(lambda runner=runner: runner.run(buffers), device, args.repeat)
         results[name] = {"seconds": statistics.median(times), "min_seconds": min(times),
-                         "bytes": runner.bytes_moved, "verified": verify()}
-    copy_bytes = reshard.bytes_moved
+                         "bytes": runner.bytes_moved, "verified": _verify_and_reset(plan, buffers)}
+    return reshard, results
+
+
+def _time_copy(copy_bytes: int, device: torch.device, repeat: int) -> float:
+    """Median seconds of a plain device-to-device copy of ``copy_bytes``."""
     src_bytes = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst_bytes = torch.empty_like(src_bytes)
-    copy_times = _time(lambda: dst_bytes.copy_(src_bytes), device, args.repeat)
-    copy_seconds = statistics.median(copy_times)
+    copy_times = _time(lambda: dst_bytes.copy_(src_bytes), device, repeat)
+    return statistics.median(copy_times)
 
+
+def _summary(args, device, plan, ranks, reshard, results, copy_bytes: int, copy_seconds: float) -> dict:
+    """The figures of the run (the JSON printed with --json)."""
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.model, "layers": args.layers, "source": args.source, "destination": args.destination,
@@ -118,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         "verified": results["reshard"]["verified"] and results["gather_broadcast"]["verified"],
     }
     summary["reshard_fraction_of_copy"] = summary["reshard_GBps"] / summary["copy_GBps"]
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
+    return summary
+
+
+def _print_report(args, summary: dict, results: dict, copy_bytes: int, copy_seconds: float) -> None:
+    """The headline, the table of methods and the speedup line."""
     rows = []
     for name in ("reshard", "gather_broadcast"):
         r = results[name]
@@ -129,9 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("d2d copy (reshard bytes)", format_seconds(copy_seconds), format_bytes(copy_bytes),
                  f"{summary['copy_GBps']:.1f}", "-"))
     print(f"{summary['device']}: {args.model} {args.layers} layers, {args.source} -> {args.destination}, "
-          f"{len(ranks)} virtual ranks, model {format_bytes(plan.stats.model_bytes)}")
+          f"{summary['num_ranks']} virtual ranks, model {format_bytes(summary['model_bytes'])}")
     print(render_table(("method", "median", "bytes", "GB/s", "verified"), rows))
     print(f"speedup {summary['speedup']:.2f}x; reshard at {summary['reshard_fraction_of_copy']:.0%} of copy bandwidth")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    device = torch.device(args.device)
+    plan = _make_plan(args, device)
+    ranks = sorted(set(plan.source.ranks) | set(plan.destination.ranks))
+    buffers = _allocate_buffers(plan, ranks, device)
+    reshard, results = _time_methods(plan, buffers, device, args)
+    copy_bytes = reshard.bytes_moved
+    copy_seconds = _time_copy(copy_bytes, device, args.repeat)
+    summary = _summary(args, device, plan, ranks, reshard, results, copy_bytes, copy_seconds)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    _print_report(args, summary, results, copy_bytes, copy_seconds)
     return 0
 
 
