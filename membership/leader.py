@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
 from elastic_refit.membership.config import MembershipConfig
-from elastic_refit.membership.errors import EtcdUnavailable, LeadershipLost
+from elastic_refit.membership.errors import JOB_STATE_LOST_ADVICE, EtcdUnavailable, JobStateLost, LeadershipLost
 from elastic_refit.membership.index import control_index
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import (
@@ -136,6 +136,9 @@ class LeaderLoop:
                 await self._lead(token)
             except LeadershipLost as exc:
                 m.log.warning("membership.leader.fenced", token=self.token, reason=str(exc))
+            except JobStateLost as exc:  # etcd went back: nothing left to lead (the member stops)
+                m.log.error("membership.leader.state_lost", error=str(exc)[:300])
+                return
             except EtcdUnavailable as exc:
                 m.log.warning("membership.leader.etcd_unavailable", error=str(exc)[:300])
                 await asyncio.sleep(0.2)
@@ -232,6 +235,7 @@ class LeaderLoop:
                     f"(leader key now {leader_kvs[0].create_revision if leader_kvs else 'absent'})"
                 )
             m.log.info("membership.epoch.conflict", epoch=new.epoch)
+            self._check_epoch_went_back(res, epoch_kv)
         else:
             self.epochs_published += 1
             removed = {x.member_id for x in current.members} - {x.member_id for x in desired} if current else set()
@@ -240,6 +244,26 @@ class LeaderLoop:
                        removed=sorted(removed), seconds=round(time.monotonic() - t0, 4))
             m.after_publish(new)
         await self._catch_up(res.revision)
+
+    def _check_epoch_went_back(self, res, epoch_kv) -> None:
+        """After a conflict: the epoch key etcd holds (the failed write's read) modified before
+        the write this leader's watcher holds means etcd went back (restored from an older
+        copy). The watcher would never bring a newer write, and every retry would conflict
+        again at once: stop with ``JobStateLost`` (latched in the client's revision guard,
+        so every member of this process learns it)."""
+        if epoch_kv is None:
+            return
+        held = res.gets[1] if res.gets and len(res.gets) > 1 else ()
+        held_mod = held[0].mod_revision if held else 0
+        if held_mod >= epoch_kv.mod_revision:
+            return
+        m = self.m
+        guard = m.client.revisions
+        if guard is not None:
+            guard.key_went_back(m.keys.epoch, held_mod, epoch_kv.mod_revision, m.client.endpoint)
+        raise JobStateLost(f"etcd holds {m.keys.epoch} at mod revision {held_mod}, where this leader saw it "
+                           f"written at revision {epoch_kv.mod_revision}: etcd went back; "
+                           + JOB_STATE_LOST_ADVICE)
 
     async def _catch_up(self, revision: int) -> None:
         """Wait until our watcher has seen ``revision``, so decisions use our own writes."""

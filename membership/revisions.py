@@ -64,12 +64,28 @@ class RevisionGuard:
             if self._went_back is None and revision >= floor:
                 self._highest = max(self._highest, revision)
                 return
+        self._latch(f"etcd at {where} answered at revision {revision}, below revision {floor} that this "
+                    "process saw before")
+
+    def key_went_back(self, key: str, mod_revision: int, seen: int, where: str) -> None:
+        """A linearizable answer from ``where`` holds ``key`` at ``mod_revision`` (0: absent)
+        where this process saw it written at ``seen``: a key's modification revision never
+        decreases, so the store went back (found even once the restored store's revision has
+        grown past every one seen before). Raises (and latches) ``JobStateLost``; a no-op when
+        ``mod_revision >= seen``."""
+        if mod_revision >= seen:
+            return
+        answered = f"at mod revision {mod_revision}" if mod_revision else "absent"
+        self._latch(f"etcd at {where} holds {key} {answered}, where this process saw it written at revision {seen}")
+
+    def _latch(self, cause: str) -> None:
+        """Latch ``JobStateLost`` for ``cause`` (the first cause wins), tell the listeners once
+        and raise it."""
+        with self._lock:
             if self._went_back is None:
                 self._went_back = JobStateLost(
-                    f"the job's control state in etcd is not the one it joined: etcd at {where} answered at "
-                    f"revision {revision}, below revision {floor} that this process saw before (etcd "
-                    "was restored from an older snapshot or copy of its data directory, or wiped); "
-                    + JOB_STATE_LOST_ADVICE)
+                    f"the job's control state in etcd is not the one it joined: {cause} (etcd was restored "
+                    "from an older snapshot or copy of its data directory, or wiped); " + JOB_STATE_LOST_ADVICE)
                 listeners = list(self._listeners)
             else:
                 listeners = []

@@ -285,6 +285,11 @@ class RangeWatcher:
 
         pinger = asyncio.ensure_future(ask_progress())
         created = False
+        # What this process had seen when the stream opened: a stream opened on etcd restored
+        # from an older copy answers below it even where this watcher's own range saw no
+        # write since (its revision lags the process's), and nothing else may ask etcd.
+        guard = self._client.revisions
+        floor = guard.highest if guard is not None else 0
         try:
             while True:
                 try:
@@ -302,7 +307,7 @@ class RangeWatcher:
                 if resp.canceled:
                     raise aetcd_exc.ConnectionFailedError(
                         f"watch canceled by server: {resp.cancel_reason!r}")
-                if resp.header.revision < self._revision:
+                if resp.header.revision < max(self._revision, floor if resp.created else 0):
                     await self._confirm_not_behind()
                 if resp.created and not created:
                     created = True

@@ -217,3 +217,42 @@ def test_the_leader_holds_epochs_while_a_suspicion_is_pending_and_no_longer():
     assert loop.suspicion_hold_s(snap(12), now=2.0) == 0.0  # another incarnation: nothing pending
     assert loop.suspicion_hold_s(snap(None), now=2.0) == 0.0  # suspect gone (fenced, left)
     assert loop.suspicion_hold_s(RangeSnapshot(1, {}), now=2.0) == 0.0
+
+
+def test_an_epoch_conflict_against_an_older_epoch_key_is_the_store_going_back():
+    """The leader's epoch write conflicts; the epoch key etcd holds (the failed write's read)
+    was modified before the write the leader's watcher holds: etcd went back (restored from an
+    older copy), its watcher will never bring a newer epoch and every retry would conflict at
+    once. JobStateLost, latched in the client's guard; a newer key is an ordinary conflict."""
+    from types import SimpleNamespace
+
+    from elastic_refit.membership import JobStateLost
+    from elastic_refit.membership.client import KeyValue
+    from elastic_refit.membership.keys import JobKeys
+    from elastic_refit.membership.leader import LeaderLoop
+    from elastic_refit.membership.revisions import RevisionGuard
+
+    keys = JobKeys("j")
+    guard = RevisionGuard()
+    loop = LeaderLoop(SimpleNamespace(keys=keys, config=MembershipConfig(),  # type: ignore[arg-type]
+                                      client=SimpleNamespace(revisions=guard, endpoint="e:1")))
+    leader = KeyValue(keys.leader, b"{}", 49, 49, 1, 7)
+
+    def epoch(mod: int) -> KeyValue:
+        return KeyValue(keys.epoch, b"{}", 3, mod, 2, 0)
+
+    def failed(*held: KeyValue) -> SimpleNamespace:
+        return SimpleNamespace(gets=[[leader], list(held)])
+
+    seen = epoch(47)
+    loop._check_epoch_went_back(failed(epoch(52)), seen)  # another leader wrote after: retry
+    loop._check_epoch_went_back(failed(epoch(47)), None)  # nothing seen yet: nothing to compare
+    assert guard.went_back is None
+    with pytest.raises(JobStateLost, match=r"holds /elastic-refit/j/epoch at mod revision 40, where this process "
+                                           r"saw it written at revision 47"):
+        loop._check_epoch_went_back(failed(epoch(40)), seen)
+    assert guard.went_back is not None
+    bare = LeaderLoop(SimpleNamespace(keys=keys, config=MembershipConfig(),  # type: ignore[arg-type]
+                                      client=SimpleNamespace(revisions=None, endpoint="e:1")))
+    with pytest.raises(JobStateLost, match="at mod revision 0, where this leader saw it written at revision 47"):
+        bare._check_epoch_went_back(failed(), seen)  # a client without a guard: raised all the same

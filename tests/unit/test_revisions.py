@@ -66,3 +66,24 @@ def test_requests_in_flight_together_may_be_answered_in_either_order():
     assert guard.highest == 12 and guard.went_back is None
     with pytest.raises(JobStateLost, match="answered at revision 9, below revision 10"):
         guard.saw(9, "a:1", floor=floor)
+
+
+def test_a_key_modified_before_the_write_seen_of_it_is_the_store_going_back():
+    """A key's modification revision never decreases: the epoch key held at revision 40 (or
+    absent) where this process saw it written at 47 is found even when etcd's revision has
+    grown past everything seen (the restored store took writes before this process asked)."""
+    guard, heard = RevisionGuard(), []
+    guard.on_went_back(heard.append)
+    guard.saw(47, "a:1", floor=0)
+    guard.key_went_back("/j/epoch", 47, 47, "a:1")  # the same write: fine
+    guard.key_went_back("/j/epoch", 60, 47, "a:1")  # a newer write: fine
+    assert guard.went_back is None
+    with pytest.raises(JobStateLost, match=r"holds /j/epoch at mod revision 40, where this process saw it written "
+                                           r"at revision 47"):
+        guard.key_went_back("/j/epoch", 40, 47, "a:1")
+    assert len(heard) == 1
+    with pytest.raises(JobStateLost, match="mod revision 40"):  # latched: the first cause stays
+        guard.saw(900, "a:1", floor=guard.highest)
+    other = RevisionGuard()
+    with pytest.raises(JobStateLost, match="holds /j/epoch absent"):
+        other.key_went_back("/j/epoch", 0, 12, "b:2")
