@@ -163,15 +163,10 @@ class Timer:
         return self._elapsed(fn, 1, 0)
 
 
-def bench_case(
-    case: Case,
-    device: torch.device,
-    timer: Timer,
-    tile: int,
-    warps: int,
-    backend: str,
-    with_ref: bool,
-) -> dict:
+def _programs(
+    case: Case, device: torch.device, tile: int, warps: int, backend: str
+) -> tuple[PackProgram, PackProgram]:
+    """The program under test and the torch reference over the same regions."""
     prog = PackProgram(
         case.shapes,
         case.dtypes,
@@ -182,47 +177,71 @@ def bench_case(
         num_warps=warps,
     )
     ref = PackProgram(case.shapes, case.dtypes, case.regions, device=device, backend="torch")
-    nbytes = prog.nbytes
+    return prog, ref
+
+
+def _num_sets(case: Case, nbytes: int) -> int:
+    """How many buffer sets to rotate among so that they exceed the L2 cache (1 to 64)."""
     tensor_bytes = sum(
         math.prod(s) * _itemsize(d) for s, d in zip(case.shapes, case.dtypes, strict=True)
     )
     footprint = tensor_bytes + nbytes
-    k_sets = max(1, min(64, math.ceil(4 * L2_BYTES / footprint)))
+    return max(1, min(64, math.ceil(4 * L2_BYTES / footprint)))
+
+
+def _random_tensors(case: Case, device: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
+    """The case's tensors, filled with random bytes from ``gen``."""
+    return [
+        torch.randint(
+            0,
+            256,
+            (math.prod(s) * _itemsize(d),),
+            dtype=torch.uint8,
+            device=device,
+            generator=gen,
+        )
+        .view(d)
+        .reshape(s)
+        for s, d in zip(case.shapes, case.dtypes, strict=True)
+    ]
+
+
+def _buffer_sets(
+    case: Case, device: torch.device, nbytes: int, k_sets: int
+) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``k_sets`` of (random tensors, packed buffer), from a generator seeded with 0."""
     gen = torch.Generator(device=device).manual_seed(0)
-
-    def make_tensors():
-        return [
-            torch.randint(
-                0,
-                256,
-                (math.prod(s) * _itemsize(d),),
-                dtype=torch.uint8,
-                device=device,
-                generator=gen,
-            )
-            .view(d)
-            .reshape(s)
-            for s, d in zip(case.shapes, case.dtypes, strict=True)
-        ]
-
-    sets = [
-        (make_tensors(), torch.empty(nbytes, dtype=torch.uint8, device=device))
+    return [
+        (_random_tensors(case, device, gen), torch.empty(nbytes, dtype=torch.uint8, device=device))
         for _ in range(k_sets)
     ]
-    binds = [prog.bind(t, b) for t, b in sets]
-    gbinds = [prog.bind(t, b, cuda_graph=True) for t, b in sets] if device.type == "cuda" else []
-    # Correctness in the same run: Triton vs reference, bit-exact, on the first set.
-    check = torch.empty_like(sets[0][1])
-    binds[0].pack()
-    ref.pack(sets[0][0], check)
-    ok = bool(torch.equal(check, sets[0][1]))
-    copies = [
+
+
+def _bit_exact(bound, ref: PackProgram, tensors: list[torch.Tensor], packed: torch.Tensor) -> bool:
+    """Pack one set through ``bound`` and the reference: bit-exact? (in the same run as the timings)"""
+    check = torch.empty_like(packed)
+    bound.pack()
+    ref.pack(tensors, check)
+    return bool(torch.equal(check, packed))
+
+
+def _copy_pairs(
+    nbytes: int, device: torch.device, k_sets: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``k_sets`` of (destination, source) byte buffers for the copy baseline."""
+    return [
         (
             torch.empty(nbytes, dtype=torch.uint8, device=device),
             torch.empty(nbytes, dtype=torch.uint8, device=device),
         )
         for _ in range(k_sets)
     ]
+
+
+def _timed_calls(prog, ref, sets, binds, gbinds, copies) -> dict[str, Callable[[int], None]]:
+    """Every call to time, by the name of its figure; call ``k`` uses set ``k % k_sets``.
+    The cuda_graph-bound calls are there only when ``gbinds`` is (CUDA)."""
+    k_sets = len(sets)
 
     def copy(k):
         d, s = copies[k % k_sets]
@@ -252,6 +271,49 @@ def bench_case(
         t, b = sets[k % k_sets]
         ref.unpack(b, t)
 
+    calls = {"copy": copy, "pack": pack, "unpack": unpack, "pack_unbound": pack_unbound,
+             "ref_pack": ref_pack, "ref_unpack": ref_unpack}  # fmt: skip
+    if gbinds:
+        calls.update(gbind_pack=gpack, gbind_unpack=gunpack)
+    return calls
+
+
+def _time_calls(
+    timer: Timer, calls: dict[str, Callable[[int], None]], k_sets: int, with_ref: bool
+) -> dict[str, float | None]:
+    """Seconds per call of each figure, ``<name>_s``, in the order of the JSON rows."""
+    res: dict[str, float | None] = {}
+    for name in ("copy", "pack", "unpack", "pack_unbound"):
+        res[f"{name}_s"] = timer.eager(calls[name], k_sets)
+    for name in ("gbind_pack", "gbind_unpack"):
+        res[f"{name}_s"] = timer.eager(calls[name], k_sets) if name in calls else None
+    if with_ref:
+        res["ref_pack_s"] = timer.eager(calls["ref_pack"], k_sets)
+        res["ref_unpack_s"] = timer.eager(calls["ref_unpack"], k_sets)
+    for name in ("copy", "pack", "unpack"):
+        res[f"graph_{name}_s"] = timer.graph(calls[name], k_sets)
+    return res
+
+
+def bench_case(
+    case: Case,
+    device: torch.device,
+    timer: Timer,
+    tile: int,
+    warps: int,
+    backend: str,
+    with_ref: bool,
+) -> dict:
+    """One row: the case's pack/unpack timings against a copy of as many bytes, and bit-exactness."""
+    prog, ref = _programs(case, device, tile, warps, backend)
+    nbytes = prog.nbytes
+    k_sets = _num_sets(case, nbytes)
+    sets = _buffer_sets(case, device, nbytes, k_sets)
+    binds = [prog.bind(t, b) for t, b in sets]
+    gbinds = [prog.bind(t, b, cuda_graph=True) for t, b in sets] if device.type == "cuda" else []
+    # Correctness in the same run: Triton vs reference, bit-exact, on the first set.
+    ok = _bit_exact(binds[0], ref, *sets[0])
+    copies = _copy_pairs(nbytes, device, k_sets)
     res = {
         "case": case.name,
         "bytes": nbytes,
@@ -262,20 +324,8 @@ def bench_case(
         "num_warps": warps,
         "bit_exact": ok,
     }
-    for name, fn in (
-        ("copy", copy),
-        ("pack", pack),
-        ("unpack", unpack),
-        ("pack_unbound", pack_unbound),
-    ):
-        res[f"{name}_s"] = timer.eager(fn, k_sets)
-    for name, fn in (("gbind_pack", gpack), ("gbind_unpack", gunpack)):
-        res[f"{name}_s"] = timer.eager(fn, k_sets) if gbinds else None
-    if with_ref:
-        res["ref_pack_s"] = timer.eager(ref_pack, k_sets)
-        res["ref_unpack_s"] = timer.eager(ref_unpack, k_sets)
-    for name, fn in (("copy", copy), ("pack", pack), ("unpack", unpack)):
-        res[f"graph_{name}_s"] = timer.graph(fn, k_sets)
+    calls = _timed_calls(prog, ref, sets, binds, gbinds, copies)
+    res.update(_time_calls(timer, calls, k_sets, with_ref))
     return res
 
 
@@ -326,7 +376,7 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(c.strip() for c in cells) + " |")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--json-out", default="", help="also write the JSON object to this file")
@@ -342,24 +392,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--only", default="", help="substring filter on case names")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def _pick_device(args: argparse.Namespace) -> torch.device | None:
+    """The device to run on, or None (after saying why on stderr) when it can't run here."""
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
-        return 2
+        return None
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(want)
     if device.type != "cuda" and not args.small:
         print("no CUDA device: run with --small for a CPU smoke run", file=sys.stderr)
-        return 2
-    backend = "triton"
-    timer = Timer(device, args.repeats, target_s=0.005 if device.type == "cuda" else 0.0)
-    cases = [c for c in all_cases(args.small) if args.only in c.name]
-    meta = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-    }
+        return None
+    return device
+
+
+def _bench_rows(
+    cases: list[Case], device: torch.device, timer: Timer, args: argparse.Namespace, backend: str
+) -> list[dict]:
+    """One row per case at the chosen tile and warps, with the reference; progress on stderr."""
     rows = []
     for case in cases:
         if device.type == "cuda":
@@ -370,13 +422,65 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not args.json:
             print(f"  {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return rows
+
+
+def _bench_sweep(cases: list[Case], device: torch.device, timer: Timer, backend: str) -> list[dict]:
+    """Rows of a few cases at other (tile_bytes, num_warps), without the reference."""
     sweep = []
-    if args.sweep:
-        configs = [(4096, 4), (16384, 4), (8192, 8)]
-        picks = [c for c in cases if any(k in c.name for k in ("tp=4", "w=1024", "512x"))]
-        for tile, warps in configs:
-            for case in picks:
-                sweep.append(bench_case(case, device, timer, tile, warps, backend, with_ref=False))
+    configs = [(4096, 4), (16384, 4), (8192, 8)]
+    picks = [c for c in cases if any(k in c.name for k in ("tp=4", "w=1024", "512x"))]
+    for tile, warps in configs:
+        for case in picks:
+            sweep.append(bench_case(case, device, timer, tile, warps, backend, with_ref=False))
+    return sweep
+
+
+def _print_goal(g: dict) -> None:
+    print(f"\neager pack / unpack >= {GOAL} of a copy on every row: {'yes' if g['met'] else 'NO'} "
+          f"(lowest p/c {g['min_pack']:.2f} in {g['worst_pack']!r}, u/c {g['min_unpack']:.2f} in "
+          f"{g['worst_unpack']!r}); bit-exact: {g['bit_exact']}")
+
+
+def _print_sweep(sweep: list[dict]) -> None:
+    print("\nsweep (tile_bytes, num_warps):\n")
+    print("| case | tile | warps | pack GB/s | p/c | unpack GB/s | u/c | g p/c | g u/c |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sweep:
+        n = r["bytes"]
+        print(
+            f"| {r['case']} | {r['tile_bytes']} | {r['num_warps']} | "
+            f"{gbps(n, r['pack_s']).strip()} | {ratio(r['copy_s'], r['pack_s'])} | "
+            f"{gbps(n, r['unpack_s']).strip()} | {ratio(r['copy_s'], r['unpack_s'])} | "
+            f"{ratio(r['graph_copy_s'], r['graph_pack_s'])} | "
+            f"{ratio(r['graph_copy_s'], r['graph_unpack_s'])} |"
+        )
+
+
+def _print_report(doc: dict, args: argparse.Namespace) -> None:
+    """The tables and the goal's verdict line (what is printed without --json)."""
+    print(f"\n{doc['meta']}; tile_bytes={args.tile_bytes} num_warps={args.num_warps}\n")
+    print_table(doc["rows"])
+    _print_goal(doc["goal"])
+    if doc["sweep"]:
+        _print_sweep(doc["sweep"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    device = _pick_device(args)
+    if device is None:
+        return 2
+    backend = "triton"
+    timer = Timer(device, args.repeats, target_s=0.005 if device.type == "cuda" else 0.0)
+    cases = [c for c in all_cases(args.small) if args.only in c.name]
+    meta = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+    }
+    rows = _bench_rows(cases, device, timer, args, backend)
+    sweep = _bench_sweep(cases, device, timer, backend) if args.sweep else []
     from elastic_refit.kernels import _triton_backend
 
     meta["launches"] = _triton_backend.direct_stats()
@@ -386,26 +490,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1)
     if args.json:
         print(json.dumps(doc))
-        return 0 if all(r["bit_exact"] for r in rows + sweep) else 1
-    print(f"\n{meta}; tile_bytes={args.tile_bytes} num_warps={args.num_warps}\n")
-    print_table(rows)
-    g = doc["goal"]
-    print(f"\neager pack / unpack >= {GOAL} of a copy on every row: {'yes' if g['met'] else 'NO'} "
-          f"(lowest p/c {g['min_pack']:.2f} in {g['worst_pack']!r}, u/c {g['min_unpack']:.2f} in "
-          f"{g['worst_unpack']!r}); bit-exact: {g['bit_exact']}")
-    if sweep:
-        print("\nsweep (tile_bytes, num_warps):\n")
-        print("| case | tile | warps | pack GB/s | p/c | unpack GB/s | u/c | g p/c | g u/c |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in sweep:
-            n = r["bytes"]
-            print(
-                f"| {r['case']} | {r['tile_bytes']} | {r['num_warps']} | "
-                f"{gbps(n, r['pack_s']).strip()} | {ratio(r['copy_s'], r['pack_s'])} | "
-                f"{gbps(n, r['unpack_s']).strip()} | {ratio(r['copy_s'], r['unpack_s'])} | "
-                f"{ratio(r['graph_copy_s'], r['graph_pack_s'])} | "
-                f"{ratio(r['graph_copy_s'], r['graph_unpack_s'])} |"
-            )
+    else:
+        _print_report(doc, args)
     return 0 if all(r["bit_exact"] for r in rows + sweep) else 1
 
 
