@@ -135,11 +135,11 @@ case "${1:-}" in
         # shellcheck disable=SC2086
         ipc_tests) step $name "${WAVE_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider $xd --timeout 140 -rfE \
           tests/gpu/test_ipc_gpu.py tests/gpu/test_colocated_runtime_gpu.py tests/gpu/test_delta_gpu.py ;;
-        colocated) step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 ;;
-        colocated2) step $name "${WAVE_COLOCATED_S:-80}" python3 benchmarks/bench_colocated.py --layers 8 --repeat 3 \
+        colocated) step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" ;;
+        colocated2) step $name "${WAVE_COLOCATED_S:-80}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" \
           --hosts 2 --methods ipc,nccl4py ;;
         delta) step $name "${WAVE_DELTA_S:-110}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
-          --steps 10 --refit-hidden 1024 --refit-layers 6 --json ;;
+          --steps "${WAVE_DELTA_STEPS:-10}" --refit-hidden 1024 --refit-layers 6 --json ;;
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
