@@ -139,7 +139,7 @@ case "${1:-}" in
         colocated2) step $name "${WAVE_COLOCATED_S:-80}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" \
           --hosts 2 --methods ipc,nccl4py ;;
         delta) step $name "${WAVE_DELTA_S:-110}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
-          --steps "${WAVE_DELTA_STEPS:-10}" --refit-hidden 1024 --refit-layers 6 --json ;;
+          --steps "${WAVE_DELTA_STEPS:-10}" --refit-hidden 1024 --refit-layers 6 --json ${WAVE_DELTA_ARGS:-} ;;
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
