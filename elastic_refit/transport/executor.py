@@ -204,7 +204,9 @@ class Executor:
             self._ensure_staging()
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             if self._delta is not None and delta is not None:
+                started = time.perf_counter()
                 self._round = self._delta.prepare(delta, tensors, self.transport)
+                self._round.seconds["code"] += time.perf_counter() - started
             for copy in self.schedule.local_copies:
                 self._local_copy(copy, tensors)
             if self._direct is not None:
@@ -261,7 +263,8 @@ class Executor:
                  sent_bytes=self.schedule.send_bytes, recv_bytes=self.schedule.recv_bytes,
                  local_bytes=report.local_bytes, num_buckets=report.num_buckets,
                  num_delta_buckets=report.num_delta_buckets,
-                 saved_bytes=report.network_saved_bytes + report.intra_saved_bytes)
+                 saved_bytes=report.network_saved_bytes + report.intra_saved_bytes,
+                 **{f"delta_{part}_s": round(s, 6) for part, s in rnd.seconds.items() if s})
         return report
 
     def _quantized_base(self, delta: DeltaInputs) -> DeltaInputs:
@@ -307,7 +310,8 @@ class Executor:
         on batches before it, on every rank, so no rank waits in a cycle."""
         transport = self.transport
         if self._round is not None:  # fan-out messages of this window are sized now
-            self._delta.late(self._round, window, tensors, transport)  # type: ignore[union-attr]
+            with self._round.timed("late"):
+                self._delta.late(self._round, window, tensors, transport)  # type: ignore[union-attr]
         w = Window.of(window, slots)
         relayed = w.relayed
         for i in range(w.num_batches):
@@ -450,8 +454,9 @@ class Executor:
         if op.io.direct is None:
             where = f"rank {self.rank} {m.place}"
             if self._round is not None and self._round.size(op.io) is not None:  # a delta: written in place
-                counts["num_verified_boxes"] += self._delta.accept(  # type: ignore[union-attr]
-                    self._round, op.io, tensors, op.op.tensor, where)
+                with self._round.timed("accept"):
+                    counts["num_verified_boxes"] += self._delta.accept(  # type: ignore[union-attr]
+                        self._round, op.io, tensors, op.op.tensor, where)
             else:
                 counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify, where)
         else:
