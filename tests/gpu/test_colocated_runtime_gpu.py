@@ -69,7 +69,9 @@ def _events(result, event: str, prefix: str = "") -> list[dict]:
             if e.get("event") == event]
 
 
-def _check(result) -> None:
+def _check(result, *, mapped: bool = True) -> None:
+    """The oracle's verdict, every version committed, and (``mapped``) that the bytes moved
+    over IPC: some rank shared its buffers and some inference rank mapped a peer's."""
     _RESULTS.append(result)
     if RESULTS:
         with open(RESULTS, "a") as fh:
@@ -80,8 +82,9 @@ def _check(result) -> None:
     assert set(range(1, result.scenario.versions + 1)) <= committed, sorted(committed)
     # The bytes moved over IPC: the trainers (and fan-out sources) shared their buffers, the
     # inference ranks mapped them.
-    assert _events(result, "transport.ipc.shared"), "no rank shared its buffers over CUDA IPC"
-    assert _events(result, "transport.ipc.mapped", "i"), "no inference rank mapped a peer's memory"
+    if mapped:
+        assert _events(result, "transport.ipc.shared"), "no rank shared its buffers over CUDA IPC"
+        assert _events(result, "transport.ipc.mapped", "i"), "no inference rank mapped a peer's memory"
 
 
 def _received_over_the_communicator(result) -> int:
@@ -111,7 +114,11 @@ def test_an_inference_rank_killed_mid_refit_and_the_next_version_commits(run, sh
     which may hold i1's memory mapped when it dies."""
     plan = FaultPlan().kill(role="inference", rank=1, at="transfer", version=2, chunk=1)
     result = run.run_trial(_scenario(f"{shape}-inference-kill", plan, shape))
-    _check(result)
+    # Two domains: the inference ranks map each other only for fan-outs, and whether a
+    # version fans out depends on who had joined when it moved (H100, 2026-12-06: passed
+    # alone, and in the full GPU suite every version committed bit-exact with no mapping
+    # by an inference rank). The no-fault test above asserts the fan-out over IPC.
+    _check(result, mapped=shape == "colocated")
 
 
 def test_a_trainer_killed_while_its_memory_is_mapped(run):
