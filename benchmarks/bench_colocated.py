@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline-repeat", type=int, default=None,
+                        help="timed runs of nccl4py and gather_broadcast (default: --repeat); each is slow over "
+                             "the socket transport")
     parser.add_argument("--hosts", type=int, default=1, choices=(1, 2))
     parser.add_argument("--methods", default="ipc,nccl4py,gather_broadcast")
     parser.add_argument("--timeout", type=float, default=400.0)
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Trainers 0-3, inference 4-7; with two hosts each holds two of each.
     hosts = ("h0",) * 8 if args.hosts == 1 else ("h0", "h0", "h1", "h1", "h0", "h0", "h1", "h1")
-    case = ColocatedCase(num_layers=args.layers, hosts=hosts, repeat=args.repeat,
+    case = ColocatedCase(num_layers=args.layers, hosts=hosts, repeat=args.repeat, baseline_repeat=args.baseline_repeat,
                          methods=tuple(args.methods.split(",")))
     plan = colocated_plan(case)
     print(f"plan: {plan.stats.dst_bytes / 1e9:.2f} GB into destinations, {len(set(hosts))} host(s)",

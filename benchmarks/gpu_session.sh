@@ -135,7 +135,8 @@ case "${1:-}" in
         # shellcheck disable=SC2086
         ipc_tests) step $name "${WAVE_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider $xd --timeout 140 -rfE \
           tests/gpu/test_ipc_gpu.py tests/gpu/test_colocated_runtime_gpu.py tests/gpu/test_delta_gpu.py ;;
-        colocated) step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" ;;
+        colocated) step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" \
+          --baseline-repeat 1 ;;
         colocated2) step $name "${WAVE_COLOCATED_S:-80}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" --repeat "${WAVE_REPEAT:-3}" \
           --hosts 2 --methods ipc,nccl4py ;;
         delta) step $name "${WAVE_DELTA_S:-110}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
