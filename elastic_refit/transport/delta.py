@@ -335,15 +335,14 @@ class DeltaCoder:
     def _accept_one(self, rnd: DeltaRound, b: _Bucket, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
         m = rnd.messages[b.message]
         s0, s1 = b.segments
-        header = tuple(payload[:HEADER_BYTES].cpu().clone().view(torch.int64).tolist())
-        if header != b.header:
-            raise VerificationFailed(f"{where}: a delta's header says {header}, its sizes said {b.header}")
+        m.headers.append((payload[:HEADER_BYTES].clone(), b.header))  # checked with the message's others
         m.coded[s0:s1].copy_(payload[HEADER_BYTES : HEADER_BYTES + s1 - s0])
         if self.verify:
             m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[_aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
         m.pending -= 1
         if m.pending:
             return 0
+        _check_headers(m.headers, where)
         shape = self._shapes[b.message]
         own = shape.own
         coded = m.coded if len(own) == len(shape.boxes) else _own_segments(m, own, self.device)
@@ -474,6 +473,18 @@ def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
 
 def _part_tag(step) -> int:
     return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)
+
+
+def _check_headers(headers: list[tuple[torch.Tensor, tuple[int, int]]], where: str) -> None:
+    """Every arrived delta header of a message against what its sizes said (one read back
+    for all of them): ``VerificationFailed`` naming the first that differs."""
+    if not headers:
+        return
+    got = torch.stack([h for h, _ in headers]).view(torch.int64).cpu().tolist()
+    for k, (header, (_, want)) in enumerate(zip(got, headers, strict=True)):
+        if tuple(header) != want:
+            raise VerificationFailed(f"{where}: the header of its delta bucket {k} says {tuple(header)}, its sizes "
+                                     f"said {want}")
 
 
 def _own_segments(m: _Message, own: list[int], device: torch.device) -> torch.Tensor:

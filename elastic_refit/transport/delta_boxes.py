@@ -179,13 +179,13 @@ class Boxes:
         n = len(self.boxes)
         values, at = _values(self, box, None)
         moves = torch.zeros(n, dtype=torch.int64, device=local.device)
-        for i, u, mask in self.groups(box):
-            at_flat = _masked(flat, mask)
+        for i, u, idx in self.groups(box):
+            at_flat = _masked(flat, idx)
             new = _rows(tensors[self.refs[i]], u).index_select(0, at_flat)
-            _put(values, at, mask, new)
+            _put(values, at, idx, new)
             if verify:
                 old = _rows(base[self.refs[i]], u).index_select(0, at_flat)
-                moves += delta_digests(old, new, _masked(local, mask) * u, _masked(box, mask), n)
+                moves += delta_digests(old, new, _masked(local, idx) * u, _masked(box, idx), n)
         return Change(local, torch.bincount(box, minlength=n).cpu(), values, moves)
 
     def _code_cpu(self, tensors, base, verify: bool) -> Change:
@@ -216,11 +216,11 @@ class Boxes:
         values, at = _values(self, box, change.values)
         moves = torch.zeros(n, dtype=torch.int64, device=counts.device)
         writes = []
-        for i, u, mask in self.groups(box):
-            rows, f = _rows(tensors[self.refs[i]], u), _masked(flat, mask)
-            new = _take(values, at, mask, u)
+        for i, u, idx in self.groups(box):
+            rows, f = _rows(tensors[self.refs[i]], u), _masked(flat, idx)
+            new = _take(values, at, idx, u)
             if verify:
-                moves += delta_digests(rows.index_select(0, f), new, _masked(change.local, mask) * u, _masked(box, mask), n)
+                moves += delta_digests(rows.index_select(0, f), new, _masked(change.local, idx) * u, _masked(box, idx), n)
             writes.append((rows, f, new, u))
 
         def write() -> None:
@@ -340,10 +340,21 @@ class Boxes:
         return torch.from_numpy(moves.view(np.int64)), Written(undo=undo)
 
     def groups(self, box: torch.Tensor):
-        """Per ref of the bucket: (its index, itemsize, the mask of the elements in its
-        boxes or None when the bucket has one ref)."""
-        for i, u in enumerate(self.itemsizes):
-            yield i, u, None if len(self.refs) == 1 else self.ref_of[box] == i
+        """Per ref of the bucket: (its index, itemsize, the positions of the elements in its
+        boxes, ascending, or None when the bucket has one ref). One stable sort by ref and
+        one read of the per-ref counts for the whole message: a boolean mask per ref would
+        read a size back from the device for every ref and every tensor it selects (on a
+        GPU shared by many processes, each such read waits for the device's time slices)."""
+        if len(self.refs) == 1:
+            yield 0, self.itemsizes[0], None
+            return
+        ref = self.ref_of[box]
+        order = torch.argsort(ref, stable=True)
+        counts = torch.bincount(ref, minlength=len(self.refs)).tolist()
+        start = 0
+        for i, (u, k) in enumerate(zip(self.itemsizes, counts, strict=True)):
+            yield i, u, order[start : start + k]
+            start += k
 
 
 
@@ -365,27 +376,30 @@ def _values(boxes: Boxes, box: torch.Tensor, values: torch.Tensor | None) -> tup
     return values, at
 
 
-def _masked(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    return t if mask is None else t[mask]
+def _masked(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """``t`` at positions ``idx`` (all of it for None)."""
+    return t if idx is None else t.index_select(0, idx)
 
 
-def _put(values: torch.Tensor, at: torch.Tensor | None, mask: torch.Tensor | None, rows: torch.Tensor) -> None:
+def _put(values: torch.Tensor, at: torch.Tensor | None, idx: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """Element rows ``rows`` into ``values`` at elements ``idx`` (None: all, in order); ``at``
+    each element's byte offset when the elements mix sizes."""
     u = rows.shape[1]
     if at is None:
-        if mask is None:
+        if idx is None:
             values.copy_(rows.reshape(-1))
         else:
-            values.view(-1, u)[mask] = rows
+            values.view(-1, u).index_copy_(0, idx, rows)
         return
-    index = (at[mask][:, None] + torch.arange(u, device=at.device)).reshape(-1)
+    index = (_masked(at, idx)[:, None] + torch.arange(u, device=at.device)).reshape(-1)
     values[index] = rows.reshape(-1)
 
 
-def _take(values: torch.Tensor, at: torch.Tensor | None, mask: torch.Tensor | None, u: int) -> torch.Tensor:
+def _take(values: torch.Tensor, at: torch.Tensor | None, idx: torch.Tensor | None, u: int) -> torch.Tensor:
+    """The element rows of ``values`` at elements ``idx`` (None: all)."""
     if at is None:
-        rows = values.view(-1, u)
-        return rows if mask is None else rows[mask]
-    index = (at[mask][:, None] + torch.arange(u, device=at.device)).reshape(-1)
+        return _masked(values.view(-1, u), idx)
+    index = (_masked(at, idx)[:, None] + torch.arange(u, device=at.device)).reshape(-1)
     return values[index].view(-1, u)
 
 

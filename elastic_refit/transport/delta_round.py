@@ -68,6 +68,10 @@ class _Message:
     moves: torch.Tensor
     starts: list[int]  # each box's segment in ``coded``
     pending: int = 0
+    # A receiver's arrived headers (device copies) and what the sizes said of each, checked
+    # together once the last delta bucket is in: one read back from the device per message,
+    # not one per bucket.
+    headers: list[tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -183,3 +183,19 @@ def test_a_failed_check_leaves_the_buffers_as_they_were(native):
         assert torch.equal(target[ref].view(torch.int16), base[ref].view(torch.int16))
     finally:
         delta_boxes._native = saved
+
+
+def test_a_message_s_delta_headers_are_checked_together_and_the_first_bad_one_is_named():
+    """A receiver keeps each arrived delta header (a device copy) and checks them all once
+    its message is in: one read back per message, not one per bucket."""
+    from elastic_refit.errors import VerificationFailed
+    from elastic_refit.transport.delta import _check_headers
+
+    def header(entries: int, values: int) -> torch.Tensor:
+        return torch.tensor([entries, values], dtype=torch.int64).view(torch.uint8).clone()
+
+    _check_headers([], "rank 4")
+    _check_headers([(header(3, 12), (3, 12)), (header(0, 0), (0, 0))], "rank 4")
+    with pytest.raises(VerificationFailed, match=r"rank 4: the header of its delta bucket 1 says \(5, 12\), its sizes "
+                                                 r"said \(3, 12\)"):
+        _check_headers([(header(3, 12), (3, 12)), (header(5, 12), (3, 12)), (header(9, 9), (1, 1))], "rank 4")
