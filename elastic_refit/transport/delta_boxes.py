@@ -108,6 +108,7 @@ class Boxes:
         self._shapes = [tuple(schedule.buffers[b.buffer].shape) for b in boxes]
         self._run_cache: dict[int, tuple[np.ndarray, int]] = {}
         self.itemsize = torch.tensor(self.box_itemsize, dtype=torch.int64, device=device)
+        self._itemsize_host = torch.tensor(self.box_itemsize, dtype=torch.int64)  # sizes are host arithmetic
         self._span = max([math.prod(schedule.buffers[r].shape) for r in self.refs] + [1]) + 1
         self.lo = torch.tensor(lo, dtype=torch.int64, device=device)
         # Per dim where it matters: (whether some box is partial there, so its digit says
@@ -132,8 +133,10 @@ class Boxes:
         keyed = torch.cat([c + i * self._span for i, c in enumerate(changed)])
         ends = torch.searchsorted(keyed, self.bounds)  # [2, box]
         num = ends[1] - ends[0]
-        box = torch.repeat_interleave(torch.arange(len(self.boxes), device=keyed.device), num)
-        at = torch.arange(box.numel(), device=keyed.device) + torch.repeat_interleave(ends[0] - (torch.cumsum(num, 0) - num), num)
+        total = int(num.sum())  # the one size read back; the rest stays on the device
+        box = torch.repeat_interleave(torch.arange(len(self.boxes), device=keyed.device), num, output_size=total)
+        at = torch.arange(total, device=keyed.device) + torch.repeat_interleave(
+            ends[0] - (torch.cumsum(num, 0) - num), num, output_size=total)
         flat = keyed[at] - self.ref_of[box] * self._span
         # An element is in its box when every digit of its offset from the box's first
         # element (in the buffer's dims) is below the box's length there; those digits,
@@ -148,7 +151,8 @@ class Boxes:
             if check:
                 inside &= digit < length[box]
             local -= digit * (stride - box_stride)[box]
-        return local[inside], flat[inside], box[inside]
+        keep = inside.nonzero().squeeze(1)
+        return local.index_select(0, keep), flat.index_select(0, keep), box.index_select(0, keep)
 
     def flat(self, local: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
         """The buffers' flat indices of the boxes' elements ``local`` (of boxes ``box``)."""
@@ -263,7 +267,7 @@ class Boxes:
         device = change.values.device
         # Per-box sizes come to the host (a few numbers per box); per-element work stays on the device.
         entries = segment_entry_counts(change.local, change.counts.to(device)).cpu()
-        value_bytes = change.counts * self.itemsize.cpu()
+        value_bytes = change.counts * self._itemsize_host
         coded = torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8, device=device)
         ent = torch.empty(int(entries.sum()), dtype=torch.uint8, device=device)
         segment_entries(change.local.to(device), change.counts.to(device), ent)
@@ -316,7 +320,7 @@ class Boxes:
             ent, values = gather_segments(seg.coded, starts, seg.entries, seg.value_bytes, list(range(len(self.boxes))),
                                           seg.coded.device)
             local = segment_positions(ent, seg.entries.to(seg.coded.device))
-            counts = torch.div(seg.value_bytes, self.itemsize.cpu(), rounding_mode="floor")
+            counts = torch.div(seg.value_bytes, self._itemsize_host, rounding_mode="floor")
             moves, write = self.apply(tensors, Change(local, counts, values, seg.moves), verify)
             return moves, Written(write=write)
         # One pass: each changed element's digest move, its old bytes kept and its new ones
