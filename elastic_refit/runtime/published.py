@@ -15,6 +15,7 @@ caller may wait for (room in the budget, a version sent), after releasing that l
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ class PublishedVersions:
         self._reserved: dict[int, int] = {}  # version -> bytes of its snapshot copy
         self._sent: set[int] = set()
         self._last: tuple[int, str] | None = None  # (version, digest) of the latest publish
+        # The caller's own buffers of the latest publish without a copy, weakly: what its next
+        # publish is most likely sent from (an executor is bound to them ahead, see
+        # last_buffers), never kept alive for it.
+        self._last_buffers: dict[str, weakref.ref] = {}
 
     # ---- publish --------------------------------------------------------------------------
     def reserve(self, version: int, nbytes: int) -> bool:
@@ -74,7 +79,17 @@ class PublishedVersions:
     def add(self, version: int, published: Published) -> None:
         with self._lock:
             self._versions[version] = published
+            if not published.copy_bytes:
+                self._last_buffers = {name: weakref.ref(t) for name, t in published.tensors.items()}
         self._offer_base(version, published)
+
+    def last_buffers(self) -> dict[str, torch.Tensor]:
+        """The caller's buffers of the latest publish that was not copied, while they live
+        (empty once any is gone, or when the latest was a copy)."""
+        with self._lock:
+            refs = dict(self._last_buffers)
+        tensors = {name: ref() for name, ref in refs.items()}
+        return {} if any(t is None for t in tensors.values()) else tensors  # type: ignore[return-value]
 
     # ---- the delta base -----------------------------------------------------------------
     def _offer_base(self, version: int, published: Published) -> None:

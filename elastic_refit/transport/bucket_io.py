@@ -109,6 +109,15 @@ class BucketIO:
             binding = self._bindings[key] = self.program.bind(bound, data)  # type: ignore[union-attr]
         return binding
 
+    def warm(self, tensors: Mapping[BufferRef, torch.Tensor], staging: torch.Tensor) -> bool:
+        """Bind the kernel program to ``tensors`` and this staging slot ahead of the first
+        refit (what a binding checks and resolves, descriptors copied to the device), so that
+        refit only launches. False when there is nothing to bind or a buffer is missing."""
+        if self.program is None or any(r not in tensors for r in self.refs):
+            return False
+        self._bound(tensors, staging[: self.bucket.nbytes])
+        return True
+
     def pack(self, tensors: Mapping[BufferRef, torch.Tensor], staging: torch.Tensor, verify: bool) -> None:
         data = staging[: self.bucket.nbytes]
         self._bound(tensors, data).pack()

@@ -44,7 +44,7 @@ import torch
 
 from elastic_refit.errors import TransferRefused, brief
 from elastic_refit.log import ensure_configured
-from elastic_refit.plan import Plan
+from elastic_refit.plan import Plan, SourceSide
 from elastic_refit.transport.bucket_io import BucketIO, ForwardIn
 from elastic_refit.transport.buffers import resolve_buffers
 from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
@@ -236,6 +236,37 @@ class Executor:
             raise TransferRefused(f"rank {self.rank}: another rank voted the refit down at its close",
                                   rank=self.rank, phase="vote")
         return self._report(time.perf_counter() - start, counts, rnd)
+
+    def warm(self, source: Mapping[str, torch.Tensor] | None = None,
+             destination: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Get ready for the first :meth:`run` with these buffers without moving a byte:
+        allocate staging and bind every packing bucket's kernel program to its buffers and
+        staging slot (on a GPU each binding copies descriptors to the device). The runtime
+        calls it on entering an epoch, beside connecting ahead, so the epoch's first refit
+        does not pay it. Buffers not given are skipped (their buckets bind at the first run);
+        a binding for other buffers than the run's is never used. Returns the buckets bound."""
+        given = {(int(SourceSide.SOURCE), n): t for n, t in (source or {}).items()}
+        given.update({(int(SourceSide.DESTINATION), n): t for n, t in (destination or {}).items()})
+        buffers = self.schedule.buffers
+        tensors = {ref: t for ref, t in given.items()  # what run would take (it checks and names the rest)
+                   if ref in buffers and tuple(t.shape) == buffers[ref].shape and t.is_contiguous()
+                   and t.dtype == getattr(torch, buffers[ref].dtype) and t.device.type == self.device.type}
+        self._ensure_staging()
+        bound = 0
+        for window, slots in zip(self.windows, self._slots, strict=True):
+            for step in window:
+                for msg in (step.send, step.recv):  # bucket i packs / unpacks in slot i % 2
+                    first = slots.get(id(msg)) if msg is not None else None
+                    if first is not None:
+                        for i, bucket in enumerate(msg.buckets):
+                            io = self._io[id(bucket)]
+                            bound += io.direct is None and io.warm(tensors, self._staging[first + i % 2])
+                for f in step.forward_recvs:  # what a forward lands in staging unpacks from its slot
+                    first = slots.get(id(f))
+                    for part in f.parts if first is not None else ():
+                        io = self._forward_in[id(part)].io
+                        bound += io is not None and io.warm(tensors, self._staging[first])
+        return bound
 
     # ---- internals ---------------------------------------------------------------------
     def _report(self, seconds: float, counts: Mapping[str, int], rnd: DeltaRound) -> TransferReport:

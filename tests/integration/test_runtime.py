@@ -140,6 +140,11 @@ def test_versions_commit_bit_exact(etcd_server, job):
     # versions committed bit-exact afterwards (above)
     assert all(reports[m]["stats"]["connected_ahead"] >= 1 for m in reports), \
         {m: r["stats"] for m, r in reports.items()}
+    # and the inference ranks bound their executors to their incoming buffers then
+    # (Executor.warm: the epoch's first refit only launches; a trainer binds the buffers it
+    # last published, none before its first publish)
+    assert all(reports[m]["stats"]["warmed_buckets"] >= 1 for m in ("i0", "i1")), \
+        {m: r["stats"] for m, r in reports.items()}
 
 
 def test_an_attempt_failing_on_one_rank_before_it_plans_fails_fast_everywhere(etcd_server, job):
