@@ -22,7 +22,7 @@ from typing import TypeVar
 import aetcd.exceptions as aetcd_exc
 import grpc
 from aetcd import rpc
-from elastic_refit.membership.client import EtcdClient, KeyValue, _b
+from elastic_refit.membership.client import EtcdClient, Get, KeyValue, _b
 from elastic_refit.membership.errors import EtcdUnavailable, JobStateLost, MembershipError
 
 from elastic_refit.log import get_logger
@@ -314,6 +314,7 @@ class RangeWatcher:
                     if self.reconnects:
                         self._log.info("membership.watch.resumed", revision=self._revision,
                                        endpoint=self._client.endpoint)
+                        await self._verify_resumed()
                     continue
                 if resp.events:
                     self._apply(resp.events)
@@ -332,6 +333,27 @@ class RangeWatcher:
             with contextlib.suppress(Exception):
                 await queue.put(None)
             call.cancel()
+
+    async def _verify_resumed(self, newest: int = 8) -> None:
+        """After a stream resumed (etcd restarted, a reconnect): the ``newest`` keys this
+        watcher holds (by modification revision), read linearizably in one transaction. One
+        that etcd holds modified before the write this watcher saw means the store went back
+        (``JobStateLost``, see ``membership.revisions``): found even when the restored store
+        took writes past every revision this process saw before it asked, which the revision
+        check alone misses, and when no later write touches the watched range (its events
+        alone would never show it). A key etcd no longer holds may have been deleted while
+        the stream was down: its delete event follows."""
+        guard = self._client.revisions
+        if guard is None:
+            return
+        with self._cond:
+            held = sorted(self._items.values(), key=lambda kv: kv.mod_revision, reverse=True)[:newest]
+        if not held:
+            return
+        res = await self._client.atxn([], [Get(kv.key) for kv in held])
+        for kv, got in zip(held, res.gets, strict=True):
+            if got:
+                guard.key_went_back(kv.key, got[0].mod_revision, kv.mod_revision, self._client.endpoint)
 
     async def _confirm_not_behind(self) -> None:
         """A watch answer below this watcher's revision: a lagging cluster member, or etcd

@@ -349,3 +349,31 @@ def test_missing_etcd_binary_gives_a_clear_message(monkeypatch):
     monkeypatch.setenv("ETCD_BIN", "/nonexistent/etcd")
     with pytest.raises(EtcdServerError, match="apt-get install -y etcd-server"):
         EtcdServer()
+
+
+def test_a_resumed_watch_finds_the_store_went_back_after_its_revision_caught_up(etcd_server, make_client):
+    """etcd restored from an older copy, then written past every revision this process saw
+    before the stream resumed: no answer is below a revision seen (the revision check sees
+    nothing), but a key the watcher holds is held by etcd modified before the write the
+    watcher saw. The resumed stream's check of its newest keys finds it (JobStateLost)."""
+    from elastic_refit.membership import JobStateLost
+
+    client = make_client(etcd_server.endpoints, monotonic=True)
+    other = make_client(etcd_server.endpoints)
+    other.put("/r/epoch", b"1")
+    watcher = RangeWatcher(client, "/r/", "/r0", name="resumed")
+    watcher.start()
+    backup = etcd_server.copy_data()
+    rev = other.put("/r/epoch", b"2")  # written after the copy: the watcher holds it at rev
+    watcher.wait_for(lambda s: s.items["/r/epoch"].value == b"2", timeout_s=5)
+    watcher.stop()
+    etcd_server.restore_data(backup)
+    for i in range(2 * rev):  # the restored store's revision passes every one this process saw
+        other.put(f"/other/{i}", b"x")
+    assert other.revision() > max(rev, client.revisions.highest)
+    held = watcher.snapshot().items["/r/epoch"]
+    assert held.mod_revision == rev
+    with pytest.raises(JobStateLost, match=r"holds /r/epoch at mod revision \d+, where this process saw it written at "
+                                           rf"revision {rev}"):
+        client.run(watcher._verify_resumed())
+    assert client.revisions.went_back is not None  # latched for every later guarded call
