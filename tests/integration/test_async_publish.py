@@ -81,13 +81,20 @@ def one_step_ahead(refit, member_id: str, layout_rank: int) -> list[dict]:
     waiting, then wait for k - 1's handle before the next step. Version k is published while
     k - 1 still moves (the refit is slower than the step)."""
     out, handles = [], {}
+    # Version 1 moves only once the epoch of all four members is formed: a trainer that
+    # published 2 before then (a loaded machine: the epoch's gloo build alone took 1 s in a
+    # clean suite run) had 1 superseded before it moved, rightly, and this test is about a
+    # version overtaken while it moves.
+    deadline = time.monotonic() + 30
+    while (refit.membership.view is None or len(refit.membership.view.members) < 4) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for version in (*VERSIONS, 4):
         handles[version] = refit.publish(trainer_tensors(layout_rank, version), version, wait=False)
         if version - 1 in handles:
             start = time.monotonic()
             commit = handles.pop(version - 1).wait()
             out.append({"version": version - 1, "committed": commit.version, "waited_s": time.monotonic() - start})
-        time.sleep(STEP_S)
+        time.sleep(STEP_S if version > 1 else 5 * STEP_S)  # the first attempt also builds its plan
     out.append({"version": 4, "committed": handles.pop(4).wait().version, "waited_s": None})
     return out
 
