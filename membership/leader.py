@@ -24,7 +24,12 @@ from typing import Any, Protocol
 
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
 from elastic_refit.membership.config import MembershipConfig
-from elastic_refit.membership.errors import JOB_STATE_LOST_ADVICE, EtcdUnavailable, JobStateLost, LeadershipLost
+from elastic_refit.membership.errors import (
+    JOB_STATE_LOST_ADVICE,
+    EtcdUnavailable,
+    JobStateLost,
+    LeadershipLost,
+)
 from elastic_refit.membership.index import control_index
 from elastic_refit.membership.keys import JobKeys
 from elastic_refit.membership.view import (

@@ -6,8 +6,8 @@ with (or none) still refit bit-exact."""
 from __future__ import annotations
 
 import torch.distributed as dist
-
 from elastic_refit.kernels.program import PackProgram
+
 from elastic_refit.testing.pattern import allocate, check_pieces, fill_pieces
 from elastic_refit.testing.processes import run_local_world
 from elastic_refit.testing.world import RefitCase, leave_together, make_transport
