@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from elastic_refit.layout import Buffer
     from elastic_refit.transport.schedule import BufferRef
 
-__all__ = ["buffer_digests", "buffers_digest", "byte_view", "combine_digests", "digest", "digest_reference", "overlapping",
+__all__ = ["buffer_digests", "buffers_digest", "byte_view", "combine_digests", "digest", "digest_reference", "fits", "overlapping",
            "resolve_buffers", "split_box", "view_digest"]
 
 
@@ -46,10 +46,17 @@ def resolve_buffers(buffers: Mapping[BufferRef, Buffer], source: Mapping[str, to
         if tuple(t.shape) != buffer.shape or t.dtype != getattr(torch, buffer.dtype):
             raise ValueError(f"rank {rank}: {what} buffer {name!r} is {list(t.shape)} {t.dtype}, "
                              f"the layout says {list(buffer.shape)} {buffer.dtype}")
-        if not t.is_contiguous() or t.device.type != device.type:
+        if not fits(t, buffer, device):
             raise ValueError(f"rank {rank}: {what} buffer {name!r} must be contiguous on {device}")
         tensors[ref] = t
     return tensors
+
+
+def fits(t: torch.Tensor, buffer: Buffer, device: torch.device) -> bool:
+    """Whether ``t`` can stand for ``buffer`` on ``device``'s type: its shape and dtype,
+    contiguous (what :func:`resolve_buffers` requires, and names when it is not so)."""
+    return (tuple(t.shape) == buffer.shape and t.dtype == getattr(torch, buffer.dtype) and t.is_contiguous()
+            and t.device.type == device.type)
 
 
 try:  # the optional compiled form of the CPU digest (setup.py); numpy where it was not built

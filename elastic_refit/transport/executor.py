@@ -46,7 +46,7 @@ from elastic_refit.errors import TransferRefused, brief
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan, SourceSide
 from elastic_refit.transport.bucket_io import BucketIO, ForwardIn
-from elastic_refit.transport.buffers import resolve_buffers
+from elastic_refit.transport.buffers import fits, resolve_buffers
 from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
 from elastic_refit.transport.options import ExecutorOptions, MiB
 from elastic_refit.transport.protocol import P2POp, Transport
@@ -248,9 +248,8 @@ class Executor:
         given = {(int(SourceSide.SOURCE), n): t for n, t in (source or {}).items()}
         given.update({(int(SourceSide.DESTINATION), n): t for n, t in (destination or {}).items()})
         buffers = self.schedule.buffers
-        tensors = {ref: t for ref, t in given.items()  # what run would take (it checks and names the rest)
-                   if ref in buffers and tuple(t.shape) == buffers[ref].shape and t.is_contiguous()
-                   and t.dtype == getattr(torch, buffers[ref].dtype) and t.device.type == self.device.type}
+        tensors = {ref: t for ref, t in given.items()  # what run would take (it names the rest)
+                   if ref in buffers and fits(t, buffers[ref], self.device)}
         self._ensure_staging()
         bound = 0
         for window, slots in zip(self.windows, self._slots, strict=True):
