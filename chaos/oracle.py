@@ -333,8 +333,10 @@ def check_leaks(evidence: TrialEvidence) -> list[Violation]:
     for incarnation, report in evidence.reports.items():
         for key, check, what, quoted in _MEMBER_LEFTOVERS:
             if report.get(key):
+                holders = report.get(f"{key}_holders")
+                why = f" (held by: {holders})" if holders else ""
                 out.append(Violation("leaked", check,
-                                     f"{incarnation} kept {what} after close: {report[key][:quoted]}"))
+                                     f"{incarnation} kept {what} after close: {report[key][:quoted]}{why}"))
     return out
 
 

@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 import traceback
+import types
+import warnings
 from typing import Any
 
 __all__ = ["Terminated", "cuda_allocated", "ipc_mappings", "open_tcp_sockets", "worker_main"]
@@ -90,6 +92,61 @@ def _settled_leftovers(baseline_threads: int, sockets_before: set[str], etcd_end
         if (not leaked and not threads) or time.monotonic() > deadline:
             return leaked, threads
         time.sleep(0.1)
+
+
+def _describe(obj: object) -> str:
+    """One referrer, briefly: a frame by its function and line, a dict by its owner's type."""
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_name}:{obj.f_lineno}"
+    if isinstance(obj, dict):
+        return "dict"
+    return type(obj).__qualname__
+
+
+def _held_by_frames(obj: object) -> str:
+    """Running frames (any thread) with ``obj`` among their locals: on Python 3.11 a running
+    function's locals are no referrer ``gc`` can see."""
+    hits = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code.co_name not in ("_held_by_frames", "group_holders") \
+                    and any(v is obj for v in frame.f_locals.values()):
+                hits.append(f"{_describe(frame)} (thread {ident})")
+            frame = frame.f_back
+    return f" [locals of {', '.join(hits)}]" if hits else ""
+
+
+def group_holders(depth: int = 3, limit: int = 8) -> list[str]:
+    """What still references the transports and posted-work handles alive in this process,
+    ``depth`` referrers up (a diagnostic for a leaked socket: gloo closes a pair's socket
+    only when its process group goes, so whoever holds the group holds the socket)."""
+    from elastic_refit.transport import c10d
+
+    gc.disable()  # the walk must not collect what it is looking at
+    try:
+        with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+            warnings.simplefilter("ignore")
+            live = [o for o in gc.get_objects() if isinstance(o, (c10d.C10dTransport, c10d._Works))]
+        out = []
+        del live[limit:]
+        for obj in live:
+            chain, here, up = [type(obj).__qualname__], obj, []
+            for _ in range(depth):
+                # The walk's own lists and frame are not holders (and keeping a reference to
+                # the frame here would make a cycle that holds the transports).
+                up = [r for r in gc.get_referrers(here) if r is not live and r is not up
+                      and getattr(r, "f_code", None) is not group_holders.__code__]
+                if not up:
+                    chain.append("(no Python referrer)")
+                    break
+                chain.append(" | ".join(sorted({_describe(r) for r in up}))[:160])
+                here = up[0]
+            out.append(" <- ".join(chain) + _held_by_frames(obj))
+        stacks = [f"thread {t.name}: {_describe(sys._current_frames().get(t.ident))}"
+                  for t in threading.enumerate() if t is not threading.current_thread()]
+        return out + stacks[:limit]
+    finally:
+        gc.enable()
 
 
 def ipc_mappings() -> list[str]:
@@ -196,6 +253,8 @@ def worker_main(conn, gpu: bool = False) -> None:
             # Only sockets this member opened count (the runner retires a worker that leaked).
             sockets, threads = _settled_leftovers(baseline_threads, sockets_before, member.etcd)
             report["leftover_sockets"] = sockets
+            if sockets:
+                report["leftover_socket_holders"] = group_holders()
             report["leftover_threads"] = threads
             report["leftover_ipc_mappings"] = ipc_mappings()
             report["cuda_allocated_before"] = allocated_before

@@ -233,3 +233,26 @@ def test_a_member_config_may_put_every_member_in_one_domain():
     config = spec.refit_config()
     assert config.domain == "host-0" and config.transfer.same_host == "ipc"
     assert MemberSpec("job", "trainer", "t0", 0, ("localhost:2379",), "d-train").refit_config().domain == "d-train"
+
+
+def test_group_holders_names_who_keeps_a_transport_alive():
+    """The leaked-socket diagnostic names the object (and the running frame) that holds a
+    transport: gloo's sockets go only when their group goes."""
+    import torch.distributed as dist
+
+    from chaos.worker import group_holders
+    from elastic_refit.transport.c10d import C10dTransport
+
+    class Keeper:
+        pass
+
+    keeper = Keeper()
+    keeper.transport = C10dTransport.create(dist.HashStore(), 0, 1)
+    holders = [h for h in group_holders() if h.startswith("C10dTransport")]
+    assert len(holders) == 1 and "Keeper" in holders[0], holders
+    assert "[locals of" not in holders[0]  # no running frame holds it itself
+    local = keeper.transport
+    assert "[locals of frame test_group_holders_names_who_keeps_a_transport_alive" in group_holders()[0]
+    del keeper, local
+    group_holders()  # reading a frame's locals (3.11) kept a snapshot of them on the frame: this refreshes it
+    assert not [h for h in group_holders() if h.startswith("C10dTransport")]
