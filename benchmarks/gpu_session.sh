@@ -128,6 +128,11 @@ case "${1:-}" in
       timeout -k 10 "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
       echo "$? $(( $(date +%s) - t ))" | tee "$OUT/$name.rc" | sed "s/^/$name rc, s: /"
     }
+    with_mps() {  # COMMAND...: run it with an MPS daemon up (processes' kernels run side by side)
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p /tmp/mps /tmp/mps-log && nvidia-cuda-mps-control -d && "$@"
+      echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    }
     xd=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
     steps=${WAVE_STEPS:-ipc_tests colocated colocated2 delta rl}
     for name in $steps; do
@@ -144,11 +149,11 @@ case "${1:-}" in
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
-          export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-          mkdir -p /tmp/mps /tmp/mps-log && nvidia-cuda-mps-control -d \
-            && step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
-              --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged
-          echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+          with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
+            --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
+        colocated_mps)  # IPC refit and the copy ceiling with the 8 processes' kernels side by side (MPS)
+          with_mps step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" \
+            --repeat "${WAVE_REPEAT:-3}" --methods ipc ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done

@@ -89,6 +89,22 @@ class TransferReport:
     direct_recv_bytes: int = 0  # of the received bytes, those read straight from a peer's memory (IPC)
 
 
+class _Phases:
+    """Seconds between marks of one refit (prepare, direct reads, exchange, sync, vote):
+    the breakdown its ``transport.executor.done`` event carries."""
+
+    __slots__ = ("_last", "seconds")
+
+    def __init__(self, start: float) -> None:
+        self._last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 class Executor:
     """Runs rank ``rank``'s share of ``plan`` over ``transport``; build once per epoch."""
 
@@ -194,6 +210,7 @@ class Executor:
         missing or mismatched buffers (after aborting the transport so peers do not hang).
         """
         start = time.perf_counter()
+        phases = _Phases(start)  # where a refit's seconds go, in its done event
         try:
             if self._quantizer is not None:
                 source = self._quantizer.run(source or {}, self.transport)
@@ -202,6 +219,7 @@ class Executor:
             tensors = resolve_buffers(self.schedule.buffers, source or {}, destination or {}, rank=self.rank,
                                       device=self.device)
             self._ensure_staging()
+            phases.mark("prepare")
             counts = {"num_buckets": 0, "num_zero_copy_buckets": 0, "num_verified_boxes": 0}
             if self._delta is not None and delta is not None:
                 started = time.perf_counter()
@@ -211,12 +229,16 @@ class Executor:
                 self._local_copy(copy, tensors)
             if self._direct is not None:
                 self._direct.run(tensors)
+                phases.mark("direct")
             for window, slots in zip(self.windows, self._slots, strict=True):
                 self._exchange(window, slots, tensors, counts)
+            phases.mark("exchange")
             if self._direct is not None:  # fan-outs read what the network phase delivered
                 self._direct.run_fan_out(tensors)
+                phases.mark("fan_out")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+                phases.mark("sync")
         except BaseException as exc:
             log.warning("transport.executor.failed", rank=self.rank, error=brief(exc))
             self.transport.abort()
@@ -230,12 +252,15 @@ class Executor:
                 before_vote()
             except Exception as exc:
                 refused = exc
-        if not self.transport.vote(refused is None, self.participants):
+        phases.mark("before_vote")
+        voted = self.transport.vote(refused is None, self.participants)
+        phases.mark("vote")
+        if not voted:
             if refused is not None:
                 raise refused
             raise TransferRefused(f"rank {self.rank}: another rank voted the refit down at its close",
                                   rank=self.rank, phase="vote")
-        return self._report(time.perf_counter() - start, counts, rnd)
+        return self._report(time.perf_counter() - start, counts, rnd, phases.seconds)
 
     def warm(self, source: Mapping[str, torch.Tensor] | None = None,
              destination: Mapping[str, torch.Tensor] | None = None) -> int:
@@ -268,7 +293,8 @@ class Executor:
         return bound
 
     # ---- internals ---------------------------------------------------------------------
-    def _report(self, seconds: float, counts: Mapping[str, int], rnd: DeltaRound) -> TransferReport:
+    def _report(self, seconds: float, counts: Mapping[str, int], rnd: DeltaRound,
+                phases: Mapping[str, float]) -> TransferReport:
         """What one refit moved on this rank (bytes by kind from the plan, what the round
         counted), logged as ``transport.executor.done``."""
         by_kind = self._full_schedule.bytes_by_kind()
@@ -294,7 +320,8 @@ class Executor:
                  local_bytes=report.local_bytes, num_buckets=report.num_buckets,
                  num_delta_buckets=report.num_delta_buckets,
                  saved_bytes=report.network_saved_bytes + report.intra_saved_bytes,
-                 **{f"delta_{part}_s": round(s, 6) for part, s in rnd.seconds.items() if s})
+                 **{f"delta_{part}_s": round(s, 6) for part, s in rnd.seconds.items() if s},
+                 **{f"phase_{part}_s": round(s, 6) for part, s in phases.items()})
         return report
 
     def _quantized_base(self, delta: DeltaInputs) -> DeltaInputs:
