@@ -56,9 +56,9 @@ from elastic_refit.transport.factory import (
     grow_nccl4py,
     init_nccl4py,
     make_transport,
+    nccl4py_parent_state,
     nccl_group,
     release_deferred_mappings,
-    revive_nccl4py,
     shrink_nccl4py,
     with_direct_reads,
 )
@@ -284,14 +284,14 @@ class CommunicatorManager:
     def _parent_ready(self, broken: bool) -> bool:
         """Whether the current communicator can be kept, shrunk or grown from. A c10d group
         that failed an operation cannot. An nccl4py one whose state is an error (a peer died
-        under a transfer) is revoked first: once quiescent, a revoked communicator is back
-        at success and management calls may proceed."""
+        under a transfer) cannot either: NCCL refuses to shrink or grow from it and a revoke
+        does not clear it, so the epoch rebuilds."""
         comm = self.current
         if comm is None or comm.backend != Backend.NCCL4PY:
             return comm is not None and not broken
-        state, revoked = revive_nccl4py(comm.pg, self.config.abort_timeout_s)
-        if revoked:
-            self.log.info("comm.parent.revoked", epoch=comm.epoch, state=state)
+        state = nccl4py_parent_state(comm.pg, self.config.abort_timeout_s)
+        if state != 0:
+            self.log.info("comm.parent.broken", epoch=comm.epoch, state=state)
         return state == 0
 
     def _transport_of(self, comm: Communicator, hosts: tuple[str, ...]) -> Transport:

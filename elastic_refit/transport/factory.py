@@ -13,7 +13,7 @@ and never names a concrete one:
 - :func:`gloo_group` and :func:`nccl_group` build the c10d process groups an owner keeps
   across epochs (with the options membership's lifecycle needs);
 - the nccl4py lifecycle (:func:`probe_nccl4py`, :func:`init_nccl4py`,
-  :func:`shrink_nccl4py`, :func:`grow_nccl4py`, :func:`revive_nccl4py`) for owners of
+  :func:`shrink_nccl4py`, :func:`grow_nccl4py`, :func:`nccl4py_parent_state`) for owners of
   nccl4py communicators.
 
 Concrete transports are imported on first use, so importing this module loads neither
@@ -32,8 +32,8 @@ import torch
 from elastic_refit.transport.backend import Backend
 from elastic_refit.transport.protocol import Transport
 
-__all__ = ["create_transport", "gloo_device", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport", "nccl_group",
-           "probe_nccl4py", "release_deferred_mappings", "revive_nccl4py", "shrink_nccl4py",
+__all__ = ["create_transport", "gloo_device", "gloo_group", "grow_nccl4py", "init_nccl4py", "make_transport",
+           "nccl4py_parent_state", "nccl_group", "probe_nccl4py", "release_deferred_mappings", "shrink_nccl4py",
            "with_direct_reads"]
 
 
@@ -184,12 +184,12 @@ def init_nccl4py(store: Any, rank: int, world_size: int, timeout_s: float,
     return init_communicator(store, rank, world_size, timeout_s, cancel)
 
 
-def revive_nccl4py(communicator: Any, timeout_s: float) -> tuple[int, bool]:
+def nccl4py_parent_state(communicator: Any, timeout_s: float) -> int:
     """Whether ``communicator`` can be shrunk or grown from: its NCCL state once quiescent
-    (0: ready), revoked first when it was an error; and whether it was revoked."""
-    from elastic_refit.transport.nccl import revive
+    (0: ready; an error state is final, see :func:`~elastic_refit.transport.nccl.parent_state`)."""
+    from elastic_refit.transport.nccl import parent_state
 
-    return revive(communicator, timeout_s)
+    return parent_state(communicator, timeout_s)
 
 
 def shrink_nccl4py(parent: Any, excluded: Sequence[int], *, abort: bool, timeout_s: float,
