@@ -69,6 +69,40 @@ class Participant:
         self.lock = threading.Lock()
         self._acked: set[int] = set()  # versions this rank acked and has not retracted since
         self.phase = Phase.DONE
+        # The transfer in flight (its epoch, its participants' identities, its transport),
+        # read by the membership thread (peer_left): its own lock, never the attempt's.
+        self._moving_lock = threading.Lock()
+        self._moving: tuple[int, frozenset[tuple[str, str, str]], Transport] | None = None
+
+    def peer_left(self, view: MembershipView) -> None:
+        """A newer epoch ``view`` without a participant of the transfer in flight aborts that
+        transfer's transport now (called on the membership thread). Every rank's wait then
+        ends at once: a peer's death reaches an NCCL collective only when NCCL's proxy
+        notices (~0.5 s, measured on nccl4py), and the attempt could not succeed anyway."""
+        with self._moving_lock:
+            if self._moving is None:
+                return
+            epoch, identities, transport = self._moving
+            gone = identities - view.identities
+            if view.epoch <= epoch or not gone:
+                return
+            self._moving = None
+        self.services.log.info("refit.transfer.interrupted", epoch=epoch, new_epoch=view.epoch,
+                               gone=sorted(member_id for _role, member_id, _incarnation in gone))
+        with contextlib.suppress(Exception):  # best effort: the attempt's own fault handling follows
+            transport.abort()
+
+    @contextlib.contextmanager
+    def _in_flight(self, view: MembershipView, spec: AttemptSpec, transport: Transport):
+        """While bytes move: what :meth:`peer_left` aborts."""
+        identities = frozenset(m.identity for m in view.members if m.member_id in spec.participants)
+        with self._moving_lock:
+            self._moving = (view.epoch, identities, transport)
+        try:
+            yield
+        finally:
+            with self._moving_lock:
+                self._moving = None
 
     def run(self, view: MembershipView, transport: Transport, seq: int, spec: AttemptSpec,
             executor_for: ExecutorFor) -> bool:
@@ -129,7 +163,8 @@ class Participant:
             self._begin_receiving()
         s.fire("transfer.before", epoch=view.epoch, seq=seq, version=spec.version, executor=executor,
                transport=transport)
-        report = executor.run(source, destination, before_vote=self._after_sends(spec, source), delta=delta)
+        with self._in_flight(view, spec, transport):
+            report = executor.run(source, destination, before_vote=self._after_sends(spec, source), delta=delta)
         if me in spec.sources and self._published is not None:
             self._published.mark_sent(spec.version)
         log.info("refit.transfer.done", seconds=report.seconds, network_recv_bytes=report.network_recv_bytes,

@@ -356,7 +356,10 @@ class NcclTransport(TransportBase):
         deadline = time.monotonic() + self.timeout_s
         in_progress = _in_progress_code()
         while not work.event.query():
-            state = int(self.comm.get_async_error()) if not self._aborted else -1
+            if self._aborted:  # by this rank's fault handling, or an epoch that dropped a peer
+                raise TransportAborted(f"rank {self.rank}: {what} with rank {peer} stopped: the transport was "
+                                       "aborted", rank=self.rank, phase=what)
+            state = int(self.comm.get_async_error())
             if state not in (0, in_progress):
                 self.abort()
                 raise TransportAborted(
