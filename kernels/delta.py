@@ -30,13 +30,14 @@ forms).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 
 import torch
 from elastic_refit.kernels import delta_triton
 
-__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "delta_digests", "delta_unit", "encode_delta",
+__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "changed_elements_many", "delta_digests", "delta_unit", "encode_delta",
            "encoded_nbytes", "payload_counts", "segment_entries", "segment_entry_counts", "segment_positions",
            "write_elements"]
 
@@ -92,6 +93,40 @@ def changed_elements(current: torch.Tensor, base: torch.Tensor, unit: int) -> to
     if differ.dim() == 2:
         differ = differ.any(dim=1)
     return differ.nonzero().flatten()
+
+
+def changed_elements_many(currents: list[torch.Tensor], bases: list[torch.Tensor], units: list[int], *,
+                          batched: bool | None = None) -> list[torch.Tensor]:
+    """:func:`changed_elements` of several buffers (flat uint8 each, of one device), found
+    with two read-backs in all instead of one or two per buffer: on a GPU whose ranks share
+    it, each read-back waits for a context switch (milliseconds), and a rank compares tens
+    of buffers per refit. On the CPU (no read-backs) buffer by buffer, as there, unless
+    ``batched`` (tests) says otherwise."""
+    if not (len(currents) == len(bases) == len(units)):
+        raise ValueError(f"{len(currents)} currents, {len(bases)} bases and {len(units)} units")
+    if batched is None:
+        batched = bool(currents) and currents[0].device.type != "cpu"
+    if not currents or not batched:
+        return [changed_elements(c, b, u) for c, b, u in zip(currents, bases, units, strict=True)]
+    sizes = []
+    for c, b, u in zip(currents, bases, units, strict=True):
+        if c.shape != b.shape:
+            raise ValueError(f"current has {c.numel()} bytes, base {b.numel()}")
+        _elements(c, u)  # the same checks as changed_elements
+        sizes.append(c.numel() // u)
+    differ = torch.empty(sum(sizes), dtype=torch.bool, device=currents[0].device)
+    at = 0
+    for c, b, u, n in zip(currents, bases, units, sizes, strict=True):
+        a, z = _elements(c, u), _elements(b, u)
+        if a.dim() != z.dim() or a.dim() == 2:  # rows: an element differs where any byte does
+            torch.any(c.view(-1, u) != b.view(-1, u), dim=1, out=differ[at : at + n])
+        else:
+            torch.ne(a, z, out=differ[at : at + n])
+        at += n
+    flat = differ.nonzero().flatten()  # read-back 1: how many changed in all
+    starts = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64, device=flat.device)
+    cuts = torch.searchsorted(flat, starts).tolist()  # read-back 2: where each buffer's run ends
+    return [flat[cuts[i] : cuts[i + 1]] - starts[i] for i in range(len(sizes))]
 
 
 def _gaps(changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,7 +57,7 @@ from elastic_refit.kernels.delta import (
 )
 from elastic_refit.plan import SourceSide, TransferKind
 from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO
-from elastic_refit.transport.delta_boxes import Boxes, Segments
+from elastic_refit.transport.delta_boxes import Boxes, Segments, compare_ahead
 from elastic_refit.transport.delta_round import DeltaInputs, DeltaRound, _Bucket, _Message, _Part
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import STAGED, ForwardPart, Message, RankSchedule
@@ -140,19 +140,27 @@ class DeltaCoder:
         if not inputs.receivers or not (self.messages or self._forward_recvs):
             return rnd
         ops, received, coded = [], [], {}  # coded: boxes compared in this refit
+        coding = [self._shapes[i].geometry for i, (_step, msg, receiving) in enumerate(self.messages)
+                  if not receiving and not msg.from_destination and self._gets(msg, False, inputs.receivers)
+                  and self._codable(i, rnd)]
+        compare_ahead(coding, tensors, rnd.base, coded)
         for index, (step, msg, receiving) in enumerate(self.messages):
             if msg.from_destination:
                 if not receiving and self._fans_out(msg, inputs.receivers):
                     self._keep_base(index, tensors, rnd)
                 continue
-            gets = (self._relayed_ok(self.rank if receiving else msg.peer, inputs.receivers) if msg.relayed
-                    else (self.rank if receiving else msg.peer) in inputs.receivers)
+            gets = self._gets(msg, receiving, inputs.receivers)
             self._size_op(index, step, msg, receiving, gets, tensors, rnd, coded, ops, received)
         _exchange(transport, ops, "delta sizes")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
         self._exchange_part_sizes(inputs, rnd, transport)
         return rnd
+
+    def _gets(self, msg: Message, receiving: bool, receivers: frozenset[int]) -> bool:
+        """Whether message ``msg`` (from the network phase) may carry deltas this refit."""
+        end = self.rank if receiving else msg.peer
+        return self._relayed_ok(end, receivers) if msg.relayed else end in receivers
 
     def _size_op(self, index, step, msg, receiving, gets, tensors, rnd, coded, ops, received) -> None:
         """The sizes operation of message ``index`` (when it may carry deltas)."""
@@ -255,6 +263,13 @@ class DeltaCoder:
                 out[ref] = t
         return out
 
+    def _codable(self, index: int, rnd: DeltaRound) -> bool:
+        """Whether message ``index``'s boxes can be coded against this refit's base: all
+        from this rank's sources (none from the destination side), each with its base."""
+        shape = self._shapes[index]
+        n = len(shape.boxes)
+        return bool(n) and len(shape.own) == n and all(r in rnd.base for r in shape.geometry.refs)
+
     def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound, cache: dict) -> torch.Tensor:
         """A sender's message ``index``: which buckets go as deltas (their sizes, the vector
         sent), and the segments and digest moves of all its boxes, coded once."""
@@ -262,7 +277,7 @@ class DeltaCoder:
         boxes = shape.geometry
         n = len(shape.boxes)
         sizes = torch.full((2 * n,), FULL, dtype=torch.int64)
-        if not n or len(shape.own) != n or not all(r in rnd.base for r in boxes.refs):
+        if not self._codable(index, rnd):
             return sizes  # from the destination side (fan-out, holders) or without a base: in full
         seg = boxes.segments(tensors, rnd.base, self.verify, cache)
         entries, value_bytes = seg.entries.cpu(), seg.value_bytes.cpu()

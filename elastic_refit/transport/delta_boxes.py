@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 
 from elastic_refit.kernels.delta import (
     changed_elements,
+    changed_elements_many,
     delta_digests,
     segment_entries,
     segment_entry_counts,
@@ -29,7 +31,7 @@ from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.schedule import BoxCopy, RankSchedule
 
-__all__ = ["Boxes", "Change", "Segments", "Written", "gather_segments", "segment_places"]
+__all__ = ["Boxes", "Change", "Segments", "Written", "compare_ahead", "gather_segments", "segment_places"]
 
 try:  # the compiled form (setup.py); without it numpy runs, with the same results
     from elastic_refit.transport import _delta as _native
@@ -78,6 +80,23 @@ class Segments:
     value_bytes: torch.Tensor
     coded: torch.Tensor
     moves: torch.Tensor
+
+
+def compare_ahead(geometries: Iterable[Boxes], tensors: Mapping, base: Mapping, cache: dict) -> None:
+    """The changed elements of every buffer the vectorized ``geometries`` read, compared
+    at once with two read-backs (:func:`changed_elements_many`) into ``cache`` (a refit's,
+    as :meth:`Boxes.segments` takes it): what :meth:`Boxes.code` would otherwise find buffer
+    by buffer, a read-back each."""
+    changed = cache.setdefault(_CHANGED, {})
+    todo: dict = {}
+    for g in geometries:
+        if g.vectorized:
+            todo.update({ref: unit for ref, unit in zip(g.refs, g.itemsizes, strict=True)
+                         if ref not in changed and ref in base})
+    if todo:
+        found = changed_elements_many([byte_view(tensors[r]).reshape(-1) for r in todo],
+                                      [byte_view(base[r]).reshape(-1) for r in todo], list(todo.values()))
+        changed.update(zip(todo, found, strict=True))
 
 
 class Boxes:

@@ -169,3 +169,26 @@ def test_fp8_blocks_whose_scale_moves(seed, kind):
         assert changed_elements(current, base, unit).numel() >= 1
     if kind == "none":
         assert payload.numel() == HEADER_BYTES
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 8]), st.integers(0, 300), st.floats(0.0, 1.0)),
+                min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_many_buffers_compared_at_once_find_what_each_compare_finds(buffers, seed):
+    """changed_elements_many (one pass, two read-backs: the GPU's form, forced here) gives
+    every buffer's changed_elements, whatever the units (3: rows), sizes and densities."""
+    from elastic_refit.kernels.delta import changed_elements_many
+
+    g = torch.Generator().manual_seed(seed)
+    currents, bases, units = [], [], []
+    for unit, n, density in buffers:
+        base = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g)
+        cur = base.clone().view(-1, unit) if n else base.clone().view(0, unit)
+        flip = torch.rand(n, generator=g) < density
+        cur[flip, 0] ^= 1
+        currents.append(cur.reshape(-1))
+        bases.append(base)
+        units.append(unit)
+    found = changed_elements_many(currents, bases, units, batched=True)
+    for cur, base, unit, got in zip(currents, bases, units, found, strict=True):
+        assert torch.equal(got, changed_elements(cur, base, unit))
