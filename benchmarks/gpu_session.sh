@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh churn      # churn with and without connecting ahead (nccl4py)
 #   bash benchmarks/gpu_session.sh digest     # digest GB/s against a plain copy on the GPU
 #   bash benchmarks/gpu_session.sh wave       # issues 36, 35, 37: IPC tests, colocated benches, deltas, RL step
+#                                             # (WAVE_STEPS picks; *_mps steps run under an MPS daemon)
 #   bash benchmarks/gpu_session.sh all        # the whole GPU suite in parallel lanes, then kernels,
 #                                             # lifecycle and churn benchmarks: one table, < 10 min
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
@@ -151,9 +152,12 @@ case "${1:-}" in
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
           with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
             --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
-        colocated_mps)  # IPC refit and the copy ceiling with the 8 processes' kernels side by side (MPS)
+        colocated_mps)  # IPC refit (and WAVE_COLOCATED_METHODS) and the copy ceiling, kernels side by side (MPS)
           with_mps step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" \
-            --repeat "${WAVE_REPEAT:-3}" --methods ipc ;;
+            --repeat "${WAVE_REPEAT:-3}" --baseline-repeat 1 --methods "${WAVE_COLOCATED_METHODS:-ipc}" ;;
+        delta_mps)  # the delta step with the 8 ranks' kernels side by side (MPS), as on GPUs of their own
+          with_mps step $name "${WAVE_DELTA_MPS_S:-60}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
+            --steps "${WAVE_DELTA_MPS_STEPS:-5}" --refit-hidden 1024 --refit-layers 6 --json --skip-trajectory ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done
