@@ -14,7 +14,7 @@ transfer seconds come from its ``refit.transfer.done`` events; each epoch's comm
 path from ``comm.reconfigured``. NeMo RL's shrink demo for comparison: 2.1 s before, 3.7 s
 right after a shrink.
 
-    python benchmarks/bench_nccl_churn.py --backend nccl4py --versions 14 [--no-connect-ahead] [--json]
+    python benchmarks/bench_nccl_churn.py --backend nccl4py [--versions 22] [--no-connect-ahead] [--json]
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ def summarize(times: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="nccl4py", choices=["gloo", "nccl", "nccl4py"])
-    parser.add_argument("--versions", type=int, default=12)
+    parser.add_argument("--versions", type=int, default=22,
+                        help="versions published (default 22: the rank killed at --kill-at rejoins after its "
+                             "lease TTL, and the grown epoch still runs several refits)")
     parser.add_argument("--kill-at", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)

@@ -200,7 +200,7 @@ case "${1:-}" in
     bench lifecycle "${ALL_LIFECYCLE_S:-70}" python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 \
       --repeat "${REPEAT:-5}" --backend nccl4py --json
     bench churn "${ALL_CHURN_S:-100}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py \
-      --versions "${VERSIONS:-14}" --kill-at 4 --json
+      --versions "${VERSIONS:-22}" --kill-at 4 --json
     for name in runtime rest; do grep -E "^(FAILED|ERROR)|slowest|^[0-9.]+s (call|setup|teardown)" "$OUT/$name.log" \
       | head -30 > "$OUT/$name.summary"; done
     python3 benchmarks/gpu_all_table.py "$OUT" --total-s "$(( $(date +%s) - t_all ))" | tee "$OUT/all_table.md" ;;
