@@ -14,8 +14,8 @@ cheapest path the installed runtime supports (:func:`choose_path`):
 
 On NCCL every rank takes the path rank 0 of the epoch picked, and rank 0 picks a path that
 keeps the communicator only when every survivor reported it ready (:func:`agree_fast_path`):
-NCCL will not shrink a communicator whose state is an error unless a revoke brings it back,
-and torch's ``ProcessGroupNCCL.shrink`` needs a store it can clone, which the etcd store is
+NCCL will not shrink or grow from a communicator whose state is an error (a revoke does not
+clear it: measured), and torch's ``ProcessGroupNCCL.shrink`` needs a store it can clone, which the etcd store is
 not. Everything here but :func:`probe_runtime` is a pure function of its arguments.
 """
 
@@ -171,8 +171,8 @@ FAST_PATHS: tuple[str, ...] = ("unchanged", "shrink", "shrink_abort", "grow")
 def agree_fast_path(path: str, parents_ready: dict[str, bool]) -> str:
     """The epoch's path once every surviving member reported whether its communicator can
     be shrunk or grown from (pure). NCCL refuses to shrink a communicator whose state is an
-    error (a transfer with the dead peer failed on it) unless a revoke brought it back to
-    success, and the survivors must all take part: one unready parent means a rebuild for
+    error (a transfer with the dead peer failed on it; a revoke does not bring it back), and
+    the survivors must all take part: one unready parent means a rebuild for
     everyone, decided before anyone calls into NCCL, never a shrink that waits for a rank
     that cannot join it."""
     if path in FAST_PATHS and not all(parents_ready.values()):
