@@ -26,7 +26,7 @@ from elastic_refit.errors import (
     brief,
     drop_frames,
 )
-from elastic_refit.membership import MembershipError, MembershipLost, MembershipView
+from elastic_refit.membership import Membership, MembershipError, MembershipLost, MembershipView
 from elastic_refit.membership.attempts import OK, AttemptSpec, Done
 from elastic_refit.plan import Plan
 from elastic_refit.runtime.attempt import fault_cause
@@ -73,6 +73,11 @@ class Participant:
         # read by the membership thread (peer_left): its own lock, never the attempt's.
         self._moving_lock = threading.Lock()
         self._moving: tuple[int, frozenset[tuple[str, str, str]], Transport] | None = None
+
+    def follow(self, membership: Membership) -> None:
+        """End a transfer in flight as soon as an epoch of ``membership`` (this member's,
+        a new one after a rejoin) drops one of its participants."""
+        membership.on_view(lambda _old, new: self.peer_left(new))
 
     def peer_left(self, view: MembershipView) -> None:
         """A newer epoch ``view`` without a participant of the transfer in flight aborts that

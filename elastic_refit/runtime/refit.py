@@ -155,7 +155,7 @@ class ElasticRefit:
         driver = Driver(services, planner, self._outcomes, participant, lambda: self._side,
                         published=self._published, serving=self._serving, rejoin=self._come_back)
         self._running = _Running(services, planner, participant, driver)
-        self._follow_views(services)
+        participant.follow(services.membership)
         self._detachment.follow(services)
         driver.start()
         self.log.info("refit.member.started", layout_rank=self.config.layout_rank, mode=self.config.versions.mode,
@@ -215,13 +215,8 @@ class ElasticRefit:
                                                                           services.membership.close]
         self.config = services.config
         self._running = replace(self._running, services=services)
-        self._follow_views(services)
+        self._running.participant.follow(services.membership)
         return services
-
-    def _follow_views(self, services: Services) -> None:
-        """A transfer in flight ends as soon as an epoch drops one of its participants."""
-        participant = self._running.participant
-        services.membership.on_view(lambda _old, new: participant.peer_left(new))
 
     @property
     def detached(self) -> str | None:

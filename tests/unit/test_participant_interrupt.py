@@ -8,9 +8,9 @@ import threading
 from types import SimpleNamespace
 
 import structlog
-
 from elastic_refit.membership.attempts import REFIT, AttemptSpec
 from elastic_refit.membership.view import MemberRecord, MembershipView
+
 from elastic_refit.runtime.participant import Participant
 
 
@@ -89,3 +89,14 @@ def test_peer_left_races_the_end_of_the_transfer_safely():
         stop.set()
         thread.join()
     assert all(t.aborts <= 1 for t in transports)
+
+
+def test_follow_registers_for_every_view():
+    """follow() hands the membership's views to peer_left (a rejoined member follows its new one)."""
+    p, t = _participant(), _Transport()
+    callbacks = []
+    p.follow(SimpleNamespace(on_view=callbacks.append))
+    assert len(callbacks) == 1
+    with _moving(p, t):
+        callbacks[0](EPOCH3, MembershipView(epoch=4, members=(_rec("t0"),)))
+    assert t.aborts == 1
