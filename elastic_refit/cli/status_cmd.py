@@ -188,20 +188,26 @@ def run(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     """The table, redrawn in place (cursor home, clear below) every ``args.watch`` seconds."""
+    import signal
     import sys
-    import time
+    import threading
 
     if not args.watch > 0 or args.json:
         raise ValueError(f"--watch needs SECONDS > 0 and no --json, got {args.watch} {'--json' if args.json else ''}")
     config = etcd_config(args)
+    # Ctrl-C sets a flag instead of raising inside an etcd call: a KeyboardInterrupt there
+    # (mid-request, on a loaded machine) could leave the client's close waiting for good.
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             text = render_status(job_status(config, args.job, args.last))
             sys.stdout.write(f"\x1b[H\x1b[J{text}\n(every {args.watch:g} s; Ctrl-C stops)\n")
             sys.stdout.flush()
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+            stop.wait(args.watch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
 
 
 def render_status(data: dict[str, Any]) -> str:
