@@ -202,13 +202,22 @@ class Boxes:
         n = len(self.boxes)
         values, at = _values(self, box, None)
         moves = torch.zeros(n, dtype=torch.int64, device=local.device)
+        # One element size: the old values gather beside the new ones and one digest call
+        # covers the message (a call per buffer is a dozen kernel launches each on a GPU).
+        olds = torch.empty_like(values) if verify and at is None else None
         for i, u, idx in self.groups(box):
             at_flat = _masked(flat, idx)
             new = _rows(tensors[self.refs[i]], u).index_select(0, at_flat)
             _put(values, at, idx, new)
             if verify:
                 old = _rows(base[self.refs[i]], u).index_select(0, at_flat)
-                moves += delta_digests(old, new, _masked(local, idx) * u, _masked(box, idx), n)
+                if olds is not None:
+                    _put(olds, None, idx, old)
+                else:
+                    moves += delta_digests(old, new, _masked(local, idx) * u, _masked(box, idx), n)
+        if olds is not None:
+            u = self.itemsizes[0]
+            moves = delta_digests(olds.view(-1, u), values.view(-1, u), local * u, box, n)
         return Change(local, torch.bincount(box, minlength=n).cpu(), values, moves)
 
     def _code_cpu(self, tensors, base, verify: bool) -> Change:
@@ -238,13 +247,19 @@ class Boxes:
         flat = self.flat(change.local, box)
         values, at = _values(self, box, change.values)
         moves = torch.zeros(n, dtype=torch.int64, device=counts.device)
+        olds = torch.empty_like(values) if verify and at is None else None  # one digest call, as in code
         writes = []
         for i, u, idx in self.groups(box):
             rows, f = _rows(tensors[self.refs[i]], u), _masked(flat, idx)
             new = _take(values, at, idx, u)
-            if verify:
+            if olds is not None:
+                _put(olds, None, idx, rows.index_select(0, f))
+            elif verify:
                 moves += delta_digests(rows.index_select(0, f), new, _masked(change.local, idx) * u, _masked(box, idx), n)
             writes.append((rows, f, new, u))
+        if olds is not None:
+            u = self.itemsizes[0]
+            moves = delta_digests(olds.view(-1, u), values.view(-1, u), change.local * u, box, n)
 
         def write() -> None:
             for rows, f, new, u in writes:
