@@ -80,8 +80,9 @@ class Participant:
         membership.on_view(lambda _old, new: self.peer_left(new))
 
     def peer_left(self, view: MembershipView) -> None:
-        """A newer epoch ``view`` without a participant of the transfer in flight aborts that
-        transfer's transport now (called on the membership thread). Every rank's wait then
+        """A newer epoch ``view`` without a participant of the transfer in flight interrupts
+        that transfer's transport now (called on the membership thread; the attempt's thread
+        then aborts it, IPC mappings included, as after any fault). Every rank's wait then
         ends at once: a peer's death reaches an NCCL collective only when NCCL's proxy
         notices (~0.5 s, measured on nccl4py), and the attempt could not succeed anyway."""
         with self._moving_lock:
@@ -95,7 +96,7 @@ class Participant:
         self.services.log.info("refit.transfer.interrupted", epoch=epoch, new_epoch=view.epoch,
                                gone=sorted(member_id for _role, member_id, _incarnation in gone))
         with contextlib.suppress(Exception):  # best effort: the attempt's own fault handling follows
-            transport.abort()
+            transport.interrupt()
 
     @contextlib.contextmanager
     def _in_flight(self, view: MembershipView, spec: AttemptSpec, transport: Transport):

@@ -170,6 +170,9 @@ class FaultyTransport:
     def abort(self) -> None:
         self.inner.abort()
 
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
     def close(self) -> None:
         with self._lock:
             self._triggers.clear()

@@ -220,6 +220,11 @@ class IpcTransport:
             self._faulted = True
             raise
 
+    def interrupt(self) -> None:
+        """Waits end now (the base's); the mappings stay until the transfer's own thread
+        aborts or closes, so no copy it queued reads unmapped memory."""
+        self.base.interrupt()
+
     def abort(self) -> None:
         """Release every mapping (now if nothing queued may still be running, else once it
         ended: see the module), then abort the base (peers fail fast)."""

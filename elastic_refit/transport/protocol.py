@@ -105,6 +105,12 @@ class Transport(Protocol):
         """Tear the communicator down so that peers blocked on this rank fail fast."""
         ...
 
+    def interrupt(self) -> None:
+        """From any thread: make this rank's waits in flight end now with
+        ``TransportAborted`` (the thread that runs the transfer then aborts as usual).
+        Never releases memory that thread may still read (IPC mappings stay)."""
+        ...
+
     def close(self) -> None:
         """Stop using the transport and drop its references to the communicator."""
         ...
@@ -148,6 +154,11 @@ class TransportBase:
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    def interrupt(self) -> None:
+        """See :meth:`Transport.interrupt`: here an abort, which holds no memory of its own
+        (nccl4py: a flag every wait checks; c10d: the group's abort, made for this)."""
+        self.abort()  # type: ignore[attr-defined]
 
     def vote(self, ok: bool, participants: Sequence[int] | None = None) -> bool:
         """With ``participants`` (a subset of the world) the vote runs point-to-point through

@@ -15,13 +15,16 @@ from elastic_refit.runtime.participant import Participant
 
 
 class _Transport:
-    """A unit-test double: counts aborts (the real transports' abort is a flag or a pg abort)."""
+    """A unit-test double: counts interruptions (the real transports': a flag, a pg abort)."""
 
     def __init__(self) -> None:
         self.aborts = 0
 
-    def abort(self) -> None:
+    def interrupt(self) -> None:
         self.aborts += 1
+
+    def abort(self) -> None:  # only the attempt's own thread aborts
+        raise AssertionError("peer_left must interrupt, not abort")
 
 
 def _rec(member_id: str, role: str = "trainer", inc: str = "a") -> MemberRecord:
