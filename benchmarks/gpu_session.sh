@@ -157,7 +157,7 @@ case "${1:-}" in
             --repeat "${WAVE_REPEAT:-3}" --baseline-repeat 1 --methods "${WAVE_COLOCATED_METHODS:-ipc}" ;;
         delta_mps)  # the delta step with the 8 ranks' kernels side by side (MPS), as on GPUs of their own
           with_mps step $name "${WAVE_DELTA_MPS_S:-60}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
-            --steps "${WAVE_DELTA_MPS_STEPS:-5}" --refit-hidden 1024 --refit-layers 6 --json --skip-trajectory ;;
+            --steps "${WAVE_DELTA_MPS_STEPS:-10}" --refit-hidden 1024 --refit-layers 6 --json --skip-trajectory ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done
