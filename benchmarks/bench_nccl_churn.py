@@ -1,7 +1,7 @@
 """Does the reshard win survive churn? The first refit after a shrink and the first after a
 grow, each against the steady-state refit of the same layout, in the same run.
 
-A real job (etcd, 2 trainer replicas, 4 inference ranks as 2 x TP=2, every member on the
+A real job (etcd, 2 trainer replicas, 4 inference ranks as 2 x TP=2 by default, `--ranks` 4 or 8 in all, every member on the
 GPU as a host of its own to NCCL) publishes ``--versions`` versions of a transformer-shaped
 model. At version ``--kill-at`` an inference rank is SIGKILLed: by default between refits
 (``--kill-phase ack.before``: its bytes arrived, no transfer in flight), so the survivors
@@ -29,7 +29,8 @@ import numpy as np
 
 
 def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int, vocab: int, *,
-                   kill_phase: str = "ack.before", connect_ahead: bool = True):
+                   kill_phase: str = "ack.before", connect_ahead: bool = True, num_inference: int = 4,
+                   inference_tp: int = 2):
     from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario
 
     from elastic_refit.testing.specs import demo_spec
@@ -37,9 +38,9 @@ def churn_scenario(num_versions: int, kill_at: int, hidden: int, num_layers: int
     chunk = {"chunk": 1} if kill_phase == "transfer" else {}
     plan = FaultPlan().kill(role="inference", rank=1, at=kill_phase, version=kill_at, restart=True,
                             restart_delay_s=TTL_S + 1.5, **chunk)
-    spec = demo_spec(4, hidden=hidden, num_layers=num_layers, vocab=vocab)
+    spec = demo_spec(num_inference, inference_tp, hidden=hidden, num_layers=num_layers, vocab=vocab)
     return Scenario(name="churn", victim="inference", fault="kill+rejoin", phase=kill_phase, plan=plan, seed=0,
-                    versions=num_versions, num_inference=4, spec_json=json.dumps(spec), trainer_pause_s=0.2,
+                    versions=num_versions, num_inference=num_inference, spec_json=json.dumps(spec), trainer_pause_s=0.2,
                     member_config={"bucket_bytes": 16 << 20, "staging_bytes": 64 << 20,
                                    "version_timeout_s": 120.0,
                                    "connect_ahead": "on" if connect_ahead else "off"})
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--kill-phase", default="ack.before", choices=["ack.before", "transfer"])
     parser.add_argument("--no-connect-ahead", dest="connect_ahead", action="store_false")
+    parser.add_argument("--ranks", type=int, default=6, choices=(4, 6, 8),
+                        help="members in all: 2 trainers and 2 (TP 1), 4 (2 x TP 2) or 6 (3 x TP 2) inference ranks")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= args.kill_at < args.versions - 2:
@@ -112,15 +115,17 @@ def main(argv: list[str] | None = None) -> int:
 
     run = ChaosRun(deadline_s=300.0, backend=args.backend, keep_logs=False)
     try:
-        print(f"churn on {args.backend}: {args.versions} versions, inference rank i1 killed at {args.kill_phase} "
+        print(f"churn on {args.backend}, {args.ranks} ranks: {args.versions} versions, inference rank i1 killed at {args.kill_phase} "
               f"of v{args.kill_at} and back after its lease, connect ahead {args.connect_ahead} ...", file=sys.stderr)
+        num_inference = args.ranks - 2
         scenario = churn_scenario(args.versions, args.kill_at, args.hidden, args.layers, args.vocab,
-                                  kill_phase=args.kill_phase, connect_ahead=args.connect_ahead)
+                                  kill_phase=args.kill_phase, connect_ahead=args.connect_ahead,
+                                  num_inference=num_inference, inference_tp=1 if num_inference < 4 else 2)
         result = run.run_trial(scenario, narrate=lambda m: print(m, file=sys.stderr))
     finally:
         leaked = run.close()
     out = summarize(refit_times(result.evidence.logs))
-    out.update(backend=args.backend, kill_phase=args.kill_phase, connect_ahead=args.connect_ahead,
+    out.update(backend=args.backend, ranks=args.ranks, kill_phase=args.kill_phase, connect_ahead=args.connect_ahead,
                passed=result.verdict.passed, leaked_pids=leaked,
                violations=[f"{v.category}: {v.detail}" for v in result.verdict.violations],
                recovery_s=list(result.verdict.recovery_s))

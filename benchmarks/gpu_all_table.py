@@ -77,7 +77,8 @@ def lane_row(out: Path, name: str) -> dict:
 def bench_rows(out: Path) -> list[dict]:
     """One row per benchmark that ran: its exit code, wall time and key figures."""
     rows = []
-    for name, figures in (("kernels", _kernels), ("lifecycle", _lifecycle), ("churn", _churn)):
+    for name, figures in (("kernels", _kernels), ("lifecycle", _lifecycle), ("churn", _churn),
+                          ("churn4", _churn), ("churn8", _churn)):
         code, wall = _rc(out / f"{name}.rc")
         if code is None:
             continue

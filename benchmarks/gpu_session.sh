@@ -199,8 +199,10 @@ case "${1:-}" in
     bench kernels "${ALL_KERNELS_S:-70}" python3 benchmarks/bench_kernels.py --device cuda --repeats 5 --json
     bench lifecycle "${ALL_LIFECYCLE_S:-70}" python3 benchmarks/bench_nccl_lifecycle.py --ranks 4 8 \
       --repeat "${REPEAT:-5}" --backend nccl4py --json
-    bench churn "${ALL_CHURN_S:-100}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py \
-      --versions "${VERSIONS:-22}" --kill-at 4 --json
+    for ranks in ${ALL_CHURN_RANKS:-4 8}; do  # the must-show's two sizes (2 trainers + 2 or 6 inference ranks)
+      bench "churn$ranks" "${ALL_CHURN_S:-100}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py \
+        --ranks "$ranks" --versions "${VERSIONS:-22}" --kill-at 4 --json
+    done
     for name in runtime rest; do grep -E "^(FAILED|ERROR)|slowest|^[0-9.]+s (call|setup|teardown)" "$OUT/$name.log" \
       | head -30 > "$OUT/$name.summary"; done
     python3 benchmarks/gpu_all_table.py "$OUT" --total-s "$(( $(date +%s) - t_all ))" | tee "$OUT/all_table.md" ;;
