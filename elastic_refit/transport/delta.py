@@ -357,10 +357,10 @@ class DeltaCoder:
         m.pending -= 1
         if m.pending:
             return 0
-        _check_headers(m.headers, where)
+        m.check_headers(where)
         shape = self._shapes[b.message]
         own = shape.own
-        coded = m.coded if len(own) == len(shape.boxes) else _own_segments(m, own, self.device)
+        coded = m.coded if len(own) == len(shape.boxes) else m.own_segments(own, self.device)
         return self._apply(shape.geometry, Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]),
                            tensors, where)
 
@@ -488,27 +488,6 @@ def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
 
 def _part_tag(step) -> int:
     return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)
-
-
-def _check_headers(headers: list[tuple[torch.Tensor, tuple[int, int]]], where: str) -> None:
-    """Every arrived delta header of a message against what its sizes said (one read back
-    for all of them): ``VerificationFailed`` naming the first that differs."""
-    if not headers:
-        return
-    got = torch.stack([h for h, _ in headers]).view(torch.int64).cpu().tolist()
-    for k, (header, (_, want)) in enumerate(zip(got, headers, strict=True)):
-        if tuple(header) != want:
-            raise VerificationFailed(f"{where}: the header of its delta bucket {k} says {tuple(header)}, its sizes "
-                                     f"said {want}")
-
-
-def _own_segments(m: _Message, own: list[int], device: torch.device) -> torch.Tensor:
-    """A relay's own boxes' segments, back to back (the others are its needers')."""
-    lengths = (m.entries + m.value_bytes)[own].to(device)
-    first = torch.tensor([m.starts[i] for i in own], dtype=torch.int64, device=device)
-    total = int(lengths.sum())
-    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
-    return m.coded[torch.arange(total, device=device) + shift]  # built where the bytes are
 
 
 def _aligned(nbytes: int) -> int:

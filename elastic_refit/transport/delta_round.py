@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic_refit.errors import VerificationFailed
 from elastic_refit.transport.bucket_io import BucketIO
 from elastic_refit.transport.schedule import ForwardPart
 
@@ -72,6 +73,25 @@ class _Message:
     # together once the last delta bucket is in: one read back from the device per message,
     # not one per bucket.
     headers: list[tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=list)
+
+    def check_headers(self, where: str) -> None:
+        """Every arrived delta header against what the sizes said (one read back for all
+        of them): ``VerificationFailed`` naming the first that differs."""
+        if not self.headers:
+            return
+        got = torch.stack([h for h, _ in self.headers]).view(torch.int64).cpu().tolist()
+        for k, (header, (_, want)) in enumerate(zip(got, self.headers, strict=True)):
+            if tuple(header) != want:
+                raise VerificationFailed(f"{where}: the header of its delta bucket {k} says {tuple(header)}, its "
+                                         f"sizes said {want}")
+
+    def own_segments(self, own: list[int], device: torch.device) -> torch.Tensor:
+        """A relay's own boxes' segments, back to back (the others are its needers')."""
+        lengths = (self.entries + self.value_bytes)[own].to(device)
+        first = torch.tensor([self.starts[i] for i in own], dtype=torch.int64, device=device)
+        total = int(lengths.sum())
+        shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+        return self.coded[torch.arange(total, device=device) + shift]  # built where the bytes are
 
 
 @dataclass(slots=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -50,6 +49,7 @@ from elastic_refit.transport.buffers import fits, resolve_buffers
 from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
 from elastic_refit.transport.options import ExecutorOptions, MiB
 from elastic_refit.transport.protocol import P2POp, Transport
+from elastic_refit.transport.report import Phases, TransferReport
 from elastic_refit.transport.schedule import Step, build_rank_schedule
 from elastic_refit.transport.source_quant import SourceQuantizer
 from elastic_refit.transport.window import Posted, Window, WindowForward, WindowMessage, cut_windows
@@ -60,49 +60,6 @@ log = structlog.get_logger("elastic_refit.transport")  # lazy: follows whatever 
 
 # Forwards between a pair are told apart from its network buckets by tag (gloo matches on it).
 FORWARD_TAG = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class TransferReport:
-    """What one rank moved in one refit: bytes (``*_bytes``), counts (``num_*``) and the
-    wall time (``seconds``). ``num_buckets`` counts buckets sent and received,
-    ``num_zero_copy_buckets`` those of them that went straight from or into a parameter,
-    ``num_verified_boxes`` the received boxes whose digest was checked. With deltas:
-    ``num_delta_buckets`` this rank sent as their change against the base, and the bytes
-    that saved on its network and intra-domain sends (``*_saved_bytes``; what went on the
-    wire is ``*_send_bytes`` less them)."""
-
-    rank: int
-    seconds: float
-    network_send_bytes: int
-    network_recv_bytes: int
-    intra_send_bytes: int
-    intra_recv_bytes: int
-    local_bytes: int
-    num_buckets: int
-    num_zero_copy_buckets: int
-    staging_bytes: int
-    num_verified_boxes: int
-    num_delta_buckets: int = 0
-    network_saved_bytes: int = 0
-    intra_saved_bytes: int = 0
-    direct_recv_bytes: int = 0  # of the received bytes, those read straight from a peer's memory (IPC)
-
-
-class _Phases:
-    """Seconds between marks of one refit (prepare, direct reads, exchange, sync, vote):
-    the breakdown its ``transport.executor.done`` event carries."""
-
-    __slots__ = ("_last", "seconds")
-
-    def __init__(self, start: float) -> None:
-        self._last = start
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
-        self._last = now
 
 
 class Executor:
@@ -210,7 +167,7 @@ class Executor:
         missing or mismatched buffers (after aborting the transport so peers do not hang).
         """
         start = time.perf_counter()
-        phases = _Phases(start)  # where a refit's seconds go, in its done event
+        phases = Phases(start)  # where a refit's seconds go, in its done event
         try:
             if self._quantizer is not None:
                 source = self._quantizer.run(source or {}, self.transport)

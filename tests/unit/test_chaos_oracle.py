@@ -239,8 +239,8 @@ def test_group_holders_names_who_keeps_a_transport_alive():
     """The leaked-socket diagnostic names the object (and the running frame) that holds a
     transport: gloo's sockets go only when their group goes."""
     import torch.distributed as dist
+    from elastic_refit.chaos.worker import group_holders
 
-    from chaos.worker import group_holders
     from elastic_refit.transport.c10d import C10dTransport
 
     class Keeper:

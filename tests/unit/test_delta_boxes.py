@@ -189,10 +189,14 @@ def test_a_message_s_delta_headers_are_checked_together_and_the_first_bad_one_is
     """A receiver keeps each arrived delta header (a device copy) and checks them all once
     its message is in: one read back per message, not one per bucket."""
     from elastic_refit.errors import VerificationFailed
-    from elastic_refit.transport.delta import _check_headers
+    from elastic_refit.transport.delta_round import _Message
 
     def header(entries: int, values: int) -> torch.Tensor:
         return torch.tensor([entries, values], dtype=torch.int64).view(torch.uint8).clone()
+
+    def _check_headers(headers, where: str) -> None:
+        empty = torch.zeros(0, dtype=torch.int64)
+        _Message(empty, empty, empty.view(torch.uint8), empty, [], headers=headers).check_headers(where)
 
     _check_headers([], "rank 4")
     _check_headers([(header(3, 12), (3, 12)), (header(0, 0), (0, 0))], "rank 4")
