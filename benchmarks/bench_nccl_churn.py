@@ -1,8 +1,8 @@
 """Does the reshard win survive churn? The first refit after a shrink and the first after a
 grow, each against the steady-state refit of the same layout, in the same run.
 
-A real job (etcd, 2 trainer replicas, 4 inference ranks as 2 x TP=2 by default, `--ranks` 4 or 8 in all, every member on the
-GPU as a host of its own to NCCL) publishes ``--versions`` versions of a transformer-shaped
+A real job (etcd, 2 trainer replicas, 4 inference ranks as 2 x TP=2; ``--ranks`` 4 or 8 in all;
+every member on the GPU as a host of its own to NCCL) publishes ``--versions`` versions of a transformer-shaped
 model. At version ``--kill-at`` an inference rank is SIGKILLed: by default between refits
 (``--kill-phase ack.before``: its bytes arrived, no transfer in flight), so the survivors
 shrink the communicator; with ``--kill-phase transfer`` during a transfer, which leaves the
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = ChaosRun(deadline_s=300.0, backend=args.backend, keep_logs=False)
     try:
-        print(f"churn on {args.backend}, {args.ranks} ranks: {args.versions} versions, inference rank i1 killed at {args.kill_phase} "
+        print(f"churn on {args.backend}, {args.ranks} ranks: {args.versions} versions, inference rank i1 killed at "
+              f"{args.kill_phase} "
               f"of v{args.kill_at} and back after its lease, connect ahead {args.connect_ahead} ...", file=sys.stderr)
         num_inference = args.ranks - 2
         scenario = churn_scenario(args.versions, args.kill_at, args.hidden, args.layers, args.vocab,

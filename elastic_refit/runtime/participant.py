@@ -100,7 +100,7 @@ class Participant:
 
     @contextlib.contextmanager
     def _in_flight(self, view: MembershipView, spec: AttemptSpec, transport: Transport):
-        """While bytes move: what :meth:`peer_left` aborts."""
+        """While bytes move: what :meth:`peer_left` interrupts."""
         identities = frozenset(m.identity for m in view.members if m.member_id in spec.participants)
         with self._moving_lock:
             self._moving = (view.epoch, identities, transport)
