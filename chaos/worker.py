@@ -142,6 +142,8 @@ def group_holders(depth: int = 3, limit: int = 8) -> list[str]:
                 chain.append(" | ".join(sorted({_describe(r) for r in up}))[:160])
                 here = up[0]
             out.append(" <- ".join(chain) + _held_by_frames(obj))
+        # sys._current_frames() stays inside the comprehension: held in a local here, it
+        # would hold this frame (and ``live``) in a cycle after the return.
         stacks = [f"thread {t.name}: {_describe(sys._current_frames().get(t.ident))}"
                   for t in threading.enumerate() if t is not threading.current_thread()]
         return out + stacks[:limit]
