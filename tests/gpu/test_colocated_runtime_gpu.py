@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 from elastic_refit.chaos.faults import FaultPlan, Scenario
@@ -46,9 +47,9 @@ _RESULTS: list = []  # every trial of the module, for the leak test at its end
 def run():
     # Under the GPU session's $OUT, a failed trial's logs come back with the session's files.
     out = os.environ.get("OUT")
-    root = {"root": os.path.join(out, "colocated_chaos")} if out and os.path.isdir(out) else {}
-    if root:
-        os.makedirs(root["root"], exist_ok=True)
+    # One folder per process: pytest-xdist workers each run this fixture, and a run's close()
+    # removes its whole root.
+    root = {"root": tempfile.mkdtemp(prefix="colocated_chaos-", dir=out)} if out and os.path.isdir(out) else {}
     chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")),
                      **root)
     yield chaos

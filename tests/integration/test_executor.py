@@ -262,7 +262,7 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
     from elastic_refit.plan import make_plan
     from elastic_refit.testing.inprocess import piece_slices, reference_destination
     from elastic_refit.testing.pattern import allocate
-    from elastic_refit.testing.world import SENTINEL, make_transport
+    from elastic_refit.testing.world import SENTINEL, leave_together, make_transport
     from elastic_refit.transport.buffers import byte_view
     from elastic_refit.transport.executor import Executor, ExecutorOptions
 
@@ -280,11 +280,15 @@ def _fp8_refit(rank: int, world_size: int, store, spec_json: str, verify: bool, 
         region = src[buffer][local_slices]
         region.copy_(tensors[name][global_slices].reshape(region.shape))
     dst = allocate(plan.destination, rank, fill=SENTINEL, device=transport.device)
+    outcome = "failed"
     try:
         options = ExecutorOptions(staging_bytes=1 << 20, verify=verify, pack_backend=pack_backend)
         executor = Executor(plan, transport, options)
         report = executor.run(src, dst)
+        outcome = "done"
     finally:
+        # the closing vote may still be in flight to a slower peer (NCCL's socket proxy)
+        leave_together(store, rank, world_size, 60.0, outcome=outcome)
         transport.abort()
     want = reference_destination(plan, {n: t.view(torch.int16).numpy().view(np.uint16) for n, t in tensors.items()})
     problems = []

@@ -40,6 +40,8 @@ def _build_superseded_past_the_barrier(rank: int, world_size: int, _store, endpo
     from elastic_refit.chaos.worker import open_tcp_sockets
     from elastic_refit.membership import EtcdClient, JobKeys
 
+    from elastic_refit.testing.world import leave_together
+
     device = f"cuda:{os.environ.get('ELASTIC_REFIT_CUDA_DEVICE', '0')}"  # nccl_rank_env's choice
     records = tuple(MemberRecord("trainer", f"g{i}", "inc", "h", "d0", "cuda:0") for i in range(world_size))
     first = MembershipView(1, records)
@@ -73,6 +75,8 @@ def _build_superseded_past_the_barrier(rank: int, world_size: int, _store, endpo
     finally:
         watcher.join(30)
         out["superseded"] = latest["view"] is newer
+        # verify_transport's vote may still be in flight to a slower peer (NCCL's socket proxy)
+        leave_together(_store, rank, world_size, 30.0, outcome="failed" if "error" in out else "done")
         mgr.close()
         client.close()
     time.sleep(1.0)  # NCCL's threads close their sockets as they wind down
