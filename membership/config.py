@@ -41,6 +41,10 @@ class MembershipConfig:
     # is only used by peers on the same ``host``. None: no ring (TTL expiry, and suspicions
     # from transport failures, remain).
     liveness_host: str | None = "127.0.0.1"
+    # An inference newcomer waits at most this long outside the epoch while the version that
+    # was pending when it registered is on its way (membership.admission): a recovery's
+    # commit does not wait for a grow. 0: newcomers join the next epoch at once.
+    join_hold_s: float = 2.0
     # The run this member belongs to (``RefitConfig.run_id``): a job name held by another run
     # id is refused at start (``RunClash``). None: the member joins whatever run is there.
     run_id: str | None = None
@@ -48,6 +52,9 @@ class MembershipConfig:
     def __post_init__(self) -> None:
         if self.run_id is not None:
             check_name("run_id", self.run_id)
+        if not 0 <= self.join_hold_s <= self.epoch_deadline_s:
+            raise ValueError(f"join_hold_s must be in [0, epoch_deadline_s = {self.epoch_deadline_s}], "
+                             f"got {self.join_hold_s}")
         if not isinstance(self.ttl_s, int) or self.ttl_s < 2:
             raise ValueError(f"ttl_s must be an int >= 2 (etcd grants no less), got {self.ttl_s!r}")
         ka = self.keepalive_interval

@@ -20,8 +20,10 @@ import contextlib
 import json
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic_refit.membership.admission import Admission, Sighting, admit, pending_version
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import (
@@ -38,6 +40,9 @@ from elastic_refit.membership.view import (
     needs_new_epoch,
     next_member_order,
 )
+
+if TYPE_CHECKING:
+    from elastic_refit.membership.versions import VersionState
 
 
 class Membership(Protocol):
@@ -111,6 +116,11 @@ class LeaderLoop:
         # without that member is out, changes are not debounced.
         self.urgent_revision = 0
         self._pending_since: dict[tuple[str, int], float] = {}  # suspicion -> first seen (monotonic)
+        # Newcomers held out of the epoch while a version is on its way (membership.admission)
+        self._versions: Callable[[], VersionState] | None = None
+        self._sightings: dict[tuple[str, str, str], Sighting] = {}
+        self._held: tuple[str, ...] = ()
+        self._holding = False  # set before the version state is read: a commit then wakes the loop
 
     def confirmed(self, revision: int) -> None:
         """A suspect was fenced at ``revision`` (loop thread): publish without debounce."""
@@ -120,6 +130,39 @@ class LeaderLoop:
     def poke(self) -> None:
         """Called on the loop thread after each control-range change."""
         self.changed.set()
+
+    def hold_newcomers_for(self, versions: Callable[[], VersionState], client) -> Callable[..., None]:
+        """Hold inference newcomers while a version is on its way (``membership.admission``),
+        reading the job's version state from ``versions``; returns the callback for changes
+        of that state (any thread): it wakes the loop only while someone is held."""
+        self._versions = versions
+
+        def changed(*_: Any) -> None:
+            if self._holding:
+                client.loop.call_soon_threadsafe(self.changed.set)
+        return changed
+
+    def admission(self, current: MembershipView | None, desired: tuple[MemberRecord, ...]) -> Admission:
+        """Which of ``desired`` join the next epoch now, logging who is held and admitted."""
+        known = {x.identity for x in current.members} if current is not None else set()
+        newcomers = [x.identity for x in desired if x.identity not in known and x.role == "inference"]
+        if self._versions is None or not newcomers:
+            self._holding, self._sightings = False, {}
+            return self._log_admission(Admission(desired, (), 0.0, "no newcomer waits"))
+        self._holding = True
+        now, state = time.monotonic(), self._versions()
+        self._sightings = {i: self._sightings.get(i) or Sighting(now, pending_version(state)) for i in newcomers}
+        out = admit(now, current, desired, self._sightings, state, hold_bound_s=self.m.config.join_hold_s)
+        self._holding = bool(out.held)
+        return self._log_admission(out)
+
+    def _log_admission(self, out: Admission) -> Admission:
+        for member_id in sorted(set(out.held) - set(self._held)):
+            self.m.log.info("membership.join.held", newcomer=member_id, hold_s=round(out.hold_s, 3), why=out.why)
+        for member_id in sorted(set(self._held) - set(out.held)):
+            self.m.log.info("membership.join.admitted", newcomer=member_id, why=out.why)
+        self._held = out.held
+        return out
 
     def changed_threadsafe(self, client) -> None:
         """Wake the loop from any thread (close, lost)."""
@@ -198,19 +241,22 @@ class LeaderLoop:
                 raise LeadershipLost(f"leader key no longer carries token {token}")
             epoch_kv = snap.items.get(m.keys.epoch)
             current = m.watcher.decoded(epoch_kv, MembershipView.decode) if epoch_kv else None
-            desired = next_member_order(current, alive_members(m, snap.items))
+            admission = self.admission(current, next_member_order(current, alive_members(m, snap.items)))
             if self.urgent_revision and snap.revision >= self.urgent_revision:
                 self.urgent_revision = 0  # the fenced member is out of this evaluation
-            if needs_new_epoch(current, desired):
+            if needs_new_epoch(current, admission.members):
                 hold = self.suspicion_hold_s(snap, time.monotonic())
                 if hold > 0:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.changed.wait(), hold)
                     self.changed.clear()
                     continue
-                await self._publish(token, current, epoch_kv, desired, snap.revision)
+                await self._publish(token, current, epoch_kv, admission.members, snap.revision)
                 continue  # re-evaluate against the watcher's view of our own write
-            await self.changed.wait()
+            try:
+                await asyncio.wait_for(self.changed.wait(), admission.hold_s or None)
+            except TimeoutError:  # a held newcomer's hold ran out: nothing to debounce
+                continue
             self.changed.clear()
             if self.urgent_revision:
                 continue  # a confirmed death: no debounce

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
@@ -61,6 +62,9 @@ from elastic_refit.membership.watch import (
 
 from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
+
+if TYPE_CHECKING:  # versions.py imports this module
+    from elastic_refit.membership.versions import VersionState
 
 _LOGGED_IDS = 16  # member ids named in one epoch-change log event
 
@@ -236,6 +240,13 @@ class Membership:
     def last_leader_token(self) -> int | None:
         """The token of this member's latest leadership, even after losing it."""
         return self._leader.last_token
+
+    def hold_newcomers_for(self, versions: Callable[[], VersionState]) -> Callable[..., None]:
+        """While this member leads, hold inference newcomers out of the next epoch as long as
+        the version pending at their arrival is on its way (``membership.admission``, at most
+        ``config.join_hold_s``). ``versions``: the job's version state (a tracker's ``state``);
+        returns the callback to call when that state changes (any thread, any arguments)."""
+        return self._leader.hold_newcomers_for(versions, self.client)
 
     def on_view(self, callback: Callable[[MembershipView | None, MembershipView], None]) -> None:
         """``callback(old, new)`` on every new epoch (runs on the client loop: keep it short)."""

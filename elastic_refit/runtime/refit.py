@@ -165,9 +165,8 @@ class ElasticRefit:
     def _connect(self) -> Services:
         """Everything this member talks to, connected and watching (see ``Services``)."""
         c = self.config
-        # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch
-        # deadline). Lazy connection (TORCH_GLOO_LAZY_INIT) was tried and rejected: a send to a
-        # peer that died before its pair connected blocks inside send() for ~50 s of retries.
+        # Gloo connects all pairs while the epoch's communicator is built (bounded by the epoch deadline).
+        # Lazy connection (TORCH_GLOO_LAZY_INIT) was rejected: a send to a peer that died first blocks ~50 s.
         client = EtcdClient(c.etcd_config(), monotonic=True)  # a store that went back: JobStateLost
         self._closers.append(client.close)
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
@@ -193,6 +192,7 @@ class ElasticRefit:
         tracker = VersionTracker(client, c.job, progress_interval_s=changes.progress_interval_s,
                                                 stall_timeout_s=changes.stall_timeout_s)
         tracker.on_change(lambda _reset, _events: changes.bump())
+        tracker.on_change(membership.hold_newcomers_for(tracker.state))  # a recovery's commit waits for no grow
         tracker.start()
         self._closers.append(tracker.stop)
         changes.watch("layouts", versions.keys.layouts_prefix)  # a peer's layout unblocks a plan

@@ -95,6 +95,7 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
             continue
         membership.on_view(lambda _old, _new: services.changes.bump())
         membership.on_lost(lambda _reason: services.changes.bump())
+        services.tracker.on_change(membership.hold_newcomers_for(services.tracker.state))
         return membership
     raise AssertionError("unreachable")
 
