@@ -77,6 +77,10 @@ class Timeouts:
     idle_wake_s: float = 5.0
     """The agent waits for etcd watch events, not on a timer; this only bounds how long a
     lost event could delay it (the watches resume and relist on their own)."""
+    join_hold_s: float = 2.0
+    """How long an inference rank that registers while a version is on its way may be kept
+    out of the epoch until that version commits (``membership.admission``): a recovery's
+    commit then waits for no grow. 0: newcomers join the next epoch at once."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.ttl_s) or self.ttl_s < 2:
@@ -85,6 +89,9 @@ class Timeouts:
             value = getattr(self, name)
             if not _is_real(value) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not _is_real(self.join_hold_s) or not 0 <= self.join_hold_s <= self.epoch_deadline_s:
+            raise ValueError(f"join_hold_s must be seconds in [0, epoch_deadline_s = {self.epoch_deadline_s}], "
+                             f"got {self.join_hold_s!r}")
         if not 0 < self.collective_timeout_s < self.ttl_s < self.epoch_deadline_s:
             raise ValueError(
                 "timeouts must be ordered collective < lease TTL < epoch deadline, got "
@@ -100,7 +107,7 @@ class Timeouts:
     def membership(self) -> MembershipConfig:
         """The membership layer's timeouts."""
         return MembershipConfig(ttl_s=self.ttl_s, collective_timeout_s=self.collective_timeout_s,
-                                epoch_deadline_s=self.epoch_deadline_s)
+                                epoch_deadline_s=self.epoch_deadline_s, join_hold_s=self.join_hold_s)
 
 
 @dataclass(frozen=True, slots=True)
