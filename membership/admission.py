@@ -8,8 +8,10 @@ measured on NCCL, 0.7-1.0 s added to a 0.2 s recovery. So the leader holds an in
 newcomer out of the epoch while the version that was pending when it was first seen is
 neither committed nor failed, for at most ``MembershipConfig.join_hold_s``; it then joins
 with a grow and catches up as any newcomer does. Trainers are never held (a pending version
-may need the bytes only a returning trainer has), nor is anyone when the epoch has no
-inference rank to commit to. torchft's quorum makes the same trade: a healthy quorum goes on
+may need the bytes only a returning trainer has), nor a newcomer whose shard no inference
+rank of the epoch holds (``MemberRecord.shard``: after the commit it could only catch up
+from the trainers' next version, since catch-ups come from holders), nor anyone when the
+epoch has no inference rank to commit to. torchft's quorum makes the same trade: a healthy quorum goes on
 without waiting for joiners, who come in at the next one.
 """
 
@@ -67,16 +69,19 @@ def admit(now: float, current: MembershipView | None, desired: tuple[MemberRecor
 
     ``sightings``: every inference newcomer of ``desired`` (by ``identity``), as first seen.
     A newcomer is held while its sighting's version is not ``settled`` and for at most
-    ``hold_bound_s`` since it was seen, and only if ``current`` has an inference rank."""
+    ``hold_bound_s`` since it was seen, and only if an inference rank of ``current`` holds
+    its shard (it catches up from that one)."""
     if current is None or hold_bound_s <= 0:
         return Admission(desired, (), 0.0, "no epoch yet" if current is None else "holding is off")
     if not any(m.role == "inference" for m in current.members):
         return Admission(desired, (), 0.0, "the epoch has no inference rank to commit to")
     known = {m.identity for m in current.members}
+    shards = {m.shard for m in current.members if m.role == "inference" and m.shard}
     members, held, hold_s, reasons = [], [], float("inf"), []
     for m in desired:
         sighting = sightings.get(m.identity)
-        if m.identity in known or m.role != "inference" or sighting is None or sighting.waits_for is None:
+        if (m.identity in known or m.role != "inference" or m.shard not in shards or sighting is None
+                or sighting.waits_for is None):
             members.append(m)
             continue
         left = sighting.first_seen + hold_bound_s - now

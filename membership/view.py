@@ -51,6 +51,9 @@ class MemberRecord:
     # ``status`` tells a member that came back on its own from a restarted one.
     rejoined_from: str = ""
     rejoins: int = 0
+    # An inference rank's fingerprint of what it holds (the replicas of one shard share it;
+    # "" for none): the leader may hold a newcomer a live rank can catch up (admission).
+    shard: str = ""
 
     def __post_init__(self) -> None:
         check_role(self.role)
@@ -105,6 +108,7 @@ class MemberRecord:
             "deltas": self.deltas,
             "rejoined_from": self.rejoined_from,
             "rejoins": self.rejoins,
+            "shard": self.shard,
         }
 
     def encode(self) -> bytes:
@@ -129,6 +133,7 @@ class MemberRecord:
             deltas=bool(data.get("deltas", False)),
             rejoined_from=str(data.get("rejoined_from", "")),
             rejoins=int(data.get("rejoins", 0)),
+            shard=str(data.get("shard", "")),
         )
 
     @classmethod

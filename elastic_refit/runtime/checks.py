@@ -4,17 +4,19 @@ the member and the buffer, never a fault found later by an attempt."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from elastic_refit.layout import Layout, TensorFormats, described_fingerprint
 from elastic_refit.plan import destination_format_layout
 from elastic_refit.transport.buffers import overlapping
 
-__all__ = ["Side", "check_buffers", "check_layout_rank", "side_of", "tensors_of"]
+__all__ = ["Side", "check_buffers", "check_layout_rank", "shard_of", "side_of", "tensors_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,7 @@ class Side:
     formats: TensorFormats
     buffer_layout: Layout
     described: str
+    shard: str = ""  # an inference rank's ``shard_of`` ("" for a trainer)
 
 
 def side_of(layout: Layout, formats: TensorFormats | None, *, role: str, member_id: str, layout_rank: int) -> Side:
@@ -46,7 +49,23 @@ def side_of(layout: Layout, formats: TensorFormats | None, *, role: str, member_
             buffer_layout = destination_format_layout(layout, formats)
         except ValueError as exc:
             raise ValueError(f"inference rank {member_id!r}: {exc}") from None
-    return Side(layout, formats, buffer_layout, described_fingerprint(layout, formats))
+    shard = shard_of(layout, layout_rank, formats) if role == "inference" else ""
+    return Side(layout, formats, buffer_layout, described_fingerprint(layout, formats), shard)
+
+
+def shard_of(layout: Layout, rank: int, formats: TensorFormats) -> str:
+    """What ``rank`` holds, as a fingerprint: the global boxes of its pieces in its formats.
+    The replicas of one shard (data parallel) share it whatever their ranks: a newcomer
+    whose shard a live rank holds can catch up from it, so the leader may hold it out of an
+    epoch while a version is on its way (``membership.admission``)."""
+    own = layout.restrict_to_ranks([rank])
+    order = np.lexsort((*own.piece_lengths.T[::-1], *own.piece_offsets.T[::-1], own.piece_tensor))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr([(t.name, tuple(t.shape), str(t.dtype)) for t in own.tensors]).encode())
+    h.update(formats.fingerprint.encode() if formats else b"")
+    for column in (own.piece_tensor, own.piece_offsets, own.piece_lengths):
+        h.update(np.ascontiguousarray(column[order], dtype=np.int64).tobytes())
+    return h.hexdigest()
 
 
 def check_layout_rank(layout: Layout, *, role: str, member_id: str, layout_rank: int) -> None:

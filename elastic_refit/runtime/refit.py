@@ -171,7 +171,7 @@ class ElasticRefit:
         self._closers.append(client.close)
         record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                               layout_rank=c.layout_rank, layout=self._side.described,
-                              deltas=c.transfer.delta_base_bytes > 0)
+                              deltas=c.transfer.delta_base_bytes > 0, shard=self._side.shard)
         membership = Membership(client, c.job, record, c.membership_config())
         self._closers.append(membership.close)
         layout_cache = LayoutCache(LayoutStore(client, c.job), self._known_layouts)
@@ -428,8 +428,8 @@ class ElasticRefit:
             # The buffers are about to hold the new layout: nothing this rank acked is held.
             s.versions.retract(self.membership, s.versions.snapshot())
             self._serving.replace(parameters)
-        self._side = Side(side.layout, side.formats, side.buffer_layout, fingerprint)
-        self.membership.update_record(layout=fingerprint)
+        self._side = Side(side.layout, side.formats, side.buffer_layout, fingerprint, side.shard)
+        self.membership.update_record(layout=fingerprint, shard=side.shard)
         self.log.info("refit.layout.changed", layout=fingerprint, num_pieces=side.layout.num_pieces,
                       num_buffers=len(side.layout.buffers(self.config.layout_rank)))
 

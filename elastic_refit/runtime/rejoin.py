@@ -68,7 +68,7 @@ def register(services: Services, config: RefitConfig, side: Side) -> Membership:
     record = MemberRecord(c.role, c.member_id, c.incarnation, c.host, c.domain, c.device,
                           layout_rank=c.layout_rank, layout=side.described,
                           deltas=c.transfer.delta_base_bytes > 0, rejoined_from=services.config.incarnation,
-                          rejoins=services.membership.record.rejoins + 1)
+                          rejoins=services.membership.record.rejoins + 1, shard=side.shard)
     for tries in range(1, 1 << 30):
         if services.stop.is_set():
             raise MembershipLost(f"{c.member_id}: closing while it registered again")

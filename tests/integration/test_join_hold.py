@@ -18,7 +18,9 @@ pytestmark = pytest.mark.etcd
 
 def _member(make_client, endpoints, job, role, member_id, hold_s):
     client = make_client(endpoints)
-    record = MemberRecord(role, member_id, "inc-" + member_id, "h", "d0" if role == "trainer" else "d1", "cpu")
+    # every inference rank a replica of one shard: a held newcomer can catch up from i0
+    record = MemberRecord(role, member_id, "inc-" + member_id, "h", "d0" if role == "trainer" else "d1", "cpu",
+                          shard="shard-0" if role == "inference" else "")
     membership = Membership(client, job, record, MembershipConfig(join_hold_s=hold_s)).start()
     tracker = VersionTracker(client, job).start()
     tracker.on_change(membership.hold_newcomers_for(tracker.state))

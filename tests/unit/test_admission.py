@@ -8,8 +8,10 @@ from elastic_refit.membership.versions import Commit, Failure, VersionState
 from elastic_refit.membership.view import MemberRecord, MembershipView
 
 T0 = MemberRecord("trainer", "t0", "a", "h", "d0", "cpu")
-I0 = MemberRecord("inference", "i0", "a", "h", "d1", "cpu")
-I1 = MemberRecord("inference", "i1", "a", "h", "d1", "cpu")
+I0 = MemberRecord("inference", "i0", "a", "h", "d1", "cpu", shard="s0")
+I1 = MemberRecord("inference", "i1", "a", "h", "d1", "cpu", shard="s0")  # a replica of i0's shard
+I2 = MemberRecord("inference", "i2", "a", "h", "d1", "cpu", shard="s1")  # a TP peer: another shard
+I3 = MemberRecord("inference", "i3", "a", "h", "d1", "cpu")  # says nothing of its shard
 T1 = MemberRecord("trainer", "t1", "b", "h", "d0", "cpu")
 CURRENT = MembershipView(3, (T0, I0))
 
@@ -64,6 +66,10 @@ SEEN = {I1.identity: Sighting(first_seen=10.0, waits_for=3)}
      (T0, I1), (), 0.0),
     ("a trainer is never held", 10.5, CURRENT, (T0, I0, T1), {T1.identity: Sighting(10.0, 3)}, PENDING,
      2.0, (T0, I0, T1), (), 0.0),
+    ("no live rank holds its shard (it could not catch up)", 10.5, CURRENT, (T0, I0, I2),
+     {I2.identity: Sighting(10.0, 3)}, PENDING, 2.0, (T0, I0, I2), (), 0.0),
+    ("its shard unknown", 10.5, CURRENT, (T0, I0, I3), {I3.identity: Sighting(10.0, 3)}, PENDING, 2.0,
+     (T0, I0, I3), (), 0.0),
     ("a removal goes out while the newcomer waits", 10.5, MembershipView(3, (T0, T1, I0)), (T0, I0, I1),
      SEEN, PENDING, 2.0, (T0, I0), ("i1",), 1.5),
 ])
@@ -72,3 +78,17 @@ def test_admit(name, now, current, desired, sightings, state, bound, members, he
     assert (out.members, out.held) == (members, held), name
     assert out.hold_s == pytest.approx(hold_s), name
     assert out.why, name  # every decision says why
+
+
+def test_replicas_share_a_shard_and_tp_peers_do_not():
+    from elastic_refit.layout import TensorFormats
+    from elastic_refit.layout.presets import checkpoint_formats, vllm_layout
+    from elastic_refit.runtime.checks import shard_of
+
+    layout = vllm_layout("qwen3-30b-a3b", "tp=2,dp=2")  # ranks 0, 2 and 1, 3 replicate each other
+    plain = [shard_of(layout, r, TensorFormats()) for r in layout.ranks]
+    assert plain[0] == plain[2] and plain[1] == plain[3] and plain[0] != plain[1]
+    fp8 = [shard_of(layout, r, checkpoint_formats("qwen3-30b-a3b")) for r in layout.ranks]
+    assert fp8[0] == fp8[2] and fp8[0] != plain[0]  # held in other formats: not the same bytes
+    shifted = vllm_layout("qwen3-30b-a3b", "tp=2,dp=2", first_rank=4)
+    assert shard_of(shifted, 4, TensorFormats()) == plain[0]  # what it holds, not where it sits
