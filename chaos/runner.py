@@ -12,8 +12,10 @@ run's processes are in :mod:`elastic_refit.chaos.resources`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -61,6 +63,7 @@ class ChaosRun:
         self.killer = Killer()
         self.pool = WorkerPool(self.killer, gpu=self.backend != "gloo")
         self._etcd: dict[int, RunEtcd] = {}
+        self._failed: set[str] = set()  # the failed trials' folders under root: close() keeps them
         require_at_least("cpu_burners", self.cpu_burners, 0)
         self._burners = [mp.get_context("spawn").Process(target=burn, daemon=True, name="chaos-burner")
                          for _ in range(self.cpu_burners)]
@@ -94,8 +97,12 @@ class ChaosRun:
         for e in self._etcd.values():
             pids += list(e.pids)
             e.stop()
-        if not self.keep_logs:
-            shutil.rmtree(self.root, ignore_errors=True)
+        if not self.keep_logs:  # a failed trial's folder stays (run_trial kept it for its reader)
+            for trial_dir in (Path(self.root).iterdir() if os.path.isdir(self.root) else ()):
+                if trial_dir.name not in self._failed:
+                    shutil.rmtree(trial_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.root)  # empty: every trial passed
         return left + [p for p in pids if pid_alive(p)]
 
     # ---- a trial -------------------------------------------------------------------------
@@ -113,6 +120,8 @@ class ChaosRun:
         evidence, wall = trial.run(owned_pids=self._owned_by_live_runs)
         verdict = check_all(evidence)
         keep = self.keep_logs or not verdict.passed
+        if not verdict.passed:
+            self._failed.add(job)
         if not keep:
             shutil.rmtree(trial_dir, ignore_errors=True)
         return TrialResult(scenario, verdict, wall, job, str(trial_dir) if keep else None, evidence)

@@ -6,6 +6,8 @@ their 7 processes in every trial."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 
 import pytest
@@ -44,3 +46,8 @@ def test_processes_of_another_live_run_are_not_a_trials_leftovers():
             stray.wait(5)
         assert run.close() == []
         assert other.close() == []
+    # close() keeps the failed trial's folder (its logs are what a reader of the failure has)
+    # and removes the passed one's
+    assert result.log_dir and os.path.isdir(result.log_dir), result.log_dir
+    assert sorted(os.listdir(run.root)) == [os.path.basename(result.log_dir)]
+    shutil.rmtree(run.root)

@@ -27,11 +27,12 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 
 import pytest
 from elastic_refit.chaos.faults import FaultPlan, Scenario
 from elastic_refit.chaos.runner import ChaosRun
+
+from tests.gpu.conftest import chaos_root
 
 pytestmark = [pytest.mark.gpu, pytest.mark.etcd, pytest.mark.chaos]
 
@@ -45,16 +46,9 @@ _RESULTS: list = []  # every trial of the module, for the leak test at its end
 
 @pytest.fixture(scope="module")
 def run():
-    # Under the GPU session's $OUT, a failed trial's logs come back with the session's files.
-    out = os.environ.get("OUT")
-    # One folder per process: pytest-xdist workers each run this fixture, and a run's close()
-    # removes its whole root.
-    root = {"root": tempfile.mkdtemp(prefix="colocated_chaos-", dir=out)} if out and os.path.isdir(out) else {}
     chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")),
-                     **root)
+                     **chaos_root("colocated_chaos-"))
     yield chaos
-    if any(not r.verdict.passed for r in _RESULTS):
-        chaos.keep_logs = True  # close() would remove the failed trials' logs with the rest
     assert chaos.close() == [], "processes outlived the run"
 
 

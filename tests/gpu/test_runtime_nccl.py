@@ -14,6 +14,7 @@ from elastic_refit.chaos.faults import TTL_S, FaultPlan, Scenario, build_matrix
 from elastic_refit.chaos.runner import ChaosRun
 
 from tests.chaos.paths import assert_paths_name_their_epochs, path_into
+from tests.gpu.conftest import chaos_root
 
 pytestmark = [pytest.mark.gpu, pytest.mark.etcd, pytest.mark.chaos]
 
@@ -24,7 +25,8 @@ RESULTS = os.environ.get("ELASTIC_REFIT_CHAOS_RESULTS")
 
 @pytest.fixture(scope="module")
 def run():
-    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")))
+    chaos = ChaosRun(deadline_s=90.0, backend=BACKEND, keep_logs=bool(os.environ.get("ELASTIC_REFIT_CHAOS_KEEP_LOGS")),
+                     **chaos_root("runtime_chaos-"))
     yield chaos
     assert chaos.close() == [], "processes outlived the run"
 
