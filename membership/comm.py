@@ -70,7 +70,6 @@ __all__ = ["NCCL_MIN_SHRINK", "Communicator", "CommunicatorManager", "Reconfigur
            "rebuild_if_formed"]
 
 
-
 # ---------------------------------------------------------------- communicator
 @dataclass(slots=True)
 class Communicator:
@@ -209,19 +208,11 @@ class CommunicatorManager:
         except (CommunicatorError, MembershipLost):
             raise
         except Exception as exc:
-            # A fast path that fails (peer gone mid-shrink, API mismatch) falls back once.
-            if path in ("shrink", "shrink_abort", "grow"):
-                self.log.warning("comm.fast_path.failed", path=path, epoch=new_view.epoch,
-                                 error=repr(exc)[:300])
-                drop_frames(exc)  # handled: its frames must not keep the old communicator alive
-                abort_s += self._abort_current("fallback")
-                t1 = time.monotonic()
-                self.current = self._build(new_view, "rebuild")
-                build_s = time.monotonic() - t1
-                path = "rebuild"
-            else:
+            if path not in ("shrink", "shrink_abort", "grow"):
                 raise CommunicatorError(
                     f"{path} of epoch {new_view.epoch} failed on {self.member_id}: {exc}") from exc
+            abort_s, build_s = self._fall_back(path, new_view, exc, abort_s)
+            path = "rebuild"
         assert self.current is not None
         self.current.transport = self._transport_of(self.current, tuple(m.host for m in new_view.members))
         seconds = time.monotonic() - t0
@@ -232,6 +223,21 @@ class CommunicatorManager:
                       build_seconds=round(build_s, 4))
         return ReconfigureResult(path, new_view.epoch, seconds, abort_s, build_s, self.current.transport,
                                  self.current.rank, self.current.size)
+
+    def _fall_back(self, path: str, view: MembershipView, exc: Exception, abort_s: float) -> tuple[float, float]:
+        """A fast path that failed (peer gone mid-shrink, API mismatch) falls back to a
+        rebuild of ``view``'s epoch once, unless a newer epoch exists (a grow's newcomer
+        killed): that epoch's rebuild is the way on, and this one's rendezvous would wait for
+        the dead. Returns (abort, build) seconds."""
+        self.log.warning("comm.fast_path.failed", path=path, epoch=view.epoch, error=repr(exc)[:300])
+        drop_frames(exc)  # handled: its frames must not keep the old communicator alive
+        abort_s += self._abort_current("fallback", wait=not self._aborts_aside())
+        if self.superseded is not None and self.superseded(view.epoch):
+            raise CommunicatorError(f"{path} of epoch {view.epoch} failed on {self.member_id}, and a newer "
+                                    f"epoch supersedes it: {exc}") from None
+        t1 = time.monotonic()
+        self.current = self._build(view, "rebuild")
+        return abort_s, time.monotonic() - t1
 
     @property
     def store(self) -> EtcdStore | None:
