@@ -19,12 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from elastic_refit.membership.view import MemberRecord, MembershipView
 
-if TYPE_CHECKING:  # versions.py imports the service, which imports the leader, which imports this
-    from elastic_refit.membership.versions import VersionState
+
+class VersionState(Protocol):
+    """What admission reads of the job's versions (``membership.versions.VersionState``;
+    named here, not imported: that module imports the service, which imports the leader)."""
+
+    sources: Mapping[int, Any]
+    committed: Mapping[int, Any]
+    failed: Mapping[int, Any]
+
+    @property
+    def latest_committed(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,15 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from elastic_refit.membership.admission import Admission, Sighting, admit, pending_version
+from elastic_refit.membership.admission import (
+    Admission,
+    Sighting,
+    VersionState,
+    admit,
+    pending_version,
+)
 from elastic_refit.membership.client import Compare, EtcdClient, Get, Put
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import (
@@ -40,9 +46,6 @@ from elastic_refit.membership.view import (
     needs_new_epoch,
     next_member_order,
 )
-
-if TYPE_CHECKING:
-    from elastic_refit.membership.versions import VersionState
 
 
 class Membership(Protocol):
@@ -147,20 +150,23 @@ class LeaderLoop:
         known = {x.identity for x in current.members} if current is not None else set()
         newcomers = [x.identity for x in desired if x.identity not in known and x.role == "inference"]
         if self._versions is None or not newcomers:
-            self._holding, self._sightings = False, {}
-            return self._log_admission(Admission(desired, (), 0.0, "no newcomer waits"))
+            self._holding, self._sightings, self._held = False, {}, ()  # a held newcomer that left: not admitted
+            return Admission(desired, (), 0.0, "no newcomer waits")
         self._holding = True
         now, state = time.monotonic(), self._versions()
         self._sightings = {i: self._sightings.get(i) or Sighting(now, pending_version(state)) for i in newcomers}
         out = admit(now, current, desired, self._sightings, state, hold_bound_s=self.m.config.join_hold_s)
         self._holding = bool(out.held)
-        return self._log_admission(out)
+        return self._log_admission(out, now)
 
-    def _log_admission(self, out: Admission) -> Admission:
+    def _log_admission(self, out: Admission, now: float) -> Admission:
         for member_id in sorted(set(out.held) - set(self._held)):
             self.m.log.info("membership.join.held", newcomer=member_id, hold_s=round(out.hold_s, 3), why=out.why)
+        seen = {ident[1]: s for ident, s in self._sightings.items()}
         for member_id in sorted(set(self._held) - set(out.held)):
-            self.m.log.info("membership.join.admitted", newcomer=member_id, why=out.why)
+            s = seen.get(member_id)
+            self.m.log.info("membership.join.admitted", newcomer=member_id, waited_for=s.waits_for if s else None,
+                            held_s=round(now - s.first_seen, 3) if s else None)
         self._held = out.held
         return out
 

@@ -24,8 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from elastic_refit.membership.admission import VersionState
 from elastic_refit.membership.client import Compare, Delete, EtcdClient, Get, Put, TxnResult
 from elastic_refit.membership.config import MembershipConfig
 from elastic_refit.membership.errors import (
@@ -62,9 +62,6 @@ from elastic_refit.membership.watch import (
 
 from elastic_refit.errors import brief
 from elastic_refit.log import get_logger
-
-if TYPE_CHECKING:  # versions.py imports this module
-    from elastic_refit.membership.versions import VersionState
 
 _LOGGED_IDS = 16  # member ids named in one epoch-change log event
 
