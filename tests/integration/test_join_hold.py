@@ -41,17 +41,23 @@ def members(etcd_server, make_client, job):
         membership.close()
 
 
+def _seen_by_all(trackers, version: int) -> None:
+    """Every member's tracker holds ``version``'s source (whoever leads reads its own)."""
+    wait_until(lambda: all(version in t.state().sources for t in trackers), 10, f"version {version} seen")
+
+
 def _ids(membership) -> list[str]:
     view = membership.view
     return [m.member_id for m in view.members] if view else []
 
 
 def test_a_newcomer_waits_for_the_pending_version_then_joins(members):
-    t0, _, store = members("trainer", "t0")
-    members("inference", "i0")
+    t0, t0_versions, store = members("trainer", "t0")
+    _, i0_versions, _ = members("inference", "i0")
     wait_until(lambda: _ids(t0) == ["t0", "i0"], 10, "the first epoch")
     epoch = t0.view.epoch
     store.publish_source(t0, 1, "digest")  # version 1 is on its way to i0
+    _seen_by_all([t0_versions, i0_versions], 1)
     i1, _, _ = members("inference", "i1")
     time.sleep(1.0)  # well past the debounce: without the hold, i1 would be in
     assert _ids(t0) == ["t0", "i0"] and t0.view.epoch == epoch, "the newcomer joined while v1 was on its way"
@@ -62,10 +68,11 @@ def test_a_newcomer_waits_for_the_pending_version_then_joins(members):
 
 
 def test_a_newcomer_joins_when_its_hold_runs_out(members):
-    t0, _, store = members("trainer", "t0", hold_s=0.6)
-    members("inference", "i0", hold_s=0.6)
+    t0, t0_versions, store = members("trainer", "t0", hold_s=0.6)
+    _, i0_versions, _ = members("inference", "i0", hold_s=0.6)
     wait_until(lambda: _ids(t0) == ["t0", "i0"], 10, "the first epoch")
     store.publish_source(t0, 1, "digest")  # never committed
+    _seen_by_all([t0_versions, i0_versions], 1)
     registered = time.monotonic()
     members("inference", "i1", hold_s=0.6)
     wait_until(lambda: _ids(t0) == ["t0", "i0", "i1"], 10, "the newcomer's epoch after the bound")
