@@ -12,7 +12,7 @@ etcd nor gRPC):
   ``ElasticRefit.publish`` returns), ``PublishHandle`` (what ``publish(..., wait=False)``
   returns) and ``ServedVersion`` (what ``weights()`` yields: the version, and whether the rank
   was detached);
-- runtime faults, all ``RefitError``: ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
+- runtime faults, all ``RefitError``: ``AgentStuck``, ``MembershipLost``, ``PlanMismatch``, ``RefitFailed``,
   ``RefitTimeout``, ``SourceChanged``, ``TransportAborted``, ``VerificationFailed``.
 
 The executor and the transports it runs over are in :mod:`elastic_refit.transport`.
@@ -26,6 +26,7 @@ from elastic_refit._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from elastic_refit.errors import (
+        AgentStuck,
         MembershipLost,
         PlanMismatch,
         RefitError,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentStuck",
     "Box",
     "Commit",
     "ElasticRefit",
@@ -140,6 +142,7 @@ _EXPORTS = {
     "VersionSettings": "elastic_refit.runtime",
     "MembershipLost": "elastic_refit.errors",
     "PlanMismatch": "elastic_refit.errors",
+    "AgentStuck": "elastic_refit.errors",
     "RefitError": "elastic_refit.errors",
     "RefitFailed": "elastic_refit.errors",
     "RefitTimeout": "elastic_refit.errors",

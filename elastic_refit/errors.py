@@ -107,6 +107,12 @@ class SourceChanged(RefitError):
     for the job, never committed torn."""
 
 
+class AgentStuck(RefitError):
+    """This member's refit agent ran one action far past every deadline it has (a GPU call
+    that never returned, a blocking hook): the member left the job so that its peers go on
+    without it. The message names the action, for how long, and where the thread was."""
+
+
 class VerificationFailed(RefitError):
     """A digest of received bytes differs from the sender's: corrupted or missing data."""
 

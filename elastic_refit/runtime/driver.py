@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic_refit.errors import RefitError, TransportAborted, brief, drop_frames
+from elastic_refit.errors import AgentStuck, RefitError, TransportAborted, brief, drop_frames
 from elastic_refit.membership import (
     CommunicatorError,
     EpochTimeout,
@@ -60,6 +60,7 @@ from elastic_refit.runtime.planning import AttemptPlanner
 from elastic_refit.runtime.published import PublishedVersions
 from elastic_refit.runtime.services import Services
 from elastic_refit.runtime.serving import ServingSlot
+from elastic_refit.runtime.watchdog import AgentWatchdog, Overdue
 from elastic_refit.transport.connect import connect_ahead, plan_peers
 from elastic_refit.transport.executor import Executor
 from elastic_refit.transport.protocol import Transport
@@ -85,15 +86,35 @@ class Driver:
         self._transport: Transport | None = None  # the current epoch's (this thread's alone)
         self._executor: tuple[tuple[str, int], Executor] | None = None  # see executor_for
         self._thread: threading.Thread | None = None
+        self._watchdog = AgentWatchdog(services.config.timeouts.agent_stuck_s, self._stuck,
+                                       name=f"refit-watchdog-{services.config.member_id}")
+        self._gave_up = False  # set by the watchdog: the member left the job, and never rejoins
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"refit-agent-{self.services.config.member_id}",
                                         daemon=True)
         self._thread.start()
+        self._watchdog.start()
 
     def join(self, timeout_s: float) -> None:
+        self._watchdog.stop()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+
+    def _stuck(self, late: Overdue) -> None:
+        """(The watchdog's thread.) The agent is stuck where no deadline reaches: say where,
+        fail every waiter with the cause, and leave the job so that the peers go on without
+        this member (its thread cannot, and it never rejoins)."""
+        s = self.services
+        cause = (f"{s.config.member_id}: the refit agent has been in {late.action} for {late.seconds:.0f} s, past "
+                 f"every deadline it has (agent_stuck_s {self._watchdog.bound_s:g}), at {late.where}; this member "
+                 "leaves the job")
+        s.log.error("refit.agent.stuck", action=late.action, seconds=round(late.seconds, 1), where=late.where,
+                    stack=late.stack)
+        self._gave_up = True
+        self.outcomes.latch(AgentStuck(cause))
+        with contextlib.suppress(Exception):  # its lease goes: the peers' next epoch is without it
+            s.membership.close()
 
     def _run(self) -> None:
         try:
@@ -116,6 +137,8 @@ class Driver:
         lost: MembershipLost | None = None
         changed = s.changes.token()
         while not s.stop.is_set() or isinstance(outcome, Lost):  # a lost membership fails waiters even when closing
+            if self._gave_up:
+                return  # the watchdog latched why and left the job
             if s.membership.lost.is_set() and not isinstance(outcome, Lost):
                 # Found by the keeper or the watch: act now, not at the next fenced write.
                 outcome = Lost(f"{s.config.member_id} (incarnation {s.config.incarnation}) lost: "
@@ -138,7 +161,8 @@ class Driver:
                 s, settings = self.services, AgentSettings.of(self.services.config)
                 continue
             try:
-                outcome = self._execute(action, state, changed)
+                with self._watchdog.running(type(action).__name__):
+                    outcome = self._execute(action, state, changed)
             except MembershipLost as exc:  # JobStateLost: no rejoin into a state that went back
                 lost, outcome = exc, Lost(str(exc), rejoin=self._may_rejoin() and not isinstance(exc, JobStateLost))
             except Exception as exc:  # a fault outside an attempt: back off until something changes
@@ -151,7 +175,7 @@ class Driver:
         gave no way to (``rejoin``), or the job's state in etcd went back."""
         s = self.services
         return (self._rejoin is not None and not s.membership.replaced and s.membership.state_lost is None
-                and not s.stop.is_set())
+                and not s.stop.is_set() and not self._gave_up)
 
     def _come_back(self, action: Rejoin) -> None:
         """Register as a new incarnation (``rejoin``, retried while etcd is unreachable) and

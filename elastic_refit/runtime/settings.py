@@ -77,6 +77,11 @@ class Timeouts:
     idle_wake_s: float = 5.0
     """The agent waits for etcd watch events, not on a timer; this only bounds how long a
     lost event could delay it (the watches resume and relist on their own)."""
+    agent_stuck_s: float = 120.0
+    """How long one action of the member's agent may run before the member counts it as
+    stuck where no deadline reaches (a GPU call that never returns) and leaves the job, so
+    that its peers go on (``runtime.watchdog``; waiters raise ``AgentStuck``). Must exceed
+    the epoch deadline and the longest refit; 0: never."""
     join_hold_s: float = 2.0
     """How long an inference rank that registers while a version is on its way may be kept
     out of the epoch until that version commits (``membership.admission``): a recovery's
@@ -89,6 +94,10 @@ class Timeouts:
             value = getattr(self, name)
             if not _is_real(value) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not _is_real(self.agent_stuck_s) or not (self.agent_stuck_s == 0
+                                                     or self.epoch_deadline_s < self.agent_stuck_s < math.inf):
+            raise ValueError(f"agent_stuck_s must be 0 (off) or seconds above epoch_deadline_s = "
+                             f"{self.epoch_deadline_s}, got {self.agent_stuck_s!r}")
         if not _is_real(self.join_hold_s) or not 0 <= self.join_hold_s <= self.epoch_deadline_s:
             raise ValueError(f"join_hold_s must be seconds in [0, epoch_deadline_s = {self.epoch_deadline_s}], "
                              f"got {self.join_hold_s!r}")

@@ -49,6 +49,7 @@ def test_groups_given_whole_and_flat_keywords_on_top():
     ({"ttl": 3}, TypeError, r"unexpected keyword argument 'ttl' \(did you mean 'ttl_s'\?\)"),
     ({"timeouts": {"ttl_s": 3}}, ValueError, r"timeouts must be a Timeouts, got dict"),
     ({"plan": Timeouts()}, ValueError, r"plan must be a PlanSettings, got Timeouts"),
+    ({"agent_stuck_s": 5.0}, ValueError, r"agent_stuck_s must be 0 \(off\) or seconds above epoch_deadline_s = 10.0, got 5.0"),
     ({"join_hold_s": -1.0}, ValueError, r"join_hold_s must be seconds in \[0, epoch_deadline_s = 10.0\], got -1.0"),
     ({"join_hold_s": 11.0}, ValueError, r"join_hold_s must be seconds in \[0, epoch_deadline_s = 10.0\], got 11.0"),
     ({"mode": "lazy"}, ValueError, r"mode must be one of in_place, staged, got 'lazy'"),
