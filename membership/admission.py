@@ -10,9 +10,9 @@ neither committed nor failed, for at most ``MembershipConfig.join_hold_s``; it t
 with a grow and catches up as any newcomer does. Trainers are never held (a pending version
 may need the bytes only a returning trainer has), nor a newcomer whose shard no inference
 rank of the epoch holds (``MemberRecord.shard``: after the commit it could only catch up
-from the trainers' next version, since catch-ups come from holders), nor anyone when the
-epoch has no inference rank to commit to. torchft's quorum makes the same trade: a healthy quorum goes on
-without waiting for joiners, who come in at the next one.
+from the trainers' next version, since catch-ups come from holders; so nobody is held when
+the epoch has no inference rank). torchft's quorum makes the same trade: a healthy quorum
+goes on without waiting for joiners, who come in at the next one.
 """
 
 from __future__ import annotations
@@ -82,8 +82,6 @@ def admit(now: float, current: MembershipView | None, desired: tuple[MemberRecor
     its shard (it catches up from that one)."""
     if current is None or hold_bound_s <= 0:
         return Admission(desired, (), 0.0, "no epoch yet" if current is None else "holding is off")
-    if not any(m.role == "inference" for m in current.members):
-        return Admission(desired, (), 0.0, "the epoch has no inference rank to commit to")
     known = {m.identity for m in current.members}
     shards = {m.shard for m in current.members if m.role == "inference" and m.shard}
     members, held, hold_s, reasons = [], [], float("inf"), []

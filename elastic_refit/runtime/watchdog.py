@@ -17,12 +17,13 @@ much later than asked restarts the action's clock (:func:`overdue` is pure, cloc
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["AgentWatchdog", "Overdue", "overdue"]
@@ -75,17 +76,16 @@ class AgentWatchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def running(self, action: str) -> _Running:
+    @contextlib.contextmanager
+    def running(self, action: str) -> Iterator[None]:
         """``with watchdog.running(name):`` around one action of the calling thread."""
-        return _Running(self, action)
-
-    def _begin(self, action: str) -> None:
         with self._lock:
             self._action, self._reported = (action, threading.get_ident(), self._clock()), False
-
-    def _end(self) -> None:
-        with self._lock:
-            self._action = None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._action = None
 
     def _run(self) -> None:
         last = self._clock()
@@ -101,17 +101,6 @@ class AgentWatchdog:
             last = now
             if late:
                 self._on_stuck(_report(name, ident, now - started))
-
-
-class _Running:
-    def __init__(self, watchdog: AgentWatchdog, action: str) -> None:
-        self._watchdog, self._action = watchdog, action
-
-    def __enter__(self) -> None:
-        self._watchdog._begin(self._action)
-
-    def __exit__(self, *_: object) -> None:
-        self._watchdog._end()
 
 
 def _report(action: str, ident: int, seconds: float) -> Overdue:
