@@ -159,6 +159,9 @@ case "${1:-}" in
         delta_mps)  # the delta step with the 8 ranks' kernels side by side (MPS), as on GPUs of their own
           with_mps step $name "${WAVE_DELTA_MPS_S:-60}" python3 benchmarks/bench_delta.py --device cuda --backend nccl4py \
             --steps "${WAVE_DELTA_MPS_STEPS:-10}" --refit-hidden 1024 --refit-layers 6 --json --skip-trajectory ;;
+        delta_profile_mps)  # where a delta refit's time goes op by op (torch.profiler per rank), under MPS
+          with_mps step $name "${WAVE_DELTA_MPS_S:-90}" python3 benchmarks/profile_delta.py --device cuda \
+            --out "$OUT/delta_profile" ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done

@@ -29,9 +29,14 @@ from elastic_refit.transport.schedule import (
     RankSchedule,
 )
 
-__all__ = ["DIGEST_BYTES", "BucketIO", "ForwardIn", "check_digest", "contiguous_span"]
+__all__ = ["DIGEST_BYTES", "BucketIO", "ForwardIn", "aligned", "check_digest", "contiguous_span"]
 
 DIGEST_BYTES = 8
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of 8-byte words (digest trailers, staging)."""
+    return -(-nbytes // 8) * 8
 
 
 def contiguous_span(shape: tuple[int, ...], box: BoxCopy, itemsize: int) -> tuple[int, int] | None:

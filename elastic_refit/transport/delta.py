@@ -13,7 +13,8 @@ elements' values. So sizes follow from per-box counts (entries, value bytes), wh
 in one batch before the first window, one vector per message (:data:`FULL` for a bucket
 that goes in full); a bucket's payload (a header, its boxes' segments back to back, with
 verification on the digest moves) is written into the staging the bucket would have used
-(it is never larger). A receiver writes the changed elements straight into its buffers.
+(it is never larger). A receiver writes the changed elements straight into its buffers,
+a message at a time once all of it is in, while the next window's bytes move.
 
 Relayed plans: the relay receives the network message's payload in staging as it would
 the bytes, writes its own boxes' changes, and forwards each needer its boxes' segments
@@ -56,7 +57,7 @@ from elastic_refit.kernels.delta import (
     HEADER_BYTES,
 )
 from elastic_refit.plan import SourceSide, TransferKind
-from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO
+from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO, aligned
 from elastic_refit.transport.delta_boxes import Boxes, Segments, compare_ahead
 from elastic_refit.transport.delta_round import DeltaInputs, DeltaRound, _Bucket, _Message, _Part
 from elastic_refit.transport.protocol import P2POp, Transport
@@ -196,8 +197,10 @@ class DeltaCoder:
         hold this refit's version of the boxes by now, and the base kept in prepare)."""
         if not rnd.receivers:
             return
-        ops, received, coded = [], [], {}
         steps = {id(step) for step in window}
+        if any(msg.from_destination and id(step) in steps for step, msg, _receiving in self.messages):
+            rnd.flush()  # they send what this refit wrote
+        ops, received, coded = [], [], {}
         for index, (step, msg, receiving) in enumerate(self.messages):
             if msg.from_destination and id(step) in steps:
                 gets = (self.rank in rnd.receivers and msg.peer in rnd.receivers)
@@ -208,7 +211,7 @@ class DeltaCoder:
 
     def _bucket_nbytes(self, coded: int, num_boxes: int) -> int:
         data = HEADER_BYTES + coded
-        return _aligned(data) + DIGEST_BYTES * num_boxes if self.verify else data
+        return aligned(data) + DIGEST_BYTES * num_boxes if self.verify else data
 
     def _buckets(self, index: int, entries: torch.Tensor, value_bytes: torch.Tensor):
         """Per bucket of message ``index``: (bucket, its boxes, segments, header, payload
@@ -331,34 +334,37 @@ class DeltaCoder:
             out[:HEADER_BYTES].copy_(torch.tensor(b.header, dtype=torch.int64).view(torch.uint8))
             out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
             if self.verify:
-                out[_aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
+                out[aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
             at += b.size
         return staging[:at]
 
-    def accept(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
+    def accept(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, payload: torch.Tensor, where: str) -> None:
         """A receiver's (or relay's) delta bucket: its segments gathered with its message's;
-        once the message's last delta bucket is in, every changed element of this rank's
+        once the message's last delta bucket is in, the message is deferred to the round
+        (:meth:`DeltaRound.defer`): at its next flush every changed element of this rank's
         boxes is written into its buffers, after (verification on) every box's digest move
         was checked against the sender's. The payload stays where it arrived (a relay
-        forwards from there). Returns the boxes checked."""
-        first, at, checked = rnd.coded[id(io)], 0, 0
+        forwards from there)."""
+        first, at = rnd.coded[id(io)], 0
         for b in first.group or [first]:
-            checked += self._accept_one(rnd, b, tensors, payload[at : at + b.size], where)
+            self._accept_one(rnd, b, tensors, payload[at : at + b.size], where)
             at += b.size
-        return checked
 
-    def _accept_one(self, rnd: DeltaRound, b: _Bucket, tensors: Mapping, payload: torch.Tensor, where: str) -> int:
+    def _accept_one(self, rnd: DeltaRound, b: _Bucket, tensors: Mapping, payload: torch.Tensor, where: str) -> None:
         m = rnd.messages[b.message]
         s0, s1 = b.segments
         m.headers.append((payload[:HEADER_BYTES].clone(), b.header))  # checked with the message's others
         m.coded[s0:s1].copy_(payload[HEADER_BYTES : HEADER_BYTES + s1 - s0])
         if self.verify:
-            m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[_aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
+            m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
         m.pending -= 1
-        if m.pending:
-            return 0
+        if not m.pending:  # the whole message is in: checked and written under the next window's bytes
+            rnd.defer(lambda: self._write_message(m, b.message, tensors, where))
+
+    def _write_message(self, m, index: int, tensors: Mapping, where: str) -> int:
+        """A received message's headers and digest moves checked, then its change written."""
         m.check_headers(where)
-        shape = self._shapes[b.message]
+        shape = self._shapes[index]
         own = shape.own
         coded = m.coded if len(own) == len(shape.boxes) else m.own_segments(own, self.device)
         return self._apply(shape.geometry, Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]),
@@ -426,7 +432,7 @@ class DeltaCoder:
         for offset, nbytes in part.spans:  # the relay sends each run of touching boxes as one
             runs.append(sum(n for b, n in zip(boxes, lengths, strict=True) if offset <= b.packed_offset < offset + nbytes))
         data = sum(lengths)
-        size = _aligned(data) + DIGEST_BYTES * len(boxes) if self.verify else data
+        size = aligned(data) + DIGEST_BYTES * len(boxes) if self.verify else data
         return _Part(entries, value_bytes, runs, torch.empty(max(size, 1), dtype=torch.uint8, device=self.device))
 
     def forward(self, rnd: DeltaRound, io: BucketIO, part: ForwardPart, data: torch.Tensor) -> list[torch.Tensor] | None:
@@ -449,7 +455,7 @@ class DeltaCoder:
             end = m.starts[last] - base + int(m.entries[last] + m.value_bytes[last])
             out.append(data[HEADER_BYTES + start : HEADER_BYTES + end])
         if self.verify:
-            trailer = data[_aligned(HEADER_BYTES + b.segments[1] - b.segments[0]) : b.size].view(torch.int64)
+            trailer = data[aligned(HEADER_BYTES + b.segments[1] - b.segments[0]) : b.size].view(torch.int64)
             out.append(trailer[list(part.digests)].view(torch.uint8))
         rnd.saved_bytes["intra"] += part.nbytes - sum(t.numel() for t in out)
         return out
@@ -465,7 +471,7 @@ class DeltaCoder:
             out.append(p.buffer[at : at + n])
             at += n
         if self.verify:
-            start = _aligned(at)
+            start = aligned(at)
             out.append(p.buffer[start : start + DIGEST_BYTES * len(part.boxes.boxes)])  # type: ignore[union-attr]
         return out
 
@@ -474,7 +480,7 @@ class DeltaCoder:
         p = rnd.parts[id(part)]
         n = len(part.boxes.boxes)  # type: ignore[union-attr]
         data = int((p.entries + p.value_bytes).sum())
-        moves = (p.buffer[_aligned(data) : _aligned(data) + DIGEST_BYTES * n].view(torch.int64) if self.verify
+        moves = (p.buffer[aligned(data) : aligned(data) + DIGEST_BYTES * n].view(torch.int64) if self.verify
                  else torch.zeros(n, dtype=torch.int64, device=self.device))
         return self._apply(self._part_boxes[id(part)], Segments(p.entries, p.value_bytes, p.buffer[:data], moves),
                            tensors, where)
@@ -488,7 +494,3 @@ def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
 
 def _part_tag(step) -> int:
     return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8

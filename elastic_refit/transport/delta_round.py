@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +122,25 @@ class DeltaRound:
         # exchange; late: fan-outs sized at their window; accept: check and write), so a
         # refit's report says where a delta's time went beside the transfer's.
         self.seconds = {"code": 0.0, "late": 0.0, "accept": 0.0}
+        # Received messages whose last delta bucket is in, to be checked and written while
+        # the next window's bytes move (:meth:`flush`); the boxes they checked.
+        self._deferred: list[Callable[[], int]] = []
+        self.verified_boxes = 0
+
+    def defer(self, write: Callable[[], int]) -> None:
+        """Check and write a received message later (``write`` returns the boxes it
+        checked): at the next :meth:`flush`, which the executor calls once the next
+        window's operations are posted, so the bytes move under the writes."""
+        self._deferred.append(write)
+
+    def flush(self) -> None:
+        """Every deferred message checked and written, in arrival order (a failed check
+        raises ``VerificationFailed``; the refit fails)."""
+        if not self._deferred:
+            return
+        with self.timed("accept"):
+            while self._deferred:
+                self.verified_boxes += self._deferred.pop(0)()
 
     @contextlib.contextmanager
     def timed(self, part: str) -> Iterator[None]:

@@ -44,7 +44,7 @@ import torch
 from elastic_refit.errors import TransferRefused, brief
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan, SourceSide
-from elastic_refit.transport.bucket_io import BucketIO, ForwardIn
+from elastic_refit.transport.bucket_io import BucketIO, ForwardIn, aligned
 from elastic_refit.transport.buffers import fits, resolve_buffers
 from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
 from elastic_refit.transport.options import ExecutorOptions, MiB
@@ -125,7 +125,7 @@ class Executor:
                        if self.options.delta else None)
         self._round: DeltaRound | None = None  # the refit's deltas
         self._kept: dict[int, torch.Tensor] = {}  # a quantized plan's staging, by version sent
-        needed = self.num_staging_slots * _aligned(self.max_wire_bytes)
+        needed = self.num_staging_slots * aligned(self.max_wire_bytes)
         self.staging_needed = needed
         if needed > self.options.staging_bytes:
             rounds = plan.options.concurrent_rounds
@@ -189,6 +189,8 @@ class Executor:
                 phases.mark("direct")
             for window, slots in zip(self.windows, self._slots, strict=True):
                 self._exchange(window, slots, tensors, counts)
+            if self._round is not None:
+                self._round.flush()
             phases.mark("exchange")
             if self._direct is not None:  # fan-outs read what the network phase delivered
                 self._direct.run_fan_out(tensors)
@@ -266,7 +268,7 @@ class Executor:
             num_buckets=counts["num_buckets"],
             num_zero_copy_buckets=counts["num_zero_copy_buckets"],
             staging_bytes=self.staging_allocated,
-            num_verified_boxes=counts["num_verified_boxes"],
+            num_verified_boxes=counts["num_verified_boxes"] + rnd.verified_boxes,
             num_delta_buckets=rnd.num_buckets,
             network_saved_bytes=rnd.saved_bytes["network"],
             intra_saved_bytes=rnd.saved_bytes["intra"],
@@ -303,7 +305,7 @@ class Executor:
     def _ensure_staging(self) -> None:
         if not self._staging and self.num_staging_slots:
             # 8-byte aligned so digest trailers can be viewed as int64.
-            size = _aligned(self.max_wire_bytes)
+            size = aligned(self.max_wire_bytes)
             self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(self.num_staging_slots)]
 
@@ -327,10 +329,9 @@ class Executor:
             with self._round.timed("late"):
                 self._delta.late(self._round, window, tensors, transport)  # type: ignore[union-attr]
         w = Window.of(window, slots)
-        relayed = w.relayed
         for i in range(w.num_batches):
             prev = (i - 1) % 2
-            for m in relayed:  # the forwards of bucket i - 1 join this batch: have it first
+            for m in w.relayed:  # the forwards of bucket i - 1 join this batch: have it first
                 if 1 <= i <= len(m.msg.buckets):
                     self._finish_recv(m, prev, tensors, counts)
             # Bucket i of every message goes in one batch: a rank sends to one peer and
@@ -342,6 +343,8 @@ class Executor:
             if ops:
                 for op, work in zip(ops, transport.post([op.op for op in ops]), strict=True):
                     op.work = work
+            if i == 0 and self._round is not None:  # earlier windows' delta messages, under these bytes
+                self._round.flush()
             for m in w.recvs:
                 if i >= 1 and i - 1 < len(m.msg.buckets) and m.slots[prev] is not None and m.slots[prev].pending:
                     self._finish_recv(m, prev, tensors, counts)
@@ -469,8 +472,7 @@ class Executor:
             where = f"rank {self.rank} {m.place}"
             if self._round is not None and self._round.size(op.io) is not None:  # a delta: written in place
                 with self._round.timed("accept"):
-                    counts["num_verified_boxes"] += self._delta.accept(  # type: ignore[union-attr]
-                        self._round, op.io, tensors, op.op.tensor, where)
+                    self._delta.accept(self._round, op.io, tensors, op.op.tensor, where)  # type: ignore[union-attr]
             else:
                 counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify, where)
         else:
@@ -494,7 +496,3 @@ class Executor:
         if arrival.io is not None:
             arrival.io.unpack(tensors, staging, False, where)
         f.ops = []
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8
