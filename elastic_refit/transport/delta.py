@@ -14,15 +14,14 @@ in one batch before the first window, one vector per message (:data:`FULL` for a
 that goes in full); a bucket's payload (a header, its boxes' segments back to back, with
 verification on the digest moves) is written into the staging the bucket would have used
 (it is never larger). A receiver writes the changed elements straight into its buffers,
-a message at a time once all of it is in, while the next window's bytes move.
+every message it received at once when the exchange is over (before fan-outs send them on):
+on a GPU a delta's cost is its operations, not its few elements (:mod:`.delta_many`; a
+sender likewise codes all its messages in one call).
 
-Relayed plans: the relay receives the network message's payload in staging as it would
-the bytes, writes its own boxes' changes, and forwards each needer its boxes' segments
-straight from there (the runs the full bytes would take are runs of segments here) and their
-digest moves; the needer writes them into its buffers. A needer learns the sizes of its
-forwards from its relay, in a second batch after the first. A relayed message carries
-deltas only when every destination rank of its domain may receive them (the sender cannot
-tell the relay's boxes from its needers').
+Relayed plans (:mod:`.delta_relay`): the relay forwards each needer its boxes' segments
+straight from the payload, and the needer learns their sizes from its relay in a second
+batch. A relayed message carries deltas only when every destination rank of its domain may
+receive them (the sender cannot tell the relay's boxes from its needers').
 
 Verification (``ExecutorOptions.verify``): a bucket's digest trailer carries, per box, how
 far the box's digest moves (the digest is a weighted sum of words mod 2**64: the change's
@@ -46,8 +45,9 @@ catch-ups from holders, go in full; so does a bucket whose change is not smaller
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -59,15 +59,23 @@ from elastic_refit.kernels.delta import (
 from elastic_refit.plan import SourceSide, TransferKind
 from elastic_refit.transport.bucket_io import DIGEST_BYTES, BucketIO, aligned
 from elastic_refit.transport.delta_boxes import Boxes, Segments, compare_ahead
-from elastic_refit.transport.delta_round import DeltaInputs, DeltaRound, _Bucket, _Message, _Part
+from elastic_refit.transport.delta_many import Together, join_segments, split_segments
+from elastic_refit.transport.delta_relay import RelayedDeltas
+from elastic_refit.transport.delta_round import (
+    FULL,
+    SIZES_TAG,
+    DeltaInputs,
+    DeltaRound,
+    _Bucket,
+    _Message,
+    check_headers,
+    exchange,
+)
 from elastic_refit.transport.protocol import P2POp, Transport
-from elastic_refit.transport.schedule import STAGED, ForwardPart, Message, RankSchedule
+from elastic_refit.transport.schedule import STAGED, Message, RankSchedule
 
 __all__ = ["FULL", "SIZES_TAG", "DeltaCoder", "DeltaInputs", "DeltaRound"]
 
-FULL = -1  # a bucket's first size entry: it travels in full
-SIZES_TAG = 1 << 21  # + the step's (round, phase): apart from buckets' and forwards' tags
-FORWARD_SIZES_TAG = SIZES_TAG + (1 << 20)  # a relay's sizes to its needers (second batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +90,7 @@ class _Shape:
     geometry: Boxes
 
 
-class DeltaCoder:
+class DeltaCoder(RelayedDeltas):
     """The delta part of one executor (one plan, one rank): which messages may carry
     deltas and where their boxes sit, and per refit :meth:`prepare` (sizes and a sender's
     payloads, the sizes exchanged), :meth:`payload` (a sender's bucket), :meth:`accept`
@@ -102,6 +110,7 @@ class DeltaCoder:
             (step, msg, msg is step.recv) for step in schedule.steps for msg in (step.send, step.recv)
             if msg is not None and (not msg.relayed or domains)]
         self._shapes = [self._shape(msg) for _step, msg, _receiving in self.messages]
+        self._together = Together([tuple(s.boxes[i] for i in s.own) for s in self._shapes], schedule, device)
         # A relay's forwards and a needer's, from steps whose network message may carry deltas.
         self._forward_sends = [(step, f) for step, msg, receiving in self.messages if receiving and msg.relayed
                                for f in step.forward_sends]
@@ -140,19 +149,20 @@ class DeltaCoder:
         rnd.receivers = inputs.receivers
         if not inputs.receivers or not (self.messages or self._forward_recvs):
             return rnd
+        rnd.writer = lambda received: self._write_messages(rnd, received, tensors)
         ops, received, coded = [], [], {}  # coded: boxes compared in this refit
-        coding = [self._shapes[i].geometry for i, (_step, msg, receiving) in enumerate(self.messages)
-                  if not receiving and not msg.from_destination and self._gets(msg, False, inputs.receivers)
-                  and self._codable(i, rnd)]
-        compare_ahead(coding, tensors, rnd.base, coded)
+        segments = self._code_together([
+            i for i, (_step, msg, receiving) in enumerate(self.messages)
+            if not receiving and not msg.from_destination and self._gets(msg, False, inputs.receivers)
+            and self._codable(i, rnd)], tensors, rnd, coded)
         for index, (step, msg, receiving) in enumerate(self.messages):
             if msg.from_destination:
                 if not receiving and self._fans_out(msg, inputs.receivers):
                     self._keep_base(index, tensors, rnd)
                 continue
             gets = self._gets(msg, receiving, inputs.receivers)
-            self._size_op(index, step, msg, receiving, gets, tensors, rnd, coded, ops, received)
-        _exchange(transport, ops, "delta sizes")
+            self._size_op(index, step, msg, receiving, gets, segments, rnd, ops, received)
+        exchange(transport, ops, "delta sizes")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
         self._exchange_part_sizes(inputs, rnd, transport)
@@ -163,8 +173,19 @@ class DeltaCoder:
         end = self.rank if receiving else msg.peer
         return self._relayed_ok(end, receivers) if msg.relayed else end in receivers
 
-    def _size_op(self, index, step, msg, receiving, gets, tensors, rnd, coded, ops, received) -> None:
-        """The sizes operation of message ``index`` (when it may carry deltas)."""
+    def _code_together(self, indices: list[int], tensors: Mapping, rnd: DeltaRound, cache: dict) -> dict:
+        """The segments of messages ``indices`` (a sender's, codable), coded in one call
+        over all their boxes (:mod:`~elastic_refit.transport.delta_many`), by message."""
+        if not indices:
+            return {}
+        boxes = self._together.of(indices)
+        compare_ahead([boxes], tensors, rnd.base, cache)
+        seg = boxes.segments(tensors, rnd.base, self.verify, cache)
+        return dict(zip(indices, split_segments(seg, self._together.counts(indices)), strict=True))
+
+    def _size_op(self, index, step, msg, receiving, gets, segments, rnd, ops, received) -> None:
+        """The sizes operation of message ``index`` (when it may carry deltas); ``segments``:
+        the coded messages this rank sends, by index."""
         if not gets:
             return
         tag = SIZES_TAG + (step.round << 2) + int(step.phase)
@@ -173,7 +194,7 @@ class DeltaCoder:
             ops.append(P2POp("recv", sizes, msg.peer, tag))
             received.append((index, sizes))
         else:
-            ops.append(P2POp("send", self._code_message(index, tensors, rnd, coded).to(self.device), msg.peer, tag))
+            ops.append(P2POp("send", self._sizes_of(index, segments.get(index), rnd).to(self.device), msg.peer, tag))
 
     def _fans_out(self, msg: Message, receivers: frozenset[int]) -> bool:
         """A message from the sender's destination buffers carries deltas when both ends
@@ -198,14 +219,17 @@ class DeltaCoder:
         if not rnd.receivers:
             return
         steps = {id(step) for step in window}
-        if any(msg.from_destination and id(step) in steps for step, msg, _receiving in self.messages):
+        now = [i for i, (step, msg, _receiving) in enumerate(self.messages) if msg.from_destination and id(step) in steps]
+        if now:
             rnd.flush()  # they send what this refit wrote
-        ops, received, coded = [], [], {}
-        for index, (step, msg, receiving) in enumerate(self.messages):
-            if msg.from_destination and id(step) in steps:
-                gets = (self.rank in rnd.receivers and msg.peer in rnd.receivers)
-                self._size_op(index, step, msg, receiving, gets, tensors, rnd, coded, ops, received)
-        _exchange(transport, ops, "delta sizes of fan-out")
+        ops, received = [], []
+        gets = {i: self.rank in rnd.receivers and self.messages[i][1].peer in rnd.receivers for i in now}
+        segments = self._code_together([i for i in now if gets[i] and not self.messages[i][2] and self._codable(i, rnd)],
+                                       tensors, rnd, {})
+        for index in now:
+            step, msg, receiving = self.messages[index]
+            self._size_op(index, step, msg, receiving, gets[index], segments, rnd, ops, received)
+        exchange(transport, ops, "delta sizes of fan-out")
         for index, sizes in received:
             self._take_sizes(index, sizes.cpu(), rnd)
 
@@ -273,29 +297,30 @@ class DeltaCoder:
         n = len(shape.boxes)
         return bool(n) and len(shape.own) == n and all(r in rnd.base for r in shape.geometry.refs)
 
-    def _code_message(self, index: int, tensors: Mapping, rnd: DeltaRound, cache: dict) -> torch.Tensor:
-        """A sender's message ``index``: which buckets go as deltas (their sizes, the vector
-        sent), and the segments and digest moves of all its boxes, coded once."""
+    def _sizes_of(self, index: int, seg: Segments | None, rnd: DeltaRound) -> torch.Tensor:
+        """A sender's message ``index`` coded as ``seg`` (None: it goes in full): which
+        buckets go as deltas (their sizes, the vector sent) and their payloads."""
         shape, msg = self._shapes[index], self.messages[index][1]
-        boxes = shape.geometry
         n = len(shape.boxes)
         sizes = torch.full((2 * n,), FULL, dtype=torch.int64)
-        if not self._codable(index, rnd):
+        if seg is None:
             return sizes  # from the destination side (fan-out, holders) or without a base: in full
-        seg = boxes.segments(tensors, rnd.base, self.verify, cache)
         entries, value_bytes = seg.entries.cpu(), seg.value_bytes.cpu()
         buckets, starts = self._buckets(index, entries, value_bytes)
+        headers: list[tuple[int, int]] = []
         for bucket, (b0, b1), segments, header, size in buckets:
             io = self._io[id(bucket)]
             if b1 == b0 or size >= io.wire_bytes:
                 continue
             sizes[b0:b1], sizes[n + b0 : n + b1] = entries[b0:b1], value_bytes[b0:b1]
-            rnd.coded[id(io)] = _Bucket(index, (b0, b1), segments, header, size)
+            rnd.coded[id(io)] = _Bucket(index, (b0, b1), segments, header, size, row=len(headers))
+            headers.append(header)
             rnd.num_buckets += 1
             rnd.saved_bytes["network" if msg.kind == TransferKind.NETWORK else "intra"] += io.wire_bytes - size
-        if any(id(self._io[id(bucket)]) in rnd.coded for bucket in msg.buckets):
+        if headers:
+            rows = torch.tensor(headers, dtype=torch.int64).view(torch.uint8).reshape(len(headers), HEADER_BYTES)
             rnd.messages[index] = _Message(entries, value_bytes, seg.coded.to(self.device), seg.moves.to(self.device),
-                                           starts)
+                                           starts, header_rows=rows.to(self.device))
         self._group(index, rnd)
         return sizes
 
@@ -331,7 +356,7 @@ class DeltaCoder:
         for b in first.group or [first]:
             m, out = rnd.messages[b.message], staging[at : at + b.size]
             s0, s1 = b.segments
-            out[:HEADER_BYTES].copy_(torch.tensor(b.header, dtype=torch.int64).view(torch.uint8))
+            out[:HEADER_BYTES].copy_(m.header_rows[b.row])  # type: ignore[index]
             out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
             if self.verify:
                 out[aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
@@ -358,20 +383,25 @@ class DeltaCoder:
         if self.verify:
             m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
         m.pending -= 1
-        if not m.pending:  # the whole message is in: checked and written under the next window's bytes
-            rnd.defer(lambda: self._write_message(m, b.message, tensors, where))
+        if not m.pending:  # the whole message is in: checked and written with the others at the round's flush
+            rnd.defer((b.message, where))
 
-    def _write_message(self, m, index: int, tensors: Mapping, where: str) -> int:
-        """A received message's headers and digest moves checked, then its change written."""
-        m.check_headers(where)
-        shape = self._shapes[index]
-        own = shape.own
-        coded = m.coded if len(own) == len(shape.boxes) else m.own_segments(own, self.device)
-        return self._apply(shape.geometry, Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]),
-                           tensors, where)
+    def _write_messages(self, rnd: DeltaRound, received: list[tuple[int, str]], tensors: Mapping) -> int:
+        """Received messages (index, where), whole: their headers and digest moves checked,
+        then their changes written, all in one call over their boxes. Returns the boxes checked."""
+        check_headers([(rnd.messages[i], where) for i, where in received])
+        parts = []
+        for index, _where in received:
+            m, own = rnd.messages[index], self._shapes[index].own
+            coded = m.coded if len(own) == len(self._shapes[index].boxes) else m.own_segments(own, self.device)
+            parts.append(Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]))
+        seg, firsts = join_segments(parts)
+        return self._apply(self._together.of([i for i, _ in received]), seg, tensors,
+                           lambda box: received[bisect.bisect_right(firsts, box) - 1][1])
 
-    def _apply(self, boxes: Boxes, seg: Segments, tensors: Mapping, where: str) -> int:
-        """Write the change of ``boxes`` (their segments) after checking its digest moves."""
+    def _apply(self, boxes: Boxes, seg: Segments, tensors: Mapping, where: Callable[[int], str]) -> int:
+        """Write the change of ``boxes`` (their segments) after checking its digest moves;
+        ``where(box)`` names the place of a box that fails."""
         if not boxes.boxes:
             return 0
         moves = seg.moves
@@ -382,115 +412,8 @@ class DeltaCoder:
                 written.finish(False)  # nothing of a bad message stays written
                 b = boxes.boxes[bad[0]]
                 raise VerificationFailed(
-                    f"{where}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} (and {len(bad) - 1} more): its "
+                    f"{where(bad[0])}: box {b.offsets}+{b.lengths} of buffer {b.buffer[1]!r} (and {len(bad) - 1} more): its "
                     f"digest moved by {int(got[bad[0]]):#x} under the delta, the sender's by {int(moves[bad[0]]):#x} "
                     "(the delta was damaged, or this rank's base differs from the sender's)")
         written.finish(True)
         return len(boxes.boxes) if self.verify else 0
-
-    # ---- relayed plans ----------------------------------------------------------------------
-    def _exchange_part_sizes(self, inputs: DeltaInputs, rnd: DeltaRound, transport: Transport) -> None:
-        """A relay's sizes of each forward part it will send as a delta, to its needers; a
-        needer's, received: where its delta parts land."""
-        ops, received = [], []
-        for step, f in self._forward_sends:
-            if not self._relayed_ok(self.rank, inputs.receivers):
-                continue
-            index = next(i for i, (s, _m, r) in enumerate(self.messages) if s is step and r)
-            vectors = []
-            for part in f.parts:
-                b = self._bucket_of(rnd, index, part.bucket)
-                m = rnd.messages.get(index)
-                boxes = [b.boxes[0] + d for d in part.digests] if b is not None else []
-                vectors.append(torch.tensor([FULL] * len(part.digests) * 2, dtype=torch.int64) if b is None or m is None
-                               else torch.cat([m.entries[boxes], m.value_bytes[boxes]]))
-            ops.append(P2POp("send", torch.cat(vectors).to(self.device), f.peer, _part_tag(step)))
-        for step, f in self._forward_recvs:
-            if self._relayed_ok(self.rank, inputs.receivers):
-                sizes = torch.empty(2 * sum(len(p.boxes.boxes) for p in f.parts), dtype=torch.int64,  # type: ignore[union-attr]
-                                    device=self.device)
-                ops.append(P2POp("recv", sizes, f.peer, _part_tag(step)))
-                received.append((f, sizes))
-        _exchange(transport, ops, "delta sizes of forwards")
-        for f, sizes in received:
-            at = 0
-            for part in f.parts:
-                n = len(part.boxes.boxes)  # type: ignore[union-attr]
-                entries, value_bytes = sizes[at : at + n].cpu(), sizes[at + n : at + 2 * n].cpu()
-                at += 2 * n
-                if n and int(entries[0]) != FULL:
-                    rnd.parts[id(part)] = self._landing(part, entries, value_bytes)
-
-    def _bucket_of(self, rnd: DeltaRound, index: int, bucket: int) -> _Bucket | None:
-        msg = self.messages[index][1]
-        return rnd.coded.get(id(self._io[id(msg.buckets[bucket])]))
-
-    def _landing(self, part: ForwardPart, entries: torch.Tensor, value_bytes: torch.Tensor) -> _Part:
-        lengths = (entries + value_bytes).tolist()
-        boxes = part.boxes.boxes  # type: ignore[union-attr]
-        runs = []
-        for offset, nbytes in part.spans:  # the relay sends each run of touching boxes as one
-            runs.append(sum(n for b, n in zip(boxes, lengths, strict=True) if offset <= b.packed_offset < offset + nbytes))
-        data = sum(lengths)
-        size = aligned(data) + DIGEST_BYTES * len(boxes) if self.verify else data
-        return _Part(entries, value_bytes, runs, torch.empty(max(size, 1), dtype=torch.uint8, device=self.device))
-
-    def forward(self, rnd: DeltaRound, io: BucketIO, part: ForwardPart, data: torch.Tensor) -> list[torch.Tensor] | None:
-        """A relay's delta forward part of the bucket that arrived in ``data`` (None: it
-        came in full): per run of touching boxes its segments, then their digest moves."""
-        b = rnd.coded.get(id(io))
-        if b is None:
-            return None
-        m = rnd.messages[b.message]
-        first, out = b.boxes[0], []
-        runs: list[list[int]] = []
-        for d in part.digests:
-            if runs and runs[-1][-1] == d - 1:
-                runs[-1].append(d)
-            else:
-                runs.append([d])
-        base = m.starts[first]
-        for run in runs:
-            start, last = m.starts[first + run[0]] - base, first + run[-1]
-            end = m.starts[last] - base + int(m.entries[last] + m.value_bytes[last])
-            out.append(data[HEADER_BYTES + start : HEADER_BYTES + end])
-        if self.verify:
-            trailer = data[aligned(HEADER_BYTES + b.segments[1] - b.segments[0]) : b.size].view(torch.int64)
-            out.append(trailer[list(part.digests)].view(torch.uint8))
-        rnd.saved_bytes["intra"] += part.nbytes - sum(t.numel() for t in out)
-        return out
-
-    def landing(self, rnd: DeltaRound, part: ForwardPart) -> list[torch.Tensor] | None:
-        """Where a needer's delta forward part lands, one tensor per operation the relay
-        posts (None: it comes in full)."""
-        p = rnd.part(part)
-        if p is None:
-            return None
-        out, at = [], 0
-        for n in p.runs:
-            out.append(p.buffer[at : at + n])
-            at += n
-        if self.verify:
-            start = aligned(at)
-            out.append(p.buffer[start : start + DIGEST_BYTES * len(part.boxes.boxes)])  # type: ignore[union-attr]
-        return out
-
-    def apply_part(self, rnd: DeltaRound, part: ForwardPart, tensors: Mapping, where: str) -> int:
-        """A needer's delta forward part, arrived: its boxes' changes written (checked first)."""
-        p = rnd.parts[id(part)]
-        n = len(part.boxes.boxes)  # type: ignore[union-attr]
-        data = int((p.entries + p.value_bytes).sum())
-        moves = (p.buffer[aligned(data) : aligned(data) + DIGEST_BYTES * n].view(torch.int64) if self.verify
-                 else torch.zeros(n, dtype=torch.int64, device=self.device))
-        return self._apply(self._part_boxes[id(part)], Segments(p.entries, p.value_bytes, p.buffer[:data], moves),
-                           tensors, where)
-
-
-def _exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
-    if ops:
-        for op, work in zip(ops, transport.post(ops), strict=True):
-            transport.wait(work, op.peer, f"{op.op} of {what}")
-
-
-def _part_tag(step) -> int:
-    return FORWARD_SIZES_TAG + (step.round << 2) + int(step.phase)

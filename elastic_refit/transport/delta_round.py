@@ -13,9 +13,14 @@ import torch
 
 from elastic_refit.errors import VerificationFailed
 from elastic_refit.transport.bucket_io import BucketIO
+from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import ForwardPart
 
-__all__ = ["DeltaInputs", "DeltaRound"]
+__all__ = ["FORWARD_SIZES_TAG", "FULL", "SIZES_TAG", "DeltaInputs", "DeltaRound", "exchange"]
+
+FULL = -1  # a bucket's (or a forward part's) first size entry: it travels in full
+SIZES_TAG = 1 << 21  # + the step's (round, phase): apart from buckets' and forwards' tags
+FORWARD_SIZES_TAG = SIZES_TAG + (1 << 20)  # a relay's sizes to its needers (second batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,7 @@ class _Bucket:
     # carries their payloads back to back (``group``); the others post nothing.
     group: list[_Bucket] = field(default_factory=list)
     follows: bool = False
+    row: int = 0  # a sender's: its header's row in its message's ``header_rows``
 
 
 @dataclass(slots=True)
@@ -73,17 +79,9 @@ class _Message:
     # together once the last delta bucket is in: one read back from the device per message,
     # not one per bucket.
     headers: list[tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=list)
-
-    def check_headers(self, where: str) -> None:
-        """Every arrived delta header against what the sizes said (one read back for all
-        of them): ``VerificationFailed`` naming the first that differs."""
-        if not self.headers:
-            return
-        got = torch.stack([h for h, _ in self.headers]).view(torch.int64).cpu().tolist()
-        for k, (header, (_, want)) in enumerate(zip(got, self.headers, strict=True)):
-            if tuple(header) != want:
-                raise VerificationFailed(f"{where}: the header of its delta bucket {k} says {tuple(header)}, its "
-                                         f"sizes said {want}")
+    # A sender's delta buckets' headers, a row of bytes each, where the payloads are
+    # written (one copy to the device per message, not a blocking one per bucket).
+    header_rows: torch.Tensor | None = None
 
     def own_segments(self, own: list[int], device: torch.device) -> torch.Tensor:
         """A relay's own boxes' segments, back to back (the others are its needers')."""
@@ -92,6 +90,20 @@ class _Message:
         total = int(lengths.sum())
         shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
         return self.coded[torch.arange(total, device=device) + shift]  # built where the bytes are
+
+
+def check_headers(messages: list[tuple[_Message, str]]) -> None:
+    """Every arrived delta header of ``messages`` (each with where it was received) against
+    what the sizes said, with one read back for all of them: ``VerificationFailed`` naming
+    the first that differs."""
+    pairs = [(where, k, want) for m, where in messages for k, (_, want) in enumerate(m.headers)]
+    if not pairs:
+        return
+    got = torch.stack([h for m, _ in messages for h, _ in m.headers]).view(torch.int64).cpu().tolist()
+    for header, (where, k, want) in zip(got, pairs, strict=True):
+        if tuple(header) != want:
+            raise VerificationFailed(f"{where}: the header of its delta bucket {k} says {tuple(header)}, its "
+                                     f"sizes said {want}")
 
 
 @dataclass(slots=True)
@@ -122,25 +134,26 @@ class DeltaRound:
         # exchange; late: fan-outs sized at their window; accept: check and write), so a
         # refit's report says where a delta's time went beside the transfer's.
         self.seconds = {"code": 0.0, "late": 0.0, "accept": 0.0}
-        # Received messages whose last delta bucket is in, to be checked and written while
-        # the next window's bytes move (:meth:`flush`); the boxes they checked.
-        self._deferred: list[Callable[[], int]] = []
+        # Received messages whose last delta bucket is in (index, where received), checked
+        # and written together at :meth:`flush` by ``writer`` (the coder's); the boxes checked.
+        self._received: list[tuple[int, str]] = []
+        self.writer: Callable[[list[tuple[int, str]]], int] | None = None
         self.verified_boxes = 0
 
-    def defer(self, write: Callable[[], int]) -> None:
-        """Check and write a received message later (``write`` returns the boxes it
-        checked): at the next :meth:`flush`, which the executor calls once the next
-        window's operations are posted, so the bytes move under the writes."""
-        self._deferred.append(write)
+    def defer(self, message: tuple[int, str]) -> None:
+        """A received message (its index, where it was received), whole: checked and
+        written at the next :meth:`flush`."""
+        self._received.append(message)
 
     def flush(self) -> None:
-        """Every deferred message checked and written, in arrival order (a failed check
-        raises ``VerificationFailed``; the refit fails)."""
-        if not self._deferred:
+        """Every received message not yet written checked and written, in one call (the
+        executor flushes once the exchange is over, and before fan-outs send what this
+        refit wrote); a failed check raises ``VerificationFailed`` and the refit fails."""
+        if not self._received:
             return
+        received, self._received = self._received, []
         with self.timed("accept"):
-            while self._deferred:
-                self.verified_boxes += self._deferred.pop(0)()
+            self.verified_boxes += self.writer(received)  # type: ignore[misc]
 
     @contextlib.contextmanager
     def timed(self, part: str) -> Iterator[None]:
@@ -165,3 +178,10 @@ class DeltaRound:
     def part(self, part: ForwardPart) -> _Part | None:
         """A needer's forward part when it comes as a delta."""
         return self.parts.get(id(part))
+
+
+def exchange(transport: Transport, ops: list[P2POp], what: str) -> None:
+    """Post ``ops`` (sizes) in one batch and wait for all of them."""
+    if ops:
+        for op, work in zip(ops, transport.post(ops), strict=True):
+            transport.wait(work, op.peer, f"{op.op} of {what}")

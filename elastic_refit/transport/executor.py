@@ -343,8 +343,6 @@ class Executor:
             if ops:
                 for op, work in zip(ops, transport.post([op.op for op in ops]), strict=True):
                     op.work = work
-            if i == 0 and self._round is not None:  # earlier windows' delta messages, under these bytes
-                self._round.flush()
             for m in w.recvs:
                 if i >= 1 and i - 1 < len(m.msg.buckets) and m.slots[prev] is not None and m.slots[prev].pending:
                     self._finish_recv(m, prev, tensors, counts)

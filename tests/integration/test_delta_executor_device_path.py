@@ -19,6 +19,7 @@ def _device_path_rank(rank: int, world_size: int, store: dist.Store, case, left_
 
     import elastic_refit.transport.delta as delta
     import elastic_refit.transport.delta_boxes as delta_boxes
+    import elastic_refit.transport.delta_many as delta_many
 
     delta_triton._interpret_cpu = delta_triton.HAVE_TRITON  # the kernels too, interpreted
     calls = {"encode_changes": 0, "scatter": 0}
@@ -35,7 +36,7 @@ def _device_path_rank(rank: int, world_size: int, store: dist.Store, case, left_
             kwargs["vectorized"] = True
             super().__init__(*args, **kwargs)
 
-    delta.Boxes = Vectorized  # this process only (a forked rank)
+    delta.Boxes = delta_many.Boxes = Vectorized  # this process only (a forked rank)
     many = delta_boxes.changed_elements_many
 
     def batched(*args, **kwargs):  # the GPU's form: every buffer in one compare, two read-backs

@@ -185,21 +185,24 @@ def test_a_failed_check_leaves_the_buffers_as_they_were(native):
         delta_boxes._native = saved
 
 
-def test_a_message_s_delta_headers_are_checked_together_and_the_first_bad_one_is_named():
-    """A receiver keeps each arrived delta header (a device copy) and checks them all once
-    its message is in: one read back per message, not one per bucket."""
+def test_the_received_messages_delta_headers_are_checked_together_and_the_first_bad_one_is_named():
+    """A receiver keeps each arrived delta header (a device copy) and checks those of every
+    message it received at once: one read back in all, not one per bucket or message."""
     from elastic_refit.errors import VerificationFailed
-    from elastic_refit.transport.delta_round import _Message
+    from elastic_refit.transport.delta_round import _Message, check_headers
 
     def header(entries: int, values: int) -> torch.Tensor:
         return torch.tensor([entries, values], dtype=torch.int64).view(torch.uint8).clone()
 
-    def _check_headers(headers, where: str) -> None:
+    def message(headers) -> _Message:
         empty = torch.zeros(0, dtype=torch.int64)
-        _Message(empty, empty, empty.view(torch.uint8), empty, [], headers=headers).check_headers(where)
+        return _Message(empty, empty, empty.view(torch.uint8), empty, [], headers=headers)
 
-    _check_headers([], "rank 4")
-    _check_headers([(header(3, 12), (3, 12)), (header(0, 0), (0, 0))], "rank 4")
-    with pytest.raises(VerificationFailed, match=r"rank 4: the header of its delta bucket 1 says \(5, 12\), its sizes "
-                                                 r"said \(3, 12\)"):
-        _check_headers([(header(3, 12), (3, 12)), (header(5, 12), (3, 12)), (header(9, 9), (1, 1))], "rank 4")
+    check_headers([])
+    check_headers([(message([]), "rank 4 round 0")])
+    check_headers([(message([(header(3, 12), (3, 12)), (header(0, 0), (0, 0))]), "rank 4 round 0")])
+    good = message([(header(3, 12), (3, 12))])
+    with pytest.raises(VerificationFailed, match=r"rank 4 round 1: the header of its delta bucket 1 says \(5, 12\), "
+                                                 r"its sizes said \(3, 12\)"):
+        check_headers([(good, "rank 4 round 0"), (message([(header(3, 12), (3, 12)), (header(5, 12), (3, 12)),
+                                                            (header(9, 9), (1, 1))]), "rank 4 round 1")])
