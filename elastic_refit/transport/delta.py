@@ -271,11 +271,9 @@ class DeltaCoder(RelayedDeltas):
                 raise ValueError(f"rank {self.rank}: a delta of {size} bytes announced for a bucket of {io.wire_bytes}")
             rnd.coded[id(io)] = _Bucket(index, boxes, segments, header, size)
             pending += 1
-        if pending:
-            rnd.messages[index] = _Message(
-                entries, value_bytes, torch.empty(int((entries + value_bytes).sum()), dtype=torch.uint8,
-                                                  device=self.device),
-                torch.zeros(n, dtype=torch.int64, device=self.device), starts, pending)
+        if pending:  # its coded bytes and moves are assembled from the payloads once all are in
+            empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+            rnd.messages[index] = _Message(entries, value_bytes, empty, empty.view(torch.int64), starts, pending)
         self._group(index, rnd)
 
     def _base_tensors(self, base: Mapping[str, torch.Tensor]) -> dict:
@@ -307,20 +305,20 @@ class DeltaCoder(RelayedDeltas):
             return sizes  # from the destination side (fan-out, holders) or without a base: in full
         entries, value_bytes = seg.entries.cpu(), seg.value_bytes.cpu()
         buckets, starts = self._buckets(index, entries, value_bytes)
-        headers: list[tuple[int, int]] = []
+        coded: list[_Bucket] = []
         for bucket, (b0, b1), segments, header, size in buckets:
             io = self._io[id(bucket)]
             if b1 == b0 or size >= io.wire_bytes:
                 continue
             sizes[b0:b1], sizes[n + b0 : n + b1] = entries[b0:b1], value_bytes[b0:b1]
-            rnd.coded[id(io)] = _Bucket(index, (b0, b1), segments, header, size, row=len(headers))
-            headers.append(header)
+            rnd.coded[id(io)] = _Bucket(index, (b0, b1), segments, header, size)
+            coded.append(rnd.coded[id(io)])
             rnd.num_buckets += 1
             rnd.saved_bytes["network" if msg.kind == TransferKind.NETWORK else "intra"] += io.wire_bytes - size
-        if headers:
-            rows = torch.tensor(headers, dtype=torch.int64).view(torch.uint8).reshape(len(headers), HEADER_BYTES)
-            rnd.messages[index] = _Message(entries, value_bytes, seg.coded.to(self.device), seg.moves.to(self.device),
-                                           starts, header_rows=rows.to(self.device))
+        if coded:
+            m = rnd.messages[index] = _Message(entries, value_bytes, seg.coded.to(self.device),
+                                               seg.moves.to(self.device), starts)
+            m.stream = self._stream(m, coded)
         self._group(index, rnd)
         return sizes
 
@@ -345,46 +343,48 @@ class DeltaCoder(RelayedDeltas):
                 leader, leader_room = b, io.wire_bytes
                 b.group = [b]
 
-    def payload(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, staging: torch.Tensor) -> torch.Tensor | None:
-        """What a sender sends for a delta bucket (None: the bucket goes in full), copied
-        into ``staging`` from its message's coded bytes: a header (entries, value bytes),
-        the boxes' segments, with verification on their digest moves."""
+    def _stream(self, m: _Message, buckets: list[_Bucket]) -> torch.Tensor:
+        """A sender's delta buckets of message ``m`` as their payloads back to back (each a
+        header, its boxes' segments, then with verification on their digest moves), in one
+        concatenation of views; each bucket's ``offset`` set."""
+        headers = torch.tensor([b.header for b in buckets], dtype=torch.int64).view(torch.uint8).reshape(-1).to(self.device)
+        pad, moves = torch.zeros(8, dtype=torch.uint8, device=self.device), m.moves.view(torch.uint8)
+        pieces, at = [], 0
+        for k, b in enumerate(buckets):
+            (s0, s1), (b0, b1), data = b.segments, b.boxes, HEADER_BYTES + b.segments[1] - b.segments[0]
+            pieces += [headers[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], m.coded[s0:s1]]
+            if self.verify:
+                pieces += [pad[: aligned(data) - data], moves[b0 * DIGEST_BYTES : b1 * DIGEST_BYTES]]
+            b.offset, at = at, at + b.size
+        return torch.cat(pieces)
+
+    def payload(self, rnd: DeltaRound, io: BucketIO) -> torch.Tensor | None:
+        """What a sender sends for a delta bucket and the delta buckets that travel with it
+        (None: the bucket goes in full): their slice of the message's ``stream``."""
         first = rnd.coded.get(id(io))
         if first is None:
             return None
-        at = 0
-        for b in first.group or [first]:
-            m, out = rnd.messages[b.message], staging[at : at + b.size]
-            s0, s1 = b.segments
-            out[:HEADER_BYTES].copy_(m.header_rows[b.row])  # type: ignore[index]
-            out[HEADER_BYTES : HEADER_BYTES + s1 - s0].copy_(m.coded[s0:s1])
-            if self.verify:
-                out[aligned(HEADER_BYTES + s1 - s0) :].copy_(m.moves[b.boxes[0] : b.boxes[1]].view(torch.uint8))
-            at += b.size
-        return staging[:at]
+        m = rnd.messages[first.message]
+        return m.stream[first.offset : first.offset + sum(b.size for b in first.group or [first])]  # type: ignore[index]
 
-    def accept(self, rnd: DeltaRound, io: BucketIO, tensors: Mapping, payload: torch.Tensor, where: str) -> None:
+    def accept(self, rnd: DeltaRound, io: BucketIO, payload: torch.Tensor, where: str) -> None:
         """A receiver's (or relay's) delta bucket: its segments gathered with its message's;
         once the message's last delta bucket is in, the message is deferred to the round
         (:meth:`DeltaRound.defer`): at its next flush every changed element of this rank's
         boxes is written into its buffers, after (verification on) every box's digest move
         was checked against the sender's. The payload stays where it arrived (a relay
-        forwards from there)."""
+        forwards from there); one copy of it is kept (the staging serves later windows)."""
         first, at = rnd.coded[id(io)], 0
-        for b in first.group or [first]:
-            self._accept_one(rnd, b, tensors, payload[at : at + b.size], where)
+        group = first.group or [first]
+        kept = payload[: sum(b.size for b in group)].clone()
+        m = rnd.messages[first.message]
+        for b in group:
+            m.headers.append((kept[at : at + HEADER_BYTES], b.header))  # checked with the others at the flush
+            m.arrived.append((b.segments, b.boxes, kept[at : at + b.size]))
             at += b.size
-
-    def _accept_one(self, rnd: DeltaRound, b: _Bucket, tensors: Mapping, payload: torch.Tensor, where: str) -> None:
-        m = rnd.messages[b.message]
-        s0, s1 = b.segments
-        m.headers.append((payload[:HEADER_BYTES].clone(), b.header))  # checked with the message's others
-        m.coded[s0:s1].copy_(payload[HEADER_BYTES : HEADER_BYTES + s1 - s0])
-        if self.verify:
-            m.moves[b.boxes[0] : b.boxes[1]].copy_(payload[aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64))
-        m.pending -= 1
+        m.pending -= len(group)
         if not m.pending:  # the whole message is in: checked and written with the others at the round's flush
-            rnd.defer((b.message, where))
+            rnd.defer((first.message, where))
 
     def _write_messages(self, rnd: DeltaRound, received: list[tuple[int, str]], tensors: Mapping) -> int:
         """Received messages (index, where), whole: their headers and digest moves checked,
@@ -393,6 +393,7 @@ class DeltaCoder(RelayedDeltas):
         parts = []
         for index, _where in received:
             m, own = rnd.messages[index], self._shapes[index].own
+            m.assemble(len(self._shapes[index].boxes), self.verify)
             coded = m.coded if len(own) == len(self._shapes[index].boxes) else m.own_segments(own, self.device)
             parts.append(Segments(m.entries[own], m.value_bytes[own], coded, m.moves[own]))
         seg, firsts = join_segments(parts)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic_refit.errors import VerificationFailed
-from elastic_refit.transport.bucket_io import BucketIO
+from elastic_refit.kernels.delta import HEADER_BYTES
+from elastic_refit.transport.bucket_io import BucketIO, aligned
 from elastic_refit.transport.protocol import P2POp, Transport
 from elastic_refit.transport.schedule import ForwardPart
 
@@ -59,7 +60,7 @@ class _Bucket:
     # carries their payloads back to back (``group``); the others post nothing.
     group: list[_Bucket] = field(default_factory=list)
     follows: bool = False
-    row: int = 0  # a sender's: its header's row in its message's ``header_rows``
+    offset: int = 0  # a sender's: where its payload starts in its message's ``stream``
 
 
 @dataclass(slots=True)
@@ -79,9 +80,28 @@ class _Message:
     # together once the last delta bucket is in: one read back from the device per message,
     # not one per bucket.
     headers: list[tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=list)
-    # A sender's delta buckets' headers, a row of bytes each, where the payloads are
-    # written (one copy to the device per message, not a blocking one per bucket).
-    header_rows: torch.Tensor | None = None
+    # A receiver's arrived delta buckets: (segments, boxes, payload), views of one copy
+    # per operation, assembled into ``coded`` and ``moves`` once all are in.
+    arrived: list[tuple[tuple[int, int], tuple[int, int], torch.Tensor]] = field(default_factory=list)
+    # A sender's: its delta buckets' payloads back to back, built in one concatenation (a
+    # run of them travels as one slice of it; a few copies per message, not three per bucket).
+    stream: torch.Tensor | None = None
+
+    def assemble(self, num_boxes: int, verify: bool) -> None:
+        """A receiver's ``coded`` (every box's segment, box after box: those of buckets that
+        came in full are empty) and ``moves`` (zero for those boxes), each in one
+        concatenation of views of the arrived payloads."""
+        arrived = sorted(self.arrived, key=lambda a: a[0][0])
+        device = arrived[0][2].device
+        zeros = torch.zeros(num_boxes, dtype=torch.int64, device=device)
+        coded, moves, box = [], [], 0
+        for (s0, s1), (b0, b1), payload in arrived:
+            coded.append(payload[HEADER_BYTES : HEADER_BYTES + s1 - s0])
+            if verify:
+                moves += [zeros[box:b0], payload[aligned(HEADER_BYTES + s1 - s0) :].view(torch.int64)]
+                box = b1
+        self.coded, self.moves = torch.cat(coded), torch.cat([*moves, zeros[box:]])
+        self.arrived = []
 
     def own_segments(self, own: list[int], device: torch.device) -> torch.Tensor:
         """A relay's own boxes' segments, back to back (the others are its needers')."""

@@ -375,8 +375,7 @@ class Executor:
             prior = m.slots[slot]
             if prior is not None and prior.pending:  # the staging slot is free once its send is done
                 prior.wait(self.transport)
-            coded = None if self._round is None else self._delta.payload(  # type: ignore[union-attr]
-                self._round, io, tensors, self._staging_of(m.first_slot, slot, io.wire_bytes))
+            coded = None if self._round is None else self._delta.payload(self._round, io)  # type: ignore[union-attr]
             if coded is not None:
                 payload = coded
             elif io.direct is not None:
@@ -470,7 +469,7 @@ class Executor:
             where = f"rank {self.rank} {m.place}"
             if self._round is not None and self._round.size(op.io) is not None:  # a delta: written in place
                 with self._round.timed("accept"):
-                    self._delta.accept(self._round, op.io, tensors, op.op.tensor, where)  # type: ignore[union-attr]
+                    self._delta.accept(self._round, op.io, op.op.tensor, where)  # type: ignore[union-attr]
             else:
                 counts["num_verified_boxes"] += op.io.unpack(tensors, op.op.tensor, self.options.verify, where)
         else:
