@@ -16,6 +16,9 @@ the comparison is bit for bit).
   element's index (int64, ascending) and, with ``VALUES``, its value from ``current``
   (a load masked to the changed lanes: only their sectors are read).
 - ``scatter_kernel``: ``target[index[i]] = values[i]`` (the apply).
+- ``gather_many_kernel`` / ``scatter_many_kernel``: the same over several buffers at once,
+  element ``i`` in buffer ``ref[i]`` (its address in ``table``, as int64): one launch for a
+  message whose boxes lie in tens of buffers, not one or more per buffer.
 
 Offsets are int64 when ``WIDE`` (runs of 2**31 elements or more), int32 otherwise.
 """
@@ -26,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-__all__ = ["compact_kernel", "flag_kernel", "scatter_kernel"]
+__all__ = ["compact_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel", "scatter_many_kernel"]
 
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
@@ -98,3 +101,38 @@ def scatter_kernel(target_ptr, index_ptr, values_ptr, k, BLOCK: tl.constexpr):
     at = tl.load(index_ptr + offs, mask=inside, other=0)
     value = tl.load(values_ptr + offs, mask=inside, other=0)
     tl.store(target_ptr + at, value, mask=inside)
+
+
+@_jit
+def _typed(addr, U: tl.constexpr):
+    """Buffer addresses (int64) as pointers to elements of ``U`` bytes."""
+    if U == 1:
+        return addr.to(tl.pointer_type(tl.int8), bitcast=True)
+    elif U == 2:
+        return addr.to(tl.pointer_type(tl.int16), bitcast=True)
+    elif U == 4:
+        return addr.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        return addr.to(tl.pointer_type(tl.int64), bitcast=True)
+
+
+@_jit
+def gather_many_kernel(table_ptr, ref_ptr, index_ptr, out_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < k
+    ref = tl.load(ref_ptr + offs, mask=inside, other=0)
+    at = tl.load(index_ptr + offs, mask=inside, other=0)
+    base = _typed(tl.load(table_ptr + ref, mask=inside, other=0), U)
+    tl.store(out_ptr + offs, tl.load(base + at, mask=inside, other=0), mask=inside)
+
+
+@_jit
+def scatter_many_kernel(table_ptr, ref_ptr, index_ptr, values_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < k
+    ref = tl.load(ref_ptr + offs, mask=inside, other=0)
+    at = tl.load(index_ptr + offs, mask=inside, other=0)
+    base = _typed(tl.load(table_ptr + ref, mask=inside, other=0), U)
+    tl.store(base + at, tl.load(values_ptr + offs, mask=inside, other=0), mask=inside)

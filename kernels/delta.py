@@ -37,9 +37,9 @@ from collections.abc import Iterable
 import torch
 from elastic_refit.kernels import delta_triton
 
-__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "changed_elements_many", "delta_digests", "delta_unit", "encode_delta",
-           "encoded_nbytes", "payload_counts", "segment_entries", "segment_entry_counts", "segment_positions",
-           "write_elements"]
+__all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "changed_elements_many", "delta_digests",
+           "delta_unit", "encode_delta", "encoded_nbytes", "gather_elements_many", "payload_counts", "segment_entries",
+           "segment_entry_counts", "segment_positions", "write_elements", "write_elements_many"]
 
 HEADER_BYTES = 16
 SKIP = 255  # an entry that moves the pointer by 255 elements and marks nothing
@@ -226,6 +226,57 @@ def write_elements(target: torch.Tensor, index: torch.Tensor, values: torch.Tens
             delta_triton.scatter(ints, index.contiguous(), vals)
             return
     target.view(-1, unit).index_copy_(0, index, values.reshape(-1, unit))
+
+
+def _by_buffer(ref: torch.Tensor, num_buffers: int):
+    """Per buffer: (its index, the positions of ``ref``'s elements in it), with one sort and
+    one read of the per-buffer counts in all (a mask per buffer reads a size back each)."""
+    order = torch.argsort(ref, stable=True)
+    start = 0
+    for i, k in enumerate(torch.bincount(ref, minlength=num_buffers).tolist()):
+        if k:
+            yield i, order[start : start + k]
+        start += k
+
+
+def _fused_many(buffers: list[torch.Tensor], unit: int) -> list[torch.Tensor] | None:
+    """The buffers as flat integer views the fused many-buffer kernels take, or None (no
+    Triton, not a device, an element size without an integer view, an unaligned buffer)."""
+    if _INT_VIEW.get(unit) is None or not delta_triton.usable(buffers[0]):
+        return None
+    views = [_elements(b, unit) for b in buffers]
+    return views if all(v.dim() == 1 for v in views) else None
+
+
+def gather_elements_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Tensor,
+                         unit: int) -> torch.Tensor:
+    """Rows of ``unit`` bytes: element ``index[i]`` of ``buffers[ref[i]]`` (flat uint8
+    buffers of one device; ``ref``, ``index`` int64): one fused launch on CUDA
+    (:func:`delta_triton.gather_many`), a gather per buffer otherwise."""
+    if len(buffers) == 1:
+        return buffers[0].view(-1, unit).index_select(0, index)
+    fused = _fused_many(buffers, unit)
+    if fused is not None:
+        return delta_triton.gather_many(fused, ref.contiguous(), index.contiguous()).view(torch.uint8).view(-1, unit)
+    out = torch.empty((index.numel(), unit), dtype=torch.uint8, device=index.device)
+    for i, at in _by_buffer(ref, len(buffers)):
+        out.index_copy_(0, at, buffers[i].view(-1, unit).index_select(0, index.index_select(0, at)))
+    return out
+
+
+def write_elements_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Tensor, rows: torch.Tensor,
+                        unit: int) -> None:
+    """Write ``rows`` (``unit`` bytes each) as element ``index[i]`` of ``buffers[ref[i]]``
+    (no element written twice), the way back of :func:`gather_elements_many`."""
+    if len(buffers) == 1:
+        write_elements(buffers[0], index, rows.reshape(-1), unit)
+        return
+    fused = _fused_many(buffers, unit)
+    if fused is not None and rows.is_contiguous():
+        delta_triton.scatter_many(fused, ref.contiguous(), index.contiguous(), rows.view(-1).view(_INT_VIEW[unit]))
+        return
+    for i, at in _by_buffer(ref, len(buffers)):
+        write_elements(buffers[i], index.index_select(0, at), rows.index_select(0, at).reshape(-1), unit)
 
 
 # ---- segments: one run of entries per box, each counting from its box's first element ------

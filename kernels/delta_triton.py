@@ -24,7 +24,7 @@ import os
 
 import torch
 
-__all__ = ["BLOCK", "HAVE_TRITON", "encode_changes", "scatter", "set_enabled", "usable"]
+__all__ = ["BLOCK", "HAVE_TRITON", "encode_changes", "gather_many", "scatter", "scatter_many", "set_enabled", "usable"]
 
 try:  # optional: CPU installs run the torch forms
     import triton  # noqa: F401
@@ -118,3 +118,60 @@ def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> 
     if k:
         _module(target).scatter_kernel[(-(-k // SCATTER_BLOCK),)](target, index, values, k, BLOCK=SCATTER_BLOCK,
                                                                    num_warps=4)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}  # buffer addresses -> their table on the device (kept: a refit's buffers stay)
+
+
+def _table(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """The buffers' addresses as an int64 tensor on their device, kept by the addresses
+    (copied to the device once, not per call: a copy from the host waits for the stream)."""
+    key = (buffers[0].device, *(b.data_ptr() for b in buffers))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= 64:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64).to(buffers[0].device)
+    return table
+
+
+def _check_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Tensor) -> None:
+    if not buffers:
+        raise ValueError("no buffers")
+    for i, b in enumerate(buffers):
+        _check_flat(f"buffers[{i}]", b)
+        if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
+            raise ValueError(f"buffers[{i}] is {b.dtype} on {b.device}, buffers[0] {buffers[0].dtype} on "
+                             f"{buffers[0].device}: one dtype and device")
+    for name, t in (("ref", ref), ("index", index)):
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous() or t.device != buffers[0].device:
+            raise ValueError(f"{name} must be a flat contiguous int64 tensor on {buffers[0].device}, got {t.dtype} "
+                             f"of shape {tuple(t.shape)} on {t.device}")
+    if ref.numel() != index.numel():
+        raise ValueError(f"{ref.numel()} refs for {index.numel()} indices")
+
+
+def gather_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[i] = buffers[ref[i]][index[i]]`` (flat integer buffers of one dtype and device;
+    ``ref``, ``index`` int64, in range) in one launch."""
+    _check_many(buffers, ref, index)
+    k = index.numel()
+    out = torch.empty(k, dtype=buffers[0].dtype, device=buffers[0].device)
+    if k:
+        _module(buffers[0]).gather_many_kernel[(-(-k // SCATTER_BLOCK),)](
+            _table(buffers), ref, index, out, k, U=buffers[0].element_size(), BLOCK=SCATTER_BLOCK, num_warps=4)
+    return out
+
+
+def scatter_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffers[ref[i]][index[i]] = values[i]`` (as :func:`gather_many`; no element
+    written twice) in one launch."""
+    _check_many(buffers, ref, index)
+    _check_flat("values", values)
+    if values.dtype != buffers[0].dtype or values.numel() != index.numel() or values.device != buffers[0].device:
+        raise ValueError(f"{values.numel()} values of {values.dtype} on {values.device} for {index.numel()} indices "
+                         f"into {buffers[0].dtype} on {buffers[0].device}")
+    k = index.numel()
+    if k:
+        _module(buffers[0]).scatter_many_kernel[(-(-k // SCATTER_BLOCK),)](
+            _table(buffers), ref, index, values, k, U=buffers[0].element_size(), BLOCK=SCATTER_BLOCK, num_warps=4)

@@ -22,10 +22,12 @@ from elastic_refit.kernels.delta import (
     changed_elements,
     changed_elements_many,
     delta_digests,
+    gather_elements_many,
     segment_entries,
     segment_entry_counts,
     segment_positions,
     write_elements,
+    write_elements_many,
 )
 from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
@@ -182,6 +184,10 @@ class Boxes:
         return rel + self.lo[box]
 
     # ---- the change of a message ------------------------------------------------------------
+    def _flat(self, tensors) -> list[torch.Tensor]:
+        """This geometry's buffers of ``tensors`` (by ref), as flat bytes, in ref order."""
+        return [byte_view(tensors[r]).reshape(-1) for r in self.refs]
+
     def _np(self, tensor: torch.Tensor, i: int) -> np.ndarray:
         """Box ``i`` of ``tensor`` (its buffer) as a numpy view of integers of its element size."""
         b = self.boxes[i]
@@ -200,6 +206,12 @@ class Boxes:
                                                 itemsize)
         local, flat, box = self.select([changed[r] for r in self.refs])
         n = len(self.boxes)
+        if len(set(self.itemsizes)) == 1:  # every buffer gathered in one call (one launch on CUDA)
+            u = self.itemsizes[0]
+            new = gather_elements_many(self._flat(tensors), self.ref_of[box], flat, u)
+            moves = (delta_digests(gather_elements_many(self._flat(base), self.ref_of[box], flat, u), new, local * u,
+                                   box, n) if verify else torch.zeros(n, dtype=torch.int64, device=local.device))
+            return Change(local, torch.bincount(box, minlength=n).cpu(), new.reshape(-1), moves)
         values, at = _values(self, box, None)
         moves = torch.zeros(n, dtype=torch.int64, device=local.device)
         # One element size: the old values gather beside the new ones and one digest call
@@ -243,8 +255,15 @@ class Boxes:
             return self._apply_cpu(tensors, change, verify)
         n = len(self.boxes)
         counts = change.counts.to(change.local.device)
-        box = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)
+        box = torch.repeat_interleave(torch.arange(n, device=counts.device), counts,
+                                      output_size=change.local.numel())
         flat = self.flat(change.local, box)
+        if len(set(self.itemsizes)) == 1:  # every buffer read and written in one call each
+            u, buffers, ref = self.itemsizes[0], self._flat(tensors), self.ref_of[box]
+            new = change.values.view(-1, u)
+            moves = (delta_digests(gather_elements_many(buffers, ref, flat, u), new, change.local * u, box, n) if verify
+                     else torch.zeros(n, dtype=torch.int64, device=counts.device))
+            return moves, lambda: write_elements_many(buffers, ref, flat, new, u)
         values, at = _values(self, box, change.values)
         moves = torch.zeros(n, dtype=torch.int64, device=counts.device)
         olds = torch.empty_like(values) if verify and at is None else None  # one digest call, as in code

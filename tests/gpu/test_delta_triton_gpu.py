@@ -74,3 +74,30 @@ def test_the_flat_codec_with_the_kernels_equals_the_torch_form(unit, density):
     target = base.clone()
     codec.apply_delta(fused, target, unit)
     assert torch.equal(target, cur)
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [0, 1, 1000, 300_001])
+def test_elements_of_many_buffers_fused_equal_the_torch_form(unit, k):
+    """The box codec's reads and writes over all of a message's buffers in one launch each
+    (gather_many / scatter_many) against a gather and a write per buffer."""
+    g = torch.Generator(device="cuda").manual_seed(unit * 7 + k)
+    sizes = [5, 200_000, 1, 150_000, 3]
+    buffers = [torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g, device="cuda") for n in sizes]
+    firsts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]], device="cuda")
+    pick = torch.randperm(sum(sizes), generator=g, device="cuda")[:k]  # distinct elements, any order
+    ref = (torch.searchsorted(firsts, pick, right=True) - 1).contiguous()
+    index = (pick - firsts[ref]).contiguous()
+    fused = codec.gather_elements_many(buffers, ref, index, unit)
+    previous = delta_triton.set_enabled(False)
+    try:
+        reference = codec.gather_elements_many(buffers, ref, index, unit)
+        rows = torch.randint(0, 256, (k, unit), dtype=torch.uint8, generator=g, device="cuda")
+        want = [b.clone() for b in buffers]
+        codec.write_elements_many(want, ref, index, rows, unit)
+    finally:
+        delta_triton.set_enabled(previous)
+    assert torch.equal(fused, reference)
+    codec.write_elements_many(buffers, ref, index, rows, unit)
+    for got, expected in zip(buffers, want, strict=True):
+        assert torch.equal(got, expected)

@@ -192,3 +192,30 @@ def test_many_buffers_compared_at_once_find_what_each_compare_finds(buffers, see
     found = changed_elements_many(currents, bases, units, batched=True)
     for cur, base, unit, got in zip(currents, bases, units, found, strict=True):
         assert torch.equal(got, changed_elements(cur, base, unit))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([1, 2, 3, 4, 8]), st.lists(st.integers(0, 200), min_size=1, max_size=6),
+       st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_elements_of_many_buffers_gathered_and_written_back(unit, sizes, density, seed):
+    """gather_elements_many / write_elements_many (the box codec's reads and writes over all
+    of a message's buffers at once; fused on CUDA) equal a read and a write per element."""
+    from elastic_refit.kernels.delta import gather_elements_many, write_elements_many
+
+    g = torch.Generator().manual_seed(seed)
+    buffers = [torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g) for n in sizes]
+    pairs = [(r, i) for r, n in enumerate(sizes) for i in range(n) if torch.rand(1, generator=g).item() < density]
+    pairs = [pairs[j] for j in torch.randperm(len(pairs), generator=g).tolist()]  # any order
+    ref = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
+    index = torch.tensor([i for _, i in pairs], dtype=torch.int64)
+    rows = gather_elements_many(buffers, ref, index, unit)
+    assert rows.shape == (len(pairs), unit)
+    for (r, i), row in zip(pairs, rows, strict=True):
+        assert torch.equal(row, buffers[r][i * unit : (i + 1) * unit])
+    new = torch.randint(0, 256, (len(pairs), unit), dtype=torch.uint8, generator=g)
+    want = [b.clone() for b in buffers]
+    for (r, i), row in zip(pairs, new, strict=True):
+        want[r][i * unit : (i + 1) * unit] = row
+    write_elements_many(buffers, ref, index, new, unit)
+    for got, expected in zip(buffers, want, strict=True):
+        assert torch.equal(got, expected)

@@ -125,3 +125,35 @@ def test_the_box_codec_with_the_kernels_equals_the_numpy_form(interpreted, densi
         assert torch.equal(t.view(torch.uint8), cur[r].view(torch.uint8)), r
     assert interpreted["encode_changes"] == 2  # one compare per buffer
     assert interpreted["scatter"] == (2 if density else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("k", [0, 1, delta_triton.SCATTER_BLOCK + 3])
+def test_gather_and_scatter_over_many_buffers_equal_the_reference(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    buffers = [torch.randint(-100, 100, (n,), generator=g).to(dtype) for n in (7, 3000, 1, 512)]
+    pairs = [(r, i) for r, b in enumerate(buffers) for i in range(b.numel())]
+    pick = torch.randperm(len(pairs), generator=g)[:k].tolist()
+    ref = torch.tensor([pairs[j][0] for j in pick], dtype=torch.int64)
+    index = torch.tensor([pairs[j][1] for j in pick], dtype=torch.int64)
+    got = delta_triton.gather_many(buffers, ref, index)
+    assert torch.equal(got, torch.stack([buffers[r][i] for r, i in zip(ref.tolist(), index.tolist(), strict=True)])
+                       if k else got[:0])
+    values = torch.randint(-100, 100, (k,), generator=g).to(dtype)
+    want = [b.clone() for b in buffers]
+    for r, i, v in zip(ref.tolist(), index.tolist(), values, strict=True):
+        want[r][i] = v
+    delta_triton.scatter_many(buffers, ref, index, values)
+    for b, w in zip(buffers, want, strict=True):
+        assert torch.equal(b, w)
+
+
+def test_many_buffer_kernels_refuse_mixed_buffers_by_name():
+    a, b = torch.zeros(4, dtype=torch.int16), torch.zeros(4, dtype=torch.int32)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"buffers\[1\] is torch.int32"):
+        delta_triton.gather_many([a, b], one, one)
+    with pytest.raises(ValueError, match="ref must be a flat contiguous int64"):
+        delta_triton.gather_many([a], one.to(torch.int32), one)
+    with pytest.raises(ValueError, match="values"):
+        delta_triton.scatter_many([a], one, one, torch.zeros(2, dtype=torch.int16))
