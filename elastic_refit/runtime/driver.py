@@ -364,7 +364,8 @@ class Driver:
             log.info("refit.connect.skipped", reason=mine if plan is None else "members planned differently")
             return True
         try:
-            num_directions = connect_ahead(self._transport, plan_peers(plan, view.rank_of(s.config.member_id)))
+            with self.participant.connecting(view, spec.participants, self._transport):
+                num_directions = connect_ahead(self._transport, plan_peers(plan, view.rank_of(s.config.member_id)))
         except TransportAborted as exc:
             log.warning("refit.connect.failed", error=brief(exc))
             drop_frames(exc)  # its frames hold the posted connect work (and so the group's sockets)

@@ -14,7 +14,7 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -69,14 +69,16 @@ class Participant:
         self.lock = threading.Lock()
         self._acked: set[int] = set()  # versions this rank acked and has not retracted since
         self.phase = Phase.DONE
-        # The transfer in flight (its epoch, its participants' identities, its transport),
-        # read by the membership thread (peer_left): its own lock, never the attempt's.
+        # The transfer in flight (its epoch, its participants' identities, its transport,
+        # whether any newer epoch ends it), read by the membership thread (peer_left): its
+        # own lock, never the attempt's.
         self._moving_lock = threading.Lock()
-        self._moving: tuple[int, frozenset[tuple[str, str, str]], Transport] | None = None
+        self._moving: tuple[int, frozenset[tuple[str, str, str]], Transport, bool] | None = None
 
     def follow(self, membership: Membership) -> None:
         """End a transfer in flight as soon as an epoch of ``membership`` (this member's,
-        a new one after a rejoin) drops one of its participants."""
+        a new one after a rejoin) drops one of its participants (connecting ahead: as soon
+        as any newer epoch arrives)."""
         membership.on_view(lambda _old, new: self.peer_left(new))
 
     def peer_left(self, view: MembershipView) -> None:
@@ -88,22 +90,30 @@ class Participant:
         with self._moving_lock:
             if self._moving is None:
                 return
-            epoch, identities, transport = self._moving
+            epoch, identities, transport, superseded_ends = self._moving
             gone = identities - view.identities
-            if view.epoch <= epoch or not gone:
+            if view.epoch <= epoch or not (gone or superseded_ends):
                 return
             self._moving = None
         self.services.log.info("refit.transfer.interrupted", epoch=epoch, new_epoch=view.epoch,
-                               gone=sorted(member_id for _role, member_id, _incarnation in gone))
+                               gone=sorted(member_id for _role, member_id, _incarnation in gone),
+                               connecting=superseded_ends)
         with contextlib.suppress(Exception):  # best effort: the attempt's own fault handling follows
             transport.interrupt()
 
+    def connecting(self, view: MembershipView, participants: Collection[str], transport: Transport):
+        """While this rank connects ahead in ``view``'s epoch: any newer epoch interrupts it
+        (a peer that sees the epoch superseded before it connects skips connecting, and
+        this rank would wait for it until the transport's timeout)."""
+        return self._in_flight(view, participants, transport, superseded_ends=True)
+
     @contextlib.contextmanager
-    def _in_flight(self, view: MembershipView, spec: AttemptSpec, transport: Transport):
+    def _in_flight(self, view: MembershipView, participants: Collection[str], transport: Transport, *,
+                   superseded_ends: bool = False):
         """While bytes move: what :meth:`peer_left` interrupts."""
-        identities = frozenset(m.identity for m in view.members if m.member_id in spec.participants)
+        identities = frozenset(m.identity for m in view.members if m.member_id in participants)
         with self._moving_lock:
-            self._moving = (view.epoch, identities, transport)
+            self._moving = (view.epoch, identities, transport, superseded_ends)
         try:
             yield
         finally:
@@ -169,7 +179,7 @@ class Participant:
             self._begin_receiving()
         s.fire("transfer.before", epoch=view.epoch, seq=seq, version=spec.version, executor=executor,
                transport=transport)
-        with self._in_flight(view, spec, transport):
+        with self._in_flight(view, spec.participants, transport):
             report = executor.run(source, destination, before_vote=self._after_sends(spec, source), delta=delta)
         if me in spec.sources and self._published is not None:
             self._published.mark_sent(spec.version)

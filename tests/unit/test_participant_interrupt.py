@@ -41,7 +41,7 @@ EPOCH3 = MembershipView(epoch=3, members=(_rec("t0"), _rec("t1"), _rec("i0", "in
 
 
 def _moving(p: Participant, transport: _Transport):
-    return p._in_flight(EPOCH3, SPEC, transport)
+    return p._in_flight(EPOCH3, SPEC.participants, transport)
 
 
 def test_an_epoch_without_a_participant_aborts_the_transfer_once():
@@ -102,4 +102,18 @@ def test_follow_registers_for_every_view():
     assert len(callbacks) == 1
     with _moving(p, t):
         callbacks[0](EPOCH3, MembershipView(epoch=4, members=(_rec("t0"),)))
+    assert t.aborts == 1
+
+
+def test_any_newer_epoch_interrupts_connecting_ahead():
+    """Seen on the H100 (chaos, kill during a grow): the coordinator connected ahead in
+    epoch 1 while its peer, which saw epoch 2 first, skipped it; the coordinator waited for
+    the transport's 5 s timeout. A newer epoch, even a join, ends connecting ahead now."""
+    p, t = _participant(), _Transport()
+    with p.connecting(EPOCH3, SPEC.participants, t):
+        p.peer_left(MembershipView(epoch=3, members=EPOCH3.members))  # its own epoch: nothing
+        assert t.aborts == 0
+        p.peer_left(MembershipView(epoch=4, members=(*EPOCH3.members, _rec("i1", "inference"))))  # a join
+        assert t.aborts == 1
+    p.peer_left(MembershipView(epoch=5, members=()))  # connected (or not): nothing in flight
     assert t.aborts == 1
