@@ -62,10 +62,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="sync-gather,sync-reshard,async-staged")
     p.add_argument("--kill-at", type=int, default=4, help="async step whose refit loses the last engine (0: none)")
     p.add_argument("--timeout", type=float, default=540.0)
-    p.add_argument("--sm-share", default="", metavar="trainer=P,inference=Q",
-                   help="under MPS: the percent of the GPU's SMs each trainer / inference process may use "
-                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so roles sharing one GPU do not take each "
-                        "other's SMs, as on GPUs of their own")
     return p.parse_args(argv)
 
 
@@ -82,20 +78,8 @@ def _config(args: argparse.Namespace, etcd: str):
         steps=args.steps, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, modes=tuple(args.modes.split(",")), kill_at=args.kill_at or None,
         # Several processes share one machine (and one GPU): generous leases and timeouts.
-        role_env=_sm_share(args.sm_share),
         refit=(("ttl_s", 6), ("collective_timeout_s", 5.0), ("epoch_deadline_s", 30.0),
                ("bucket_bytes", 64 << 20), ("staging_bytes", 256 << 20)))
-
-
-def _sm_share(spec: str) -> tuple:
-    """``trainer=P,inference=Q`` -> RLStepConfig.role_env (MPS's per-process SM share)."""
-    out = []
-    for part in filter(None, spec.split(",")):
-        role, _, percent = part.partition("=")
-        if role not in ("trainer", "inference") or not percent.isdigit() or not 1 <= int(percent) <= 100:
-            raise SystemExit(f"--sm-share: want trainer=P,inference=Q with P, Q in 1..100, got {part!r}")
-        out.append((role, (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent),)))
-    return tuple(out)
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -151,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
                                                           "steps", "prompts", "group", "prompt_len", "new_tokens",
                                                           "kill_at")}
     summary["config"]["model"] = dict(config.model)
-    summary["config"]["role_env"] = {role: dict(env) for role, env in config.role_env}
     summary["trace"] = write_trace([config.log_dir], Path(args.out) / "trace.json")
     summary["at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=1, default=str))
