@@ -117,22 +117,23 @@ def _typed(addr, U: tl.constexpr):
 
 
 @_jit
-def gather_many_kernel(table_ptr, ref_ptr, index_ptr, out_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _many(table_ptr, ref_ptr, index_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's lanes of a many-buffer kernel: each element's pointer, its place
+    ``offs`` in the flat inputs, and which lanes hold one."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < k
     ref = tl.load(ref_ptr + offs, mask=inside, other=0)
     at = tl.load(index_ptr + offs, mask=inside, other=0)
-    base = _typed(tl.load(table_ptr + ref, mask=inside, other=0), U)
-    tl.store(out_ptr + offs, tl.load(base + at, mask=inside, other=0), mask=inside)
+    return _typed(tl.load(table_ptr + ref, mask=inside, other=0), U) + at, offs, inside
+
+
+@_jit
+def gather_many_kernel(table_ptr, ref_ptr, index_ptr, out_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
+    ptrs, offs, inside = _many(table_ptr, ref_ptr, index_ptr, k, U, BLOCK)
+    tl.store(out_ptr + offs, tl.load(ptrs, mask=inside, other=0), mask=inside)
 
 
 @_jit
 def scatter_many_kernel(table_ptr, ref_ptr, index_ptr, values_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < k
-    ref = tl.load(ref_ptr + offs, mask=inside, other=0)
-    at = tl.load(index_ptr + offs, mask=inside, other=0)
-    base = _typed(tl.load(table_ptr + ref, mask=inside, other=0), U)
-    tl.store(base + at, tl.load(values_ptr + offs, mask=inside, other=0), mask=inside)
+    ptrs, offs, inside = _many(table_ptr, ref_ptr, index_ptr, k, U, BLOCK)
+    tl.store(ptrs, tl.load(values_ptr + offs, mask=inside, other=0), mask=inside)

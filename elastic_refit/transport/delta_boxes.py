@@ -33,7 +33,7 @@ from elastic_refit.layout import DTYPE_ITEMSIZE
 from elastic_refit.transport.buffers import byte_view
 from elastic_refit.transport.schedule import BoxCopy, RankSchedule
 
-__all__ = ["Boxes", "Change", "Segments", "Written", "compare_ahead", "gather_segments", "segment_places"]
+__all__ = ["Boxes", "Change", "Segments", "Written", "compare_ahead", "segment_places"]
 
 try:  # the compiled form (setup.py); without it numpy runs, with the same results
     from elastic_refit.transport import _delta as _native
@@ -368,10 +368,9 @@ class Boxes:
         """Check and write segments (``seg.moves`` unused): returns the digest moves they
         make on this rank's buffers (zeros without ``verify``) and a :class:`Written`
         (``finish(True)`` once the moves were found right, ``finish(False)`` else)."""
-        if self.vectorized or _native is None:
-            starts = list(itertools.accumulate([0] + (seg.entries + seg.value_bytes).tolist()))[:-1]
-            ent, values = gather_segments(seg.coded, starts, seg.entries, seg.value_bytes, list(range(len(self.boxes))),
-                                          seg.coded.device)
+        if self.vectorized or _native is None:  # the boxes' segments lie back to back in ``coded``
+            e_at, v_at = segment_places(seg.entries, seg.value_bytes, seg.coded.device)
+            ent, values = seg.coded[e_at], seg.coded[v_at]
             local = segment_positions(ent, seg.entries.to(seg.coded.device))
             counts = torch.div(seg.value_bytes, self._itemsize_host, rounding_mode="floor")
             moves, write = self.apply(tensors, Change(local, counts, values, seg.moves), verify)
@@ -486,21 +485,6 @@ def segment_places(entries: torch.Tensor, value_bytes: torch.Tensor,
         return torch.arange(total, device=device) + torch.repeat_interleave(first - before, counts, output_size=total)
 
     return places(entries, starts), places(value_bytes, starts + entries)
-
-
-def gather_segments(coded: torch.Tensor, starts: list[int], entries: torch.Tensor, value_bytes: torch.Tensor,
-                     boxes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The entries and the values of ``boxes`` (their segments in ``coded``), back to back."""
-    pick = torch.tensor(boxes, dtype=torch.int64)
-    e, v = entries.cpu()[pick].to(device), value_bytes.cpu()[pick].to(device)
-    first = torch.tensor([starts[i] for i in boxes], dtype=torch.int64, device=device)
-    lengths = e + v
-    total = int(lengths.sum())
-    e_at, v_at = segment_places(e, v, device)
-    shift = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
-    flat = torch.arange(total, device=device) + shift  # where the boxes' bytes sit in ``coded``
-    picked = coded[flat]
-    return picked[e_at], picked[v_at]
 
 
 def _flat_np(tensor: torch.Tensor) -> np.ndarray:
