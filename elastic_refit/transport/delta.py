@@ -12,8 +12,8 @@ own: a segment of gap entries counted from the box's first element, then the cha
 elements' values. So sizes follow from per-box counts (entries, value bytes), which travel
 in one batch before the first window, one vector per message (:data:`FULL` for a bucket
 that goes in full); a bucket's payload (a header, its boxes' segments back to back, with
-verification on the digest moves) is written into the staging the bucket would have used
-(it is never larger). A receiver writes the changed elements straight into its buffers,
+verification on the digest moves) is a slice of its message's stream, built once per refit,
+and lands in the staging the bucket would have used (it is never larger). A receiver writes the changed elements straight into its buffers,
 every message it received at once when the exchange is over (before fan-outs send them on):
 on a GPU a delta's cost is its operations, not its few elements (:mod:`.delta_many`; a
 sender likewise codes all its messages in one call).
