@@ -76,9 +76,9 @@ class _Message:
     moves: torch.Tensor
     starts: list[int]  # each box's segment in ``coded``
     pending: int = 0
-    # A receiver's arrived headers (device copies) and what the sizes said of each, checked
-    # together once the last delta bucket is in: one read back from the device per message,
-    # not one per bucket.
+    # A receiver's arrived headers (views of the kept payloads) and what the sizes said of
+    # each, checked with every received message's at the round's flush: one read back from
+    # the device in all (:func:`check_headers`), not one per bucket.
     headers: list[tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=list)
     # A receiver's arrived delta buckets: (segments, boxes, payload), views of one copy
     # per operation, assembled into ``coded`` and ``moves`` once all are in.
