@@ -417,12 +417,17 @@ def _check_shape(i: int, shape: Sequence[int]) -> tuple[int, ...]:
     return s
 
 
-def warm_up(device: torch.device | str, backend: str = "auto") -> None:
+def warm_up(device: torch.device | str, backend: str = "auto", *, deltas: bool = False) -> None:
     """Compile (or load from Triton's cache) the pack and unpack kernels on ``device`` and
     run each once, so that a process's first refit does not pay for it: a rank that joins a
     running job would otherwise pay it in its first transfer. The kernel has two variants
-    (pack, unpack) for every box, dtype and alignment, so one tiny box warms them all."""
+    (pack, unpack) for every box, dtype and alignment, so one tiny box warms them all.
+    ``deltas``: the delta kernels too (:func:`delta_triton.warm_up`)."""
     device = _canonical_device(torch.device(device))
+    if deltas:
+        from . import delta_triton
+
+        delta_triton.warm_up(device)
     t = torch.zeros(4, 64, dtype=torch.bfloat16, device=device)
     program = PackProgram([t.shape], [t.dtype], [BoxRegion(0, (0, 0), (4, 32), 0)], device=device,
                           backend=backend)

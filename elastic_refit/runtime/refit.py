@@ -178,7 +178,7 @@ class ElasticRefit:
         if torch.device(c.device).type == "cuda":
             # Before joining: a newcomer's first refit must not compile the pack kernels.
             t0 = time.perf_counter()
-            warm_up(c.device)
+            warm_up(c.device, deltas=c.transfer.delta_base_bytes > 0)
             self.log.info("refit.kernels.warmed", seconds=time.perf_counter() - t0)
         membership.start()
         # Peers that see the record before this lands find the layout unavailable and wait.

@@ -157,3 +157,23 @@ def test_many_buffer_kernels_refuse_mixed_buffers_by_name():
         delta_triton.gather_many([a], one.to(torch.int32), one)
     with pytest.raises(ValueError, match="values"):
         delta_triton.scatter_many([a], one, one, torch.zeros(2, dtype=torch.int16))
+
+
+def test_warm_up_runs_every_delta_kernel_once_per_element_size(interpreted, monkeypatch):
+    """A member with deltas compiles the delta kernels before it joins (its first delta
+    refit must not): every kernel, for elements of 1, 2, 4 and 8 bytes."""
+    many = {"gather_many": 0, "scatter_many": 0}
+    for name in many:
+        fn = getattr(delta_triton, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            many[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(delta_triton, name, counted)
+    assert delta_triton.warm_up("cpu") == 4
+    assert interpreted == {"encode_changes": 4, "scatter": 4} and many == {"gather_many": 4, "scatter_many": 4}
+    delta_triton.set_enabled(False)
+    try:
+        assert delta_triton.warm_up("cpu") == 0  # turned off: nothing runs
+    finally:
+        delta_triton.set_enabled(True)
