@@ -202,6 +202,10 @@ def _refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, 
     plan = case.plan()
     transport = make_transport(dist.PrefixStore("bench", store), rank, world_size, backend, 300.0)
     device = transport.device  # the GPU nccl_rank_env gave this rank, or the CPU
+    if device.type == "cuda":  # as a runtime member does before it joins: no compile inside a timed refit
+        from elastic_refit.kernels import warm_up
+
+        warm_up(device, deltas=True)
     executor = Executor(plan, transport, ExecutorOptions(verify=True, delta=True, staging_bytes=256 << 20))
     baseline = GatherBroadcast(plan, transport, BaselineOptions(chunk_bytes=8 << 20))
     receivers = frozenset(plan.destination.ranks)
