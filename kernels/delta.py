@@ -38,8 +38,9 @@ import torch
 from elastic_refit.kernels import delta_triton
 
 __all__ = ["HEADER_BYTES", "SKIP", "apply_delta", "changed_elements", "changed_elements_many", "delta_digests",
-           "delta_unit", "encode_delta", "encoded_nbytes", "gather_elements_many", "payload_counts", "segment_entries",
-           "segment_entry_counts", "segment_positions", "write_elements", "write_elements_many"]
+           "delta_unit", "encode_delta", "encoded_nbytes", "gather_elements_many", "payload_counts",
+           "positions_by_buffer", "segment_entries", "segment_entry_counts", "segment_positions", "write_elements",
+           "write_elements_many"]
 
 HEADER_BYTES = 16
 SKIP = 255  # an entry that moves the pointer by 255 elements and marks nothing
@@ -228,9 +229,11 @@ def write_elements(target: torch.Tensor, index: torch.Tensor, values: torch.Tens
     target.view(-1, unit).index_copy_(0, index, values.reshape(-1, unit))
 
 
-def _by_buffer(ref: torch.Tensor, num_buffers: int):
-    """Per buffer: (its index, the positions of ``ref``'s elements in it), with one sort and
-    one read of the per-buffer counts in all (a mask per buffer reads a size back each)."""
+def positions_by_buffer(ref: torch.Tensor, num_buffers: int):
+    """Per buffer that ``ref`` (each element's buffer) names: (its index, the positions of
+    its elements, ascending), with one stable sort and one read of the per-buffer counts in
+    all (a boolean mask per buffer would read a size back from the device each: on a GPU
+    shared by many processes, each such read waits for the device's time slices)."""
     order = torch.argsort(ref, stable=True)
     start = 0
     for i, k in enumerate(torch.bincount(ref, minlength=num_buffers).tolist()):
@@ -259,7 +262,7 @@ def gather_elements_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: 
     if fused is not None:
         return delta_triton.gather_many(fused, ref.contiguous(), index.contiguous()).view(torch.uint8).view(-1, unit)
     out = torch.empty((index.numel(), unit), dtype=torch.uint8, device=index.device)
-    for i, at in _by_buffer(ref, len(buffers)):
+    for i, at in positions_by_buffer(ref, len(buffers)):
         out.index_copy_(0, at, buffers[i].view(-1, unit).index_select(0, index.index_select(0, at)))
     return out
 
@@ -275,7 +278,7 @@ def write_elements_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: t
     if fused is not None and rows.is_contiguous():
         delta_triton.scatter_many(fused, ref.contiguous(), index.contiguous(), rows.view(-1).view(_INT_VIEW[unit]))
         return
-    for i, at in _by_buffer(ref, len(buffers)):
+    for i, at in positions_by_buffer(ref, len(buffers)):
         write_elements(buffers[i], index.index_select(0, at), rows.index_select(0, at).reshape(-1), unit)
 
 

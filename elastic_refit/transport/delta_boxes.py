@@ -23,6 +23,7 @@ from elastic_refit.kernels.delta import (
     changed_elements_many,
     delta_digests,
     gather_elements_many,
+    positions_by_buffer,
     segment_entries,
     segment_entry_counts,
     segment_positions,
@@ -396,21 +397,14 @@ class Boxes:
         return torch.from_numpy(moves.view(np.int64)), Written(undo=undo)
 
     def groups(self, box: torch.Tensor):
-        """Per ref of the bucket: (its index, itemsize, the positions of the elements in its
-        boxes, ascending, or None when the bucket has one ref). One stable sort by ref and
-        one read of the per-ref counts for the whole message: a boolean mask per ref would
-        read a size back from the device for every ref and every tensor it selects (on a
-        GPU shared by many processes, each such read waits for the device's time slices)."""
+        """Per ref of the bucket holding changed elements: (its index, itemsize, the
+        positions of the elements in its boxes, ascending, or None when the bucket has one
+        ref), from :func:`positions_by_buffer`."""
         if len(self.refs) == 1:
             yield 0, self.itemsizes[0], None
             return
-        ref = self.ref_of[box]
-        order = torch.argsort(ref, stable=True)
-        counts = torch.bincount(ref, minlength=len(self.refs)).tolist()
-        start = 0
-        for i, (u, k) in enumerate(zip(self.itemsizes, counts, strict=True)):
-            yield i, u, order[start : start + k]
-            start += k
+        for i, at in positions_by_buffer(self.ref_of[box], len(self.refs)):
+            yield i, self.itemsizes[i], at
 
 
 
