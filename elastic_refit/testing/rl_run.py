@@ -25,8 +25,8 @@ from elastic_refit.testing.rl_step import RLStepConfig, member_main
 __all__ = ["run_rl", "summarize"]
 
 
-def _env(config: RLStepConfig, slot: int, role: str) -> dict[str, str]:
-    env = {**dict(config.env), **dict(dict(config.role_env).get(role, ()))}
+def _env(config: RLStepConfig, slot: int) -> dict[str, str]:
+    env = dict(config.env)
     if config.device == "cuda":
         from elastic_refit.testing.processes import nccl_rank_env
 
@@ -70,7 +70,7 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
     procs: dict[str, Any] = {}
 
     def start(role: str, rank: int, slot: int, restarted: bool = False) -> None:
-        p = ctx.Process(target=member_main, args=(config, role, rank, _env(config, slot, role), restarted), daemon=True)
+        p = ctx.Process(target=member_main, args=(config, role, rank, _env(config, slot), restarted), daemon=True)
         p.start()
         procs[f"{role[0]}{rank}{'-R' if restarted else ''}"] = p
 

@@ -73,9 +73,6 @@ class RLStepConfig:
     seed: int = 0
     refit: tuple[tuple[str, Any], ...] = ()  # extra RefitConfig keywords (timeouts)
     env: tuple[tuple[str, str], ...] = field(default=())  # per-run environment of every member
-    # Per role ("trainer", "inference"), environment on top of ``env``: e.g. an MPS share of the
-    # GPU's SMs per process (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), as on GPUs of their own.
-    role_env: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not set(self.modes) <= set(MODES) or not self.modes:
@@ -83,8 +80,6 @@ class RLStepConfig:
         if self.num_trainers < 1 or self.num_inference < 1 or self.num_inference % self.num_trainers:
             raise ValueError(f"num_inference ({self.num_inference}) must be a multiple of num_trainers "
                              f"({self.num_trainers}), both >= 1")
-        if not {role for role, _ in self.role_env} <= {"trainer", "inference"}:
-            raise ValueError(f"role_env roles must be 'trainer' or 'inference', got {[r for r, _ in self.role_env]}")
         if self.kill_at is not None and ("async-staged" not in self.modes or not 2 <= self.kill_at <= self.steps
                                          or self.num_inference < 2):
             raise ValueError(f"kill_at must be a step in 2..{self.steps} of the async mode with >= 2 engines, "
