@@ -256,6 +256,15 @@ def _changed(base: dict, src: dict) -> tuple[int, int]:
     return changed, total
 
 
+def refit_case(hidden: int, layers: int, experts: int) -> RefitCase:
+    """The refit part's layout: a Qwen3-MoE, tp1,pp2,dp2,ep2 -> tp2,dp2 on 8 ranks."""
+    model = ModelConfig(name="bench-qwen3-moe", hidden_size=hidden, num_layers=layers, vocab_size=8192, num_heads=8,
+                        num_kv_heads=4, head_dim=64, intermediate_size=0, num_experts=experts,
+                        moe_intermediate_size=hidden, qk_norm=True)
+    return RefitCase(model=model, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2", domain_size=1,
+                     bucket_bytes=16 << 20, relay="off")
+
+
 def refit(case: RefitCase, steps: int, density: float, streams: list[torch.Tensor] | None = None,
           backend: str = "gloo") -> dict:
     """The refit table (see the module): 8 processes on ``backend`` (on GPU 0 for NCCL)."""
@@ -471,11 +480,7 @@ def main() -> None:
             _emit(args, "codec_cuda", rows)
     if args.skip_refit or args.codec_only:
         return
-    model = ModelConfig(name="bench-qwen3-moe", hidden_size=args.refit_hidden, num_layers=args.refit_layers,
-                        vocab_size=8192, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=0,
-                        num_experts=args.refit_experts, moe_intermediate_size=args.refit_hidden, qk_norm=True)
-    case = RefitCase(model=model, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2", domain_size=1,
-                     bucket_bytes=16 << 20, relay="off")
+    case = refit_case(args.refit_hidden, args.refit_layers, args.refit_experts)
     streams = None if args.synthetic else trajectory_streams(args.hidden, args.layers, args.steps, args.refit_lr,
                                                              args.device)
     res = refit(case, args.steps, densities[0], streams, backend)

@@ -11,27 +11,20 @@ A diagnostic (issue 35: per-message work of the delta path), not a benchmark of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from bench_delta import refit_case
 
-from elastic_refit.layout.models import ModelConfig
 from elastic_refit.testing.pattern import allocate
 from elastic_refit.testing.processes import nccl_rank_env, run_local_world
 from elastic_refit.testing.versions import version_buffers
 from elastic_refit.testing.world import RefitCase, make_transport
 from elastic_refit.transport.executor import DeltaInputs, Executor, ExecutorOptions
-
-
-def _case(hidden: int, layers: int) -> RefitCase:
-    model = ModelConfig(name="bench-qwen3-moe", hidden_size=hidden, num_layers=layers, vocab_size=8192,
-                        num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=0, num_experts=8,
-                        moe_intermediate_size=hidden, qk_norm=True)
-    return RefitCase(model=model, source="tp=1,pp=2,dp=2,ep=2", destination="tp=2,dp=2", domain_size=1,
-                     bucket_bytes=16 << 20, relay="off")
 
 
 def _rank(rank: int, world: int, store: dist.Store, case: RefitCase, args: dict) -> dict:
@@ -52,7 +45,7 @@ def _rank(rank: int, world: int, store: dist.Store, case: RefitCase, args: dict)
         transport.vote(True)
         last = v == args["warmup"] + 1
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) if last else _null() as prof:
+        with profile(activities=activities) if last else contextlib.nullcontext() as prof:
             t = time.perf_counter()
             result = executor.run(src, dst, delta=DeltaInputs(base, receivers))
             seconds.append(time.perf_counter() - t)
@@ -69,14 +62,6 @@ def _rank(rank: int, world: int, store: dist.Store, case: RefitCase, args: dict)
     return {"seconds": seconds}
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -89,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     backend = args.backend or ("nccl4py" if args.device == "cuda" else "gloo")
     os.makedirs(args.out, exist_ok=True)
-    case = _case(args.hidden, args.layers)
+    case = refit_case(args.hidden, args.layers, experts=8)
     results = run_local_world(_rank, case.plan().topology.num_ranks,
                               (case, {"backend": backend, "density": args.density, "warmup": args.warmup,
                                       "out": args.out}),
