@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _triton_backend
+from . import _triton_backend, delta_triton
 from .binding import PackBinding
 from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
 from .reference import cast_copy, copy_reference
@@ -425,8 +425,6 @@ def warm_up(device: torch.device | str, backend: str = "auto", *, deltas: bool =
     ``deltas``: the delta kernels too (:func:`delta_triton.warm_up`)."""
     device = _canonical_device(torch.device(device))
     if deltas:
-        from . import delta_triton
-
         delta_triton.warm_up(device)
     t = torch.zeros(4, 64, dtype=torch.bfloat16, device=device)
     program = PackProgram([t.shape], [t.dtype], [BoxRegion(0, (0, 0), (4, 32), 0)], device=device,
