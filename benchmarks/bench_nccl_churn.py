@@ -53,8 +53,15 @@ def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     seconds: dict[tuple[int, int], float] = {}
     connect: dict[int, float] = {}  # epoch -> slowest rank's connect-ahead seconds
     by_member: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    # The executor logs its phases just before the runtime's transfer.done names the epoch
+    # and version: the slowest rank's phases say where a first refit's extra time goes.
+    phases: dict[tuple[int, int], dict[str, float]] = {}
     for incarnation, events in logs.items():
+        last_phases: dict[str, float] = {}
         for e in events:
+            if e.get("event") == "transport.executor.done":
+                last_phases = {k[len("phase_"):-2]: float(v) for k, v in e.items()
+                               if k.startswith("phase_") and k.endswith("_s")}
             if e.get("event") == "comm.reconfigured":
                 paths[int(e["epoch"])].add(str(e["path"]))
             if e.get("event") == "refit.connect.done" and "epoch" in e:
@@ -62,10 +69,12 @@ def refit_times(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             if (e.get("event") == "refit.transfer.done" and e.get("role") == "inference" and "epoch" in e
                     and e.get("kind") == "refit"):
                 key = (int(e["epoch"]), int(e["version"]))
+                if float(e["seconds"]) >= seconds.get(key, 0.0):
+                    phases[key] = last_phases
                 seconds[key] = max(seconds.get(key, 0.0), float(e["seconds"]))
                 by_member[key][incarnation] = round(float(e["seconds"]), 3)
     return {"paths": {k: sorted(v) for k, v in paths.items()}, "seconds": seconds, "connect": connect,
-            "by_member": by_member}
+            "by_member": by_member, "phases": phases}
 
 
 def summarize(times: dict[str, Any]) -> dict[str, Any]:
@@ -84,11 +93,24 @@ def summarize(times: dict[str, Any]) -> dict[str, Any]:
         if epochs:
             first, *rest = by_epoch[epochs[0]]
             steady = float(np.median(rest))
-            first_version = min(v for e, v in seconds if e == epochs[0])
+            versions = sorted(v for e, v in seconds if e == epochs[0])
             out[label] = {"epoch": epochs[0], "first_s": first, "steady_p50_s": steady, "num_steady": len(rest),
                           "ratio": first / steady if steady else None,
-                          "first_by_member": dict(times.get("by_member", {}).get((epochs[0], first_version), {}))}
+                          "first_by_member": dict(times.get("by_member", {}).get((epochs[0], versions[0]), {})),
+                          "phases": phase_table(times.get("phases", {}), epochs[0], versions)}
     return out
+
+
+def phase_table(phases: dict[tuple[int, int], dict[str, float]], epoch: int,
+                versions: list[int]) -> dict[str, dict[str, float]]:
+    """The slowest rank's seconds per executor phase: the epoch's first refit against the
+    median of its later ones."""
+    first = phases.get((epoch, versions[0]), {})
+    rest = [phases[(epoch, v)] for v in versions[1:] if (epoch, v) in phases]
+    names = sorted(set(first).union(*rest)) if rest else sorted(first)
+    return {name: {"first_s": round(first.get(name, 0.0), 4),
+                   "steady_p50_s": round(float(np.median([r.get(name, 0.0) for r in rest])), 4) if rest else None}
+            for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = out[label]
                 print(f"{label:8} {row['epoch']:>5} {fmt(row['first_s']):>13} {fmt(row['steady_p50_s']):>12} "
                       f"{fmt(row['ratio']):>6}")
+                print("         phases (first / steady p50 s): " + ", ".join(
+                    f"{name} {p['first_s']:.3f}/{fmt(p['steady_p50_s'])}" for name, p in row["phases"].items()))
         print(f"epochs and paths: {out['epochs']}; oracle: {'passed' if out['passed'] else out['violations']}")
     return 0 if out["passed"] and not leaked else 1
 
