@@ -11,10 +11,10 @@ the comparison is bit for bit).
   elements (``counts[p]``) and one bit per element (``bits``, 8 per byte, element ``j`` of a
   block in bit ``j % 8`` of byte ``j // 8``). It reads both inputs once and writes 1/8 byte
   per element, so the second pass need not read ``base`` again.
-- ``compact_kernel``: from the bits and each block's first output slot (``starts``: an
-  exclusive scan of ``counts``, torch's cumsum on the host side), write each changed
-  element's index (int64, ascending) and, with ``VALUES``, its value from ``current``
-  (a load masked to the changed lanes: only their sectors are read).
+- ``compact_kernel``: from the bits (read as 32-bit words) and each block's first output
+  slot (``starts``: an exclusive scan of ``counts``, torch's cumsum on the host side),
+  write each changed element's index (int64, ascending) and, with ``VALUES``, its value
+  from ``current`` (loads masked to the changed elements: only their sectors are read).
 - ``scatter_kernel``: ``target[index[i]] = values[i]`` (the apply).
 - ``gather_many_kernel`` / ``scatter_many_kernel``: the same over several buffers at once,
   element ``i`` in buffer ``ref[i]`` (its address in ``table``, as int64): one launch for a
@@ -33,8 +33,23 @@ __all__ = ["compact_kernel", "flag_kernel", "gather_many_kernel", "scatter_kerne
 
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
+
+    def _jit_sized(**options):
+        return lambda fn: _jit(fn, **options)
 else:
     _jit = triton.jit
+    _jit_sized = triton.jit
+
+
+def _one_variant(*, sizes: tuple[str, ...], unaligned: tuple[str, ...] = ()):
+    """A kernel compiled once per element size, whatever it is called with: Triton would
+    otherwise compile a variant per size argument divisible by 16 (or equal to 1) and per
+    pointer aligned to 16 bytes, and a refit meets new ones version after version (H100,
+    8 ranks: a sender's first delta code 0.30 s, later ones 0.02 s with 0.12 s outliers).
+    ``sizes``: element counts, used only for masks; ``unaligned``: pointers that may be
+    slices of a message at any offset (gathers and scatters are bound by their random
+    accesses, not by vector width)."""
+    return _jit_sized(do_not_specialize=list(sizes), do_not_specialize_on_alignment=list(unaligned))
 
 
 @_jit
@@ -50,7 +65,7 @@ def _cumsum(x):
     return tl.associative_scan(x, 0, _sum_combine)
 
 
-@_jit
+@_one_variant(sizes=("n",))
 def flag_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
@@ -73,27 +88,40 @@ def flag_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, n, BLOCK: tl.constexpr,
 
 
 @_jit
-def compact_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
+def _popcount(x):
+    """Set bits per lane of a uint32 tensor (the classic shift-and-add, no intrinsic: the
+    interpreter runs it too)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    return (((x + (x >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24
+
+
+@_jit
+def compact_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
                    WIDE: tl.constexpr, VALUES: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
         start = pid.to(tl.int64) * BLOCK
     else:
         start = pid * BLOCK
-    lane = tl.arange(0, BLOCK)
-    # Each lane reads its element's byte of bits (8 lanes share one) and takes its bit.
-    byte = tl.load(bits_ptr + (start // 8) + (lane // 8)).to(tl.int32)
-    flag = (byte >> (lane % 8)) & 1
-    changed = flag != 0
-    slot = tl.load(starts_ptr + pid) + (_cumsum(flag) - flag).to(tl.int64)
-    offs = start + lane
-    tl.store(index_ptr + slot, offs.to(tl.int64), mask=changed)
-    if VALUES:
-        value = tl.load(cur_ptr + offs, mask=changed, other=0)
-        tl.store(values_ptr + slot, value, mask=changed)
+    # One lane per 32 elements (a word of bits, element j of a word in its bit j): the scan
+    # runs over BLOCK / 32 counts, and each lane then walks its 32 bits, writing only where
+    # one is set. Per element that is a shift, a test and a predicated store, where a lane
+    # per element paid a block-wide scan of every element.
+    word = tl.arange(0, BLOCK // 32)
+    bits = tl.load(words_ptr + start // 32 + word).to(tl.uint32, bitcast=True)
+    counts = _popcount(bits)
+    slot = tl.load(starts_ptr + pid) + (_cumsum(counts) - counts).to(tl.int64)
+    first = start + word * 32
+    for j in tl.static_range(32):
+        hit = ((bits >> j) & 1) != 0
+        tl.store(index_ptr + slot, (first + j).to(tl.int64), mask=hit)
+        if VALUES:
+            tl.store(values_ptr + slot, tl.load(cur_ptr + first + j, mask=hit, other=0), mask=hit)
+        slot += hit.to(tl.int64)
 
 
-@_jit
+@_one_variant(sizes=("k",), unaligned=("target_ptr", "index_ptr", "values_ptr"))
 def scatter_kernel(target_ptr, index_ptr, values_ptr, k, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -127,13 +155,13 @@ def _many(table_ptr, ref_ptr, index_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr
     return _typed(tl.load(table_ptr + ref, mask=inside, other=0), U) + at, offs, inside
 
 
-@_jit
+@_one_variant(sizes=("k",), unaligned=("ref_ptr", "index_ptr", "out_ptr"))
 def gather_many_kernel(table_ptr, ref_ptr, index_ptr, out_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
     ptrs, offs, inside = _many(table_ptr, ref_ptr, index_ptr, k, U, BLOCK)
     tl.store(out_ptr + offs, tl.load(ptrs, mask=inside, other=0), mask=inside)
 
 
-@_jit
+@_one_variant(sizes=("k",), unaligned=("ref_ptr", "index_ptr", "values_ptr"))
 def scatter_many_kernel(table_ptr, ref_ptr, index_ptr, values_ptr, k, U: tl.constexpr, BLOCK: tl.constexpr):
     ptrs, offs, inside = _many(table_ptr, ref_ptr, index_ptr, k, U, BLOCK)
     tl.store(ptrs, tl.load(values_ptr + offs, mask=inside, other=0), mask=inside)

@@ -34,7 +34,8 @@ try:  # optional: CPU installs run the torch forms
 except ImportError:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
-BLOCK = 2048  # elements per program (a multiple of 8: bits are packed by bytes)
+BLOCK = 4096  # elements per program (a multiple of 32: the compaction reads bits by 32-bit words)
+_COMPACT_WARPS = 4  # BLOCK / 32 lanes: one per word
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -98,8 +99,8 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     out = torch.empty(k, dtype=current.dtype, device=device) if values else None
     if k:
         starts = ends - counts
-        mod.compact_kernel[(blocks,)](current, bits, starts, index, index if out is None else out, BLOCK=BLOCK,
-                                      WIDE=wide, VALUES=values, num_warps=_NUM_WARPS)
+        mod.compact_kernel[(blocks,)](current, bits.view(torch.int32), starts, index, index if out is None else out,
+                                      BLOCK=BLOCK, WIDE=wide, VALUES=values, num_warps=_COMPACT_WARPS)
     return index, out
 
 
@@ -180,10 +181,11 @@ def scatter_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Te
 
 def warm_up(device: torch.device | str) -> int:
     """Compile (or load from Triton's cache) every delta kernel variant the codec launches
-    on ``device`` (compare and compact, scatter, gather and scatter over many buffers, for
-    elements of 1, 2, 4 and 8 bytes) and run each once, so that a member's first delta
-    refit does not pay for it (H100: the first delta version took 0.53 s against 0.04 s
-    steady). Returns the variants run: 0 where the kernels do not run (no Triton, a CPU)."""
+    on ``device`` (compare and compact with and without values, scatter, gather and scatter
+    over many buffers, for elements of 1, 2, 4 and 8 bytes; one variant each whatever the
+    sizes and offsets of later calls, see ``_triton_delta._one_variant``) and run each
+    once, so that a member's first delta refit does not pay for it (H100: the first delta
+    version took 0.53-0.83 s against 0.04 s steady). Returns the variants run: 0 where the kernels do not run (no Triton, a CPU)."""
     probe = torch.zeros(1, device=device)
     if not usable(probe):
         return 0
@@ -192,9 +194,10 @@ def warm_up(device: torch.device | str) -> int:
         cur = base.clone()
         cur[::7] = 1
         index, values = encode_changes(cur, base)
+        encode_changes(cur, base, values=False)  # the changed positions alone (kernels.delta.changed_elements)
         scatter(base, index, values)
-        one = torch.zeros(1, dtype=torch.int64, device=device)
-        scatter_many([base, cur], one, one, gather_many([base, cur], one, one))
+        ref = torch.zeros_like(index)
+        scatter_many([base, cur], ref, index, gather_many([base, cur], ref, index))
     if probe.is_cuda:
         torch.cuda.synchronize(probe.device)
     return 4

@@ -101,3 +101,34 @@ def test_elements_of_many_buffers_fused_equal_the_torch_form(unit, k):
     codec.write_elements_many(buffers, ref, index, rows, unit)
     for got, expected in zip(buffers, want, strict=True):
         assert torch.equal(got, expected)
+
+
+def _num_compiled() -> int:
+    """Kernel variants compiled (or loaded) so far on this device, all delta kernels."""
+    mod = delta_triton._module(torch.zeros(1, device="cuda"))
+    device = torch.cuda.current_device()
+    return sum(len(getattr(mod, name).device_caches[device][0]) for name in
+               ("flag_kernel", "compact_kernel", "scatter_kernel", "gather_many_kernel", "scatter_many_kernel"))
+
+
+def test_after_warm_up_no_size_or_offset_compiles_another_variant():
+    # Sizes divisible by 16, equal to 1 and neither, values and indices at odd offsets of a
+    # message: each used to be a variant of its own, compiled inside a timed refit.
+    assert delta_triton.warm_up("cuda") == 4
+    before = _num_compiled()
+    for dtype in DTYPES:
+        for n in (1, 16, 1024, 4099):
+            cur, base = _pair(n, dtype, 0.3, seed=n)
+            index, values = delta_triton.encode_changes(cur, base)
+            assert torch.equal(delta_triton.encode_changes(cur, base, values=False)[0], index)
+            stream = torch.cat([values[:1], values])  # values one element into a larger message
+            index_stream = torch.cat([index[:1], index])
+            target = base.clone()
+            delta_triton.scatter(target, index_stream[1:], stream[1:])
+            assert torch.equal(target, cur)
+            ref = torch.zeros_like(index_stream)
+            target = base.clone()
+            got = delta_triton.gather_many([cur, base], ref[1:], index_stream[1:])
+            delta_triton.scatter_many([target, cur], ref[1:], index_stream[1:], torch.cat([got[:1], got])[1:])
+            assert torch.equal(target, cur)
+    assert _num_compiled() == before, "a call after warm_up compiled a new kernel variant"
