@@ -5,7 +5,8 @@ at its first use (``NCCL_RUNTIME_CONNECT``, on by default). Every reconfiguratio
 shrink, grow, rebuild) brings a communicator without connections, so the first refit after
 it would pay the connection setup of every pair of its plan inside the refit. The runtime
 calls :func:`connect_ahead` on entering an epoch instead, while the trainers are still in
-their step: one byte along every direction the plan sends, then the plan's vote.
+their step: a message along every direction the plan sends (one byte on a CPU, a few MiB
+on a GPU: ``CONNECT_BYTES_GPU``), then the plan's vote.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from elastic_refit.transport.protocol import P2POp, Transport
 __all__ = ["CONNECT_TAG", "PlanPeers", "connect_ahead", "plan_peers"]
 
 CONNECT_TAG = 0x7E58  # distinct from bucket tags and the vote's
+# What a pair sends ahead on a GPU: one byte travels inline on NCCL's control path (the LL
+# protocol; over sockets, inline in the control message), so a refit's first bucket would
+# still start the bulk path of every pair (the SIMPLE protocol's buffers, a socket
+# transport's helper threads and data sockets). A few MiB go through all of it; gloo has
+# no such path (one byte).
+CONNECT_BYTES_GPU = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +53,18 @@ def plan_peers(plan: Plan, rank: int) -> PlanPeers:
 
 
 def connect_ahead(transport: Transport, peers: PlanPeers) -> int:
-    """Send one byte to every rank of ``peers.send_to`` and receive one from every rank of
-    ``peers.recv_from`` in one batch (one NCCL group: no order between pairs to deadlock
+    """Send a message (:data:`CONNECT_BYTES_GPU` on a GPU, one byte on a CPU) to every rank
+    of ``peers.send_to`` and receive one from every rank of ``peers.recv_from`` in one batch (one NCCL group: no order between pairs to deadlock
     on), then vote with ``peers.participants`` as the refit's own vote does. Every rank of
     the plan must call this with its own peers of the same plan, before any other
     operation on the transport. Returns the number of directions connected; raises
     ``TransportAborted`` like any transfer."""
     if transport.rank not in peers.participants:
         return 0
-    byte = torch.zeros(1, dtype=torch.uint8, device=transport.device)
-    ops = [P2POp("send", byte, peer, CONNECT_TAG) for peer in peers.send_to]
-    ops += [P2POp("recv", torch.empty_like(byte), peer, CONNECT_TAG) for peer in peers.recv_from]
+    nbytes = 1 if transport.device.type == "cpu" else CONNECT_BYTES_GPU
+    message = torch.zeros(nbytes, dtype=torch.uint8, device=transport.device)
+    ops = [P2POp("send", message, peer, CONNECT_TAG) for peer in peers.send_to]
+    ops += [P2POp("recv", torch.empty_like(message), peer, CONNECT_TAG) for peer in peers.recv_from]
     if ops:
         for op, work in zip(ops, transport.post(ops), strict=True):
             transport.wait(work, op.peer, "connecting ahead")
