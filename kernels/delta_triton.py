@@ -94,11 +94,11 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     counts = torch.empty(blocks, dtype=torch.int32, device=device)
     mod.flag_kernel[(blocks,)](current, base, bits, counts, n, BLOCK=BLOCK, WIDE=wide, num_warps=_NUM_WARPS)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    starts = ends - counts  # queued before the read below: less for the GPU to wait on after it
     k = int(ends[-1])  # one device-to-host read: the output's size
     index = torch.empty(k, dtype=torch.int64, device=device)
     out = torch.empty(k, dtype=current.dtype, device=device) if values else None
     if k:
-        starts = ends - counts
         mod.compact_kernel[(blocks,)](current, bits.view(torch.int32), starts, index, index if out is None else out,
                                       BLOCK=BLOCK, WIDE=wide, VALUES=values, num_warps=_COMPACT_WARPS)
     return index, out
