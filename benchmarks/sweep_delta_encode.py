@@ -3,8 +3,9 @@
 Per size and density (int16 runs, uniformly spread changes, as ``bench_delta.py``'s codec
 table): a plain copy, ``delta_triton.encode_changes`` as the codec calls it, and its parts
 timed apart with CUDA events (the compare-and-flag pass, the scan of the block counts, the
-compaction, a lane per 32-element word) for several block sizes and the flag pass's warp counts, each result checked against the torch
-reference. The sum of the parts against the whole is what the host read of the output's
+compaction by 32-bit words and by elements) for several block sizes and warp counts, each
+result checked against the torch reference. The sum of the parts (the faster compaction)
+against the whole is what the host read of the output's
 size costs (the launches after it wait for the host).
 
 Run: ``python benchmarks/sweep_delta_encode.py [--mib 256 2048] [--densities 0.015 0.03 0.095] [--json]``
@@ -55,16 +56,18 @@ def parts(mod, cur: torch.Tensor, base: torch.Tensor, block: int, warps: int, re
     values = torch.empty(k, dtype=cur.dtype, device=cur.device)
 
     words = bits.view(torch.int32)
-    compact_warps = max(1, block // 1024)  # a lane per 32-element word of bits, as encode_changes launches it
-
-    def compact():
-        mod.compact_kernel[(blocks,)](cur, words, starts, index, values, BLOCK=block, WIDE=wide, VALUES=True,
-                                      num_warps=compact_warps)
-
-    out["compact_s"] = _seconds(compact, repeat)
+    sparse_warps = max(1, block // 1024)  # a lane per 32-element word of bits, as encode_changes launches it
     ref = (cur != base).nonzero().flatten()
-    out["exact"] = bool(torch.equal(index, ref) and torch.equal(values, cur[ref]))
-    out["parts_s"] = out["flag_s"] + out["scan_s"] + out["compact_s"]
+    out["exact"] = True
+    for name, run in (
+            ("sparse", lambda: mod.compact_sparse_kernel[(blocks,)](cur, words, starts, index, values, BLOCK=block,
+                                                                    WIDE=wide, VALUES=True, num_warps=sparse_warps)),
+            ("dense", lambda: mod.compact_dense_kernel[(blocks,)](cur, bits, starts, index, values, BLOCK=block,
+                                                                  WIDE=wide, VALUES=True, num_warps=warps))):
+        index.fill_(-1)
+        out[f"{name}_s"] = _seconds(run, repeat)
+        out["exact"] = out["exact"] and bool(torch.equal(index, ref) and torch.equal(values, cur[ref]))
+    out["parts_s"] = out["flag_s"] + out["scan_s"] + min(out["sparse_s"], out["dense_s"])
     return out
 
 
@@ -84,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     mod = delta_triton._module(torch.empty(1, device="cuda"))
     rows = []
-    print("| MiB | changed | copy ms | encode ms (of copy) | block | warps | flag ms | scan ms | compact ms | "
-          "parts of copy | exact |")
-    print("|---" * 11 + "|")
+    print("| MiB | changed | copy ms | encode ms (of copy) | block | warps | flag ms | scan ms | sparse compact ms | "
+          "dense compact ms | parts of copy | exact |")
+    print("|---" * 12 + "|")
     for mib in args.mib:
         n = (mib << 20) // 2
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(f"| {mib} | {density:.1%} | {copy_s * 1e3:.3f} | {encode_s * 1e3:.3f} "
                           f"({copy_s / encode_s:.2f}) | {block} | {warps} | {r['flag_s'] * 1e3:.3f} | "
-                          f"{r['scan_s'] * 1e3:.3f} | {r['compact_s'] * 1e3:.3f} | {copy_s / r['parts_s']:.2f} | "
+                          f"{r['scan_s'] * 1e3:.3f} | {r['sparse_s'] * 1e3:.3f} | {r['dense_s'] * 1e3:.3f} | {copy_s / r['parts_s']:.2f} | "
                           f"{r['exact']} |", flush=True)
             cur = None
         base = target = None

@@ -11,10 +11,12 @@ the comparison is bit for bit).
   elements (``counts[p]``) and one bit per element (``bits``, 8 per byte, element ``j`` of a
   block in bit ``j % 8`` of byte ``j // 8``). It reads both inputs once and writes 1/8 byte
   per element, so the second pass need not read ``base`` again.
-- ``compact_kernel``: from the bits (read as 32-bit words) and each block's first output
-  slot (``starts``: an exclusive scan of ``counts``, torch's cumsum on the host side),
-  write each changed element's index (int64, ascending) and, with ``VALUES``, its value
-  from ``current`` (loads masked to the changed elements: only their sectors are read).
+- ``compact_sparse_kernel`` / ``compact_dense_kernel``: from the bits and each block's
+  first output slot (``starts``: an exclusive scan of ``counts``, torch's cumsum on the
+  host side), write each changed element's index (int64, ascending) and, with ``VALUES``,
+  its value from ``current`` (loads masked to the changed elements: only their sectors are
+  read). The sparse form gives a lane each 32-bit word of bits, the dense one a lane each
+  element (see :func:`kernels.delta_triton.encode_changes` for which runs when).
 - ``scatter_kernel``: ``target[index[i]] = values[i]`` (the apply).
 - ``gather_many_kernel`` / ``scatter_many_kernel``: the same over several buffers at once,
   element ``i`` in buffer ``ref[i]`` (its address in ``table``, as int64): one launch for a
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-__all__ = ["compact_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel", "scatter_many_kernel"]
+__all__ = ["compact_dense_kernel", "compact_sparse_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel", "scatter_many_kernel"]
 
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
@@ -97,8 +99,8 @@ def _popcount(x):
 
 
 @_jit
-def compact_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
-                   WIDE: tl.constexpr, VALUES: tl.constexpr):
+def compact_sparse_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
+                          WIDE: tl.constexpr, VALUES: tl.constexpr):
     pid = tl.program_id(0)
     if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
         start = pid.to(tl.int64) * BLOCK
@@ -107,7 +109,8 @@ def compact_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK:
     # One lane per 32 elements (a word of bits, element j of a word in its bit j): the scan
     # runs over BLOCK / 32 counts, and each lane then walks its 32 bits, writing only where
     # one is set. Per element that is a shift, a test and a predicated store, where a lane
-    # per element paid a block-wide scan of every element.
+    # per element pays a block-wide scan of every element; but a lane's stores land apart
+    # from its neighbours', which costs more than that scan once changes are dense.
     word = tl.arange(0, BLOCK // 32)
     bits = tl.load(words_ptr + start // 32 + word).to(tl.uint32, bitcast=True)
     counts = _popcount(bits)
@@ -119,6 +122,28 @@ def compact_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK:
         if VALUES:
             tl.store(values_ptr + slot, tl.load(cur_ptr + first + j, mask=hit, other=0), mask=hit)
         slot += hit.to(tl.int64)
+
+
+@_jit
+def compact_dense_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
+                         WIDE: tl.constexpr, VALUES: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
+        start = pid.to(tl.int64) * BLOCK
+    else:
+        start = pid * BLOCK
+    lane = tl.arange(0, BLOCK)
+    # A lane per element: each reads its element's byte of bits (8 lanes share one), and
+    # neighbouring lanes' changes go to neighbouring slots (stores that coalesce).
+    byte = tl.load(bits_ptr + (start // 8) + (lane // 8)).to(tl.int32)
+    flag = (byte >> (lane % 8)) & 1
+    changed = flag != 0
+    slot = tl.load(starts_ptr + pid) + (_cumsum(flag) - flag).to(tl.int64)
+    offs = start + lane
+    tl.store(index_ptr + slot, offs.to(tl.int64), mask=changed)
+    if VALUES:
+        value = tl.load(cur_ptr + offs, mask=changed, other=0)
+        tl.store(values_ptr + slot, value, mask=changed)
 
 
 @_one_variant(sizes=("k",), unaligned=("target_ptr", "index_ptr", "values_ptr"))

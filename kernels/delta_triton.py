@@ -9,7 +9,8 @@ uses them for CUDA tensors when Triton imports (:func:`usable`), the torch forms
   ``base`` differ and, optionally, their values in ``current``. Two launches: per block of
   elements a count and one bit per element (reads both inputs once), then, after an
   exclusive scan of the counts (``torch.cumsum``), the compaction (reads the bits and only
-  the changed elements' sectors of ``current``).
+  the changed elements' sectors of ``current``; a lane per 32 elements up to
+  :data:`DENSE_FRACTION` changed, a lane per element above).
 - :func:`scatter`: ``target[index] = values`` (the apply), one launch.
 
 Inputs are flat integer views (``int8``/``uint8``, ``int16``, ``int32``, ``int64``: one
@@ -24,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["BLOCK", "HAVE_TRITON", "encode_changes", "gather_many", "scatter", "scatter_many", "set_enabled", "usable",
+__all__ = ["BLOCK", "DENSE_FRACTION", "HAVE_TRITON", "encode_changes", "gather_many", "scatter", "scatter_many", "set_enabled", "usable",
            "warm_up"]
 
 try:  # optional: CPU installs run the torch forms
@@ -35,7 +36,12 @@ except ImportError:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 BLOCK = 4096  # elements per program (a multiple of 32: the compaction reads bits by 32-bit words)
-_COMPACT_WARPS = 4  # BLOCK / 32 lanes: one per word
+_SPARSE_WARPS = 4  # BLOCK / 32 lanes: one per word of bits
+# Above this fraction of elements changed the compaction gives a lane to each element, below
+# it to each 32-bit word of bits. H100, 256 MiB / 2 GiB of int16, whole encode against a
+# copy: by words 0.44 / 0.52 at 1.5% changed, 0.36 / 0.45 at 3.7%, 0.23 / 0.27 at 9.5%; by
+# elements 0.32 / 0.38, 0.32 / 0.37, 0.30 / 0.36 (benchmarks/RESULTS.md, 2026-12-07 fourth).
+DENSE_FRACTION = 0.06
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -98,9 +104,13 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     k = int(ends[-1])  # one device-to-host read: the output's size
     index = torch.empty(k, dtype=torch.int64, device=device)
     out = torch.empty(k, dtype=current.dtype, device=device) if values else None
-    if k:
-        mod.compact_kernel[(blocks,)](current, bits.view(torch.int32), starts, index, index if out is None else out,
-                                      BLOCK=BLOCK, WIDE=wide, VALUES=values, num_warps=_COMPACT_WARPS)
+    if k and k <= n * DENSE_FRACTION:
+        mod.compact_sparse_kernel[(blocks,)](current, bits.view(torch.int32), starts, index,
+                                             index if out is None else out, BLOCK=BLOCK, WIDE=wide, VALUES=values,
+                                             num_warps=_SPARSE_WARPS)
+    elif k:
+        mod.compact_dense_kernel[(blocks,)](current, bits, starts, index, index if out is None else out, BLOCK=BLOCK,
+                                            WIDE=wide, VALUES=values, num_warps=_NUM_WARPS)
     return index, out
 
 
@@ -181,7 +191,7 @@ def scatter_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Te
 
 def warm_up(device: torch.device | str) -> int:
     """Compile (or load from Triton's cache) every delta kernel variant the codec launches
-    on ``device`` (compare and compact with and without values, scatter, gather and scatter
+    on ``device`` (compare and both compactions, with and without values, scatter, gather and scatter
     over many buffers, for elements of 1, 2, 4 and 8 bytes; one variant each whatever the
     sizes and offsets of later calls, see ``_triton_delta._one_variant``) and run each
     once, so that a member's first delta refit does not pay for it (H100: the first delta
@@ -191,10 +201,14 @@ def warm_up(device: torch.device | str) -> int:
         return 0
     for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
         base = torch.zeros(BLOCK + 1, dtype=dtype, device=device)
+        sparse = base.clone()
+        sparse[::101] = 1  # under DENSE_FRACTION: the sparse compaction
         cur = base.clone()
-        cur[::7] = 1
+        cur[::7] = 1  # above it: the dense one
+        for changed in (sparse, cur):
+            encode_changes(changed, base)
+            encode_changes(changed, base, values=False)  # the positions alone (kernels.delta.changed_elements)
         index, values = encode_changes(cur, base)
-        encode_changes(cur, base, values=False)  # the changed positions alone (kernels.delta.changed_elements)
         scatter(base, index, values)
         ref = torch.zeros_like(index)
         scatter_many([base, cur], ref, index, gather_many([base, cur], ref, index))

@@ -108,7 +108,8 @@ def _num_compiled() -> int:
     mod = delta_triton._module(torch.zeros(1, device="cuda"))
     device = torch.cuda.current_device()
     return sum(len(getattr(mod, name).device_caches[device][0]) for name in
-               ("flag_kernel", "compact_kernel", "scatter_kernel", "gather_many_kernel", "scatter_many_kernel"))
+               ("flag_kernel", "compact_sparse_kernel", "compact_dense_kernel", "scatter_kernel", "gather_many_kernel",
+                "scatter_many_kernel"))
 
 
 def test_after_warm_up_no_size_or_offset_compiles_another_variant():
@@ -116,9 +117,9 @@ def test_after_warm_up_no_size_or_offset_compiles_another_variant():
     # message: each used to be a variant of its own, compiled inside a timed refit.
     assert delta_triton.warm_up("cuda") == 4
     before = _num_compiled()
-    for dtype in DTYPES:
+    for dtype, density in ((d, p) for d in DTYPES for p in (0.01, 0.3)):  # both compactions
         for n in (1, 16, 1024, 4099):
-            cur, base = _pair(n, dtype, 0.3, seed=n)
+            cur, base = _pair(n, dtype, density, seed=n)
             index, values = delta_triton.encode_changes(cur, base)
             assert torch.equal(delta_triton.encode_changes(cur, base, values=False)[0], index)
             stream = torch.cat([values[:1], values])  # values one element into a larger message

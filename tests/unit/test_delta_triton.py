@@ -162,7 +162,7 @@ def test_many_buffer_kernels_refuse_mixed_buffers_by_name():
 def test_warm_up_runs_every_delta_kernel_once_per_element_size(interpreted, monkeypatch):
     """A member with deltas compiles the delta kernels before it joins (its first delta
     refit must not): every kernel, for elements of 1, 2, 4 and 8 bytes; the compare with
-    and without the changed values (two compaction variants)."""
+    and without the changed values, sparse and dense (four compaction variants)."""
     many = {"gather_many": 0, "scatter_many": 0}
     for name in many:
         fn = getattr(delta_triton, name)
@@ -172,7 +172,7 @@ def test_warm_up_runs_every_delta_kernel_once_per_element_size(interpreted, monk
             return _fn(*args, **kwargs)
         monkeypatch.setattr(delta_triton, name, counted)
     assert delta_triton.warm_up("cpu") == 4
-    assert interpreted == {"encode_changes": 8, "scatter": 4} and many == {"gather_many": 4, "scatter_many": 4}
+    assert interpreted == {"encode_changes": 20, "scatter": 4} and many == {"gather_many": 4, "scatter_many": 4}
     delta_triton.set_enabled(False)
     try:
         assert delta_triton.warm_up("cpu") == 0  # turned off: nothing runs
