@@ -218,6 +218,7 @@ def _refit_rank(rank: int, world_size: int, store: dist.Store, case: RefitCase, 
 
     dst = allocate(plan.destination, rank, fill=0, device=device)
     src = version(plan.source, 0)
+    executor.warm(src, dst)  # as the runtime does on entering an epoch (the delta codec's kernels too)
     executor.run(src, dst)  # version 0 in full (and the connections warm)
     rows, problems = [], []
     for v in range(1, steps + 1):

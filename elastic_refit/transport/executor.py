@@ -44,6 +44,7 @@ import torch
 from elastic_refit.errors import TransferRefused, brief
 from elastic_refit.log import ensure_configured
 from elastic_refit.plan import Plan, SourceSide
+from elastic_refit.transport import delta_warm
 from elastic_refit.transport.bucket_io import BucketIO, ForwardIn, aligned
 from elastic_refit.transport.buffers import fits, resolve_buffers
 from elastic_refit.transport.delta import DeltaCoder, DeltaInputs, DeltaRound
@@ -228,7 +229,11 @@ class Executor:
         staging slot (on a GPU each binding copies descriptors to the device). The runtime
         calls it on entering an epoch, beside connecting ahead, so the epoch's first refit
         does not pay it. Buffers not given are skipped (their buckets bind at the first run);
-        a binding for other buffers than the run's is never used. Returns the buckets bound."""
+        a binding for other buffers than the run's is never used. With deltas on, the delta
+        codec's kernels load too (:func:`delta_warm.warm_up`, once per process). Returns the
+        buckets bound."""
+        if self._delta is not None:
+            delta_warm.warm_up(self.device)
         given = {(int(SourceSide.SOURCE), n): t for n, t in (source or {}).items()}
         given.update({(int(SourceSide.DESTINATION), n): t for n, t in (destination or {}).items()})
         buffers = self.schedule.buffers

@@ -133,3 +133,12 @@ def test_after_warm_up_no_size_or_offset_compiles_another_variant():
             delta_triton.scatter_many([target, cur], ref[1:], index_stream[1:], torch.cat([got[:1], got])[1:])
             assert torch.equal(target, cur)
     assert _num_compiled() == before, "a call after warm_up compiled a new kernel variant"
+
+
+def test_the_delta_codec_warms_once_per_device():
+    from elastic_refit.transport import delta_warm
+
+    first = delta_warm.warm_up("cuda")
+    assert first in (0, 4)  # 0: another test of this process warmed it already
+    assert delta_warm.warm_up("cuda") == 0
+    assert delta_warm.exercise(torch.device("cuda")) == 4  # and it runs, checked, on the GPU
