@@ -67,13 +67,20 @@ def _cumsum(x):
     return tl.associative_scan(x, 0, _sum_combine)
 
 
+@_jit
+def _first(pid, SIZE: tl.constexpr, WIDE: tl.constexpr):
+    """Program ``pid``'s first element of runs of ``SIZE``: ``pid * SIZE``, in int64 when
+    ``WIDE`` (a run of 2**31 elements or more)."""
+    if WIDE:
+        return pid.to(tl.int64) * SIZE
+    else:
+        return pid * SIZE
+
+
 @_one_variant(sizes=("n",))
 def flag_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
-    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
-        start = pid.to(tl.int64) * BLOCK
-    else:
-        start = pid * BLOCK
+    start = _first(pid, BLOCK, WIDE)
     offs = start + tl.arange(0, BLOCK)
     inside = offs < n
     a = tl.load(cur_ptr + offs, mask=inside, other=0)
@@ -82,11 +89,7 @@ def flag_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, n, BLOCK: tl.constexpr,
     tl.store(counts_ptr + pid, _sum(flag, 0))
     shifts = tl.arange(0, 8)
     packed = _sum(tl.reshape(flag, (BLOCK // 8, 8)) << shifts[None, :], 1)
-    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
-        at = pid.to(tl.int64) * (BLOCK // 8)
-    else:
-        at = pid * (BLOCK // 8)
-    tl.store(bits_ptr + at + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
+    tl.store(bits_ptr + _first(pid, BLOCK // 8, WIDE) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
 
 
 @_jit
@@ -102,10 +105,7 @@ def _popcount(x):
 def compact_sparse_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
                           WIDE: tl.constexpr, VALUES: tl.constexpr):
     pid = tl.program_id(0)
-    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
-        start = pid.to(tl.int64) * BLOCK
-    else:
-        start = pid * BLOCK
+    start = _first(pid, BLOCK, WIDE)
     # One lane per 32 elements (a word of bits, element j of a word in its bit j): the scan
     # runs over BLOCK / 32 counts, and each lane then walks its 32 bits, writing only where
     # one is set. Per element that is a shift, a test and a predicated store, where a lane
@@ -128,10 +128,7 @@ def compact_sparse_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr,
 def compact_dense_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
                          WIDE: tl.constexpr, VALUES: tl.constexpr):
     pid = tl.program_id(0)
-    if WIDE:  # noqa: SIM108 (plain branches: what Triton compiles most predictably)
-        start = pid.to(tl.int64) * BLOCK
-    else:
-        start = pid * BLOCK
+    start = _first(pid, BLOCK, WIDE)
     lane = tl.arange(0, BLOCK)
     # A lane per element: each reads its element's byte of bits (8 lanes share one), and
     # neighbouring lanes' changes go to neighbouring slots (stores that coalesce).
