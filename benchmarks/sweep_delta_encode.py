@@ -16,24 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
-
-
-def _seconds(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+from bench_delta import _cuda_seconds as _seconds  # CUDA events around each call, median
 
 
 def parts(mod, cur: torch.Tensor, base: torch.Tensor, block: int, warps: int, repeat: int) -> dict:
