@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-__all__ = ["compact_dense_kernel", "compact_sparse_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel", "scatter_many_kernel"]
+__all__ = ["compact_dense_kernel", "compact_sparse_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel",
+           "scatter_many_kernel"]
 
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit

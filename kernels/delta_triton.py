@@ -25,8 +25,8 @@ import os
 
 import torch
 
-__all__ = ["BLOCK", "DENSE_FRACTION", "HAVE_TRITON", "encode_changes", "gather_many", "scatter", "scatter_many", "set_enabled", "usable",
-           "warm_up"]
+__all__ = ["BLOCK", "DENSE_FRACTION", "HAVE_TRITON", "encode_changes", "gather_many", "scatter", "scatter_many",
+           "set_enabled", "usable", "warm_up"]
 
 try:  # optional: CPU installs run the torch forms
     import triton  # noqa: F401
@@ -191,11 +191,12 @@ def scatter_many(buffers: list[torch.Tensor], ref: torch.Tensor, index: torch.Te
 
 def warm_up(device: torch.device | str) -> int:
     """Compile (or load from Triton's cache) every delta kernel variant the codec launches
-    on ``device`` (compare and both compactions, with and without values, scatter, gather and scatter
-    over many buffers, for elements of 1, 2, 4 and 8 bytes; one variant each whatever the
-    sizes and offsets of later calls, see ``_triton_delta._one_variant``) and run each
-    once, so that a member's first delta refit does not pay for it (H100: the first delta
-    version took 0.53-0.83 s against 0.04 s steady). Returns the variants run: 0 where the kernels do not run (no Triton, a CPU)."""
+    on ``device`` (compare and both compactions, with and without values, scatter, gather
+    and scatter over many buffers, for elements of 1, 2, 4 and 8 bytes; one variant each
+    whatever the sizes and offsets of later calls, see ``_triton_delta._one_variant``) and
+    run each once, so that a member's first delta refit does not pay for it (H100: the
+    first delta version took 0.53-0.83 s against 0.04 s steady). Returns the variants run:
+    0 where the kernels do not run (no Triton, a CPU)."""
     probe = torch.zeros(1, device=device)
     if not usable(probe):
         return 0
