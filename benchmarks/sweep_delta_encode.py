@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(f"| {mib} | {density:.1%} | {copy_s * 1e3:.3f} | {encode_s * 1e3:.3f} "
                           f"({copy_s / encode_s:.2f}) | {block} | {warps} | {r['flag_s'] * 1e3:.3f} | "
-                          f"{r['scan_s'] * 1e3:.3f} | {r['sparse_s'] * 1e3:.3f} | {r['dense_s'] * 1e3:.3f} | {copy_s / r['parts_s']:.2f} | "
-                          f"{r['exact']} |", flush=True)
+                          f"{r['scan_s'] * 1e3:.3f} | {r['sparse_s'] * 1e3:.3f} | {r['dense_s'] * 1e3:.3f} | "
+                          f"{copy_s / r['parts_s']:.2f} | {r['exact']} |", flush=True)
             cur = None
         base = target = None
         torch.cuda.empty_cache()
