@@ -57,8 +57,9 @@ def connect_ahead(transport: Transport, peers: PlanPeers) -> int:
     of ``peers.send_to`` and receive one from every rank of ``peers.recv_from`` in one
     batch (one NCCL group: no order between pairs to deadlock on), then vote with
     ``peers.participants`` as the refit's own vote does. Every rank of the plan must call
-    this with its own peers of the same plan, before any other operation on the transport. Returns the number of directions connected; raises
-    ``TransportAborted`` like any transfer."""
+    this with its own peers of the same plan, before any other operation on the transport.
+    Returns the number of directions connected; raises ``TransportAborted`` like any
+    transfer."""
     if transport.rank not in peers.participants:
         return 0
     nbytes = 1 if transport.device.type == "cpu" else CONNECT_BYTES_GPU
