@@ -83,12 +83,21 @@ def test_a_rank_killed_mid_transfer_leaves_errored_communicators_that_are_rebuil
 
 
 def test_a_rank_killed_between_refits_is_shrunk_away(run):
-    """A peer that dies while no transfer is in flight leaves every survivor's communicator
-    healthy: the epoch without it is an abortive shrink of the old communicator."""
+    """A peer that dies while no transfer is in flight leaves the survivors' communicators
+    healthy, and the epoch without it is an abortive shrink of the old communicator; unless
+    NCCL itself put a survivor's communicator in an error state first (its proxy sees the
+    dead peer's sockets close; under load that can come before the epoch's path vote: H100,
+    once in five runs, the one beside 24 other tests): then that survivor logs ``comm.parent.broken`` and
+    the epoch rebuilds. A rebuild without that cause fails."""
     result = run.run_trial(_scenario("inference-kill-idle", FaultPlan().kill(role="inference", rank=1,
                                                                              at="ack.before", version=2)))
     _check(result)
-    assert _path_after_fault(result) == ("shrink_abort" if BACKEND == "nccl4py" else "rebuild")
+    path = _path_after_fault(result)
+    if BACKEND != "nccl4py":
+        assert path == "rebuild"
+        return
+    broken = [e for per in result.evidence.logs.values() for e in per if e.get("event") == "comm.parent.broken"]
+    assert path == "shrink_abort" or (path == "rebuild" and broken), (path, broken)
 
 
 def test_a_rank_that_comes_back_after_its_lease_is_grown_in_and_catches_up(run):
