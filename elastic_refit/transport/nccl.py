@@ -18,8 +18,9 @@ timeout ends in ``TransportAborted`` instead of a hang. nccl4py is optional (the
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,9 @@ from elastic_refit.transport.protocol import (
     first_line,
 )
 
-__all__ = ["GROW_ID_KEY", "Nccl4pySupport", "NcclTransport", "grow_communicator", "init_communicator", "nccl_call", "nccl_config",
-           "parent_state", "probe_nccl4py", "quiesce", "settle", "settle_child", "shrink_communicator"]
+__all__ = ["GROW_ID_KEY", "MAX_CTAS_ENV", "Nccl4pySupport", "NcclTransport", "grow_communicator", "init_communicator",
+           "max_ctas", "nccl_call", "nccl_config", "parent_state", "probe_nccl4py", "quiesce", "settle", "settle_child",
+           "shrink_communicator"]
 
 _POLL_S = 0.0005
 _CANCEL_CHECK_S = 0.02  # cancel() may read shared state; the poll itself stays tight
@@ -276,10 +278,33 @@ def _aborted_on_failure(child: Any, timeout_s: float, logger: Any, what: str):
         raise
 
 
+MAX_CTAS_ENV = "ELASTIC_REFIT_NCCL_MAX_CTAS"
+
+
+def max_ctas(environ: Mapping[str, str]) -> int | None:
+    """The CTA cap of this runtime's communicators from ``environ`` (``MAX_CTAS_ENV``;
+    unset or empty: NCCL's default). Where the refit shares a GPU with generation (a
+    colocated engine, or ranks under MPS), fewer CTAs leave it more SMs while a transfer's
+    kernels wait for their bytes. Only these communicators: ``NCCL_MAX_CTAS`` would cap
+    the trainers' own collectives too."""
+    text = environ.get(MAX_CTAS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MAX_CTAS_ENV} must be an int >= 1 (CTAs per NCCL kernel), got {text!r}")
+    return value
+
+
 def nccl_config() -> Any:
     """Non-blocking: init, shrink and grow return at once and are settled by polling, so a
-    peer that dies mid-way ends in a timeout or an error, never a hang."""
-    return _nccl().NCCLConfig(blocking=False)
+    peer that dies mid-way ends in a timeout or an error, never a hang. Capped at
+    :func:`max_ctas` CTAs when the environment says so."""
+    cap = max_ctas(os.environ)
+    return _nccl().NCCLConfig(blocking=False, **({} if cap is None else {"min_ctas": 1, "max_ctas": cap}))
 
 
 class _Posted:
