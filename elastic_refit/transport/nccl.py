@@ -294,8 +294,8 @@ def max_ctas(environ: Mapping[str, str]) -> int | None:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise ValueError(f"{MAX_CTAS_ENV} must be an int >= 1 (CTAs per NCCL kernel), got {text!r}")
+    if not 1 <= value <= 32:  # NCCL's range for a communicator's CTAs
+        raise ValueError(f"{MAX_CTAS_ENV} must be an int from 1 to 32 (CTAs per NCCL kernel), got {text!r}")
     return value
 
 
