@@ -152,6 +152,10 @@ case "${1:-}" in
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
           with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
             --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
+        rl_mps_ctas)  # rl_mps with the runtime's communicators capped at WAVE_RL_MAX_CTAS CTAs (default 2)
+          ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" with_mps step $name "${WAVE_RL_S:-150}" \
+            python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps_ctas" --device cuda --backend nccl4py \
+            --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
         colocated_mps)  # IPC refit (and WAVE_COLOCATED_METHODS) and the copy ceiling, kernels side by side (MPS)
           with_mps step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" \
             --repeat "${WAVE_REPEAT:-3}" --baseline-repeat 1 --methods "${WAVE_COLOCATED_METHODS:-ipc}" ;;
