@@ -85,6 +85,7 @@ class Driver:
         self._serving = serving
         self._transport: Transport | None = None  # the current epoch's (this thread's alone)
         self._executor: tuple[tuple[str, int], Executor] | None = None  # see executor_for
+        self._warmed_key: tuple[str, int] | None = None  # the epoch's steady executor, warmed ahead
         self._thread: threading.Thread | None = None
         self._watchdog = AgentWatchdog(services.config.timeouts.agent_stuck_s, self._stuck,
                                        name=f"refit-watchdog-{services.config.member_id}")
@@ -324,13 +325,21 @@ class Driver:
 
     def executor_for(self, plan: Plan, transport: Transport) -> Executor:
         """The executor of ``plan`` on ``transport``, kept for the epoch's later refits: its
-        schedule is built and its staging allocated once, not per version. Only the latest
-        is kept (its staging is memory); it goes with the transport."""
+        schedule is built and its staging allocated once, not per version. One is kept (its
+        staging is memory) and goes with the transport; see :func:`executor_use` for when
+        an attempt gets one of its own beside it."""
         key = (plan.fingerprint, id(transport))
-        if self._executor is None or self._executor[0] != key:
-            self._executor = None  # the old staging goes before the new is allocated
-            options = self.services.config.transfer.executor_options()
-            self._executor = (key, Executor(plan, transport, options))
+        use = executor_use(self._executor[0] if self._executor is not None else None, self._warmed_key, key)
+        if use == "keep":
+            return self._executor[1]  # type: ignore[index]
+        options = self.services.config.transfer.executor_options()
+        if use == "beside":
+            self.services.stats["one_off_executors"] += 1
+            self.services.log.info("refit.executor.beside", fingerprint=plan.fingerprint,
+                                   kept=self._warmed_key[0] if self._warmed_key else None)
+            return Executor(plan, transport, options)
+        self._executor = None  # the old staging goes before the new is allocated
+        self._executor = (key, Executor(plan, transport, options))
         return self._executor[1]
 
     def _connect_ahead(self, view: MembershipView) -> bool:
@@ -391,8 +400,26 @@ class Driver:
         except (ValueError, RuntimeError) as exc:  # a staging budget, memory: the first refit says so
             log.info("refit.executor.warm_skipped", reason=brief(exc))
             return
+        self._warmed_key = (plan.fingerprint, id(self._transport))
         self.services.stats["warmed_buckets"] += num_buckets
         log.info("refit.executor.warmed", seconds=time.perf_counter() - t0, num_buckets=num_buckets)
+
+
+def executor_use(kept: tuple[str, int] | None, warmed: tuple[str, int] | None,
+                 wanted: tuple[str, int]) -> str:
+    """Which executor an attempt whose plan and transport are ``wanted`` runs on (pure):
+    ``keep``, the kept one (``kept``: the same plan on the same transport); ``beside``, one
+    of its own built beside the kept one and dropped after the attempt, when the kept one
+    is the epoch's steady executor warmed on entering it (``warmed``): a catch-up or
+    another one-off plan must not evict it, or the epoch's next refit builds, allocates
+    and binds everything again (gloo churn: a rejoiner's catch-up evicted it, and the first
+    refit after every grow rebuilt its executor). The staging of both is held while the
+    one-off runs. ``replace`` otherwise: the old one goes, its staging before the new one's."""
+    if kept == wanted:
+        return "keep"
+    if kept is not None and kept == warmed and kept[1] == wanted[1]:  # this epoch's transport
+        return "beside"
+    return "replace"
 
 
 def _entered(state: AgentState, epoch: int) -> MembershipView:

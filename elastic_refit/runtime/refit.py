@@ -129,7 +129,7 @@ class ElasticRefit:
         self._detachment = Detachment(self._outcomes)  # see detached
         self._closers: list[Callable[[], object]] = []  # what close() undoes, last first
         self.stats: dict[str, int] = {"attempts": 0, "failed_attempts": 0, "reconfigurations": 0,
-                                      "connected_ahead": 0, "warmed_buckets": 0}
+                                      "connected_ahead": 0, "warmed_buckets": 0, "one_off_executors": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> ElasticRefit:
