@@ -206,10 +206,9 @@ def warm_up(device: torch.device | str) -> int:
         sparse[::101] = 1  # under DENSE_FRACTION: the sparse compaction
         cur = base.clone()
         cur[::7] = 1  # above it: the dense one
-        for changed in (sparse, cur):
-            encode_changes(changed, base)
+        for changed in (sparse, cur):  # the dense one's result is scattered and gathered below
+            index, values = encode_changes(changed, base)
             encode_changes(changed, base, values=False)  # the positions alone (kernels.delta.changed_elements)
-        index, values = encode_changes(cur, base)
         scatter(base, index, values)
         ref = torch.zeros_like(index)
         scatter_many([base, cur], ref, index, gather_many([base, cur], ref, index))
