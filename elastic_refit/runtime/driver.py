@@ -336,7 +336,7 @@ class Driver:
         if use == "beside":
             self.services.stats["one_off_executors"] += 1
             self.services.log.info("refit.executor.beside", fingerprint=plan.fingerprint,
-                                   kept=self._warmed_key[0] if self._warmed_key else None)
+                                   kept=self._executor[0][0])  # type: ignore[index]  # the warmed one
             return Executor(plan, transport, options)
         self._executor = None  # the old staging goes before the new is allocated
         self._executor = (key, Executor(plan, transport, options))
