@@ -209,14 +209,26 @@ def summarize(results: list[TrialResult], wall_s: float, leaked_pids: list[int] 
 
 def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | None = None,
                deadline_s: float = 60.0, keep_logs: bool = False, results_path: str | None = None,
-               backend: str = "gloo", cpu_burners: int = 0, until_s: float | None = None) -> dict[str, Any]:
+               backend: str = "gloo", cpu_burners: int = 0, until_s: float | None = None,
+               run: ChaosRun | None = None) -> dict[str, Any]:
     """Run ``scenarios`` in order on one etcd and one worker pool; returns :func:`summarize`.
     ``cpu_burners``: processes spinning on the CPU for the whole run; ``until_s``: start
     no trial after this many seconds (the rest of ``scenarios`` is left out).
     ``results_path``: append each trial's verdict there as one JSON line as it finishes;
-    ``backend``: the members' communicators (``nccl`` / ``nccl4py``: every member on GPU 0)."""
+    ``backend``: the members' communicators (``nccl`` / ``nccl4py``: every member on GPU 0).
+    ``run``: an open run to use (its warm workers and etcd, its backend, burners and
+    deadline) instead of a new one; the caller closes it and checks what outlived it."""
     say = progress or (lambda _m: None)
-    run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s, backend=backend, cpu_burners=cpu_burners)
+    own = run is None
+    if run is None:
+        run = ChaosRun(keep_logs=keep_logs, deadline_s=deadline_s, backend=backend, cpu_burners=cpu_burners)
+    else:
+        from elastic_refit.transport.protocol import Backend
+
+        if Backend.parse(backend).value != run.backend or cpu_burners:
+            raise ValueError(f"run_matrix: backend={backend!r}, cpu_burners={cpu_burners} are the given run's "
+                             f"to set (it has backend={run.backend!r}, cpu_burners={run.cpu_burners})")
+        run.keep_logs = run.keep_logs or keep_logs
     results: list[TrialResult] = []
     t0 = time.monotonic()
     leaked: list[int] = []
@@ -239,5 +251,5 @@ def run_matrix(scenarios: list[Scenario], *, progress: Callable[[str], None] | N
     finally:
         if any(not r.verdict.passed for r in results):
             run.keep_logs = True  # failed trials' logs are evidence
-        leaked = run.close()
+        leaked = run.close() if own else []
     return summarize(results, time.monotonic() - t0, leaked)

@@ -28,23 +28,24 @@ WIPE = "etcd_wipe"
 
 
 @pytest.mark.timeout(420)
-def test_etcd_member_killed_mid_refit_refits_continue():
+def test_etcd_member_killed_mid_refit_refits_continue(chaos_run):
     scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault not in (STALL_5X, WIPE)]
     assert any(s.fault == "etcd_member_down" for s in scenarios)
-    assert_matrix_finds_nothing(scenarios)
+    assert_matrix_finds_nothing(scenarios, chaos_run)
 
 
 @pytest.mark.timeout(300)
-def test_a_5x_ttl_stall_of_the_cluster_tears_loses_hangs_and_leaks_nothing():
+def test_a_5x_ttl_stall_of_the_cluster_tears_loses_hangs_and_leaks_nothing(chaos_run):
     scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault == STALL_5X]
     assert scenarios
-    summary = run_matrix(scenarios, deadline_s=60.0)
+    summary = run_matrix(scenarios, run=chaos_run)
     assert summary["trials"] == len(scenarios) and summary["faults_fired"] >= len(scenarios)
     assert (summary["torn"], summary["lost"], summary["hung"], summary["leaked"], summary["failures"]) == (0, 0, 0, 0, [])
 
 
 @pytest.mark.timeout(120)
 def test_etcd_wiped_mid_refit_stops_every_member_and_tears_loses_hangs_leaks_nothing():
+    # A run of its own: its close is part of the check (no member kept a process or socket).
     scenarios = [s for s in build_matrix("quick", seed=0, etcd_nodes=3) if s.fault == WIPE]
     assert scenarios
     summary = run_matrix(scenarios, deadline_s=60.0)

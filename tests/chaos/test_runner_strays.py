@@ -51,3 +51,20 @@ def test_processes_of_another_live_run_are_not_a_trials_leftovers():
     assert result.log_dir and os.path.isdir(result.log_dir), result.log_dir
     assert sorted(os.listdir(run.root)) == [os.path.basename(result.log_dir)]
     shutil.rmtree(run.root)
+
+
+def test_a_matrix_on_a_given_run_refuses_settings_that_are_the_runs():
+    """A matrix handed an open run takes its backend and burners; asking for others is an
+    error that names them, and the run stays open for its owner."""
+    from elastic_refit.chaos.runner import run_matrix
+
+    run = ChaosRun()
+    try:
+        with pytest.raises(ValueError, match="backend='nccl4py'.*given run's.*backend='gloo'"):
+            run_matrix([_no_fault()], run=run, backend="nccl4py")
+        with pytest.raises(ValueError, match="cpu_burners=1"):
+            run_matrix([_no_fault()], run=run, cpu_burners=1)
+        summary = run_matrix([], run=run)
+        assert summary["trials"] == 0 and run.owned_pids() == set()
+    finally:
+        assert run.close() == []
