@@ -60,7 +60,7 @@ def test_a_matrix_on_a_given_run_refuses_settings_that_are_the_runs():
 
     run = ChaosRun()
     try:
-        with pytest.raises(ValueError, match="backend='nccl4py'.*given run's.*backend='gloo'"):
+        with pytest.raises(ValueError, match=r"backend='nccl4py'.*given run's.*backend='gloo'"):
             run_matrix([_no_fault()], run=run, backend="nccl4py")
         with pytest.raises(ValueError, match="cpu_burners=1"):
             run_matrix([_no_fault()], run=run, cpu_burners=1)
