@@ -245,15 +245,20 @@ class CommunicatorManager:
         return self.current.store if self.current is not None else None
 
     def close(self) -> None:
-        """Abort the current communicator (bounded by the watchdog)."""
+        """Abort the current communicator and wait for every abort in flight, bounded by the
+        epoch deadline. The watchdog's short bound keeps a recovery moving; a close has no
+        recovery to hurry, and an abort still running holds the communicator's sockets (an
+        NCCL abort on a loaded H200 outlived the 1 s watchdog, and the process, which lives
+        on, kept three of them)."""
         self._close_transport()
         if self.current is not None:
-            self._abort_current("close")
-        deadline = time.monotonic() + self.config.abort_timeout_s
+            self._abort_current("close", wait=False)
+        deadline = time.monotonic() + self.config.epoch_deadline_s
         for thread in self._reaping:
             thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._reaping):
-            self.log.error("comm.abort.timed_out", what="shrink_parent", timeout_s=self.config.abort_timeout_s)
+        alive = [t.name.removeprefix("comm-") for t in self._reaping if t.is_alive()]
+        if alive:
+            self.log.error("comm.abort.timed_out", what=",".join(alive), timeout_s=self.config.epoch_deadline_s)
         self._reaping.clear()
         # IPC mappings a faulted transport deferred (its kernel was stuck on a dead peer):
         # the communicator is aborted now, so that work ends and they can go.
