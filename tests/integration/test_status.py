@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -126,9 +127,17 @@ def test_status_watch_redraws_in_place_until_ctrl_c(etcd_server):
     proc = subprocess.Popen([sys.executable, "-m", "elastic_refit.cli", "status", "--etcd", etcd_server.endpoint,
                              "--job", "watched", "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    time.sleep(6)  # start-up (imports, the etcd client) and a few rounds
+    # Read as it draws; Ctrl-C once two tables are out (start-up takes seconds on 2 cores).
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while "".join(seen).count("job watched") < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    proc.wait(timeout=30)
+    reader.join(10)  # stdout's reader ends at EOF; stderr (a few lines) is read once it exited
+    out, err = "".join(seen), proc.stderr.read()
     assert proc.returncode == 0, err[-2000:]
     assert out.count("\x1b[H\x1b[J") >= 2 and out.count("job watched") >= 2, out[-2000:]
     assert "Traceback" not in err
