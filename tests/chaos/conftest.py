@@ -1,5 +1,5 @@
 """One chaos run per test module: a module's matrices share its warm workers and etcd, so
-the workers import torch once (about 20 s of 2 cores) instead of once per matrix."""
+the workers import torch once instead of once per matrix (7 s of the quick matrix's 67 s)."""
 
 from __future__ import annotations
 

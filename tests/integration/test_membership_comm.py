@@ -83,6 +83,38 @@ def test_single_rank_gloo_communicator_and_membership_lost(etcd_server, make_cli
     assert mgr.current is None  # its communicator was aborted, not left dangling
 
 
+class _SlowAbort:
+    """The real backend behind an abort that takes ``delay_s`` (as an NCCL abort did on a
+    loaded H200): everything else goes to the backend."""
+
+    def __init__(self, pg, delay_s: float):
+        self._pg, self._delay_s, self.aborted = pg, delay_s, threading.Event()
+
+    def abort(self) -> None:
+        time.sleep(self._delay_s)
+        self._pg.abort()
+        self.aborted.set()
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
+def test_close_waits_for_an_abort_slower_than_the_watchdog(etcd_server, make_client):
+    """A recovery's abort is bounded by the 1 s watchdog; a close waits for it to finish (up
+    to the epoch deadline), so a process that lives on keeps none of its sockets."""
+    client = make_client(etcd_server.endpoints)
+    me = MemberRecord("trainer", "t0", "inc1", "h", "d0", "cpu")
+    mgr = CommunicatorManager(client, "slow-close", "t0", config=MembershipConfig(abort_timeout_s=1.0))
+    assert mgr.reconfigure(None, MembershipView(1, (me,))).path == "build"
+    slow = _SlowAbort(mgr.current.pg, delay_s=1.6)
+    mgr.current.pg = slow
+    t0 = time.monotonic()
+    mgr.close()
+    assert slow.aborted.is_set(), "close returned while the abort was still running"
+    assert 1.6 <= time.monotonic() - t0 < MembershipConfig().epoch_deadline_s
+    assert mgr.current is None
+
+
 def test_a_rank_that_dropped_its_communicator_rebuilds_from_its_epoch(etcd_server, make_client):
     """A rank's first communicator is its only "build": one whose communicator was dropped
     (a broken gloo transport: the runtime passes no previous view) or torn down by a
