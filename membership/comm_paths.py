@@ -15,8 +15,9 @@ cheapest path the installed runtime supports (:func:`choose_path`):
 On NCCL every rank takes the path rank 0 of the epoch picked, and rank 0 picks a path that
 keeps the communicator only when every survivor reported it ready (:func:`agree_fast_path`):
 NCCL will not shrink or grow from a communicator whose state is an error (a revoke does not
-clear it: measured), and torch's ``ProcessGroupNCCL.shrink`` needs a store it can clone, which the etcd store is
-not. Everything here but :func:`probe_runtime` is a pure function of its arguments.
+clear it: measured), and torch's ``ProcessGroupNCCL.shrink`` needs a store it can clone: the etcd store clones
+where torch forwards ``Store::clone`` to a store written in Python (probed). Everything here but
+:func:`probe_runtime` is a pure function of its arguments.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ class RuntimeSupport:
     nccl4py_shrink: bool
     nccl4py_grow: bool
     nccl4py_nccl_version: tuple[int, int, int] | None = None  # the libnccl nccl4py loaded
-    # torch's ProcessGroupNCCL.shrink clones the group's store (c10d::Store::clone), which a
-    # store written in Python, like EtcdStore, cannot give: on torch 2.11 it fails with "Tried
-    # to call pure virtual function c10d::Store::clone". Groups built on such a store rebuild.
+    # torch's ProcessGroupNCCL.shrink clones the group's store (c10d::Store::clone). Before
+    # EtcdStore had a clone, that failed on torch 2.11 ("Tried to call pure virtual function
+    # c10d::Store::clone"); it answers where torch forwards the call to a store written in
+    # Python (torch 2.13 does: _python_store_clones); elsewhere the group rebuilds.
     store_clone: bool = False
 
     @property
@@ -107,6 +109,29 @@ def _nccl_version() -> tuple[int, int, int] | None:
     return (v // 10000, (v // 100) % 100, v % 100) if v >= 10000 else (v // 1000, (v // 100) % 10, v % 100)
 
 
+class _CloneProbe(dist.Store):
+    """A Python store whose ``clone`` only records that torch called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cloned = False
+
+    def clone(self) -> _CloneProbe:
+        self.cloned = True
+        return self
+
+
+def _python_store_clones() -> bool:
+    """Whether c10d's ``Store::clone`` reaches a Python store's override (through a
+    ``PrefixStore``, as a derived group's store is built). Side-effect free."""
+    probe = _CloneProbe()
+    try:
+        dist.PrefixStore("probe/", probe).clone()
+    except (RuntimeError, AttributeError):  # "Tried to call pure virtual function", or no binding
+        return False
+    return probe.cloned
+
+
 def probe_runtime() -> RuntimeSupport:
     """Probe torch, NCCL and nccl4py once; cheap and side-effect free."""
     nccl4py = probe_nccl4py()
@@ -121,6 +146,7 @@ def probe_runtime() -> RuntimeSupport:
         nccl4py_shrink=nccl4py.shrink,
         nccl4py_grow=nccl4py.grow,
         nccl4py_nccl_version=nccl4py.nccl_version,
+        store_clone=_python_store_clones(),
     )
 
 

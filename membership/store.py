@@ -32,6 +32,16 @@ class EtcdStore(EpochKV, dist.Store):
         dist.Store.__init__(self)
         EpochKV.__init__(self, client, job, epoch, namespace=namespace, timeout=timeout, cancel=cancel)
 
+    def clone(self) -> EtcdStore:
+        """This store itself. c10d clones a group's store for a group it derives from it
+        (``ProcessGroupNCCL.shrink``); a clone is another connection to the same keys, and
+        this store's etcd client is already shared by every thread. Returning ``self`` also
+        keeps the store's Python half alive for as long as the caller holds the parent's
+        (a new Python store held only by C++ would lose it). Torch forwards this override
+        only where its Python store binding does: :func:`membership.comm_paths.probe_runtime`
+        checks that before a torch NCCL group is shrunk."""
+        return self
+
     # The timeout lives in the torch Store, where torch's own calls (set_timeout) change it.
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self.set_timeout(timeout)

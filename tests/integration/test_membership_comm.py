@@ -241,6 +241,34 @@ def test_probe_reports_what_this_runtime_supports():
         assert s.nccl_version is None and not s.nccl_shrink and not s.nccl_grow
 
 
+def test_the_etcd_store_clones_where_torch_forwards_the_call(etcd_server, make_client):
+    """torch's ProcessGroupNCCL.shrink clones its group's store (c10d ``Store::clone``) and
+    prefixes it: through a PrefixStore's clone the etcd store answers with itself, the keys
+    written through the clone are the store's, and the probe says so exactly when it works."""
+    import torch.distributed as dist
+
+    client = make_client(etcd_server.endpoints)
+    store = EtcdStore(client, "clones", 2, namespace="comm-nccl", timeout=timedelta(seconds=5))
+    try:
+        clone = dist.PrefixStore("shrunk", store).clone()
+    except RuntimeError as exc:  # this torch does not forward clone to a Python store
+        assert "pure virtual" in str(exc)
+        assert not probe_runtime().store_clone
+        return
+    assert probe_runtime().store_clone
+    derived = dist.PrefixStore("child", clone)  # c10d joins a prefix and a key with "/"
+    derived.set("unique_id", b"abc")
+    assert store.get("shrunk/child/unique_id") == b"abc"
+    assert client.count_prefix(JobKeys("clones").store(2)) == 1  # under the epoch's store, nowhere else
+
+    class Uncloneable(dist.Store):  # what EtcdStore was before it had a clone
+        def __init__(self):
+            super().__init__()
+
+    with pytest.raises(RuntimeError, match="pure virtual"):
+        dist.PrefixStore("shrunk", Uncloneable()).clone()
+
+
 def _ipv4_of(interface: str) -> str | None:
     """The IPv4 address of ``interface`` (SIOCGIFADDR), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
