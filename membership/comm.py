@@ -245,11 +245,9 @@ class CommunicatorManager:
         return self.current.store if self.current is not None else None
 
     def close(self) -> None:
-        """Abort the current communicator and wait for every abort in flight, bounded by the
-        epoch deadline. The watchdog's short bound keeps a recovery moving; a close has no
-        recovery to hurry, and an abort still running holds the communicator's sockets (an
-        NCCL abort on a loaded H200 outlived the 1 s watchdog, and the process, which lives
-        on, kept three of them)."""
+        """Abort the current communicator and wait for every abort in flight up to the epoch
+        deadline: a close has no recovery to hurry (the 1 s watchdog's job), and a running
+        abort holds its sockets (a loaded H200's outlived 1 s in a process that lived on)."""
         self._close_transport()
         if self.current is not None:
             self._abort_current("close", wait=False)

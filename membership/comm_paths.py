@@ -126,7 +126,7 @@ def _python_store_clones() -> bool:
     ``PrefixStore``, as a derived group's store is built). Side-effect free."""
     probe = _CloneProbe()
     try:
-        dist.PrefixStore("probe/", probe).clone()
+        dist.PrefixStore("probe", probe).clone()
     except (RuntimeError, AttributeError):  # "Tried to call pure virtual function", or no binding
         return False
     return probe.cloned
