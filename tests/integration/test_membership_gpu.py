@@ -101,3 +101,59 @@ def test_an_nccl4py_build_superseded_by_a_newcomer_completes_and_leaves_no_liste
         assert "error" not in r.value, r.value["error"]
         assert r.value["num_ranks"] == 3 and r.value["verified"], r.value
         assert r.value["left_listening"] == [], r.value["left_listening"]
+
+
+def _torch_nccl_shrink(rank: int, world_size: int, store, endpoints, job: str, peer_died: bool) -> dict:
+    """One rank of a torch ProcessGroupNCCL world of ``world_size`` whose last rank leaves:
+    the others go to the epoch without it (a shrink where the probe says torch can, a
+    rebuild where not) and check the new communicator; the leaver waits until they have."""
+    import os
+    from datetime import timedelta
+
+    from elastic_refit.membership import EtcdClient
+
+    from elastic_refit.testing.world import leave_together
+
+    device = f"cuda:{os.environ.get('ELASTIC_REFIT_CUDA_DEVICE', '0')}"  # nccl_rank_env's choice
+    records = tuple(MemberRecord("trainer", f"g{i}", "inc", "h", "d0", "cuda:0") for i in range(world_size))
+    first, second = MembershipView(1, records), MembershipView(2, records[:-1])
+    client = EtcdClient(list(endpoints))
+    mgr = CommunicatorManager(client, job, f"g{rank}", backend="nccl", device=device)
+    survivors = [f"shrunk/{r}" for r in range(world_size - 1)]
+    out: dict = {"probe_shrink": mgr.support.nccl_shrink}
+    try:
+        built = mgr.reconfigure(None, first)
+        out["built_verified"] = verify_transport(built.transport)
+        if rank == world_size - 1:
+            store.wait(survivors, timedelta(seconds=60))
+        else:
+            res = mgr.reconfigure(first, second, peer_died=peer_died)
+            out.update(path=res.path, num_ranks=res.num_ranks, verified=verify_transport(res.transport))
+            store.set(survivors[rank], "1")
+    except Exception as exc:  # reported: the test decides
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        leave_together(store, rank, world_size, 30.0, outcome="failed" if "error" in out else "done")
+        mgr.close()
+        client.close()
+    return out
+
+
+@pytest.mark.parametrize("peer_died", [False, True], ids=["shrink", "shrink_abort"])
+def test_torch_nccl_groups_shrink_through_the_cloning_etcd_store(etcd_server, peer_died):
+    """torch's ProcessGroupNCCL.shrink clones the group's store: with the etcd store's clone
+    the survivors of a 3-rank world take the shrink path (abortive when the peer died), the
+    2-rank child passes a transfer check, and no rank falls back to a rebuild."""
+    from elastic_refit.testing.processes import nccl_rank_env, run_local_world
+
+    results = run_local_world(_torch_nccl_shrink, 3, (tuple(etcd_server.endpoints), f"torch-shrink-{peer_died}",
+                                                      peer_died), timeout_s=120, rank_env=nccl_rank_env)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert "error" not in r.value, (r.rank, r.value["error"])
+        assert r.value["built_verified"], r.value
+    # Where torch cannot shrink (no ProcessGroupNCCL.shrink, NCCL too old, no store clone) the
+    # same epoch is a rebuild: the probe, not this test, decides which path is right.
+    want = ("shrink_abort" if peer_died else "shrink") if results[0].value["probe_shrink"] else "rebuild"
+    for r in results[:2]:
+        assert r.value["path"] == want and r.value["num_ranks"] == 2 and r.value["verified"], r.value
