@@ -6,11 +6,15 @@ through Triton's interpreter where Triton is installed). :mod:`~elastic_refit.ke
 uses them for CUDA tensors when Triton imports (:func:`usable`), the torch forms otherwise.
 
 - :func:`encode_changes`: indices (int64, ascending) of the elements where ``current`` and
-  ``base`` differ and, optionally, their values in ``current``. Two launches: per block of
-  elements a count and one bit per element (reads both inputs once), then, after an
-  exclusive scan of the counts (``torch.cumsum``), the compaction (reads the bits and only
-  the changed elements' sectors of ``current``; a lane per 32 elements up to
-  :data:`DENSE_FRACTION` changed, a lane per element above).
+  ``base`` differ and, optionally, their values in ``current``. Two launches around an
+  exclusive scan of per-block counts (``torch.cumsum``) and one read of the total. The
+  "staged" form (the default): the first pass compares and, while the values are in
+  registers, compacts each block's changes into :data:`STAGE_CAP` slots of its own; the
+  second moves the slots to their places, never reading ``current`` again (a block over its
+  cap leaves its bits instead, compacted from them by a lane per element). The "bits" form
+  (``ELASTIC_REFIT_DELTA_ENCODE=bits``): one bit per element first, then a compaction that
+  reads the bits and the changed elements' sectors of ``current`` (a lane per 32 elements
+  up to :data:`DENSE_FRACTION` changed, a lane per element above).
 - :func:`scatter`: ``target[index] = values`` (the apply), one launch.
 
 Inputs are flat integer views (``int8``/``uint8``, ``int16``, ``int32``, ``int64``: one
@@ -42,6 +46,13 @@ _SPARSE_WARPS = 4  # BLOCK / 32 lanes: one per word of bits
 # copy: by words 0.44 / 0.52 at 1.5% changed, 0.36 / 0.45 at 3.7%, 0.23 / 0.27 at 9.5%; by
 # elements 0.32 / 0.38, 0.32 / 0.37, 0.30 / 0.36 (benchmarks/RESULTS.md, 2026-12-07 fourth).
 DENSE_FRACTION = 0.06
+# Slots per block of the staged encode: blocks with up to this many changes (12.5%) are
+# compacted in the pass that compares. Its scratch is 2 + element-size bytes per slot: a
+# quarter of the compared bytes for BF16.
+STAGE_CAP = BLOCK // 8
+# Which encode runs: "staged" (the changes compacted where they are compared) or "bits" (a
+# pass of bits, then a compaction that reads the changed elements again); benchmarks time both.
+_form = os.environ.get("ELASTIC_REFIT_DELTA_ENCODE", "staged")
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -90,9 +101,44 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
         raise ValueError(f"current ({current.dtype}, {current.numel()}, {current.device}) and base "
                          f"({base.dtype}, {base.numel()}, {base.device}) differ in dtype, size or device")
     n = current.numel()
-    device = current.device
     if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=device), current[:0].clone() if values else None
+        return torch.empty(0, dtype=torch.int64, device=current.device), current[:0].clone() if values else None
+    return (_encode_staged if _form == "staged" else _encode_by_bits)(current, base, values)
+
+
+def _encode_staged(current: torch.Tensor, base: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The encode in two passes over ``current`` and ``base`` read once: each block compacts
+    its changes into slots of its own (up to :data:`STAGE_CAP`; more, and it leaves its bits),
+    then, once their number is known, they move to their places (a block over its cap is
+    compacted from its bits, reading its changed elements again)."""
+    n, device = current.numel(), current.device
+    mod = _module(current)
+    blocks = -(-n // BLOCK)
+    wide = blocks * BLOCK >= 2**31
+    bits = torch.empty(blocks * (BLOCK // 8), dtype=torch.uint8, device=device)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    local = torch.empty(blocks * STAGE_CAP, dtype=torch.int16, device=device)
+    staged = torch.empty(blocks * STAGE_CAP, dtype=current.dtype, device=device) if values else local
+    mod.stage_kernel[(blocks,)](current, base, bits, counts, local, staged, n, BLOCK=BLOCK, CAP=STAGE_CAP, WIDE=wide,
+                                VALUES=values, num_warps=_NUM_WARPS)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    starts = ends - counts  # queued before the read below: less for the GPU to wait on after it
+    k = int(ends[-1])  # one device-to-host read: the output's size
+    index = torch.empty(k, dtype=torch.int64, device=device)
+    out = torch.empty(k, dtype=current.dtype, device=device) if values else None
+    if k:
+        mod.gather_staged_kernel[(blocks,)](current, bits, counts, starts, local, staged, index,
+                                            index if out is None else out, BLOCK=BLOCK, CAP=STAGE_CAP, WIDE=wide,
+                                            VALUES=values, num_warps=_NUM_WARPS)
+    return index, out
+
+
+def _encode_by_bits(current: torch.Tensor, base: torch.Tensor,
+                    values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The encode in two passes, the second reading the bits of the first and the changed
+    elements of ``current`` again (by 32-bit words of bits up to :data:`DENSE_FRACTION`
+    changed, by elements above)."""
+    n, device = current.numel(), current.device
     mod = _module(current)
     blocks = -(-n // BLOCK)
     wide = blocks * BLOCK >= 2**31
@@ -100,8 +146,8 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     counts = torch.empty(blocks, dtype=torch.int32, device=device)
     mod.flag_kernel[(blocks,)](current, base, bits, counts, n, BLOCK=BLOCK, WIDE=wide, num_warps=_NUM_WARPS)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    starts = ends - counts  # queued before the read below: less for the GPU to wait on after it
-    k = int(ends[-1])  # one device-to-host read: the output's size
+    starts = ends - counts
+    k = int(ends[-1])
     index = torch.empty(k, dtype=torch.int64, device=device)
     out = torch.empty(k, dtype=current.dtype, device=device) if values else None
     if k and k <= n * DENSE_FRACTION:
@@ -203,9 +249,9 @@ def warm_up(device: torch.device | str) -> int:
     for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
         base = torch.zeros(BLOCK + 1, dtype=dtype, device=device)
         sparse = base.clone()
-        sparse[::101] = 1  # under DENSE_FRACTION: the sparse compaction
+        sparse[::101] = 1  # under STAGE_CAP and DENSE_FRACTION: staged, or compacted by words
         cur = base.clone()
-        cur[::7] = 1  # above it: the dense one
+        cur[::7] = 1  # above both: compacted from bits by elements
         for changed in (sparse, cur):  # the dense one's result is scattered and gathered below
             index, values = encode_changes(changed, base)
             encode_changes(changed, base, values=False)  # the positions alone (kernels.delta.changed_elements)
