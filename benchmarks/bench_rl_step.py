@@ -106,6 +106,13 @@ def render(summary: dict) -> str:
                      f"{th.get('tokens_per_s_refit') or 0:>12.0f}{th.get('tokens_per_s_idle') or 0:>11.0f}"
                      f"{'-' if ratio is None else f'{ratio:.2f}':>7}  "
                      f"{'yes' if v['ok'] else 'NO'} ({v['num_served']} served, {len(v['mismatches'])} bad)")
+    for mode, m in summary["modes"].items():
+        cpu = m.get("cpu") or {}
+        if cpu.get("top"):
+            busy = [cpu[k].get("host_busy") for k in ("refit", "idle")]
+            lines.append(f"{mode} engines' CPU, cores in refits / idle (host {cpu['host_cores']} cores, busy "
+                         + " / ".join("-" if b is None else f"{b:.0%}" for b in busy) + "): "
+                         + ", ".join(f"{n} {a:.2f}/{b:.2f}" for n, a, b in cpu["top"]))
     kill = summary.get("kill")
     if kill:
         lines.append(f"kill {kill['member']} during the async refit of v{kill['after_step']}: next commit "

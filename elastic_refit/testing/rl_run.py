@@ -159,7 +159,8 @@ def summarize(config: RLStepConfig, records: list[dict[str, Any]], kill: dict[st
     for mode in config.modes:
         mine = [r for r in records if r.get("mode") == mode]
         out["modes"][mode] = {"steps": _steps(config, mode, mine), "verified": _verified(mine),
-                              "throughput": _throughput(mode, mine, recovery if mode == "async-staged" else None)}
+                              "throughput": _throughput(mode, mine, recovery if mode == "async-staged" else None),
+                              "cpu": _cpu(mode, mine)}
     return out
 
 
@@ -242,6 +243,34 @@ def _throughput(mode: str, recs: list[dict[str, Any]], exclude: tuple[float, flo
     rate_idle = tokens_idle / idle_s if idle_s > 0 else None
     return {"refit_s": refit_s, "idle_s": idle_s, "excluded_s": length(out), "tokens_per_s_refit": rate_in,
             "tokens_per_s_idle": rate_idle, "ratio": rate_in / rate_idle if rate_in is not None and rate_idle else None}
+
+
+def _cpu(mode: str, recs: list[dict[str, Any]], top: int = 6) -> dict[str, Any]:
+    """The engines' CPU samples (``testing.cpu_sampler``) inside refit windows and outside:
+    the host's busy fraction and the cores each thread name used, means over samples and
+    engines; the ``top`` threads by use inside refits."""
+    samples = [r for r in recs if r["kind"] == "cpu"]
+    if not samples:
+        return {}
+    windows = _merged(_windows(mode, recs), min(r["t"] for r in samples), max(r["t"] for r in samples))
+    split: dict[str, list[dict[str, Any]]] = {"refit": [], "idle": []}
+    for r in samples:  # a sample belongs where its interval's middle lies
+        middle = r["t"] - r["seconds"] / 2
+        split["refit" if any(a <= middle <= b for a, b in windows) else "idle"].append(r)
+
+    def means(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        if not rows:
+            return {"samples": 0}
+        busy = [r["host_busy"] for r in rows if "host_busy" in r]
+        names = {n for r in rows for n in r["threads"]}
+        return {"samples": len(rows), "host_busy": statistics.mean(busy) if busy else None,
+                "threads": {n: statistics.mean(r["threads"].get(n, 0.0) for r in rows) for n in names}}
+
+    out = {k: means(v) for k, v in split.items()}
+    ranked = sorted(out["refit"].get("threads", {}).items(), key=lambda kv: -kv[1])[:top]
+    out["top"] = [(n, cores, out["idle"].get("threads", {}).get(n, 0.0)) for n, cores in ranked]
+    out["host_cores"] = samples[-1].get("host_cores")
+    return out
 
 
 def _verified(recs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_refit.testing.cpu_sampler import CpuSampler
 from elastic_refit.testing.rl_model import TINY_QWEN3, build_model, checksum, grpo_loss, reward
 
 __all__ = ["MODES", "RLStepConfig", "member_main"]
@@ -477,7 +478,10 @@ def _serve_async(m: _Member) -> None:
             m.report("refit.event", mode="async-staged", event=name, version=fields.get("version"),
                      seconds=fields.get("seconds"), at=time.time())
 
-    with ElasticRefit(_refit_config(m, "async-staged"), layout, parameters=model, on_event=on_event) as refit:
+    # The host's and this engine's threads' CPU beside its refit windows (rl_run's "cpu").
+    sampler = CpuSampler(lambda sample: m.report("cpu", mode="async-staged", **sample))
+    with sampler, ElasticRefit(_refit_config(m, "async-staged"), layout, parameters=model,
+                               on_event=on_event) as refit:
         m.report("joined", mode="async-staged")
         refit.wait_for_version(None, timeout_s=120)
         count = 0

@@ -59,6 +59,10 @@ def test_rl_loop_refits_every_step_and_serves_only_verified_versions(etcd_server
     paused = [row["paused_s"] for row in async_["steps"] if row["paused_s"] is not None]
     assert paused and max(paused) < 0.05, async_["steps"]
     assert all(row["paused_s"] is not None and row["paused_s"] > 0 for row in sync["steps"]), sync["steps"]
+    # The engines sampled their CPU beside the refit windows (where a refit's cost goes).
+    cpu = async_["cpu"]
+    assert cpu["refit"]["samples"] + cpu["idle"]["samples"] >= 5, cpu
+    assert cpu["idle"]["threads"].get("MainThread", 0.0) > 0.0, cpu  # the thread that generates
     # The run's logs make a trace with every member's row.
     events, faults = read_run([tmp_path / "logs"])
     trace = build_trace(events, faults)
