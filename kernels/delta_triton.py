@@ -8,13 +8,14 @@ uses them for CUDA tensors when Triton imports (:func:`usable`), the torch forms
 - :func:`encode_changes`: indices (int64, ascending) of the elements where ``current`` and
   ``base`` differ and, optionally, their values in ``current``. Two launches around an
   exclusive scan of per-block counts (``torch.cumsum``) and one read of the total. The
-  "staged" form (the default): the first pass compares and, while the values are in
-  registers, compacts each block's changes into :data:`STAGE_CAP` slots of its own; the
-  second moves the slots to their places, never reading ``current`` again (a block over its
-  cap leaves its bits instead, compacted from them by a lane per element). The "bits" form
-  (``ELASTIC_REFIT_DELTA_ENCODE=bits``): one bit per element first, then a compaction that
-  reads the bits and the changed elements' sectors of ``current`` (a lane per 32 elements
-  up to :data:`DENSE_FRACTION` changed, a lane per element above).
+  "bits" form (the default until the staged one is timed on a GPU): one bit per element
+  first, then a compaction that reads the bits and the changed elements' sectors of
+  ``current`` (a lane per 32 elements up to :data:`DENSE_FRACTION` changed, a lane per
+  element above). The "staged" form (``ELASTIC_REFIT_DELTA_ENCODE=staged``): the first
+  pass compares and, while the values are in registers, compacts each block's changes into
+  :data:`STAGE_CAP` slots of its own; the second moves the slots to their places, never
+  reading ``current`` again (a block over its cap leaves its bits instead, compacted from
+  them by a lane per element).
 - :func:`scatter`: ``target[index] = values`` (the apply), one launch.
 
 Inputs are flat integer views (``int8``/``uint8``, ``int16``, ``int32``, ``int64``: one
@@ -50,9 +51,11 @@ DENSE_FRACTION = 0.06
 # compacted in the pass that compares. Its scratch is 2 + element-size bytes per slot: a
 # quarter of the compared bytes for BF16.
 STAGE_CAP = BLOCK // 8
-# Which encode runs: "staged" (the changes compacted where they are compared) or "bits" (a
-# pass of bits, then a compaction that reads the changed elements again); benchmarks time both.
-_form = os.environ.get("ELASTIC_REFIT_DELTA_ENCODE", "staged")
+# Which encode runs: "bits" (a pass of bits, then a compaction that reads the changed elements
+# again: measured, H100 and H200) or "staged" (the changes compacted where they are compared:
+# bit-exact through the interpreter, not yet timed on a GPU; it becomes the default once
+# benchmarks/sweep_delta_encode.py, which times both, shows it faster).
+_form = os.environ.get("ELASTIC_REFIT_DELTA_ENCODE", "bits")
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
