@@ -103,64 +103,62 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     if current.shape != base.shape or current.dtype != base.dtype or current.device != base.device:
         raise ValueError(f"current ({current.dtype}, {current.numel()}, {current.device}) and base "
                          f"({base.dtype}, {base.numel()}, {base.device}) differ in dtype, size or device")
-    n = current.numel()
-    if n == 0:
+    if current.numel() == 0:
         return torch.empty(0, dtype=torch.int64, device=current.device), current[:0].clone() if values else None
-    return (_encode_staged if _form == "staged" else _encode_by_bits)(current, base, values)
-
-
-def _encode_staged(current: torch.Tensor, base: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The encode in two passes over ``current`` and ``base`` read once: each block compacts
-    its changes into slots of its own (up to :data:`STAGE_CAP`; more, and it leaves its bits),
-    then, once their number is known, they move to their places (a block over its cap is
-    compacted from its bits, reading its changed elements again)."""
-    n, device = current.numel(), current.device
-    mod = _module(current)
-    blocks = -(-n // BLOCK)
-    wide = blocks * BLOCK >= 2**31
-    bits = torch.empty(blocks * (BLOCK // 8), dtype=torch.uint8, device=device)
-    counts = torch.empty(blocks, dtype=torch.int32, device=device)
-    local = torch.empty(blocks * STAGE_CAP, dtype=torch.int16, device=device)
-    staged = torch.empty(blocks * STAGE_CAP, dtype=current.dtype, device=device) if values else local
-    mod.stage_kernel[(blocks,)](current, base, bits, counts, local, staged, n, BLOCK=BLOCK, CAP=STAGE_CAP, WIDE=wide,
-                                VALUES=values, num_warps=_NUM_WARPS)
-    ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    starts = ends - counts  # queued before the read below: less for the GPU to wait on after it
-    k = int(ends[-1])  # one device-to-host read: the output's size
-    index = torch.empty(k, dtype=torch.int64, device=device)
-    out = torch.empty(k, dtype=current.dtype, device=device) if values else None
-    if k:
-        mod.gather_staged_kernel[(blocks,)](current, bits, counts, starts, local, staged, index,
-                                            index if out is None else out, BLOCK=BLOCK, CAP=STAGE_CAP, WIDE=wide,
-                                            VALUES=values, num_warps=_NUM_WARPS)
-    return index, out
-
-
-def _encode_by_bits(current: torch.Tensor, base: torch.Tensor,
-                    values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The encode in two passes, the second reading the bits of the first and the changed
-    elements of ``current`` again (by 32-bit words of bits up to :data:`DENSE_FRACTION`
-    changed, by elements above)."""
-    n, device = current.numel(), current.device
-    mod = _module(current)
-    blocks = -(-n // BLOCK)
-    wide = blocks * BLOCK >= 2**31
-    bits = torch.empty(blocks * (BLOCK // 8), dtype=torch.uint8, device=device)
-    counts = torch.empty(blocks, dtype=torch.int32, device=device)
-    mod.flag_kernel[(blocks,)](current, base, bits, counts, n, BLOCK=BLOCK, WIDE=wide, num_warps=_NUM_WARPS)
-    ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    starts = ends - counts
-    k = int(ends[-1])
-    index = torch.empty(k, dtype=torch.int64, device=device)
-    out = torch.empty(k, dtype=current.dtype, device=device) if values else None
-    if k and k <= n * DENSE_FRACTION:
-        mod.compact_sparse_kernel[(blocks,)](current, bits.view(torch.int32), starts, index,
-                                             index if out is None else out, BLOCK=BLOCK, WIDE=wide, VALUES=values,
-                                             num_warps=_SPARSE_WARPS)
+    run = _EncodeRun(current, values)
+    if _form == "staged":
+        local = torch.empty(run.blocks * STAGE_CAP, dtype=torch.int16, device=current.device)
+        staged = torch.empty(run.blocks * STAGE_CAP, dtype=current.dtype, device=current.device) if values else local
+        run.launch("stage_kernel", current, base, run.bits, run.counts, local, staged, run.n, CAP=STAGE_CAP,
+                   VALUES=values)
+        index, out, starts = run.outputs()
+        if index.numel():
+            run.launch("gather_staged_kernel", current, run.bits, run.counts, starts, local, staged, index,
+                       index if out is None else out, CAP=STAGE_CAP, VALUES=values)
+        return index, out
+    run.launch("flag_kernel", current, base, run.bits, run.counts, run.n)
+    index, out, starts = run.outputs()
+    k = index.numel()
+    if k and k <= run.n * DENSE_FRACTION:
+        run.launch("compact_sparse_kernel", current, run.bits.view(torch.int32), starts, index,
+                   index if out is None else out, VALUES=values, num_warps=_SPARSE_WARPS)
     elif k:
-        mod.compact_dense_kernel[(blocks,)](current, bits, starts, index, index if out is None else out, BLOCK=BLOCK,
-                                            WIDE=wide, VALUES=values, num_warps=_NUM_WARPS)
+        run.launch("compact_dense_kernel", current, run.bits, starts, index, index if out is None else out,
+                   VALUES=values)
     return index, out
+
+
+class _EncodeRun:
+    """One encode's blocks, its per-block counts and bits, and its launches. Both forms run
+    two launches around an exclusive scan of the counts: "bits" (the first pass writes a
+    bit per element, the second compacts from them, reading the changed elements of
+    ``current`` again: by 32-bit words of bits up to :data:`DENSE_FRACTION` changed, by
+    elements above) and "staged" (each block compacts its changes into :data:`STAGE_CAP`
+    slots of its own while comparing; the second pass moves the slots, a block over its
+    cap being compacted from its bits)."""
+
+    def __init__(self, current: torch.Tensor, values: bool) -> None:
+        self.current, self.values = current, values
+        self.n = current.numel()
+        self.blocks = -(-self.n // BLOCK)
+        self.wide = self.blocks * BLOCK >= 2**31
+        self.mod = _module(current)
+        self.bits = torch.empty(self.blocks * (BLOCK // 8), dtype=torch.uint8, device=current.device)
+        self.counts = torch.empty(self.blocks, dtype=torch.int32, device=current.device)
+
+    def launch(self, kernel: str, *args, num_warps: int = _NUM_WARPS, **constants) -> None:
+        """``kernel`` over every block."""
+        getattr(self.mod, kernel)[(self.blocks,)](*args, BLOCK=BLOCK, WIDE=self.wide, num_warps=num_warps,
+                                                  **constants)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(index, values or None, each block's first slot), sized by the counts."""
+        ends = torch.cumsum(self.counts, 0, dtype=torch.int64)
+        starts = ends - self.counts  # queued before the read below: less for the GPU to wait on after it
+        k = int(ends[-1])  # one device-to-host read: the output's size
+        index = torch.empty(k, dtype=torch.int64, device=self.current.device)
+        out = torch.empty(k, dtype=self.current.dtype, device=self.current.device) if self.values else None
+        return index, out, starts
 
 
 def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
