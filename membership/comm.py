@@ -45,11 +45,12 @@ from elastic_refit.membership.rendezvous import (
     GLOO_PASSIVE_CONNECT_FACTOR,
     GlooRendezvousStore,
     arrive,
+    confirm_built,
 )
 from elastic_refit.membership.store import EtcdStore
 from elastic_refit.membership.view import MembershipView, diff
 
-from elastic_refit.errors import brief, drop_frames
+from elastic_refit.errors import drop_frames
 from elastic_refit.log import get_logger
 from elastic_refit.transport.factory import (
     gloo_group,
@@ -409,28 +410,11 @@ class CommunicatorManager:
                             pg, store, self.device, path, pg_store=pg_store)
 
     def _built(self, view: MembershipView, *, ok: bool) -> None:
-        """After this rank's gloo connect: say so, and (when it succeeded) wait until every
-        rank of the epoch is through its own, before anyone may tear the group down.
-
-        A rank that finished gloo's connectFullMesh and moved on to a newer epoch at once
-        (aborting the group) stranded a peer still inside it: gloo's connect retries a
-        vanished listener for ~15 s, past the timeout it was given and uncancellable, and
-        every later epoch's rendezvous waited for that peer (restart<ttl and restart+kill
-        trials recovered in 15.3-15.6 s, 2026-12-02/03). The wait is bounded by the
-        transport timeout and given up once a newer epoch dropped a participant (it will
-        never say it is through); a rank whose connect failed says so too ("0"), so nobody
-        waits for it. Past this point the group is complete on every rank."""
+        """After this rank's gloo connect: :func:`confirm_built`, its waits bounded by the
+        transport timeout and given up once a newer epoch dropped a participant."""
         stranded = self._stranded(view)
-        store = self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded,
-                            timeout_s=self.transport_timeout_s)
-        keys = [f"built/{m.member_id}/{m.incarnation}" for m in view.members]
-        try:
-            store.set(keys[view.rank_of(self.member_id)], "1" if ok else "0")
-            if ok:
-                store.wait(keys)
-        except Exception as exc:  # the group itself is fine: peers that never finish re-form later
-            self.log.warning("comm.build.unconfirmed", epoch=view.epoch, error=brief(exc)
-                             if str(exc) else type(exc).__name__)
+        confirm_built(self._store(view, f"comm-{self.backend}", cancellable=stranded is not None, cancel=stranded,
+                                  timeout_s=self.transport_timeout_s), view, self.member_id, ok=ok, log=self.log)
 
     def _build_nccl4py(self, view: MembershipView, rank: int):
         """Past the arrival barrier: NCCL's bootstrap starts (rank 0's root thread, every

@@ -1,18 +1,23 @@
-"""An epoch's rendezvous before a communicator is built: the arrival barrier every rank
-passes first (``arrived/{member}/{incarnation}`` in the epoch's store), and the store gloo's
-connect reads its peers' addresses from.
+"""An epoch's rendezvous around a communicator's build: the arrival barrier every rank
+passes first (``arrived/{member}/{incarnation}`` in the epoch's store), the store gloo's
+connect reads its peers' addresses from, and the confirmation after gloo's connect
+(``built/{member}/{incarnation}``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from typing import Any
 
 from elastic_refit.membership.client import Compare, Delete, EtcdClient
 from elastic_refit.membership.errors import StoreTimeout
 from elastic_refit.membership.store import EtcdStore
+from elastic_refit.membership.view import MembershipView
 
-__all__ = ["GLOO_PASSIVE_CONNECT_FACTOR", "GlooRendezvousStore", "arrive", "barrier_complete"]
+from elastic_refit.errors import brief
+
+__all__ = ["GLOO_PASSIVE_CONNECT_FACTOR", "GlooRendezvousStore", "arrive", "barrier_complete", "confirm_built"]
 
 # gloo's connect (torch 2.13 and 2.11) waits for a peer that is to connect to it (the passive
 # side of a pair) five times its context timeout, whatever that peer does meanwhile: measured
@@ -70,3 +75,25 @@ def barrier_complete(client: EtcdClient, store: EtcdStore, keys: list[str], *, l
     res = client.txn([Compare(store._k(k), "create", ">", 0) for k in keys], [],
                      [Delete(store._k(leave))] if leave is not None else [])
     return res.succeeded
+
+
+def confirm_built(store: EtcdStore, view: MembershipView, member_id: str, *, ok: bool, log: Any) -> None:
+    """After this rank's gloo connect: say so in ``store`` (the epoch's, its waits bounded by
+    the transport timeout and given up once a newer epoch dropped a participant) and, when
+    it succeeded, wait until every rank of the epoch is through its own, before anyone may
+    tear the group down.
+
+    A rank that finished gloo's connectFullMesh and moved on to a newer epoch at once
+    (aborting the group) stranded a peer still inside it: gloo's connect retries a vanished
+    listener for ~15 s, past the timeout it was given and uncancellable, and every later
+    epoch's rendezvous waited for that peer (restart<ttl and restart+kill trials recovered
+    in 15.3-15.6 s, 2026-12-02/03). A rank whose connect failed says so too ("0"), so nobody
+    waits for it. Past this point the group is complete on every rank; a wait that fails is
+    logged (``comm.build.unconfirmed``), the group itself is fine."""
+    keys = [f"built/{m.member_id}/{m.incarnation}" for m in view.members]
+    try:
+        store.set(keys[view.rank_of(member_id)], "1" if ok else "0")
+        if ok:
+            store.wait(keys)
+    except Exception as exc:  # peers that never finish re-form later
+        log.warning("comm.build.unconfirmed", epoch=view.epoch, error=brief(exc) if str(exc) else type(exc).__name__)
