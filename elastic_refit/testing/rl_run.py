@@ -30,7 +30,8 @@ def _env(config: RLStepConfig, slot: int) -> dict[str, str]:
     if config.device == "cuda":
         from elastic_refit.testing.processes import nccl_rank_env
 
-        env = {**nccl_rank_env(slot), **env}
+        # NCCL's threads by name in the engines' CPU samples (its proxy, socket helpers).
+        env = {**nccl_rank_env(slot), "NCCL_SET_THREAD_NAME": "1", **env}
     return env
 
 
