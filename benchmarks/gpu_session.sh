@@ -13,6 +13,8 @@
 #                                             # (WAVE_STEPS picks; *_mps steps run under an MPS daemon)
 #   bash benchmarks/gpu_session.sh all        # the whole GPU suite in parallel lanes, then kernels,
 #                                             # lifecycle and churn benchmarks: one table, < 10 min
+#   bash benchmarks/gpu_session.sh chaos      # issue 39's recovery cells: kill x30 and kill+kill x10 on nccl4py,
+#                                             # kill x8 on torch's NCCL groups (their shrink), ~7 min
 # Logs and JSON land in $OUT. .gpu-extras/ comes from ../shared/tools/gpu-extras/prepare.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -165,10 +167,35 @@ case "${1:-}" in
         delta_profile_mps)  # where a delta refit's time goes op by op (torch.profiler per rank), under MPS
           with_mps step $name "${WAVE_DELTA_MPS_S:-90}" python3 benchmarks/profile_delta.py --device cuda \
             --out "$OUT/delta_profile" ;;
+        churn_debug)  # 4-rank churn with NCCL's INIT/P2P/NET log, timestamped (where a first refit's excess goes)
+          TZ=UTC NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,NET NCCL_DEBUG_TIMESTAMP_LEVELS=ALL \
+            NCCL_DEBUG_TIMESTAMP_FORMAT="[%T.%6f] " NCCL_DEBUG_FILE="$OUT/nccl.%h.%p.log" \
+            step $name "${WAVE_CHURN_S:-60}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py --ranks 4 --json ;;
+        codec)  # the delta encode's forms part by part, then the codec against a copy
+          step sweep "${WAVE_SWEEP_S:-80}" python3 benchmarks/sweep_delta_encode.py --densities 0.015 0.037 0.095 \
+            --blocks 4096 --warps 4 8
+          step $name "${WAVE_CODEC_S:-60}" python3 benchmarks/bench_delta.py --device cuda --codec-only \
+            --codec-mib 256,2048 ;;
         *) echo "wave: unknown step $name" >&2 ;;
       esac
     done
     for f in $steps; do echo "== $f"; grep -v -E "^\s*$" "$OUT/$f.txt" | tail -25; done ;;
+  chaos)  # issue 39: the must-show's kill cells on nccl4py, then torch's NCCL groups (shrink through
+          # the etcd store's clone); each cell's trials kept as a tarball, one summary line each
+    env_ready
+    cell() {  # NAME SECONDS ARGS...: one chaos run, its JSON, stderr and kept trials
+      local name=$1 secs=$2 t; shift 2; t=$(date +%s); rm -rf /tmp/elastic-refit-chaos-*
+      timeout -k 10 "$secs" python3 -m elastic_refit.cli chaos --matrix full --seed 31 --keep-logs \
+        --results "$OUT/$name.jsonl" --json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+      echo "$name rc $? $(( $(date +%s) - t ))s"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('passed', 'trials', \
+'recovery_p50_s', 'recovery_p99_s', 'recovery_max_s', 'torn', 'lost', 'hung', 'leaked')})" "$OUT/$name.json" \
+        2>/dev/null || tail -3 "$OUT/$name.err"
+      tar czf "$OUT/trials_$name.tgz" /tmp/elastic-refit-chaos-* 2>/dev/null; rm -rf /tmp/elastic-refit-chaos-*
+    }
+    cell kill "${CHAOS_KILL_S:-260}" --faults kill --trials "${CHAOS_KILL_TRIALS:-30}" --backend nccl4py
+    cell kill_kill "${CHAOS_KK_S:-140}" --faults kill+kill --trials "${CHAOS_KK_TRIALS:-10}" --backend nccl4py
+    cell torch_kill "${CHAOS_TORCH_S:-120}" --faults kill --trials "${CHAOS_TORCH_TRIALS:-8}" --backend nccl ;;
   kernels)  # issue 39: pack/unpack against a plain copy, eager
     env_ready
     timeout "${KERNELS_TIMEOUT:-120}" python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -40 ;;
@@ -213,5 +240,5 @@ case "${1:-}" in
     for name in runtime rest; do grep -E "^(FAILED|ERROR)|slowest|^[0-9.]+s (call|setup|teardown)" "$OUT/$name.log" \
       | head -30 > "$OUT/$name.summary"; done
     python3 benchmarks/gpu_all_table.py "$OUT" --total-s "$(( $(date +%s) - t_all ))" | tee "$OUT/all_table.md" ;;
-  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | wave | kernels | all" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | part K | check | measure | tests [pytest args] | bench | churn | digest | final | colocated | wave | chaos | kernels | all" >&2; exit 2 ;;
 esac
