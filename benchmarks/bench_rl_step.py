@@ -62,6 +62,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="sync-gather,sync-reshard,async-staged")
     p.add_argument("--kill-at", type=int, default=4, help="async step whose refit loses the last engine (0: none)")
     p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--gil-profiler", default=None, metavar="PY_SPY",
+                   help="py-spy's path: sample which threads of engine i0 hold its GIL in the async mode")
     return p.parse_args(argv)
 
 
@@ -113,6 +115,16 @@ def render(summary: dict) -> str:
             lines.append(f"{mode} engines' CPU, cores in refits / idle (host {cpu['host_cores']} cores, busy "
                          + " / ".join("-" if b is None else f"{b:.0%}" for b in busy) + "): "
                          + ", ".join(f"{n} {a:.2f}/{b:.2f}" for n, a, b in cpu["top"]))
+        gil = m.get("gil") or {}
+        if gil.get("seconds_by_thread"):
+            held = sorted(gil["seconds_by_thread"].items(), key=lambda kv: -kv[1])[:6]
+            share = gil["runtime_over_refit"]
+            lines.append(f"{mode} engine i0's GIL, seconds held over {gil['sampled_s']:.1f} s sampled ("
+                         f"{gil['refit_s']:.1f} s of refits; the runtime's threads <= "
+                         f"{'-' if share is None else f'{share:.0%}'} of refit time): "
+                         + ", ".join(f"{n} {s:.2f}" for n, s in held))
+        elif gil.get("error"):
+            lines.append(f"{mode} engine i0's GIL: not sampled ({gil['error']})")
     kill = summary.get("kill")
     if kill:
         lines.append(f"kill {kill['member']} during the async refit of v{kill['after_step']}: next commit "
@@ -135,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     try:
         config = _config(args, server.endpoint)
-        summary = run_rl(config, timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        summary = run_rl(config, timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                         gil_profiler=args.gil_profiler)
     finally:
         server.stop()
     summary["config"] = {k: getattr(config, k) for k in ("device", "backend", "dtype", "num_trainers", "num_inference",

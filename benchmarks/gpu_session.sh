@@ -126,6 +126,7 @@ case "${1:-}" in
         # (every step has its own deadline, WAVE_*_S overrides them; logs and JSON in $OUT)
     env_ready
     export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_wave.jsonl"
+    PYSPY=$(command -v py-spy || true)
     step() {  # NAME SECONDS COMMAND...: stdout to NAME.txt, stderr to NAME.err, exit code and seconds to NAME.rc
       local name=$1 secs=$2 t; shift 2; t=$(date +%s)
       timeout -k 10 "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
@@ -152,8 +153,10 @@ case "${1:-}" in
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
+          # py-spy (a wheel in .gpu-extras/whl, installed by setup) samples engine i0's GIL when present
           with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
-            --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
+            --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged \
+            ${PYSPY:+--gil-profiler "$PYSPY"} ;;
         rl_mps_ctas)  # rl_mps with the runtime's communicators capped at WAVE_RL_MAX_CTAS CTAs (default 2)
           ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" with_mps step $name "${WAVE_RL_S:-150}" \
             python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps_ctas" --device cuda --backend nccl4py \

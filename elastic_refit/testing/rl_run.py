@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic_refit.testing.gil_sampler import GilSampler
 from elastic_refit.testing.rl_step import RLStepConfig, member_main
 
 __all__ = ["run_rl", "summarize"]
@@ -61,9 +62,11 @@ class _Records:
         return new
 
 
-def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
-           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the loop end to end; returns the summary (``summarize``) with ``errors``."""
+def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
+           gil_profiler: str | None = None) -> dict[str, Any]:
+    """Run the loop end to end; returns the summary (``summarize``) with ``errors``.
+    ``gil_profiler``: py-spy's path, to sample which threads of engine i0 hold its GIL in
+    the asynchronous mode (the summary's ``gil``)."""
     say = progress or (lambda _m: None)
     os.makedirs(config.log_dir, exist_ok=True)
     os.makedirs(config.run_dir, exist_ok=True)
@@ -77,6 +80,7 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
 
     records, errors, trained = _Records(config.run_dir), [], {mode: set() for mode in config.modes}
     kill: dict[str, Any] = {}
+    gil: GilSampler | None = None
     t0 = time.time()
     try:
         for r in range(config.num_trainers):
@@ -91,6 +95,9 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
                     errors.append(f"{rec['member']}: {rec['error']}\n{rec.get('traceback', '')}")
                 elif rec["kind"] == "trained":
                     trained[rec["mode"]].add(rec["member"])
+                elif rec["kind"] == "joined" and rec["member"] == "i0" and gil_profiler and gil is None:
+                    gil = GilSampler(gil_profiler, procs["i0"].pid, os.path.join(config.run_dir, "gil-i0.txt"),
+                                     duration_s=timeout_s)
                 elif rec["kind"] == "served" and "-R-" in rec["incarnation"]:
                     kill["served"] = True
                 elif (rec["kind"] == "step" and rec["mode"] == "async-staged" and rec["member"] == "t0"
@@ -123,6 +130,10 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0,
               if p.exitcode not in (0, None) and k != kill.get("member")]
     if failed and not errors:
         errors.append("process(es) failed: " + ", ".join(failed))
+    if gil is not None:  # the engine is gone: py-spy has stopped too
+        held, error = gil.result()
+        records.all.append({"kind": "gil", "mode": "async-staged", "member": "i0", "started": gil.started,
+                            "seconds_by_thread": held, "error": error})
     summary = summarize(config, records.all, kill)
     summary.update(errors=errors, wall_s=time.time() - t0)
     return summary
@@ -161,7 +172,7 @@ def summarize(config: RLStepConfig, records: list[dict[str, Any]], kill: dict[st
         mine = [r for r in records if r.get("mode") == mode]
         out["modes"][mode] = {"steps": _steps(config, mode, mine), "verified": _verified(mine),
                               "throughput": _throughput(mode, mine, recovery if mode == "async-staged" else None),
-                              "cpu": _cpu(mode, mine)}
+                              "cpu": _cpu(mode, mine), "gil": _gil(mode, mine)}
     return out
 
 
@@ -272,6 +283,26 @@ def _cpu(mode: str, recs: list[dict[str, Any]], top: int = 6) -> dict[str, Any]:
     out["top"] = [(n, cores, out["idle"].get("threads", {}).get(n, 0.0)) for n, cores in ranked]
     out["host_cores"] = samples[-1].get("host_cores")
     return out
+
+
+def _gil(mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Engine i0's GIL (``testing.gil_sampler``): the seconds each thread held it while
+    sampled, and the refit windows' seconds in that time. The runtime's threads' seconds
+    over the refits' bound the share of refit time in which they held it (all of their
+    holding falls in refits at most)."""
+    found = [r for r in recs if r["kind"] == "gil"]
+    if not found:
+        return {}
+    rec = found[-1]
+    if not rec["seconds_by_thread"]:
+        return {"error": rec["error"]}
+    mine = [r for r in recs if r.get("member") == "i0" and "t" in r]  # its own records (the gil one has no time)
+    begin, end = rec["started"], max(r["t"] for r in mine)
+    refit_s = sum(b - a for a, b in _merged(_windows(mode, mine), begin, end))
+    held = rec["seconds_by_thread"]
+    runtime = sum(s for n, s in held.items() if n not in ("MainThread", "cpu-sampler"))
+    return {"sampled_s": end - begin, "refit_s": refit_s, "seconds_by_thread": held,
+            "runtime_over_refit": runtime / refit_s if refit_s > 0 else None}
 
 
 def _verified(recs: list[dict[str, Any]]) -> dict[str, Any]:

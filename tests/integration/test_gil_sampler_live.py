@@ -1,0 +1,46 @@
+"""py-spy sampling a real process's GIL (``testing.gil_sampler``): a thread that holds it is
+measured, one that sleeps is not. Skipped without py-spy, or where ptrace is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elastic_refit.testing.gil_sampler import GilSampler
+
+
+def _pyspy() -> str | None:
+    return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="py-spy attaches with ptrace")
+def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_path):
+    pyspy = _pyspy()
+    if pyspy is None:
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+        import threading, time
+        def burn():
+            end = time.time() + 2.5
+            while time.time() < end:
+                sum(range(100))
+        threading.Thread(target=burn, name="burner").start()
+        threading.Thread(target=time.sleep, args=(2.5,), name="sleeper").start()
+        time.sleep(2.6)
+        """)])
+    try:
+        sampler = GilSampler(pyspy, child.pid, str(tmp_path / "gil.txt"), duration_s=2, rate=100)
+        held, error = sampler.result()
+    finally:
+        child.wait(10)
+    if error is not None and ("ermission" in error or "ptrace" in error.lower()):
+        pytest.skip(f"py-spy may not attach here: {error}")
+    assert error is None, error
+    # The burner holds the GIL most of the 2 s sampled; the sleeper never does.
+    assert held.get("burner", 0.0) > 1.0, held
+    assert held.get("sleeper", 0.0) == 0.0, held
