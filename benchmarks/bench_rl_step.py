@@ -18,9 +18,12 @@ Per step: train, refit (the trainer's call), generate (an engine's generate call
 paused (sync: from the end of training until the engines generate again; async: the staged
 switch, ``refit.serving.paused``), step time; per mode the pool's tokens/s while weights
 move into engines against the rest of the run; every served version checked against the
-trainers' bits; the kill's recovery (kill -> next commit, restart -> serving). Writes
-``DIR/summary.json``, ``DIR/trace.json`` (``elastic-refit timeline`` of the members' logs)
-and the logs themselves.
+trainers' bits; the kill's recovery (kill -> next commit, restart -> serving). Where a
+refit's cost to generation goes, in the asynchronous mode: the engines' CPU (the host's busy
+fraction, the cores each thread uses, in refits and out: ``testing.cpu_sampler``) and, with
+``--gil-profiler PY_SPY``, the seconds each thread of engine i0 held its GIL
+(``testing.gil_sampler``). Writes ``DIR/summary.json``, ``DIR/trace.json`` (``elastic-refit
+timeline`` of the members' logs) and the logs themselves.
 """
 
 from __future__ import annotations
