@@ -55,6 +55,7 @@ STAGE_CAP = BLOCK // 8
 # again: measured, H100 and H200) or "staged" (the changes compacted where they are compared:
 # bit-exact through the interpreter, not yet timed on a GPU; it becomes the default once
 # benchmarks/sweep_delta_encode.py, which times both, shows it faster).
+_FORMS = ("bits", "staged")
 _form = os.environ.get("ELASTIC_REFIT_DELTA_ENCODE", "bits")
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
@@ -103,6 +104,8 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     if current.shape != base.shape or current.dtype != base.dtype or current.device != base.device:
         raise ValueError(f"current ({current.dtype}, {current.numel()}, {current.device}) and base "
                          f"({base.dtype}, {base.numel()}, {base.device}) differ in dtype, size or device")
+    if _form not in _FORMS:
+        raise ValueError(f"ELASTIC_REFIT_DELTA_ENCODE must be one of {', '.join(_FORMS)}, got {_form!r}")
     if current.numel() == 0:
         return torch.empty(0, dtype=torch.int64, device=current.device), current[:0].clone() if values else None
     run = _EncodeRun(current, values)
@@ -129,13 +132,8 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
 
 
 class _EncodeRun:
-    """One encode's blocks, its per-block counts and bits, and its launches. Both forms run
-    two launches around an exclusive scan of the counts: "bits" (the first pass writes a
-    bit per element, the second compacts from them, reading the changed elements of
-    ``current`` again: by 32-bit words of bits up to :data:`DENSE_FRACTION` changed, by
-    elements above) and "staged" (each block compacts its changes into :data:`STAGE_CAP`
-    slots of its own while comparing; the second pass moves the slots, a block over its
-    cap being compacted from its bits)."""
+    """One encode's blocks, its per-block counts and bits, its launches and its outputs
+    (either form: see the module)."""
 
     def __init__(self, current: torch.Tensor, values: bool) -> None:
         self.current, self.values = current, values
