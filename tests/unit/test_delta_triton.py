@@ -47,13 +47,6 @@ def test_encode_and_scatter_equal_the_reference(dtype, n, density, form):
     assert_encode_and_scatter_match_torch(*_pair(n, dtype, density, n))
 
 
-def test_an_unknown_encode_form_is_refused_by_its_variable(monkeypatch):
-    monkeypatch.setattr(delta_triton, "_form", "fused")
-    one = torch.zeros(4, dtype=torch.int16)
-    with pytest.raises(ValueError, match="ELASTIC_REFIT_DELTA_ENCODE must be one of bits, staged, got 'fused'"):
-        delta_triton.encode_changes(one, one)
-
-
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int64])
 def test_staged_blocks_at_over_and_under_their_cap_mix(dtype, monkeypatch):
     """Blocks with exactly STAGE_CAP changes (staged), one more (compacted from bits) and
