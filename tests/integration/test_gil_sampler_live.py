@@ -31,9 +31,11 @@ def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_
                 sum(range(100))
         threading.Thread(target=burn, name="burner").start()
         threading.Thread(target=time.sleep, args=(2.5,), name="sleeper").start()
+        print("ready", flush=True)
         time.sleep(2.6)
-        """)])
+        """)], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline().strip() == "ready"  # py-spy needs the interpreter up to attach
         sampler = GilSampler(pyspy, child.pid, str(tmp_path / "gil.txt"), duration_s=2, rate=100)
         held, error = sampler.result()
     finally:
