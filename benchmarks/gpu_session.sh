@@ -157,6 +157,10 @@ case "${1:-}" in
           with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
             --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged \
             ${PYSPY:+--gil-profiler "$PYSPY"} ;;
+        rl_mps_poll0)  # rl_mps with the constant 0.5 ms poll of before (beside rl_mps: what the backoff buys)
+          ELASTIC_REFIT_NCCL_POLL_MAX_S=0.0005 with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py \
+            --out "$OUT/rl_mps_poll0" --device cuda --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 \
+            --new-tokens 48 --modes async-staged ${PYSPY:+--gil-profiler "$PYSPY"} ;;
         rl_mps_ctas)  # rl_mps with the runtime's communicators capped at WAVE_RL_MAX_CTAS CTAs (default 2)
           ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" with_mps step $name "${WAVE_RL_S:-150}" \
             python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps_ctas" --device cuda --backend nccl4py \

@@ -37,11 +37,18 @@ from elastic_refit.transport.protocol import (
     first_line,
 )
 
-__all__ = ["GROW_ID_KEY", "MAX_CTAS_ENV", "Nccl4pySupport", "NcclTransport", "grow_communicator", "init_communicator",
-           "max_ctas", "nccl_call", "nccl_config", "parent_state", "probe_nccl4py", "quiesce", "settle", "settle_child",
-           "shrink_communicator"]
+__all__ = ["GROW_ID_KEY", "MAX_CTAS_ENV", "POLL_MAX_ENV", "Nccl4pySupport", "NcclTransport", "grow_communicator",
+           "init_communicator", "max_ctas", "nccl_call", "nccl_config", "parent_state", "poll_delay", "poll_max_s",
+           "probe_nccl4py", "quiesce", "settle", "settle_child", "shrink_communicator"]
 
 _POLL_S = 0.0005
+# A transfer's wait polls every _POLL_S at first, then every twentieth of what it has waited,
+# up to ELASTIC_REFIT_NCCL_POLL_MAX_S (default 2 ms): a long wait (bytes trickling in over
+# sockets) wakes its thread, and takes the GIL from the engine's generation beside it, a few
+# hundred times a second instead of two thousand, and notices its event at most 5% (or the
+# cap) late. The cap at _POLL_S is the constant poll of before.
+POLL_MAX_ENV = "ELASTIC_REFIT_NCCL_POLL_MAX_S"
+_POLL_FRACTION = 0.05
 _CANCEL_CHECK_S = 0.02  # cancel() may read shared state; the poll itself stays tight
 
 
@@ -299,6 +306,26 @@ def max_ctas(environ: Mapping[str, str]) -> int | None:
     return value
 
 
+def poll_max_s(environ: Mapping[str, str]) -> float:
+    """The longest a transfer's wait sleeps between polls, from ``environ`` (``POLL_MAX_ENV``,
+    seconds, 0.0005-0.05; unset or empty: 0.002)."""
+    text = environ.get(POLL_MAX_ENV, "").strip()
+    if not text:
+        return 0.002
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not _POLL_S <= value <= 0.05:
+        raise ValueError(f"{POLL_MAX_ENV} must be seconds from {_POLL_S} to 0.05, got {text!r}")
+    return value
+
+
+def poll_delay(waited_s: float, max_s: float) -> float:
+    """How long a wait that has lasted ``waited_s`` sleeps before it polls again (pure)."""
+    return min(max_s, max(_POLL_S, waited_s * _POLL_FRACTION))
+
+
 def nccl_config() -> Any:
     """Non-blocking: init, shrink and grow return at once and are settled by polling, so a
     peer that dies mid-way ends in a timeout or an error, never a hang. Capped at
@@ -335,6 +362,7 @@ class NcclTransport(TransportBase):
                                                         can_grow=can_grow), timeout_s)
         self.comm = comm
         self.stream = torch.cuda.Stream(device=device)
+        self._poll_max_s = poll_max_s(os.environ)
 
     @classmethod
     def create(cls, store: Any, rank: int, world_size: int, *, timeout_s: float = 30.0,
@@ -378,7 +406,8 @@ class NcclTransport(TransportBase):
         return (posted,) * len(ops)  # NCCL completes a group as a whole
 
     def wait(self, work: _Posted, peer: int, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         in_progress = _in_progress_code()
         while not work.event.query():
             if self._aborted:  # by this rank's fault handling, or an epoch that dropped a peer
@@ -394,7 +423,7 @@ class NcclTransport(TransportBase):
                 self.abort()
                 raise TransportAborted(f"rank {self.rank}: {what} with rank {peer} not done within "
                                        f"{self.timeout_s} s", rank=self.rank, peer=peer, phase=what)
-            time.sleep(_POLL_S)
+            time.sleep(poll_delay(time.monotonic() - started, self._poll_max_s))
         # Later work on the caller's stream (unpacking) sees the received bytes.
         torch.cuda.current_stream(self.device).wait_event(work.event)
 
