@@ -127,6 +127,12 @@ case "${1:-}" in
     env_ready
     export ELASTIC_REFIT_CHAOS_RESULTS="$OUT/chaos_wave.jsonl"
     PYSPY=$(command -v py-spy || true)
+    rl_async() {  # the RL step's async mode under MPS into $OUT/$name; py-spy (a wheel in .gpu-extras/whl,
+                  # installed by setup) samples engine i0's GIL when present
+      with_mps step "$name" "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/$name" --device cuda \
+        --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged \
+        ${PYSPY:+--gil-profiler "$PYSPY"}
+    }
     step() {  # NAME SECONDS COMMAND...: stdout to NAME.txt, stderr to NAME.err, exit code and seconds to NAME.rc
       local name=$1 secs=$2 t; shift 2; t=$(date +%s)
       timeout -k 10 "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
@@ -153,18 +159,11 @@ case "${1:-}" in
         rl) step $name "${WAVE_RL_S:-220}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl" --device cuda \
           --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 3 --new-tokens 48 ;;
         rl_mps)  # the async mode with the processes' kernels side by side (MPS), as on GPUs of their own
-          # py-spy (a wheel in .gpu-extras/whl, installed by setup) samples engine i0's GIL when present
-          with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps" --device cuda \
-            --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged \
-            ${PYSPY:+--gil-profiler "$PYSPY"} ;;
+          rl_async ;;
         rl_mps_poll0)  # rl_mps with the constant 0.5 ms poll of before (beside rl_mps: what the backoff buys)
-          ELASTIC_REFIT_NCCL_POLL_MAX_S=0.0005 with_mps step $name "${WAVE_RL_S:-150}" python3 benchmarks/bench_rl_step.py \
-            --out "$OUT/rl_mps_poll0" --device cuda --backend nccl4py --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 \
-            --new-tokens 48 --modes async-staged ${PYSPY:+--gil-profiler "$PYSPY"} ;;
+          ELASTIC_REFIT_NCCL_POLL_MAX_S=0.0005 rl_async ;;
         rl_mps_ctas)  # rl_mps with the runtime's communicators capped at WAVE_RL_MAX_CTAS CTAs (default 2)
-          ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" with_mps step $name "${WAVE_RL_S:-150}" \
-            python3 benchmarks/bench_rl_step.py --out "$OUT/rl_mps_ctas" --device cuda --backend nccl4py \
-            --steps "${WAVE_RL_STEPS:-4}" --kill-at 0 --new-tokens 48 --modes async-staged ;;
+          ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" rl_async ;;
         colocated_mps)  # IPC refit (and WAVE_COLOCATED_METHODS) and the copy ceiling, kernels side by side (MPS)
           with_mps step $name "${WAVE_COLOCATED_S:-100}" python3 benchmarks/bench_colocated.py --layers "${WAVE_LAYERS:-8}" \
             --repeat "${WAVE_REPEAT:-3}" --baseline-repeat 1 --methods "${WAVE_COLOCATED_METHODS:-ipc}" ;;
