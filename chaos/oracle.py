@@ -26,7 +26,7 @@ leave, nothing else.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -74,6 +74,9 @@ class TrialEvidence:
     leases: tuple[int, ...] = ()  # etcd leases left after the trial settled
     stray_pids: tuple[int, ...] = ()  # processes that outlived the trial
     final: frozenset[str] = frozenset()  # the latest incarnation of each member (must end well)
+    # Ended without a report while no fault fired in them -> the worker's exit code. They
+    # are among ``victims`` too (gone, so the other checks ask nothing more of them).
+    crashed: Mapping[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.last_version < 1:
@@ -272,6 +275,15 @@ def check_hung(evidence: TrialEvidence) -> list[Violation]:
     return out
 
 
+def check_no_crash(evidence: TrialEvidence) -> list[Violation]:
+    """Only a fault's victim may end without a report: any other process that ended (a
+    segfault in a library's teardown, an ``os._exit``) is an error named with its exit code,
+    never a silent "gone" (its peers would see a death no fault caused)."""
+    return [Violation("error", "crashed", f"{incarnation}: its process ended without a report (exit code "
+                                          f"{code}) and no fault fired in it")
+            for incarnation, code in sorted(evidence.crashed.items())]
+
+
 def check_members(evidence: TrialEvidence) -> list[Violation]:
     """Members no fault touched end without an error; victims end only as a fault allows."""
     out = []
@@ -352,7 +364,7 @@ def check_faults_fired(evidence: TrialEvidence) -> list[Violation]:
 
 CHECKS = (check_epochs, check_one_plan, check_no_stale_epoch, check_bit_exact, check_no_version_lost,
           check_hung, check_members, check_leaks, check_faults_fired, check_no_live_member_fenced,
-          check_stopped_on_wipe)
+          check_stopped_on_wipe, check_no_crash)
 
 
 def recovery_times(evidence: TrialEvidence) -> list[float]:

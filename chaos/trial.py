@@ -80,6 +80,7 @@ class Trial:
         self.latest: dict[str, str] = {}  # member_id -> latest incarnation
         self.reports: dict[str, dict[str, Any]] = {}
         self.died: set[str] = set()
+        self.exit_codes: dict[str, int | None] = {}  # died incarnation -> its worker's exit code
         self.reached: set[str] = set()  # incarnations holding the last version, waiting for stop
         self.victims: set[str] = set()
         # The parent's side of the faults.
@@ -114,7 +115,8 @@ class Trial:
             last_version=self.versions[-1], victims=gone, faults=tuple(read_fault_records(self.trial_dir)),
             expected_faults=len(self.scenario.plan.faults), timed_out=self.timed_out,
             deadline_s=self.deadline_s, missing=missing, leases=leases, stray_pids=self._strays(owned_pids),
-            final=frozenset(self.latest.values()) - gone)
+            final=frozenset(self.latest.values()) - gone,
+            crashed={inc: self.exit_codes.get(inc) for inc in self.died - self.victims})
         return evidence, wall
 
     def _start(self, member_id: str, life: int) -> None:
@@ -193,6 +195,7 @@ class Trial:
         except (EOFError, OSError):
             self.died.add(inc)
             self.pool.drop(w)
+            self.exit_codes[inc] = w.proc.exitcode  # -9 for a fault's SIGKILL, -11 for a crash
         if inc in self.restart_after_exit:
             member_id, life = self.restart_after_exit.pop(inc)
             self._start(member_id, life)

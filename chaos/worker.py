@@ -212,6 +212,9 @@ def worker_main(conn, gpu: bool = False) -> None:
     # A member the runner finds hung gets SIGUSR2: every thread's stack goes to fd 2, which
     # each task points at its member's .stderr file.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    # A fatal signal (a library's segfault or abort) writes every thread's stack there too:
+    # the trial then names the crash with its exit code and the stack says where.
+    faulthandler.enable(all_threads=True)
     # The process's gloo device (one listener, shared by every group: transport.factory) is
     # the worker's from the start, as in a long-lived trainer: a member's groups add none.
     from elastic_refit.transport.factory import gloo_device

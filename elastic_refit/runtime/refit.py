@@ -36,11 +36,7 @@ from elastic_refit.errors import MembershipLost, RefitError, RefitTimeout
 from elastic_refit.kernels import warm_up
 from elastic_refit.layout import Layout, TensorFormats
 from elastic_refit.log import get_logger
-from elastic_refit.membership import (
-    EtcdClient,
-    MemberRecord,
-    Membership,
-)
+from elastic_refit.membership import EtcdClient, MemberRecord, Membership
 from elastic_refit.membership.attempts import AttemptLedger
 from elastic_refit.membership.layouts import LayoutStore
 from elastic_refit.membership.versions import Commit, VersionStore, VersionTracker
@@ -199,7 +195,9 @@ class ElasticRefit:
         membership.on_view(lambda _old, _new: changes.bump())
         membership.on_lost(lambda _reason: changes.bump())  # the agent rejoins at once
         manager = communicator_manager(client, c, membership)
-        self._closers.append(manager.close)
+        # Closed after membership's leave (goodbye, lease revoked): peers see a clean leave
+        # however long NCCL's aborts then take, or if they crash the process.
+        self._closers.insert(self._closers.index(membership.close), manager.close)
         if c.transfer.bind_interface is not None and c.backend != "gloo":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", c.transfer.bind_interface)  # NCCL reads it at init
         return Services(c, client, membership, versions, AttemptLedger(versions), tracker, changes,

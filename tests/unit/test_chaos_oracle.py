@@ -138,6 +138,16 @@ def test_only_victims_may_fail_and_every_fault_must_fire():
     assert ("error", "faults_fired") in categories(replace(e, faults=()))
 
 
+def test_a_process_that_ended_without_a_fault_is_named_with_its_exit_code():
+    # t0 vanished after its last commit (its worker read EOF): gone, so the other checks
+    # excuse it, but the crash itself is the finding, never hidden.
+    e = replace(clean(), victims=frozenset({"i1-L0", "t0-L0"}), crashed={"t0-L0": -11})
+    verdict = check_all(e)
+    assert [(v.category, v.check) for v in verdict.violations] == [("error", "crashed")]
+    assert "t0-L0" in verdict.violations[0].detail and "-11" in verdict.violations[0].detail
+    assert check_all(replace(e, crashed={})).passed
+
+
 def test_log_parsing_skips_cut_lines():
     lines = [json.dumps({"event": "refit.version.committed", "timestamp": "2026-11-29T08:15:16.064Z"}),
              '{"event": "refit.vers', "plain text"]
