@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _triton_backend, delta_triton
+from . import _triton_backend, delta_triton, digests
 from .binding import PackBinding
 from .boxes import MAX_ENTRY_BYTES, BoxRegion, Entry, entries_for, first_box_overlap
 from .reference import cast_copy, copy_reference
@@ -422,7 +422,8 @@ def warm_up(device: torch.device | str, backend: str = "auto", *, deltas: bool =
     run each once, so that a process's first refit does not pay for it: a rank that joins a
     running job would otherwise pay it in its first transfer. The kernel has two variants
     (pack, unpack) for every box, dtype and alignment, so one tiny box warms them all.
-    ``deltas``: the delta kernels too (:func:`delta_triton.warm_up`)."""
+    So is the bucket digest's (``kernels.digests``). ``deltas``: the delta kernels too
+    (:func:`delta_triton.warm_up`)."""
     device = _canonical_device(torch.device(device))
     if deltas:
         delta_triton.warm_up(device)
@@ -432,5 +433,8 @@ def warm_up(device: torch.device | str, backend: str = "auto", *, deltas: bool =
     buf = torch.empty(program.nbytes, dtype=torch.uint8, device=device)
     program.pack([t], buf)
     program.unpack(buf, [t])
+    if digests.usable(device):  # both variants: boxes on whole words, and anywhere
+        digests.BoxDigests([(0, 9), (9, 8)], device)(buf[:17])
+        digests.BoxDigests([(0, 16)], device)(buf[:16])
     if device.type == "cuda":
         torch.cuda.synchronize(device)

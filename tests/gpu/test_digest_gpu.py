@@ -34,3 +34,23 @@ def test_cuda_digest_in_several_steps_equals_one_step(monkeypatch):
     changed = data.clone()
     changed[2 * ROW_BYTES + 7] ^= 0x80
     assert int(digest(changed)) != whole
+
+
+@pytest.mark.parametrize("shift", [0, 3])
+def test_a_bucket_s_digests_in_one_launch_equal_each_box_s(shift):
+    """``kernels.digests.BoxDigests`` compiled: whole-word and byte-packed boxes, partial
+    last words, boxes of many tiles, each equal to the box's own digest."""
+    from elastic_refit.kernels.digests import WORDS, BoxDigests
+
+    sizes = [0, 1, 7, 8, 9, 4096, 8 * WORDS + 3, 5 * 8 * WORDS, (16 << 20) + 5, 24]
+    ranges, position = [], 0
+    for n in sizes:
+        ranges.append((position, n))
+        position += n
+    gen = torch.Generator().manual_seed(shift)
+    data = torch.randint(0, 256, (position + shift,), dtype=torch.uint8, generator=gen).cuda()[shift:]
+    want = torch.stack([digest(data[o : o + n]) for o, n in ranges])
+    assert torch.equal(BoxDigests(ranges, data.device)(data), want)
+    words = [(o - o % 8, n) for o, n in ranges]  # the same sizes on whole words (overlapping: fine)
+    want = torch.stack([digest(data[o : o + n]) for o, n in words])
+    assert torch.equal(BoxDigests(words, data.device)(data), want)

@@ -97,9 +97,24 @@ def assert_bit_exact_with_planned_bytes(results, plan) -> None:
     assert sum(r.value["report"]["local_bytes"] for r in results) == int((t.nbytes * t.instances)[local].sum())
 
 
-def test_verify_mode_checks_every_box():
+def _fused_digests_rank(rank: int, world_size: int, store, *args) -> dict:
+    """``refit_rank`` with every bucket's digests taken by the GPU's one-launch kernel
+    (``kernels.digests``), run by Triton's interpreter on the CPU."""
+    from elastic_refit.kernels import digests
+
+    digests._interpret_cpu = True  # this process only (a forked rank)
+    return refit_rank(rank, world_size, store, *args)
+
+
+DIGEST_FORMS = [pytest.param(refit_rank, id="per-box"),
+                pytest.param(_fused_digests_rank, id="fused", marks=pytest.mark.skipif(
+                    not _triton_backend.HAVE_TRITON, reason="Triton is not installed"))]
+
+
+@pytest.mark.parametrize("rank_fn", DIGEST_FORMS)
+def test_verify_mode_checks_every_box(rank_fn):
     case = CASES["spec-uneven-colocated"]
-    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True)), timeout_s=120)
+    results = run_local_world(rank_fn, _world_size(case), (case, WorkerOptions(verify=True)), timeout_s=120)
     assert all(r.ok and not r.value["problems"] for r in results), [r.error for r in results if not r.ok]
     plan = case.plan()
     received = sum(r.value["report"]["num_verified_boxes"] for r in results)
@@ -153,9 +168,10 @@ def test_a_failing_rank_aborts_every_other_rank(mode):
     assert elapsed < 90
 
 
-def test_corrupted_bytes_are_detected_never_silent():
+@pytest.mark.parametrize("rank_fn", DIGEST_FORMS)
+def test_corrupted_bytes_are_detected_never_silent(rank_fn):
     case = CASES["spec-uneven-colocated"]
-    results = run_local_world(refit_rank, _world_size(case), (case, WorkerOptions(verify=True, timeout_s=10)),
+    results = run_local_world(rank_fn, _world_size(case), (case, WorkerOptions(verify=True, timeout_s=10)),
                               timeout_s=120, per_rank_args=[(CorruptFirstSend(rank=0),)] * _world_size(case))
     kinds = {r.rank: r.error_type for r in results}
     assert not any(r.ok for r in results), kinds
