@@ -2,13 +2,11 @@
 
 Per size and density (int16 runs, uniformly spread changes, as ``bench_delta.py``'s codec
 table): a plain copy, ``delta_triton.encode_changes`` as the codec calls it, and its parts
-timed apart with CUDA events for several block sizes and warp counts, each result checked
-against the torch reference. Two forms: "bits" (the compare-and-flag pass, the scan of the
-block counts, the compaction by 32-bit words or by elements, which reads the changed
-elements again) and "staged" (the compare compacts each block's changes into slots of its
-own while they are in registers; a second pass moves the slots to their places). The sum of
-a form's parts against its whole is what the host read of the output's size costs (the
-launches after it wait for the host).
+timed apart with CUDA events (the compare-and-flag pass, the scan of the block counts, the
+compaction by 32-bit words and by elements) for several block sizes and warp counts, each
+result checked against the torch reference. The sum of the parts (the faster compaction)
+against the whole is what the host read of the output's
+size costs (the launches after it wait for the host).
 
 Run: ``python benchmarks/sweep_delta_encode.py [--mib 256 2048] [--densities 0.015 0.03 0.095] [--json]``
 (CUDA and Triton needed).
@@ -56,37 +54,6 @@ def parts(mod, cur: torch.Tensor, base: torch.Tensor, block: int, warps: int, re
         out[f"{name}_s"] = _seconds(run, repeat)
         out["exact"] = out["exact"] and bool(torch.equal(index, ref) and torch.equal(values, cur[ref]))
     out["parts_s"] = out["flag_s"] + out["scan_s"] + min(out["sparse_s"], out["dense_s"])
-    # The staged form: compare and compact within the block in one pass, then move the slots.
-    cap = block // 8
-    local = torch.empty(blocks * cap, dtype=torch.int16, device=cur.device)
-    staged = torch.empty(blocks * cap, dtype=cur.dtype, device=cur.device)
-
-    def stage():
-        mod.stage_kernel[(blocks,)](cur, base, bits, counts, local, staged, n, BLOCK=block, CAP=cap, WIDE=wide,
-                                    VALUES=True, num_warps=warps)
-
-    out["stage_s"] = _seconds(stage, repeat)
-    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    index.fill_(-1)
-    out["gather_s"] = _seconds(lambda: mod.gather_staged_kernel[(blocks,)](
-        cur, bits, counts, starts, local, staged, index, values, BLOCK=block, CAP=cap, WIDE=wide, VALUES=True,
-        num_warps=warps), repeat)
-    out["exact"] = out["exact"] and bool(torch.equal(index, ref) and torch.equal(values, cur[ref]))
-    out["staged_parts_s"] = out["stage_s"] + out["scan_s"] + out["gather_s"]
-    return out
-
-
-def _whole(cur: torch.Tensor, base: torch.Tensor, repeat: int) -> dict:
-    """Seconds of ``encode_changes`` as the codec calls it, in each form."""
-    from elastic_refit.kernels import delta_triton
-
-    out = {}
-    for form in ("staged", "bits"):
-        previous, delta_triton._form = delta_triton._form, form
-        try:
-            out[f"{form}_encode_s"] = _seconds(lambda: delta_triton.encode_changes(cur, base), repeat)
-        finally:
-            delta_triton._form = previous
     return out
 
 
@@ -106,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     mod = delta_triton._module(torch.empty(1, device="cuda"))
     rows = []
-    print("| MiB | changed | copy ms | staged encode ms (of copy) | bits encode ms (of copy) | block | warps | flag ms "
-          "| scan ms | sparse compact ms | dense compact ms | stage ms | gather ms | bits parts of copy | staged parts "
-          "of copy | exact |")
-    print("|---" * 15 + "|")
+    print("| MiB | changed | copy ms | encode ms (of copy) | block | warps | flag ms | scan ms | sparse compact ms | "
+          "dense compact ms | parts of copy | exact |")
+    print("|---" * 12 + "|")
     for mib in args.mib:
         n = (mib << 20) // 2
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -118,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for density in args.densities:
             cur = base.clone()
             cur[torch.rand(n, device="cuda", generator=g) < density] += 1
-            whole = _whole(cur, base, args.repeat)
+            encode_s = _seconds(lambda c=cur, b=base: delta_triton.encode_changes(c, b), args.repeat)
             # After the encode: a copy timed first in a process runs before the clocks ramp.
             copy_s = _seconds(lambda t=target, b=base: t.copy_(b), args.repeat)
             for block in args.blocks:
@@ -126,16 +92,13 @@ def main(argv: list[str] | None = None) -> int:
                     if block // (32 * warps) < 1:
                         continue
                     r = parts(mod, cur, base, block, warps, args.repeat)
-                    row = {"mib": mib, "density": density, "copy_s": copy_s, **whole, "block": block,
-                           "warps": warps, **r}
+                    row = {"mib": mib, "density": density, "copy_s": copy_s, "encode_s": encode_s,
+                           "block": block, "warps": warps, **r}
                     rows.append(row)
-                    ms = {k: f"{v * 1e3:.3f}" for k, v in row.items() if k.endswith("_s")}
-                    print(f"| {mib} | {density:.1%} | {ms['copy_s']} | {ms['staged_encode_s']} "
-                          f"({copy_s / whole['staged_encode_s']:.2f}) | {ms['bits_encode_s']} "
-                          f"({copy_s / whole['bits_encode_s']:.2f}) | {block} | {warps} | {ms['flag_s']} | "
-                          f"{ms['scan_s']} | {ms['sparse_s']} | {ms['dense_s']} | {ms['stage_s']} | {ms['gather_s']} | "
-                          f"{copy_s / r['parts_s']:.2f} | {copy_s / r['staged_parts_s']:.2f} | {r['exact']} |",
-                          flush=True)
+                    print(f"| {mib} | {density:.1%} | {copy_s * 1e3:.3f} | {encode_s * 1e3:.3f} "
+                          f"({copy_s / encode_s:.2f}) | {block} | {warps} | {r['flag_s'] * 1e3:.3f} | "
+                          f"{r['scan_s'] * 1e3:.3f} | {r['sparse_s'] * 1e3:.3f} | {r['dense_s'] * 1e3:.3f} | "
+                          f"{copy_s / r['parts_s']:.2f} | {r['exact']} |", flush=True)
             cur = None
         base = target = None
         torch.cuda.empty_cache()

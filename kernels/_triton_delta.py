@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-__all__ = ["compact_dense_kernel", "compact_sparse_kernel", "flag_kernel", "gather_many_kernel", "gather_staged_kernel",
-           "scatter_kernel", "scatter_many_kernel", "stage_kernel"]
+__all__ = ["compact_dense_kernel", "compact_sparse_kernel", "flag_kernel", "gather_many_kernel", "scatter_kernel",
+           "scatter_many_kernel"]
 
 if globals().get("_KERNELS_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
@@ -126,75 +126,22 @@ def compact_sparse_kernel(cur_ptr, words_ptr, starts_ptr, index_ptr, values_ptr,
 
 
 @_jit
-def _compact_from_bits(cur_ptr, bits_ptr, slot0, index_ptr, values_ptr, start, BLOCK: tl.constexpr,
-                       VALUES: tl.constexpr):
-    """One block's changed elements from its bits, a lane per element: each reads its
-    element's byte of bits (8 lanes share one), and neighbouring lanes' changes go to
-    neighbouring slots from ``slot0`` on (stores that coalesce)."""
+def compact_dense_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
+                         WIDE: tl.constexpr, VALUES: tl.constexpr):
+    pid = tl.program_id(0)
+    start = _first(pid, BLOCK, WIDE)
     lane = tl.arange(0, BLOCK)
+    # A lane per element: each reads its element's byte of bits (8 lanes share one), and
+    # neighbouring lanes' changes go to neighbouring slots (stores that coalesce).
     byte = tl.load(bits_ptr + (start // 8) + (lane // 8)).to(tl.int32)
     flag = (byte >> (lane % 8)) & 1
     changed = flag != 0
-    slot = slot0 + (_cumsum(flag) - flag).to(tl.int64)
+    slot = tl.load(starts_ptr + pid) + (_cumsum(flag) - flag).to(tl.int64)
     offs = start + lane
     tl.store(index_ptr + slot, offs.to(tl.int64), mask=changed)
     if VALUES:
         value = tl.load(cur_ptr + offs, mask=changed, other=0)
         tl.store(values_ptr + slot, value, mask=changed)
-
-
-@_jit
-def compact_dense_kernel(cur_ptr, bits_ptr, starts_ptr, index_ptr, values_ptr, BLOCK: tl.constexpr,
-                         WIDE: tl.constexpr, VALUES: tl.constexpr):
-    pid = tl.program_id(0)
-    _compact_from_bits(cur_ptr, bits_ptr, tl.load(starts_ptr + pid), index_ptr, values_ptr,
-                       _first(pid, BLOCK, WIDE), BLOCK, VALUES)
-
-
-@_one_variant(sizes=("n",))
-def stage_kernel(cur_ptr, base_ptr, bits_ptr, counts_ptr, local_ptr, staged_ptr, n, BLOCK: tl.constexpr,
-                 CAP: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
-    pid = tl.program_id(0)
-    start = _first(pid, BLOCK, WIDE)
-    lane = tl.arange(0, BLOCK)
-    offs = start + lane
-    inside = offs < n
-    a = tl.load(cur_ptr + offs, mask=inside, other=0)
-    b = tl.load(base_ptr + offs, mask=inside, other=0)
-    flag = (a != b).to(tl.int32)  # lanes past n load 0 and 0: never flagged
-    count = _sum(flag, 0)
-    tl.store(counts_ptr + pid, count)
-    if count <= CAP:
-        # Compacted within the block while the values are in registers: the second pass
-        # moves these few slots, it never reads ``current`` again.
-        at = _first(pid, CAP, WIDE) + (_cumsum(flag) - flag)
-        changed = flag != 0
-        tl.store(local_ptr + at, lane.to(tl.int16), mask=changed)
-        if VALUES:
-            tl.store(staged_ptr + at, a, mask=changed)
-    else:  # too many for its slots: its bits, for the second pass to compact from
-        shifts = tl.arange(0, 8)
-        packed = _sum(tl.reshape(flag, (BLOCK // 8, 8)) << shifts[None, :], 1)
-        tl.store(bits_ptr + _first(pid, BLOCK // 8, WIDE) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
-
-
-@_jit
-def gather_staged_kernel(cur_ptr, bits_ptr, counts_ptr, starts_ptr, local_ptr, staged_ptr, index_ptr, values_ptr,
-                         BLOCK: tl.constexpr, CAP: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
-    pid = tl.program_id(0)
-    count = tl.load(counts_ptr + pid)
-    slot0 = tl.load(starts_ptr + pid)
-    start = _first(pid, BLOCK, WIDE)
-    if count <= CAP:
-        lane = tl.arange(0, CAP)
-        live = lane < count
-        at = _first(pid, CAP, WIDE) + lane
-        local = tl.load(local_ptr + at, mask=live, other=0)
-        tl.store(index_ptr + slot0 + lane, start.to(tl.int64) + local.to(tl.int64), mask=live)
-        if VALUES:
-            tl.store(values_ptr + slot0 + lane, tl.load(staged_ptr + at, mask=live, other=0), mask=live)
-    else:
-        _compact_from_bits(cur_ptr, bits_ptr, slot0, index_ptr, values_ptr, start, BLOCK, VALUES)
 
 
 @_one_variant(sizes=("k",), unaligned=("target_ptr", "index_ptr", "values_ptr"))

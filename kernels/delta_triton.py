@@ -6,16 +6,11 @@ through Triton's interpreter where Triton is installed). :mod:`~elastic_refit.ke
 uses them for CUDA tensors when Triton imports (:func:`usable`), the torch forms otherwise.
 
 - :func:`encode_changes`: indices (int64, ascending) of the elements where ``current`` and
-  ``base`` differ and, optionally, their values in ``current``. Two launches around an
-  exclusive scan of per-block counts (``torch.cumsum``) and one read of the total. The
-  "bits" form (the default: the faster one, measured): one bit per element
-  first, then a compaction that reads the bits and the changed elements' sectors of
-  ``current`` (a lane per 32 elements up to :data:`DENSE_FRACTION` changed, a lane per
-  element above). The "staged" form (``ELASTIC_REFIT_DELTA_ENCODE=staged``): the first
-  pass compares and, while the values are in registers, compacts each block's changes into
-  :data:`STAGE_CAP` slots of its own; the second moves the slots to their places, never
-  reading ``current`` again (a block over its cap leaves its bits instead, compacted from
-  them by a lane per element).
+  ``base`` differ and, optionally, their values in ``current``. Two launches: per block of
+  elements a count and one bit per element (reads both inputs once), then, after an
+  exclusive scan of the counts (``torch.cumsum``), the compaction (reads the bits and only
+  the changed elements' sectors of ``current``; a lane per 32 elements up to
+  :data:`DENSE_FRACTION` changed, a lane per element above).
 - :func:`scatter`: ``target[index] = values`` (the apply), one launch.
 
 Inputs are flat integer views (``int8``/``uint8``, ``int16``, ``int32``, ``int64``: one
@@ -47,17 +42,6 @@ _SPARSE_WARPS = 4  # BLOCK / 32 lanes: one per word of bits
 # copy: by words 0.44 / 0.52 at 1.5% changed, 0.36 / 0.45 at 3.7%, 0.23 / 0.27 at 9.5%; by
 # elements 0.32 / 0.38, 0.32 / 0.37, 0.30 / 0.36 (benchmarks/RESULTS.md, 2026-12-07 fourth).
 DENSE_FRACTION = 0.06
-# Slots per block of the staged encode: blocks with up to this many changes (12.5%) are
-# compacted in the pass that compares. Its scratch is 2 + element-size bytes per slot: a
-# quarter of the compared bytes for BF16.
-STAGE_CAP = BLOCK // 8
-# Which encode runs: "bits" (a pass of bits, then a compaction that reads the changed elements
-# again) or "staged" (the changes compacted where they are compared). Measured on the H100
-# (benchmarks/sweep_delta_encode.py, 2 GiB): the staged pass is compute bound (5.1-5.4 ms
-# against 1.5 ms for the bits pass), whole encode 0.21-0.23 of a copy against 0.35-0.53, so
-# "bits" is the default and "staged" stays opt-in for comparison.
-_FORMS = ("bits", "staged")
-_form = os.environ.get("ELASTIC_REFIT_DELTA_ENCODE", "bits")
 SCATTER_BLOCK = 1024
 _NUM_WARPS = 8
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -105,59 +89,29 @@ def encode_changes(current: torch.Tensor, base: torch.Tensor, *,
     if current.shape != base.shape or current.dtype != base.dtype or current.device != base.device:
         raise ValueError(f"current ({current.dtype}, {current.numel()}, {current.device}) and base "
                          f"({base.dtype}, {base.numel()}, {base.device}) differ in dtype, size or device")
-    if _form not in _FORMS:
-        raise ValueError(f"ELASTIC_REFIT_DELTA_ENCODE must be one of {', '.join(_FORMS)}, got {_form!r}")
-    if current.numel() == 0:
-        return torch.empty(0, dtype=torch.int64, device=current.device), current[:0].clone() if values else None
-    run = _EncodeRun(current, values)
-    if _form == "staged":
-        local = torch.empty(run.blocks * STAGE_CAP, dtype=torch.int16, device=current.device)
-        staged = torch.empty(run.blocks * STAGE_CAP, dtype=current.dtype, device=current.device) if values else local
-        run.launch("stage_kernel", current, base, run.bits, run.counts, local, staged, run.n, CAP=STAGE_CAP,
-                   VALUES=values)
-        index, out, starts = run.outputs()
-        if index.numel():
-            run.launch("gather_staged_kernel", current, run.bits, run.counts, starts, local, staged, index,
-                       index if out is None else out, CAP=STAGE_CAP, VALUES=values)
-        return index, out
-    run.launch("flag_kernel", current, base, run.bits, run.counts, run.n)
-    index, out, starts = run.outputs()
-    k = index.numel()
-    if k and k <= run.n * DENSE_FRACTION:
-        run.launch("compact_sparse_kernel", current, run.bits.view(torch.int32), starts, index,
-                   index if out is None else out, VALUES=values, num_warps=_SPARSE_WARPS)
+    n = current.numel()
+    device = current.device
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=device), current[:0].clone() if values else None
+    mod = _module(current)
+    blocks = -(-n // BLOCK)
+    wide = blocks * BLOCK >= 2**31
+    bits = torch.empty(blocks * (BLOCK // 8), dtype=torch.uint8, device=device)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    mod.flag_kernel[(blocks,)](current, base, bits, counts, n, BLOCK=BLOCK, WIDE=wide, num_warps=_NUM_WARPS)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    starts = ends - counts  # queued before the read below: less for the GPU to wait on after it
+    k = int(ends[-1])  # one device-to-host read: the output's size
+    index = torch.empty(k, dtype=torch.int64, device=device)
+    out = torch.empty(k, dtype=current.dtype, device=device) if values else None
+    if k and k <= n * DENSE_FRACTION:
+        mod.compact_sparse_kernel[(blocks,)](current, bits.view(torch.int32), starts, index,
+                                             index if out is None else out, BLOCK=BLOCK, WIDE=wide, VALUES=values,
+                                             num_warps=_SPARSE_WARPS)
     elif k:
-        run.launch("compact_dense_kernel", current, run.bits, starts, index, index if out is None else out,
-                   VALUES=values)
+        mod.compact_dense_kernel[(blocks,)](current, bits, starts, index, index if out is None else out, BLOCK=BLOCK,
+                                            WIDE=wide, VALUES=values, num_warps=_NUM_WARPS)
     return index, out
-
-
-class _EncodeRun:
-    """One encode's blocks, its per-block counts and bits, its launches and its outputs
-    (either form: see the module)."""
-
-    def __init__(self, current: torch.Tensor, values: bool) -> None:
-        self.current, self.values = current, values
-        self.n = current.numel()
-        self.blocks = -(-self.n // BLOCK)
-        self.wide = self.blocks * BLOCK >= 2**31
-        self.mod = _module(current)
-        self.bits = torch.empty(self.blocks * (BLOCK // 8), dtype=torch.uint8, device=current.device)
-        self.counts = torch.empty(self.blocks, dtype=torch.int32, device=current.device)
-
-    def launch(self, kernel: str, *args, num_warps: int = _NUM_WARPS, **constants) -> None:
-        """``kernel`` over every block."""
-        getattr(self.mod, kernel)[(self.blocks,)](*args, BLOCK=BLOCK, WIDE=self.wide, num_warps=num_warps,
-                                                  **constants)
-
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(index, values or None, each block's first slot), sized by the counts."""
-        ends = torch.cumsum(self.counts, 0, dtype=torch.int64)
-        starts = ends - self.counts  # queued before the read below: less for the GPU to wait on after it
-        k = int(ends[-1])  # one device-to-host read: the output's size
-        index = torch.empty(k, dtype=torch.int64, device=self.current.device)
-        out = torch.empty(k, dtype=self.current.dtype, device=self.current.device) if self.values else None
-        return index, out, starts
 
 
 def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
@@ -249,9 +203,9 @@ def warm_up(device: torch.device | str) -> int:
     for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
         base = torch.zeros(BLOCK + 1, dtype=dtype, device=device)
         sparse = base.clone()
-        sparse[::101] = 1  # under STAGE_CAP and DENSE_FRACTION: staged, or compacted by words
+        sparse[::101] = 1  # under DENSE_FRACTION: the sparse compaction
         cur = base.clone()
-        cur[::7] = 1  # above both: compacted from bits by elements
+        cur[::7] = 1  # above it: the dense one
         for changed in (sparse, cur):  # the dense one's result is scattered and gathered below
             index, values = encode_changes(changed, base)
             encode_changes(changed, base, values=False)  # the positions alone (kernels.delta.changed_elements)

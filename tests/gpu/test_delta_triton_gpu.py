@@ -108,8 +108,8 @@ def _num_compiled() -> int:
     mod = delta_triton._module(torch.zeros(1, device="cuda"))
     device = torch.cuda.current_device()
     return sum(len(getattr(mod, name).device_caches[device][0]) for name in
-               ("flag_kernel", "compact_sparse_kernel", "compact_dense_kernel", "stage_kernel", "gather_staged_kernel",
-                "scatter_kernel", "gather_many_kernel", "scatter_many_kernel"))
+               ("flag_kernel", "compact_sparse_kernel", "compact_dense_kernel", "scatter_kernel", "gather_many_kernel",
+                "scatter_many_kernel"))
 
 
 def test_after_warm_up_no_size_or_offset_compiles_another_variant():

@@ -219,13 +219,3 @@ def test_elements_of_many_buffers_gathered_and_written_back(unit, sizes, density
     write_elements_many(buffers, ref, index, new, unit)
     for got, expected in zip(buffers, want, strict=True):
         assert torch.equal(got, expected)
-
-
-def test_an_unknown_encode_form_is_refused_by_its_variable(monkeypatch):
-    """Checked before any kernel runs (this test needs no Triton)."""
-    from elastic_refit.kernels import delta_triton
-
-    monkeypatch.setattr(delta_triton, "_form", "fused")
-    one = torch.zeros(4, dtype=torch.int16)
-    with pytest.raises(ValueError, match="ELASTIC_REFIT_DELTA_ENCODE must be one of bits, staged, got 'fused'"):
-        delta_triton.encode_changes(one, one)

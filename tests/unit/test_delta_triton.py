@@ -33,32 +33,11 @@ def _pair(n: int, dtype: torch.dtype, density, seed: int) -> tuple[torch.Tensor,
     return cur, base
 
 
-@pytest.fixture(params=["staged", "bits"])
-def form(request, monkeypatch):
-    """Both encodes: changes compacted where they are compared, and by a pass of bits."""
-    monkeypatch.setattr(delta_triton, "_form", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 9, delta_triton.BLOCK, delta_triton.BLOCK + 1, 3 * delta_triton.BLOCK - 5])
 @pytest.mark.parametrize("density", [0.0, "one", 0.03, 1.0])
-def test_encode_and_scatter_equal_the_reference(dtype, n, density, form):
+def test_encode_and_scatter_equal_the_reference(dtype, n, density):
     assert_encode_and_scatter_match_torch(*_pair(n, dtype, density, n))
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int64])
-def test_staged_blocks_at_over_and_under_their_cap_mix(dtype, monkeypatch):
-    """Blocks with exactly STAGE_CAP changes (staged), one more (compacted from bits) and
-    none, side by side in one run: the result is the reference's."""
-    cap, block = delta_triton.STAGE_CAP, delta_triton.BLOCK
-    base = torch.zeros(4 * block + 3, dtype=dtype)
-    cur = base.clone()
-    cur[torch.randperm(block, generator=torch.Generator().manual_seed(1))[:cap]] = 1  # block 0: at the cap
-    cur[block + torch.randperm(block, generator=torch.Generator().manual_seed(2))[: cap + 1]] = 2  # block 1: over
-    cur[3 * block:] = 3  # block 3 all changed, and the short tail block
-    monkeypatch.setattr(delta_triton, "_form", "staged")
-    assert_encode_and_scatter_match_torch(cur, base)
 
 
 def test_bad_inputs_are_value_errors():
