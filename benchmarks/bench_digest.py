@@ -14,6 +14,12 @@ fallback where the compiled form, ``_digest.c``, was not built) beside ``digest`
 takes the compiled form when it was built (``compiled`` in the output says which).
 ``--processes K`` runs K such processes at once (as the ranks of a CPU bench share the
 cores) and reports the aggregate rate of each operation.
+
+``--boxes N`` (CUDA, Triton) times a bucket's checks instead: ``--mib`` MiB cut into N
+boxes of mixed sizes, some off whole words, as a receiver checks them: box by box (a
+digest and a comparison each, what ``BucketIO`` did before ``kernels.digests``) against
+every box in one launch with one comparison (``BoxDigests``), beside a copy of the bytes;
+both give the same digests (checked).
 """
 
 from __future__ import annotations
@@ -93,6 +99,52 @@ def measure(mib: int, repeat: int, device_name: str) -> dict[str, float]:
     return {name: _time(fns[name], device, repeat) for name in operations(device_name)}
 
 
+def measure_bucket(mib: int, num_boxes: int, repeat: int, device_name: str) -> dict[str, float]:
+    """Seconds to check a bucket of ``num_boxes`` boxes, box by box and in one launch."""
+    from elastic_refit.kernels.digests import BoxDigests
+
+    device = torch.device(device_name)
+    gen = torch.Generator().manual_seed(num_boxes)
+    weights = torch.rand(num_boxes, generator=gen) + 0.05
+    sizes = (weights / weights.sum() * (mib << 20)).long().clamp(min=1)
+    sizes[::3] += 3  # a third of the boxes end off a whole word, and the next ones start off one
+    starts = torch.cumsum(sizes, 0) - sizes
+    ranges = list(zip(starts.tolist(), sizes.tolist(), strict=True))
+    data = torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, device=device)
+    fused = BoxDigests(ranges, device)
+    want = fused(data)
+    assert want.tolist() == [int(digest(data[o : o + n])) for o, n in ranges], "the two forms differ"
+    spare = torch.empty_like(data)
+
+    def per_box() -> None:
+        for i, (o, n) in enumerate(ranges):
+            if int(digest(data[o : o + n])) != int(want[i]):
+                raise AssertionError(i)
+
+    def one_launch() -> None:
+        if bool((fused(data) != want).any()):
+            raise AssertionError("mismatch")
+
+    fns = {"per_box": per_box, "one_launch": one_launch, "copy": lambda: spare.copy_(data)}
+    return {name: _time(fn, device, repeat) for name, fn in fns.items()}
+
+
+def _bucket_main(args) -> int:
+    seconds = measure_bucket(args.mib, args.boxes, args.repeat, args.device)
+    out = {"device": args.device, "bytes": args.mib << 20, "boxes": args.boxes, "repeat": args.repeat,
+           **{f"{name}_seconds": s for name, s in seconds.items()},
+           "per_box_vs_one_launch": seconds["per_box"] / seconds["one_launch"]}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    print(f"a bucket of {args.mib} MiB in {args.boxes} boxes on {args.device}, checked; median of {args.repeat}")
+    labels = {"per_box": "box by box (digest, compare)", "one_launch": "one launch (BoxDigests), one compare",
+              "copy": "plain copy"}
+    print(render_table(("operation", "time", "vs copy"), [
+        (labels[k], f"{s * 1e3:.3f} ms", f"{s / seconds['copy']:.2f}x") for k, s in seconds.items()]))
+    return 0
+
+
 def _worker(args: tuple[int, int, str, mp.Queue, mp.Barrier]) -> None:
     mib, repeat, device, queue, barrier = args
     barrier.wait()
@@ -105,8 +157,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--processes", type=int, default=1, help="processes measuring at once (default 1)")
+    parser.add_argument("--boxes", type=int, default=0, help="time a bucket of this many boxes (see above)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.boxes:
+        return _bucket_main(args)
     if args.mib < 1 or args.repeat < 1 or args.processes < 1:
         parser.error("--mib, --repeat and --processes must be >= 1")
     nbytes = args.mib << 20

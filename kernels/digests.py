@@ -12,6 +12,7 @@ its number of boxes, and no synchronisation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,12 +26,19 @@ WORDS = 1024  # 8 KiB of a box per program
 _NUM_WARPS = 4
 # Tests only: run the kernel through Triton's interpreter for CPU tensors too.
 _interpret_cpu = False
+# "per-box" takes a GPU bucket's digests box by box, as before this kernel (benchmarks compare).
+_FORMS = ("one-launch", "per-box")
+_form = os.environ.get("ELASTIC_REFIT_BUCKET_DIGESTS", "one-launch")
 
 
 def usable(device: torch.device) -> bool:
     """Whether :class:`BoxDigests` runs on ``device``: CUDA with Triton installed (a CPU
-    takes its digests with the compiled C loop, box by box, which costs no launches)."""
-    return HAVE_TRITON and (device.type == "cuda" or (_interpret_cpu and device.type == "cpu"))
+    takes its digests with the compiled C loop, box by box, which costs no launches), unless
+    ``ELASTIC_REFIT_BUCKET_DIGESTS=per-box``."""
+    if _form not in _FORMS:
+        raise ValueError(f"ELASTIC_REFIT_BUCKET_DIGESTS must be one of {', '.join(_FORMS)}, got {_form!r}")
+    return _form == "one-launch" and HAVE_TRITON and (
+        device.type == "cuda" or (_interpret_cpu and device.type == "cpu"))
 
 
 class BoxDigests:

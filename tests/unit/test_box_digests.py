@@ -78,3 +78,4 @@ def test_bad_ranges_and_data_are_refused():
         boxes(torch.zeros(16, dtype=torch.int8))
     assert torch.equal(digests.BoxDigests([], "cpu")(torch.zeros(0, dtype=torch.uint8)),
                        torch.zeros(0, dtype=torch.int64))
+

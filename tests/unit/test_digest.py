@@ -242,3 +242,13 @@ def test_runs_outside_the_buffer_are_refused_before_any_read():
         buffers._native.sum_runs(data, np.array([0], dtype=np.int32), 8)
     with pytest.raises(ValueError, match="run_bytes must be >= 0, got -1"):
         buffers._native.sum_runs(data, np.array([0], dtype=np.int64), -1)
+
+
+def test_an_unknown_bucket_digest_form_is_refused_by_name(monkeypatch):
+    from elastic_refit.kernels import digests as box_digests
+
+    monkeypatch.setattr(box_digests, "_form", "fused")
+    with pytest.raises(ValueError, match="ELASTIC_REFIT_BUCKET_DIGESTS must be one of one-launch, per-box, got 'fused'"):
+        box_digests.usable(torch.device("cpu"))
+    monkeypatch.setattr(box_digests, "_form", "per-box")
+    assert not box_digests.usable(torch.device("cpu"))
