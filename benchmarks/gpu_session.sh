@@ -162,6 +162,13 @@ case "${1:-}" in
           rl_async ;;
         rl_mps_poll0)  # rl_mps with the constant 0.5 ms poll of before (beside rl_mps: what the backoff buys)
           ELASTIC_REFIT_NCCL_POLL_MAX_S=0.0005 rl_async ;;
+        rl_mps_perbox)  # rl_mps with each bucket's digests box by box, as before kernels.digests (beside rl_mps)
+          ELASTIC_REFIT_BUCKET_DIGESTS=per-box rl_async ;;
+        digest_boxes)  # a bucket's check box by box against one launch (kernels.digests), beside a copy
+          for boxes in 64 512 4096; do
+            step ${name}_$boxes "${WAVE_DIGEST_S:-40}" python3 benchmarks/bench_digest.py --device cuda --mib 64 \
+              --boxes $boxes --repeat 20
+          done ;;
         rl_mps_ctas)  # rl_mps with the runtime's communicators capped at WAVE_RL_MAX_CTAS CTAs (default 2)
           ELASTIC_REFIT_NCCL_MAX_CTAS="${WAVE_RL_MAX_CTAS:-2}" rl_async ;;
         colocated_mps)  # IPC refit (and WAVE_COLOCATED_METHODS) and the copy ceiling, kernels side by side (MPS)
