@@ -184,6 +184,11 @@ case "${1:-}" in
           TZ=UTC NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,NET NCCL_DEBUG_TIMESTAMP_LEVELS=ALL \
             NCCL_DEBUG_TIMESTAMP_FORMAT="[%T.%6f] " NCCL_DEBUG_FILE="$OUT/nccl.%h.%p.log" \
             step $name "${WAVE_CHURN_S:-60}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py --ranks 4 --json ;;
+        churn4)  # 4-rank churn, connect-ahead at its default 4 MiB per direction (beside churn4_ca64)
+          step $name "${WAVE_CHURN_S:-60}" python3 benchmarks/bench_nccl_churn.py --backend nccl4py --ranks 4 --json ;;
+        churn4_ca64)  # the same with 64 MiB per direction ahead (does a warmer socket path shorten the first refit?)
+          ELASTIC_REFIT_CONNECT_AHEAD_MIB=64 step $name "${WAVE_CHURN_S:-60}" python3 benchmarks/bench_nccl_churn.py \
+            --backend nccl4py --ranks 4 --json ;;
         codec)  # the delta encode's forms part by part, then the codec against a copy
           step sweep "${WAVE_SWEEP_S:-80}" python3 benchmarks/sweep_delta_encode.py --densities 0.015 0.037 0.095 \
             --blocks 4096 --warps 4 8

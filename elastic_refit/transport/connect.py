@@ -11,6 +11,7 @@ on a GPU: ``CONNECT_BYTES_GPU``), then the plan's vote.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from elastic_refit.plan import Plan
 from elastic_refit.transport.protocol import P2POp, Transport
 
-__all__ = ["CONNECT_TAG", "PlanPeers", "connect_ahead", "plan_peers"]
+__all__ = ["CONNECT_TAG", "PlanPeers", "connect_ahead", "connect_bytes", "plan_peers"]
 
 CONNECT_TAG = 0x7E58  # distinct from bucket tags and the vote's
 # What a pair sends ahead on a GPU: one byte travels inline on NCCL's control path (the LL
@@ -28,6 +29,24 @@ CONNECT_TAG = 0x7E58  # distinct from bucket tags and the vote's
 # transport's helper threads and data sockets). A few MiB go through all of it; gloo has
 # no such path (one byte).
 CONNECT_BYTES_GPU = 4 << 20
+
+
+def connect_bytes(device: torch.device) -> int:
+    """What each direction sends ahead on ``device``: one byte on a CPU; on a GPU
+    ``ELASTIC_REFIT_CONNECT_AHEAD_MIB`` MiB where set (1 to 1024; more warms a socket
+    transport's connections further), else :data:`CONNECT_BYTES_GPU`."""
+    if device.type == "cpu":
+        return 1
+    value = os.environ.get("ELASTIC_REFIT_CONNECT_AHEAD_MIB")
+    if value is None:
+        return CONNECT_BYTES_GPU
+    try:
+        mib = int(value)
+    except ValueError:
+        mib = 0
+    if not 1 <= mib <= 1024:
+        raise ValueError(f"ELASTIC_REFIT_CONNECT_AHEAD_MIB must be an integer from 1 to 1024, got {value!r}")
+    return mib << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +72,7 @@ def plan_peers(plan: Plan, rank: int) -> PlanPeers:
 
 
 def connect_ahead(transport: Transport, peers: PlanPeers) -> int:
-    """Send a message (:data:`CONNECT_BYTES_GPU` on a GPU, one byte on a CPU) to every rank
+    """Send a message (:func:`connect_bytes`) to every rank
     of ``peers.send_to`` and receive one from every rank of ``peers.recv_from`` in one
     batch (one NCCL group: no order between pairs to deadlock on), then vote with
     ``peers.participants`` as the refit's own vote does. Every rank of the plan must call
@@ -62,7 +81,7 @@ def connect_ahead(transport: Transport, peers: PlanPeers) -> int:
     transfer."""
     if transport.rank not in peers.participants:
         return 0
-    nbytes = 1 if transport.device.type == "cpu" else CONNECT_BYTES_GPU
+    nbytes = connect_bytes(transport.device)
     message = torch.zeros(nbytes, dtype=torch.uint8, device=transport.device)
     ops = [P2POp("send", message, peer, CONNECT_TAG) for peer in peers.send_to]
     ops += [P2POp("recv", torch.empty_like(message), peer, CONNECT_TAG) for peer in peers.recv_from]
