@@ -74,6 +74,9 @@ class RLStepConfig:
     seed: int = 0
     refit: tuple[tuple[str, Any], ...] = ()  # extra RefitConfig keywords (timeouts)
     env: tuple[tuple[str, str], ...] = field(default=())  # per-run environment of every member
+    # The engines' CPU samples (rl_run's "cpu"): at 0.1 s their /proc reads held an engine's
+    # GIL ~1.8% of the time (py-spy, H100), a load on what they measure; GPU refits last ~1 s.
+    cpu_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not set(self.modes) <= set(MODES) or not self.modes:
@@ -85,6 +88,8 @@ class RLStepConfig:
                                          or self.num_inference < 2):
             raise ValueError(f"kill_at must be a step in 2..{self.steps} of the async mode with >= 2 engines, "
                              f"got {self.kill_at}")
+        if not self.cpu_interval_s > 0:
+            raise ValueError(f"cpu_interval_s must be > 0, got {self.cpu_interval_s}")
 
     @property
     def world_size(self) -> int:
@@ -478,10 +483,9 @@ def _serve_async(m: _Member) -> None:
             m.report("refit.event", mode="async-staged", event=name, version=fields.get("version"),
                      seconds=fields.get("seconds"), at=time.time())
 
-    # The host's and this engine's threads' CPU beside its refit windows (rl_run's "cpu"),
-    # every 0.25 s: at 0.1 s its /proc reads held the engine's GIL ~1.8% of the time (py-spy,
-    # H100), a load of its own on what it measures; refit windows last ~1 s.
-    sampler = CpuSampler(lambda sample: m.report("cpu", mode="async-staged", **sample), interval_s=0.25)
+    # The host's and this engine's threads' CPU beside its refit windows (rl_run's "cpu").
+    sampler = CpuSampler(lambda sample: m.report("cpu", mode="async-staged", **sample),
+                         interval_s=m.config.cpu_interval_s)
     with sampler, ElasticRefit(_refit_config(m, "async-staged"), layout, parameters=model,
                                on_event=on_event) as refit:
         m.report("joined", mode="async-staged")

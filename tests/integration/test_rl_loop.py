@@ -32,7 +32,7 @@ def _free_port() -> int:
 def test_rl_loop_refits_every_step_and_serves_only_verified_versions(etcd_server, job, tmp_path):
     config = RLStepConfig(job=job, etcd=etcd_server.endpoint, log_dir=str(tmp_path / "logs"),
                           run_dir=str(tmp_path / "run"), port=_free_port(), modes=("sync-reshard", "async-staged"),
-                          num_trainers=1, num_inference=2, steps=STEPS,
+                          num_trainers=1, num_inference=2, steps=STEPS, cpu_interval_s=0.1,  # a short run
                           # Three busy processes on two shared cores: leases and timeouts are generous.
                           refit=(("ttl_s", 6), ("collective_timeout_s", 5.0), ("epoch_deadline_s", 30.0)))
     out = run_rl(config, timeout_s=130)
