@@ -62,13 +62,14 @@ class BoxDigests:
         first = np.cumsum(tiles) - tiles
         word0 = (np.arange(box.size, dtype=np.int64) - np.repeat(first, tiles)) * WORDS
         self.num_tiles = int(box.size)
-        table = np.stack([starts[box], word0, sizes[box]], axis=1) if box.size else np.zeros((0, 3), np.int64)
-        self._table = torch.from_numpy(np.ascontiguousarray(table)).to(device)
-        self._tile_box = torch.from_numpy(box).to(device)
+        table = np.stack([starts[box], word0, sizes[box]], axis=1).reshape(-1)
+        # One copy to the device (each from pageable memory waits for the stream), then views.
+        held = torch.from_numpy(np.concatenate([table, box, sizes])).to(device)
+        n = box.size
+        self._table, self._tile_box, self._sizes = held[: 3 * n], held[3 * n : 4 * n], held[4 * n :]
         self._one_tile_each = bool((tiles == 1).all())  # then the tiles are the boxes, in order
-        self._sizes = torch.from_numpy(sizes).to(device)
         self._aligned = bool((starts % 8 == 0).all())
-        self.device = self._sizes.device  # with its index ("cuda" alone would not match "cuda:0")
+        self.device = held.device  # with its index ("cuda" alone would not match "cuda:0")
 
     def __call__(self, data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ranges' digests in ``data`` (a flat uint8 tensor on the device, at least as
