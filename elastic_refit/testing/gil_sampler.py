@@ -18,7 +18,7 @@ import re
 import subprocess
 import time
 
-__all__ = ["GilSampler", "gil_seconds"]
+__all__ = ["GilSampler", "dump_stacks", "gil_seconds"]
 
 _THREAD = re.compile(r"^thread \(\d+\): ([^;]*)")
 
@@ -63,3 +63,19 @@ def gil_seconds(raw: str, rate: float) -> dict[str, float]:
             continue
         out[m.group(1)] = out.get(m.group(1), 0.0) + int(count) / rate
     return out
+
+
+def dump_stacks(pyspy: str, pid: int, out: str, *, timeout_s: float = 20.0) -> str | None:
+    """Every thread's Python stack of process ``pid`` now (``py-spy dump``), written to
+    ``out``: where a hung member waits. None once written, else why not (py-spy's last
+    line: it could not attach, the process is gone, it timed out)."""
+    try:
+        done = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"py-spy dump of {pid} timed out after {timeout_s} s"
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout or "").strip().splitlines()
+        return lines[-1] if lines else f"py-spy dump of {pid} exited {done.returncode}"
+    with open(out, "w") as fh:
+        fh.write(done.stdout)
+    return None

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_refit.testing.gil_sampler import GilSampler
+from elastic_refit.testing.gil_sampler import GilSampler, dump_stacks
 from elastic_refit.testing.rl_step import RLStepConfig, member_main
 
 __all__ = ["run_rl", "summarize"]
@@ -63,10 +63,11 @@ class _Records:
 
 
 def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
-           gil_profiler: str | None = None) -> dict[str, Any]:
+           gil_profiler: str | None = None, stall_s: float = 45.0) -> dict[str, Any]:
     """Run the loop end to end; returns the summary (``summarize``) with ``errors``.
     ``gil_profiler``: py-spy's path, to sample which threads of engine i0 hold its GIL in
-    the asynchronous mode (the summary's ``gil``)."""
+    the asynchronous mode (the summary's ``gil``), and to dump every member's stacks into
+    ``run_dir/stacks-<member>.txt`` once no step or refit has progressed for ``stall_s``."""
     say = progress or (lambda _m: None)
     os.makedirs(config.log_dir, exist_ok=True)
     os.makedirs(config.run_dir, exist_ok=True)
@@ -88,8 +89,10 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0, progress: Callable
         for r in range(config.num_inference):
             start("inference", r, config.num_trainers + r)
         deadline = time.monotonic() + timeout_s
+        stalled = _StallDump(gil_profiler, procs, config.run_dir, stall_s, say, t0)
         while time.monotonic() < deadline:
             for rec in records.poll():
+                stalled.saw(rec)
                 _narrate(rec, t0, say)
                 if rec["kind"] == "error":
                     errors.append(f"{rec['member']}: {rec['error']}\n{rec.get('traceback', '')}")
@@ -117,6 +120,7 @@ def run_rl(config: RLStepConfig, *, timeout_s: float = 600.0, progress: Callable
                     Path(config.run_dir, f"over-{mode}").touch()
             if errors or all(p.exitcode is not None for k, p in procs.items() if k != kill.get("member")):
                 break
+            stalled.check()
             time.sleep(0.05)
         else:
             errors.append(f"timed out after {timeout_s} s")
@@ -145,6 +149,37 @@ def _record_fault(config: RLStepConfig, kill: dict[str, Any], version: int) -> N
                        "phase": "async refit", "version": version, "pid": kill["pid"], "t": kill["t"]}) + "\n"
     with open(os.path.join(config.log_dir, "faults.jsonl"), "a") as fh:
         fh.write(line)
+
+
+class _StallDump:
+    """Once no step or refit record has arrived for ``stall_s`` (engines keep reporting CPU
+    samples while a refit hangs, so those do not count), every live member's stacks are
+    dumped with py-spy, once: a hung run says where each member waits."""
+
+    _PROGRESS = ("step", "trained", "served", "refit.event", "joined")
+
+    def __init__(self, pyspy: str | None, procs: dict[str, Any], run_dir: str, stall_s: float,
+                 say: Callable[[str], None], t0: float) -> None:
+        if stall_s <= 0:
+            raise ValueError(f"stall_s must be > 0, got {stall_s}")
+        self.pyspy, self.procs, self.run_dir, self.stall_s, self.say, self.t0 = pyspy, procs, run_dir, stall_s, say, t0
+        self.last = time.monotonic()
+        self.done = pyspy is None
+
+    def saw(self, rec: dict[str, Any]) -> None:
+        if rec["kind"] in self._PROGRESS:
+            self.last = time.monotonic()
+
+    def check(self) -> None:
+        if self.done or time.monotonic() - self.last < self.stall_s:
+            return
+        self.done = True
+        self.say(f"[{time.time() - self.t0:6.1f}s] no progress for {self.stall_s:.0f} s: dumping the members' stacks")
+        for key, p in self.procs.items():
+            if p.is_alive() and p.pid is not None:
+                why = dump_stacks(self.pyspy, p.pid, os.path.join(self.run_dir, f"stacks-{key}.txt"))
+                if why is not None:
+                    self.say(f"  {key}: no stacks: {why}")
 
 
 def _narrate(rec: dict[str, Any], t0: float, say: Callable[[str], None]) -> None:

@@ -46,3 +46,34 @@ def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_
     # The burner holds the GIL most of the 2 s sampled; the sleeper never does.
     assert held.get("burner", 0.0) > 1.0, held
     assert held.get("sleeper", 0.0) == 0.0, held
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="py-spy attaches with ptrace")
+def test_a_hung_process_s_stacks_say_where_it_waits(tmp_path):
+    from elastic_refit.testing.gil_sampler import dump_stacks
+
+    pyspy = _pyspy()
+    if pyspy is None:
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+        import threading, time
+        def waiting_for_the_peer():
+            time.sleep(30)
+        threading.Thread(target=waiting_for_the_peer, name="refit-agent-t0", daemon=True).start()
+        print("ready", flush=True)
+        time.sleep(30)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        out = tmp_path / "stacks-t0.txt"
+        why = dump_stacks(pyspy, child.pid, str(out))
+    finally:
+        child.kill()
+        child.wait(10)
+    if why is not None and ("ermission" in why or "ptrace" in why.lower()):
+        pytest.skip(f"py-spy may not attach here: {why}")
+    assert why is None, why
+    stacks = out.read_text()
+    assert "refit-agent-t0" in stacks and "waiting_for_the_peer" in stacks, stacks
+    gone = dump_stacks(pyspy, child.pid, str(tmp_path / "gone.txt"))
+    assert gone is not None and not (tmp_path / "gone.txt").exists()  # the process is gone: said, not written
