@@ -14,16 +14,25 @@ import pytest
 from elastic_refit.testing.gil_sampler import GilSampler
 
 
-def _pyspy() -> str | None:
-    return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+@pytest.fixture
+def pyspy() -> str:
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if found is None:
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    return found
+
+
+def _started(code: str) -> subprocess.Popen:
+    """A Python child running ``code``, once it printed "ready" (py-spy needs the
+    interpreter up to attach)."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="py-spy attaches with ptrace")
-def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_path):
-    pyspy = _pyspy()
-    if pyspy is None:
-        pytest.skip("py-spy is not installed (pip install py-spy)")
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_path, pyspy):
+    child = _started("""\
         import threading, time
         def burn():
             end = time.time() + 2.5
@@ -33,9 +42,8 @@ def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_
         threading.Thread(target=time.sleep, args=(2.5,), name="sleeper").start()
         print("ready", flush=True)
         time.sleep(2.6)
-        """)], stdout=subprocess.PIPE, text=True)
+        """)
     try:
-        assert child.stdout.readline().strip() == "ready"  # py-spy needs the interpreter up to attach
         sampler = GilSampler(pyspy, child.pid, str(tmp_path / "gil.txt"), duration_s=2, rate=100)
         held, error = sampler.result()
     finally:
@@ -49,22 +57,18 @@ def test_a_thread_that_holds_the_gil_is_measured_and_one_that_sleeps_is_not(tmp_
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="py-spy attaches with ptrace")
-def test_a_hung_process_s_stacks_say_where_it_waits(tmp_path):
+def test_a_hung_process_s_stacks_say_where_it_waits(tmp_path, pyspy):
     from elastic_refit.testing.gil_sampler import dump_stacks
 
-    pyspy = _pyspy()
-    if pyspy is None:
-        pytest.skip("py-spy is not installed (pip install py-spy)")
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+    child = _started("""\
         import threading, time
         def waiting_for_the_peer():
             time.sleep(30)
         threading.Thread(target=waiting_for_the_peer, name="refit-agent-t0", daemon=True).start()
         print("ready", flush=True)
         time.sleep(30)
-        """)], stdout=subprocess.PIPE, text=True)
+        """)
     try:
-        assert child.stdout.readline().strip() == "ready"
         out = tmp_path / "stacks-t0.txt"
         why = dump_stacks(pyspy, child.pid, str(out))
     finally:
