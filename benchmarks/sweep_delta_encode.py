@@ -5,8 +5,8 @@ table): a plain copy, ``delta_triton.encode_changes`` as the codec calls it, and
 timed apart with CUDA events (the compare-and-flag pass, the scan of the block counts, the
 compaction by 32-bit words and by elements) for several block sizes and warp counts, each
 result checked against the torch reference. The sum of the parts (the faster compaction)
-against the whole is what the host read of the output's
-size costs (the launches after it wait for the host).
+against the whole is what the host read of the output's size costs (the launches after it
+wait for the host).
 
 Run: ``python benchmarks/sweep_delta_encode.py [--mib 256 2048] [--densities 0.015 0.03 0.095] [--json]``
 (CUDA and Triton needed).

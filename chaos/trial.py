@@ -79,8 +79,7 @@ class Trial:
         self.running: dict[str, tuple[Worker, str, int]] = {}  # incarnation -> (worker, member_id, life)
         self.latest: dict[str, str] = {}  # member_id -> latest incarnation
         self.reports: dict[str, dict[str, Any]] = {}
-        self.died: set[str] = set()
-        self.exit_codes: dict[str, int | None] = {}  # died incarnation -> its worker's exit code
+        self.died: dict[str, int | None] = {}  # incarnation that ended without a report -> its exit code
         self.reached: set[str] = set()  # incarnations holding the last version, waiting for stop
         self.victims: set[str] = set()
         # The parent's side of the faults.
@@ -109,14 +108,14 @@ class Trial:
             leases, committed = self._settle(commits)
         finally:
             commits.close()
-        gone = frozenset(self.victims | self.died)
+        gone = frozenset(self.victims | self.died.keys())
         evidence = TrialEvidence(
             logs=read_logs(self.trial_dir), committed=committed, reports=self.reports,
             last_version=self.versions[-1], victims=gone, faults=tuple(read_fault_records(self.trial_dir)),
             expected_faults=len(self.scenario.plan.faults), timed_out=self.timed_out,
             deadline_s=self.deadline_s, missing=missing, leases=leases, stray_pids=self._strays(owned_pids),
             final=frozenset(self.latest.values()) - gone,
-            crashed={inc: self.exit_codes.get(inc) for inc in self.died - self.victims})
+            crashed={inc: code for inc, code in self.died.items() if inc not in self.victims})
         return evidence, wall
 
     def _start(self, member_id: str, life: int) -> None:
@@ -193,9 +192,8 @@ class Trial:
                 w.proc.join(5)
                 self.pool.drop(w)
         except (EOFError, OSError):
-            self.died.add(inc)
             self.pool.drop(w)
-            self.exit_codes[inc] = w.proc.exitcode  # -9 for a fault's SIGKILL, -11 for a crash
+            self.died[inc] = w.proc.exitcode  # -9 for a fault's SIGKILL, -11 for a crash
         if inc in self.restart_after_exit:
             member_id, life = self.restart_after_exit.pop(inc)
             self._start(member_id, life)

@@ -49,7 +49,8 @@ class BoxDigests:
     def __init__(self, ranges: Sequence[tuple[int, int]], device: torch.device | str) -> None:
         device = torch.device(device)
         if not usable(device):
-            raise ValueError(f"BoxDigests needs a CUDA device and Triton, got {device}")
+            raise ValueError(f"BoxDigests runs on a CUDA device with Triton and ELASTIC_REFIT_BUCKET_DIGESTS="
+                             f"one-launch; here: {device}, form {_form!r}")
         starts = np.array([o for o, _ in ranges], dtype=np.int64).reshape(-1)
         sizes = np.array([n for _, n in ranges], dtype=np.int64).reshape(-1)
         if (starts < 0).any() or (sizes < 0).any():
